@@ -1,0 +1,15 @@
+"""brisk: an LLM inference engine in which every acceleration technique is a setting."""
+
+from brisk.engine.outputs import CompletionOutput, RequestOutput
+from brisk.engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy import keeps `import brisk` light
+    if name == "LLM":
+        from brisk.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

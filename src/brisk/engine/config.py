@@ -1,0 +1,96 @@
+"""Validated configuration dataclasses, one per subsystem, gathered in EngineConfig."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_size(value: int | str) -> int:
+    """'512MiB' / '1GB' / '1e9' / 1048576 -> bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse memory size {value!r}; use e.g. 512MiB, 2GiB or a byte count")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32 or bfloat16")
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or auto") from None
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str = "512MiB"  # budget for the KV pool; sets the number of blocks
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools to force preemption)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        self.kv_cache_bytes = parse_size(self.kv_cache_memory)
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_num_seqs: int = 128  # requests running at once
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value first)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = the default model
+    dtype: str | torch.dtype = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_model_len: int | None = None  # None = min(model's context, 2048)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len filled in
+    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = parse_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -1,0 +1,221 @@
+"""LLMEngine: requests in, outputs out; one `step()` = schedule, execute, update."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from brisk.engine.config import EngineConfig, SchedulerConfig
+from brisk.engine.model_runner import ModelRunner
+from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brisk.engine.request import Request, RequestStatus
+from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.scheduler import Scheduler, SchedulerStats
+from brisk.kvcache.manager import KVCacheManager
+from brisk.model.loader import LoadedModel, load_model
+from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not leave room for a single generated token within max_model_len."""
+
+
+@dataclass
+class _SampleState:
+    """Per-sample output bookkeeping: incremental text, stop-string search."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+
+
+class _Group:
+    """The n samples of one user request."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 samples: list[Request], params: SamplingParams, tokenizer: Tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.samples = samples
+        self.params = params
+        self.states = [_SampleState(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
+                       for _ in samples]
+        self.finished_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=config.device,
+                                           max_model_len=config.max_model_len)
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+        sched_cfg = config.scheduler or SchedulerConfig(max_model_len=max_model_len)
+        if config.scheduler is None and not sched_cfg.enable_chunked_prefill:
+            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, max_model_len)
+        self.max_model_len = sched_cfg.max_model_len
+        cache = config.cache
+        dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
+        bytes_per_block = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
+        num_blocks = cache.num_blocks or cache.kv_cache_bytes // bytes_per_block
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens; raise --kv-cache-memory "
+                f"(needs at least {self.max_model_len * bytes_per_block // cache.block_size / 2**20:.0f} MiB) "
+                "or lower --max-model-len")
+        self.num_blocks = num_blocks
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
+                                  config.device)
+        self.groups: dict[str, _Group] = {}
+        self._next_id = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = self.new_request_id() if request_id is None else request_id
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten the prompt or raise --max-model-len")
+        eos = self.tokenizer.eos_token_ids
+        samples = []
+        for k in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device="cpu").manual_seed(params.seed + k)
+            rid = request_id if k == 0 else f"{request_id}#{k}"
+            samples.append(Request(rid, ids, params, eos_token_ids=eos, arrival_time=arrival_time,
+                                   priority=priority, generator=gen, parent_id=None if k == 0 else request_id,
+                                   sample_index=k))
+        self.groups[request_id] = _Group(request_id, text, ids, samples, params, self.tokenizer)
+        self.scheduler.add_request(samples[0], samples[1:])
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests wherever they are; their KV blocks are freed at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for req in group.samples:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.remove_finished([r.request_id for r in group.samples])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests waiting; the KV pool is too small")
+            return []
+        result = self.runner.execute(sched, self.scheduler.requests)
+        touched = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        return self._make_outputs(touched)
+
+    def _make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        group_ids: dict[str, None] = {}
+        for req in touched:
+            gid = req.parent_id or req.request_id
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._detokenize(group, req)
+            group_ids[gid] = None
+        outputs = []
+        for gid in group_ids:
+            group = self.groups[gid]
+            out = self._group_output(group)
+            if out.finished:
+                group.finished_time = now
+                out.metrics.finished_time = now
+                del self.groups[gid]
+                self.scheduler.remove_finished([r.request_id for r in group.samples])
+            outputs.append(out)
+        return outputs
+
+    def _detokenize(self, group: _Group, req: Request) -> None:
+        state = group.states[req.sample_index]
+        new = req.output_token_ids[state.emitted_tokens:]
+        delta = state.detok.add(new)
+        if req.is_finished:
+            delta += state.detok.flush()
+        prev_len = len(state.text)
+        state.text += delta
+        stops = group.params.stop
+        if stops:
+            # search only where a new match can start: the new text plus the longest stop string's overlap
+            begin = max(0, prev_len - max(len(s) for s in stops) + 1)
+            best = None
+            for stop in stops:
+                at = state.text.find(stop, begin)
+                if at != -1 and (best is None or at < best[0]):
+                    best = (at, stop)
+            if best is not None:
+                at, stop = best
+                state.text = state.text[: at + (len(stop) if group.params.include_stop_str_in_output else 0)]
+                if not req.is_finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for req, state in zip(group.samples, group.states, strict=True):
+            text_delta = state.text[state.emitted_text:]
+            num_new = req.num_output_tokens - state.emitted_tokens
+            state.emitted_text = len(state.text)
+            state.emitted_tokens = req.num_output_tokens
+            lps = None
+            cum = None
+            if group.params.logprobs is not None:
+                lps = list(req.logprobs)
+                cum = sum(d[t] for d, t in zip(lps, req.output_token_ids, strict=False))
+            completions.append(CompletionOutput(
+                index=req.sample_index, text=state.text, token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
+                cumulative_logprob=cum, text_delta=text_delta, num_new_tokens=num_new))
+        first = group.samples[0]
+        metrics = RequestMetrics(arrival_time=first.arrival_time, first_token_time=first.first_token_time,
+                                 num_cached_tokens=first.num_cached_tokens,
+                                 num_preemptions=sum(r.num_preemptions for r in group.samples))
+        finished = all(r.is_finished for r in group.samples)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,135 @@
+"""Model configuration: one dataclass for the Llama family, filled from an HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# HF `architectures[0]` -> our architecture name
+_HF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model brisk cannot run (unknown architecture, bad hyper-parameters)."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF dict: {"rope_type": "linear"|"dynamic"|"llama3", "factor": ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2)
+    sliding_window: int | None = None  # mistral-style local attention window, None = full
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in, informational
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unknown architecture {self.architecture!r}; brisk supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            layer += q + 2 * kv
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a transformers `config.json` dict."""
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        arch = None
+        for a in archs:
+            arch = _HF_ARCH.get(a)
+            if arch:
+                break
+        if arch is None and model_type in SUPPORTED_ARCHITECTURES:
+            arch = model_type
+        if arch is None:
+            name = archs[0] if archs else model_type
+            raise UnsupportedModelError(
+                f"unknown architecture {name!r} in config.json; brisk supports "
+                f"{', '.join(_HF_ARCH)} (model_type {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise UnsupportedModelError(f"config.json is missing {', '.join(missing)}")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and isinstance(d.get("rope_parameters"), dict):
+            rp = dict(d["rope_parameters"])
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rp
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
+            rope_theta = d["rope_parameters"].get("rope_theta")
+        sliding_window = d.get("sliding_window")
+        if arch == "qwen2" and not d.get("use_sliding_window", False):
+            sliding_window = None
+        eos = d.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or 0,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            sliding_window=sliding_window,
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )

@@ -1,0 +1,136 @@
+"""The Llama-family decoder (llama, mistral, qwen2) in plain PyTorch.
+
+Module names match HF transformers, so an HF state dict loads as is and quantized or sharded layers can be
+swapped in from outside by name. The forward runs the flattened tokens of many sequences at once:
+
+    model(input_ids[T], positions[T], meta: AttentionMetadata, kv_caches) -> logits[N, vocab]
+
+Prefill, decode, chunked prefill and multi-token verification differ only in `meta`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.model.config import ModelConfig
+from brisk.model.rope import RotaryEmbedding, apply_rope
+from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in float32 whatever the dtype, as HF does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        h, q, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, q, bias=bias)
+        self.k_proj = nn.Linear(h, kv, bias=bias)
+        self.v_proj = nn.Linear(h, kv, bias=bias)
+        self.o_proj = nn.Linear(q, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, h, d]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2. Build on the meta device, fill with `load_weights`, then `init_rope`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None
+        self.sliding_window = config.sliding_window
+
+    def init_rope(self, max_position: int, device: torch.device | str = "cpu") -> None:
+        self.rope = RotaryEmbedding(self.config, max_position, device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
+        context_lens: torch.Tensor | None = None,  # [T] per-token sequence length, for dynamic RoPE only
+    ) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, meta, kv_caches, context_lens)
+        return self.compute_logits(hidden, meta)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[torch.Tensor], context_lens: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.rope is not None, "call init_rope() after loading weights"
+        cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv_cache)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.logits_indices is not None:
+            hidden = hidden.index_select(0, meta.logits_indices)  # [N, hidden]
+        return self.lm_head(self.model.norm(hidden))  # [N, vocab]

