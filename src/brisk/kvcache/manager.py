@@ -1,0 +1,283 @@
+"""Per-request block tables over the block pool: allocation, prefix-cache lookup, copy-on-write after fork.
+
+Slot arithmetic: token at position p of a request lives in physical slot
+    block_ids[p // block_size] * block_size + p % block_size
+of the flat KV cache (`k_cache.view(num_blocks * block_size, ...)`). The manager only decides which
+block ids each request holds; the runner turns them into slot mappings and block tables.
+
+Prefix caching: a full block is identified by a hash chained over every token up to its end, so equal
+block hashes mean equal prefixes (not just equal block contents). Blocks are registered when their
+tokens are scheduled (see allocate_slots); a request admitted in the same step can already hit them,
+which is safe because the runner writes every scheduled token's K/V into the cache of a layer before any
+attention of that layer reads it.
+
+State is keyed by request id; call `free(request)` for every request that leaves the engine (finished,
+aborted, or preempted), whether or not it was ever allocated — it is idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from brisk.kvcache.block_pool import BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    from brisk.engine.request import Request
+
+# Seed of a chain. 13 bytes, while a parent digest is 32: the two kinds of hashed input differ in length
+# modulo 8 (tokens are 8 bytes each), so a first block can never hash like a later one.
+_NO_PARENT = b"brisk-kv-root"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of one block's tokens chained to the hash of everything before it.
+
+    SHA-256 rather than Python's `hash()`: a 64-bit non-cryptographic hash can be made to collide on
+    purpose, and a collision here would serve one user's KV to another prompt.
+    """
+    h = hashlib.sha256(_NO_PARENT if parent_hash is None else parent_hash.to_bytes(32, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class PrefixCacheStats:
+    requests: int = 0  # lookups (one per request admission; repeats while it waits are not counted)
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        # Content hashes of the request's full blocks, computed lazily and kept: tokens are append-only,
+        # so a hash never goes stale. Whether a block was *registered* is tracked separately below.
+        self._req_to_block_hashes: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already offered to the cache map
+        self._requests: dict[str, Request] = {}  # live requests holding a table (for KV utilisation)
+        self._stats_recorded: set[str] = set()
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ---- prefix cache --------------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Prefix-cache lookup for a request about to be admitted from the waiting queue.
+
+        Returns the longest chain of cached full blocks matching the start of `request.all_token_ids`
+        and the number of tokens they cover. At least one token is always left to compute (the last
+        token's logits are needed), so the hit is capped at `num_tokens - 1` rounded down to full
+        blocks. Reference counts are not changed here; `allocate_slots` takes the references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        assert request.num_computed_tokens == 0, (
+            f"prefix lookup for {request.request_id}, which has {request.num_computed_tokens} computed")
+        max_hit_blocks = max(0, request.num_tokens - 1) // self.block_size
+        hashes = self._get_block_hashes(request, max_hit_blocks)
+        hits: list[KVBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if request.request_id not in self._stats_recorded:
+            self._stats_recorded.add(request.request_id)
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def reset_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Return the stats gathered so far and start counting afresh."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; refused (False) while any block is held by a request."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- allocation ----------------------------------------------------------------------------------
+
+    #  Token positions of one request, and the blocks that hold them, after allocate_slots:
+    #
+    #  0              num_computed_tokens   num_computed                    num_total
+    #  |---- computed ----|---- prefix hit ----|------------ new ------------|
+    #  [ existing blocks  ][   hit blocks      ][ CoW ][    fresh blocks     ]
+    #                                           ^ block holding the first new token: if it is shared
+    #                                             (ref_cnt > 1, after a fork) it is replaced by a copy
+    #
+    #  num_computed = num_computed_tokens + num_new_computed_tokens; num_total = num_computed + num_new_tokens
+    #  Hits only come with a fresh admission (num_computed_tokens == 0, no existing blocks), so at most one
+    #  of "existing" and "hit" is non-empty; hits are whole blocks, so the first new token then starts a
+    #  fresh block. "new" may run past request.num_tokens (lookahead slots, e.g. speculative drafts).
+    #  Blocks fully inside min(num_total, num_tokens) get hashed and registered in the prefix cache.
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[tuple[int, int]] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones and the prefix hits.
+
+        Returns the copy-on-write copies (src_block_id, dst_block_id) the runner must perform before
+        writing this step's KV (empty if none), or None when there are not enough free blocks — in which
+        case nothing changed (no partial allocation, hits not referenced).
+        """
+        assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        bs = self.block_size
+        req_id = request.request_id
+        hits = new_computed_blocks or []
+        assert num_new_computed_tokens == len(hits) * bs, (
+            f"{num_new_computed_tokens} prefix-hit tokens but {len(hits)} hit blocks of {bs}")
+        req_blocks = self._req_to_blocks.get(req_id, [])
+        if hits:
+            assert not req_blocks and request.num_computed_tokens == 0, (
+                f"prefix hits for {req_id}, which already holds {len(req_blocks)} blocks")
+            # The hits must still be what the lookup found: nothing may be allocated between the lookup
+            # and this call (a popped hit would have been evicted and handed to someone else).
+            hashes = self._get_block_hashes(request, len(hits))
+            for block, block_hash in zip(hits, hashes[:len(hits)], strict=True):
+                assert block.block_hash == block_hash, f"hit block {block.block_id} was evicted before use"
+
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_existing = len(req_blocks) + len(hits)
+        num_fresh = max(0, _cdiv(num_total, bs) - num_existing)
+        # Existing blocks that this step writes into and that another table also holds: copy-on-write.
+        # Normally just the last, partial block; more only if lookahead blocks were allocated before a fork.
+        cow_idx: list[int] = []
+        if num_new_tokens > 0:
+            write_end = min(len(req_blocks), _cdiv(num_total, bs))
+            cow_idx = [i for i in range(num_computed // bs, write_end) if req_blocks[i].ref_cnt > 1]
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0)  # hits that sit in the free queue
+        if num_fresh + len(cow_idx) + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Commit. Hits are referenced first so that get_new_blocks cannot pop (evict) them.
+        self.block_pool.touch(hits)
+        req_blocks = self._req_to_blocks.setdefault(req_id, [])
+        req_blocks.extend(hits)
+        self._requests[req_id] = request
+        new_blocks = self.block_pool.get_new_blocks(len(cow_idx) + num_fresh)
+        copies: list[tuple[int, int]] = []
+        shared: list[KVBlock] = []
+        for i, new_block in zip(cow_idx, new_blocks[:len(cow_idx)], strict=True):
+            shared.append(req_blocks[i])
+            copies.append((req_blocks[i].block_id, new_block.block_id))
+            req_blocks[i] = new_block
+        self.block_pool.free_blocks(shared)  # each still held by the other table(s)
+        req_blocks.extend(new_blocks[len(cow_idx):])
+
+        if self.enable_caching:
+            num_cached = max(self._num_cached_blocks.get(req_id, 0), len(hits))
+            num_full = min(num_total, request.num_tokens) // bs
+            if num_full > num_cached:
+                hashes = self._get_block_hashes(request, num_full)
+                for i in range(num_cached, num_full):
+                    self.block_pool.cache_full_block(req_blocks[i], hashes[i])
+            self._num_cached_blocks[req_id] = max(num_cached, num_full)
+        return copies
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks and forget it. Idempotent.
+
+        Blocks go back in reverse order, so that a prefix's tail sits nearer the head of the free queue
+        and is evicted before its head (which more prompts share).
+        """
+        req_id = request.request_id
+        blocks = self._req_to_blocks.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        self._req_to_block_hashes.pop(req_id, None)
+        self._num_cached_blocks.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._stats_recorded.discard(req_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share the parent's whole block table with `child` (n > 1 sampling); writes copy on demand.
+
+        `child` must carry the same tokens as the parent and the same num_computed_tokens.
+        """
+        assert child.request_id not in self._req_to_blocks, f"fork into {child.request_id}, which has blocks"
+        blocks = self._req_to_blocks.get(parent.request_id, [])
+        num_cached = self._num_cached_blocks.get(parent.request_id, 0)
+        num_hashed_tokens = num_cached * self.block_size
+        assert child.all_token_ids[:num_hashed_tokens] == parent.all_token_ids[:num_hashed_tokens], (
+            f"fork of {parent.request_id} into {child.request_id}: the cached prefixes differ")
+        self.block_pool.touch(blocks)
+        self._req_to_blocks[child.request_id] = list(blocks)
+        self._num_cached_blocks[child.request_id] = num_cached
+        parent_hashes = self._req_to_block_hashes.get(parent.request_id, [])
+        self._req_to_block_hashes[child.request_id] = parent_hashes[:num_cached]
+        self._requests[child.request_id] = child
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return len(self._req_to_blocks.get(request_id, ()))
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def num_slots_allocated(self) -> int:
+        """Token slots in blocks held by any request, each shared block counted once."""
+        return (self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()) * self.block_size
+
+    def num_slots_in_use(self) -> int:
+        """Token slots holding computed KV, each shared slot counted once.
+
+        Per request the computed span is min(num_computed_tokens, num_blocks * block_size); a block's
+        filled slots are the most any of its holders has computed in it.
+        """
+        bs = self.block_size
+        filled: dict[int, int] = {}  # block_id -> slots holding computed tokens
+        for req_id, blocks in self._req_to_blocks.items():
+            num_computed = min(self._requests[req_id].num_computed_tokens, len(blocks) * bs)
+            for i in range(_cdiv(num_computed, bs)):
+                block_id = blocks[i].block_id
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, num_computed - i * bs))
+        return sum(filled.values())
+
+    def kv_utilization(self) -> float:
+        """Slots holding computed KV / slots in allocated blocks (0.0 when nothing is allocated)."""
+        num_allocated = self.num_slots_allocated()
+        return self.num_slots_in_use() / num_allocated if num_allocated else 0.0
+
+    def _get_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the request's first `num_blocks` full blocks (memoized per request)."""
+        bs = self.block_size
+        assert num_blocks * bs <= request.num_tokens, (
+            f"hashing {num_blocks} blocks of {bs} over only {request.num_tokens} tokens")
+        hashes = self._req_to_block_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes

@@ -1,0 +1,448 @@
+"""GGUF checkpoints (llama.cpp's single-file format): model config, weights and tokenizer from one file.
+
+File layout (little-endian; GGUF v2/v3)::
+
+    | "GGUF" | version u32 | n_tensors u64 | n_kv u64 | n_kv x (key, type, value) | n_tensors x tensor info |
+    | padding to `general.alignment` (32) | tensor data (each tensor at its info's offset, aligned) |
+
+The header is parsed here with `struct` over a memory map rather than with `gguf.GGUFReader`: the reader
+builds a numpy memmap view per metadata element, which for a 49k-token vocabulary (tokens + merges) takes
+~3.3 s, while the whole header parses in ~0.1 s this way. Tensor data is read straight from the memory map
+and dequantized once (`gguf_dequant.dequantize`), so loading costs about one pass over the weights.
+
+Weights are renamed to the Hugging Face transformers convention (`model.layers.{i}.self_attn.q_proj.weight`,
+...) and llama.cpp's row permutation of Q/K is undone, so the tensors equal what transformers loads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from brisk.model.config import ModelConfig, UnsupportedModelError
+from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
+from brisk.model.tokenizer import Tokenizer
+
+__all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
+# its interleaved RoPE; Qwen2 is converted without permutation.
+_PERMUTED_QK_ARCHS = ("llama", "mistral")
+
+# ----------------------------------------------------------------------------------------- header parsing
+
+# GGUFValueType id -> struct format of one scalar (8 = string, 9 = array are handled apart)
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: ggml's ne reversed, so shape[-1] is the innermost dim
+    qtype: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    buffer: mmap.mmap  # the whole file, read-only
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        return np.frombuffer(self.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+
+
+class _HeaderCursor:
+    """Reads header fields in order; any read past the end of the file is a truncated file."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def _need(self, n: int, what: str) -> None:
+        if self.pos + n > self.size:
+            raise GGUFError(f"{self.path}: truncated file: reading {what} needs bytes {self.pos}..{self.pos + n} "
+                            f"but the file has only {self.size} bytes")
+
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt = _SCALAR_FMT[vtype]
+        n = struct.calcsize(fmt)
+        self._need(n, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.scalar(10, what)
+        self._need(n, what)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e}); the file is damaged") from None
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            etype, count = self.scalar(4, what), self.scalar(10, what)
+            if etype in _SCALAR_FMT:  # numeric arrays in one numpy read
+                itemsize = struct.calcsize(_SCALAR_FMT[etype])
+                self._need(count * itemsize, what)
+                dtype = np.dtype(_SCALAR_FMT[etype].replace("?", "B"))
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += count * itemsize
+                return (arr.astype(bool) if etype == 7 else arr).tolist()
+            self._need(count * 8, what)  # every string or array element is at least 8 bytes long
+            return [self.value(etype, what) for _ in range(count)]
+        if vtype not in _SCALAR_FMT:
+            raise GGUFError(f"{self.path}: {what} has unknown value type {vtype}; the file is damaged")
+        return self.scalar(vtype, what)
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF header (metadata + tensor directory) and memory-map the file; reads no tensor data."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 4:
+            raise GGUFError(f"{path}: not a GGUF file (only {size} bytes long)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if buf[:4] != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r}, expected b'GGUF'); "
+                        "pass a .gguf file or a Hugging Face model folder")
+    cur = _HeaderCursor(buf, path)
+    cur.pos = 4
+    version = cur.scalar(4, "the version")
+    if version & 0xFFFF == 0 and version >> 24 in (2, 3):
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported; convert it to little-endian")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (brisk reads versions 2 and 3); "
+                        "re-convert the model with a current llama.cpp")
+    n_tensors, n_kv = cur.scalar(10, "the tensor count"), cur.scalar(10, "the metadata count")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        metadata[key] = cur.value(cur.scalar(4, f"the type of {key!r}"), f"metadata {key!r}")
+
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name #{i}")
+        n_dims = cur.scalar(4, f"tensor {name!r}")
+        ne = [cur.scalar(10, f"tensor {name!r}") for _ in range(min(n_dims, 4))]
+        type_id, offset = cur.scalar(4, f"tensor {name!r}"), cur.scalar(10, f"tensor {name!r}")
+        if n_dims > 4 or any(d <= 0 for d in ne):
+            raise GGUFError(f"{path}: tensor {name!r} has an invalid shape (ne={ne}, n_dims={n_dims})")
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has unknown tensor type id {type_id}; the file is damaged "
+                            "or newer than the installed gguf package") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block_size:
+            raise GGUFError(f"{path}: tensor {name!r}: row length {ne[0]} is not a multiple of the "
+                            f"{qtype.name} block size {block_size}")
+        n_bytes = int(np.prod(ne)) // block_size * type_size
+        infos.append((name, tuple(reversed(ne)), qtype, offset, n_bytes))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: general.alignment must be a power of two, got {alignment}")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, shape, qtype, offset, n_bytes in infos:
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise GGUFError(f"{path}: truncated file: tensor {name!r} needs bytes {start}..{start + n_bytes} "
+                            f"but the file has only {size} bytes")
+        tensors[name] = GGUFTensorInfo(name, shape, qtype, start, n_bytes)
+    return GGUFFile(path, version, metadata, tensors, buf)
+
+
+# ----------------------------------------------------------------------------------------- config
+
+def _config_from_gguf(f: GGUFFile) -> ModelConfig:
+    md = f.metadata
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise GGUFError(f"{f.path}: unknown architecture {arch!r}; brisk supports GGUF architectures "
+                        f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+    def key(name: str, default: Any = KeyError) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is KeyError:
+            raise GGUFError(f"{f.path}: metadata key {arch}.{name} is missing; the file is incomplete")
+        if isinstance(value, list):
+            raise GGUFError(f"{f.path}: {arch}.{name} differs per layer ({value[:4]} ...), which brisk's "
+                            f"{arch} model does not support")
+        return value
+
+    num_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", 0)
+    if not head_dim and arch in _PERMUTED_QK_ARCHS:
+        head_dim = key("rope.dimension_count", 0)  # llama/mistral rotate the whole head
+    vocab_size = key("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", ()))
+    if not vocab_size:
+        raise GGUFError(f"{f.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": float(key("rope.scaling.factor", 1.0))}
+        if (original := key("rope.scaling.original_context_length", None)) is not None:
+            rope_scaling["original_max_position_embeddings"] = int(original)
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=key("embedding_length"),
+            intermediate_size=key("feed_forward_length"),
+            num_hidden_layers=key("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=key("attention.head_count_kv", num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=key("context_length", 2048),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings="output.weight" not in f.tensors,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=list(dict.fromkeys(eos)),
+        )
+    except UnsupportedModelError as e:
+        raise GGUFError(f"{f.path}: {e}") from None
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """The model config from a GGUF file's metadata (reads the header only)."""
+    return _config_from_gguf(read_gguf(path))
+
+
+# ----------------------------------------------------------------------------------------- tensors
+
+_LAYER_TENSORS = {  # llama.cpp name inside blk.{i} -> transformers name inside model.layers.{i}
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+           "attn_v.bias": "self_attn.v_proj.bias"}
+
+
+def _expected_tensors(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """llama.cpp tensor name -> (transformers name, torch shape) for this config."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    out = {"token_embd.weight": ("model.embed_tokens.weight", (c.vocab_size, h)),
+           "output_norm.weight": ("model.norm.weight", (h,))}
+    if not c.tie_word_embeddings:
+        out["output.weight"] = ("lm_head.weight", (c.vocab_size, h))
+    shapes = {"attn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
+              "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
+              "ffn_gate.weight": (c.intermediate_size, h), "ffn_up.weight": (c.intermediate_size, h),
+              "ffn_down.weight": (h, c.intermediate_size),
+              "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+    names = _LAYER_TENSORS | (_BIASES if c.attention_bias else {})
+    for i in range(c.num_hidden_layers):
+        for gguf_name, hf_name in names.items():
+            out[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shapes[gguf_name])
+    return out
+
+
+def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (its `permute()` in convert_hf_to_gguf.py).
+
+    HF's rotate_half pairs dim i with i + d/2 of each head; ggml's RoPE pairs adjacent dims. So the converter
+    reorders each head's rows from [x0 .. x(d/2-1) | y0 .. y(d/2-1)] to [x0 y0 x1 y1 ...]; this reverses it.
+    """
+    rest = w.shape[1:]
+    # w: [n_heads * d, *rest] -> [n_heads, d/2, 2, *rest] -> [n_heads, 2, d/2, *rest]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for themselves, the other 68
+    bytes (control characters, space, ...) take the characters U+0100.. in byte order."""
+    table = {b: chr(b) for b in (*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100))}
+    spare = (chr(0x100 + i) for i in range(256))
+    return {b: table[b] if b in table else next(spare) for b in range(256)}
+
+
+# `tokenizer.ggml.pre` -> split regex, for the pre-tokenizers of the architectures brisk runs. Anything else
+# (e.g. "smollm", "gpt2", "default") gets GPT-2's ByteLevel regex, which is what transformers builds too.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+               "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _byte_level_bpe(md: dict[str, Any]) -> tokenizers.Tokenizer:
+    alphabet = _byte_alphabet()
+    chars = set(alphabet.values())
+    # Tokens are stored already spelled in the byte alphabet; one that is not (a raw string) is re-spelled.
+    vocab = {t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(md["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="",
+                                          fuse_unk=False))
+    split = _PRE_SPLITS.get(md.get("tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips those.
+    return _add_special_tokens(tok, md, lambda t: set(t) <= chars)
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two vocabulary pieces,
+    ranked by the merged token's score (higher first), ties by longer left piece, then longer right piece,
+    then the pieces' ids (the order transformers derives for GGUF files without merges)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for token, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                candidates.append((-score, -len(left), -len(right), ids[left], ids[right], left, right))
+    return [(c[5], c[6]) for c in sorted(candidates)]
+
+
+def _sentencepiece_bpe(md: dict[str, Any]) -> tokenizers.Tokenizer:
+    tokens = md["tokenizer.ggml.tokens"]
+    if "tokenizer.ggml.merges" in md:
+        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    elif "tokenizer.ggml.scores" in md:
+        merges = _sentencepiece_merges(tokens, md["tokenizer.ggml.scores"])
+    else:
+        raise GGUFError("a 'llama' (SentencePiece) tokenizer needs tokenizer.ggml.scores or .merges")
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    prefix = md.get("tokenizer.ggml.add_space_prefix", True)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return _add_special_tokens(tok, md, lambda t: True)
+
+
+def _add_special_tokens(tok: tokenizers.Tokenizer, md: dict[str, Any], accept: Any) -> tokenizers.Tokenizer:
+    """Control tokens (and the named BOS/EOS/UNK/PAD) become special added tokens, user-defined ones plain added
+    tokens, so that text like "<|im_start|>" is matched whole instead of being cut into pieces."""
+    tokens, types = md["tokenizer.ggml.tokens"], md.get("tokenizer.ggml.token_type") or []
+    named = {md[f"tokenizer.ggml.{k}_token_id"] for k in ("bos", "eos", "unknown", "padding")
+             if f"tokenizer.ggml.{k}_token_id" in md}
+    special = [i for i, t in enumerate(types) if t == _CONTROL and accept(tokens[i])]
+    special += [i for i in sorted(named) if i < len(tokens) and i not in special and accept(tokens[i])]
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in special])
+    user = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED and i not in named]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tok
+
+
+_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+
+
+def _tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
+    md = f.metadata
+    kind = md.get("tokenizer.ggml.model")
+    if kind not in _TOKENIZER_BUILDERS or "tokenizer.ggml.tokens" not in md:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.model {kind!r} is not supported; brisk builds tokenizers "
+                        f"of types {', '.join(_TOKENIZER_BUILDERS)} (with tokenizer.ggml.tokens)")
+    try:
+        hf = _TOKENIZER_BUILDERS[kind](md)
+    except GGUFError as e:
+        raise GGUFError(f"{f.path}: {e}") from None
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    return Tokenizer(
+        hf,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos,
+        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
+        add_bos_token=md.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+        chat_template=md.get("tokenizer.chat_template"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+@dataclass
+class GGUFCheckpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # transformers names, dequantized
+    tokenizer: Tokenizer
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file."""
+    f = read_gguf(path)
+    config = _config_from_gguf(f)
+    expected = _expected_tensors(config)
+    missing = [n for n in expected if n not in f.tensors]
+    if missing:
+        raise GGUFError(f"{f.path}: missing tensor {missing[0]!r} ({expected[missing[0]][0]})"
+                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                        + f"; a {config.architecture} model with these settings needs it")
+    extra = [n for n in f.tensors if n not in expected]
+    if extra:
+        hint = (" (rope_freqs holds Llama-3.1-style RoPE frequency factors, which brisk does not support)"
+                if "rope_freqs.weight" in extra else "")
+        raise GGUFError(f"{f.path}: unexpected tensor(s) {', '.join(repr(n) for n in extra[:5])}"
+                        + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+                        + f" that brisk's {config.architecture} model does not use{hint}; the file is probably "
+                        "a different architecture or variant")
+    for name, (_, shape) in expected.items():
+        info = f.tensors[name]
+        if info.shape != shape:
+            raise GGUFError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
+                            "from the file's metadata")
+        if info.qtype not in SUPPORTED_TYPES:
+            raise GGUFError(f"{f.path}: tensor {name!r} has type {info.qtype.name}, which is not supported; "
+                            f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+    tokenizer = _tokenizer_from_gguf(f)
+
+    permuted = config.architecture in _PERMUTED_QK_ARCHS
+    tensors = {}
+    for name, (hf_name, shape) in expected.items():
+        w = dequantize(f.tensor_bytes(name), f.tensors[name].qtype, shape)
+        if permuted and ".attn_q." in name:
+            w = _unpermute_rows(w, config.num_attention_heads)
+        elif permuted and ".attn_k." in name:
+            w = _unpermute_rows(w, config.num_key_value_heads)
+        tensors[hf_name] = w.to(dtype)
+    return GGUFCheckpoint(config, tensors, tokenizer)

@@ -1,0 +1,171 @@
+"""Read a Hugging Face model folder: config.json, safetensors weights, tokenizer, generation_config.json.
+
+Only safetensors are read. `pytorch_model.bin` and other pickle checkpoints can execute arbitrary code when
+loaded, so brisk refuses them and says how to convert. Tensor names are kept exactly as in the file
+(`model.layers.0.self_attn.q_proj.weight`, ...): brisk's model code uses transformers' module names, so no
+renaming table sits between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from brisk.model.config import ModelConfig
+from brisk.model.tokenizer import Tokenizer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Buffers some older checkpoints saved next to the weights; brisk recomputes them from the config.
+_NON_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# "org/name" the way the hub spells repository ids (no leading dot or slash, exactly one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face model folder is missing, incomplete or malformed; the message names the file."""
+
+
+@dataclass
+class HFCheckpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
+    """Load config, weights (floating tensors converted to `dtype`) and tokenizer from a local HF folder."""
+    folder = _check_folder(path)
+    config_dict = _read_json(folder / "config.json", required=True)
+    try:
+        config = ModelConfig.from_hf_dict(config_dict)
+    except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type; UnsupportedModelError passes
+        raise HFCheckpointError(f"{folder / 'config.json'} has a malformed field: {e}") from e
+    generation_config = _read_json(folder / "generation_config.json", required=False) or {}
+    tensors = load_safetensors_folder(folder, dtype)
+    tokenizer = _load_tokenizer(folder, config, config_dict, generation_config)
+    return HFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config)
+
+
+def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    index_file, single_file = folder / INDEX_FILE, folder / SINGLE_FILE
+    if index_file.is_file():
+        index = _read_json(index_file, required=True)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFCheckpointError(f"{index_file} has no 'weight_map' (tensor name -> shard file)")
+        shard_names = sorted(set(weight_map.values()))
+        for name in shard_names:
+            if not (folder / name).is_file():
+                raise HFCheckpointError(
+                    f"{index_file} names shard {name!r}, which is missing from {folder}; "
+                    "the download is incomplete: fetch every model-*.safetensors file"
+                )
+        tensors: dict[str, torch.Tensor] = {}
+        for name in shard_names:
+            tensors.update(_read_safetensors(folder / name, dtype))
+        missing = [k for k in weight_map if k not in tensors and not k.endswith(_NON_WEIGHT_SUFFIXES)]
+        if missing:
+            raise HFCheckpointError(
+                f"{index_file} lists {len(missing)} tensors that no shard holds (first: {missing[0]!r}); "
+                "the shards do not belong to this index"
+            )
+        return tensors
+    if single_file.is_file():
+        return _read_safetensors(single_file, dtype)
+
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        raise HFCheckpointError(
+            f"{folder} has no {SINGLE_FILE} (only {', '.join(pickles)}). brisk does not load pickle checkpoints "
+            "(.bin/.pt): unpickling can run arbitrary code. Convert once, where you trust the file: "
+            "transformers.AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
+            "safe_serialization=True)"
+        )
+    raise HFCheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}: no model weights found")
+
+
+def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_NON_WEIGHT_SUFFIXES):
+                    continue
+                t = f.get_tensor(name)
+                # Convert once here so the model never holds two copies; integer tensors (packed quantized
+                # weights, index buffers) keep their dtype.
+                out[name] = t.to(dtype) if t.is_floating_point() else t
+    except SafetensorError as e:
+        raise HFCheckpointError(
+            f"{file} is not a readable safetensors file ({e}); it is probably truncated or corrupt: "
+            "download it again"
+        ) from e
+    return out
+
+
+def _check_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise HFCheckpointError(f"{folder} is a file; expected a Hugging Face model folder (config.json, "
+                                "model.safetensors, tokenizer.json, ...)")
+    if _HUB_ID.match(str(path)):
+        raise HFCheckpointError(
+            f"{path!r} is not a local folder. It looks like a Hugging Face hub id, but brisk does not download "
+            f"models at run time: download it first (e.g. `huggingface-cli download {path} --local-dir DIR`) "
+            "and pass the local folder"
+        )
+    raise HFCheckpointError(f"model folder {folder} does not exist")
+
+
+def _read_json(file: Path, required: bool) -> dict[str, Any] | None:
+    if not file.is_file():
+        if required:
+            raise HFCheckpointError(f"{file} not found; a Hugging Face model folder needs it")
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _load_tokenizer(
+    folder: Path, config: ModelConfig, config_dict: dict[str, Any], generation_config: dict[str, Any]
+) -> Tokenizer:
+    """Tokenizer with EOS ids = tokenizer's, then generation_config.json's, then config.json's (first wins
+    ties): chat models often stop on an end-of-turn token that only generation_config lists."""
+    eos: list[int] = []
+    for source in (generation_config.get("eos_token_id"), config_dict.get("eos_token_id")):
+        eos += [source] if isinstance(source, int) else [i for i in (source or []) if isinstance(i, int)]
+    try:
+        tokenizer = Tokenizer.from_hf_folder(folder, generation_config={"eos_token_id": eos})
+    except FileNotFoundError as e:
+        raise HFCheckpointError(f"{e}; brisk needs the tokenizer to generate text") from e
+    except ValueError as e:
+        raise HFCheckpointError(str(e)) from e
+    if not tokenizer.eos_token_ids:
+        raise HFCheckpointError(
+            f"no end-of-sequence token in {folder} (tokenizer_config.json eos_token, generation_config.json "
+            "or config.json eos_token_id): generation would never stop"
+        )
+    if tokenizer.vocab_size > config.vocab_size:
+        raise HFCheckpointError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens but config.json vocab_size is {config.vocab_size}: "
+            "the tokenizer does not belong to this model"
+        )
+    return tokenizer

@@ -1,0 +1,33 @@
+"""Shared fixtures. The real default model is loaded once per session, by brisk and by transformers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> Path:
+    from brisk.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf_path: Path):  # noqa: ANN201
+    """transformers' own load of the default GGUF (dequantized to float32): the reference (~20 s)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():  # noqa: ANN201
+    from brisk import LLM
+
+    return LLM(max_model_len=1024, kv_cache_memory="128MiB")
