@@ -24,7 +24,6 @@ from gguf_utils import (
 
 from brisk.model.gguf import GGUFError, load_gguf, read_gguf, read_gguf_config
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, dequantize
-from brisk.model.loader import default_model_path
 
 T = GGMLQuantizationType
 
@@ -64,8 +63,10 @@ def test_dequantize_bit_exact_vs_gguf_package(qtype):
     assert np.isfinite(expected).all()
     # compare bit patterns: equal floats, and equal signs of zero
     np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
-    # a torch uint8 input (as from a loaded buffer) gives the same result, and never aliases the input
-    from_torch = dequantize(torch.from_numpy(raw.copy()), qtype, (rows, row_len))
+    # a torch uint8 input gives the same result, and the result does not alias the input (F32 included)
+    raw_t = torch.from_numpy(raw.copy())
+    from_torch = dequantize(raw_t, qtype, (rows, row_len))
+    raw_t.zero_()
     assert torch.equal(from_torch, got)
 
 
@@ -239,15 +240,13 @@ def test_malformed_files_raise_gguf_error(tmp_path, case, message):
 # ------------------------------------------------------------------------------------------ the real model
 
 @pytest.fixture(scope="module")
-def real():
-    """brisk's and transformers' loads of the default model, done once for this module."""
+def real(default_gguf_path, hf_default_model):
+    """brisk's load of the default model, with transformers' (the session-wide model from conftest, and its
+    tokenizer, loaded here once for this module)."""
     transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    ours = load_gguf(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    path = default_gguf_path
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, model, tokenizer
+    return load_gguf(path), hf_default_model, tokenizer
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def require_transformers() -> Any:
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' own load of a brisk model path: a GGUF file (dequantized by transformers) or an HF folder."""
+    """transformers' own load of a brisk model path: a GGUF file (transformers dequantizes it) or a folder."""
     transformers = require_transformers()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -41,7 +41,8 @@ def load_hf_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     if path.is_dir():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -71,7 +72,7 @@ def _timing_streamer(times: list[float]) -> Any:
 
 def hf_latency(model: torch.nn.Module, prompt_ids: list[int], output_len: int, runs: int = 3, warmup: int = 1,
                advance: Advance | None = None) -> LatencyResult:
-    """Batch-1 `generate` timed per token with a streamer, measured exactly as `run_latency` measures brisk."""
+    """Batch-1 `generate` timed per token by a streamer: the same clock `run_latency` uses for brisk."""
     input_ids = torch.tensor([prompt_ids])  # [1, input_len]
     config = _generation_config(model, output_len, pad_token_id=0)
     result = LatencyResult(input_len=len(prompt_ids), output_len=output_len)
@@ -79,8 +80,8 @@ def hf_latency(model: torch.nn.Module, prompt_ids: list[int], output_len: int, r
         times: list[float] = []
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                                 streamer=_timing_streamer(times))
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=config, streamer=_timing_streamer(times))
         new_ids = out[0, len(prompt_ids):].tolist()
         if i >= warmup:
             record_run(result, start, times[1:], new_ids)  # times[0] is the prompt being put
@@ -102,6 +103,10 @@ def hf_throughput(model: torch.nn.Module, prompts: list[list[int]], output_len: 
     config = _generation_config(model, output_len, pad_token_id)
     result = ThroughputResult(num_prompts=len(prompts), output_len=output_len,
                               prompt_tokens=sum(len(p) for p in prompts), output_tokens=0, elapsed_s=0.0)
+    with torch.inference_mode():  # untimed warm-up, as brisk gets one
+        warm = torch.tensor([prompts[0][:8]])  # [1, <= 8]
+        model.generate(warm, attention_mask=torch.ones_like(warm),
+                       generation_config=_generation_config(model, 2, pad_token_id))
     start = time.perf_counter()
     for b in range(0, len(prompts), batch_size):
         batch = prompts[b:b + batch_size]

@@ -55,6 +55,5 @@ def measure_membw(buffer_bytes: int = DEFAULT_BUFFER_BYTES, runs: int = 5) -> Me
     dst = torch.empty_like(src)
     dst.fill_(0.0)
     copy_s = _best_seconds(lambda: dst.copy_(src), runs)
-    del src, dst
-    return MembwResult(read_gbps=nbytes / read_s / 1e9, copy_gbps=2 * nbytes / copy_s / 1e9, buffer_bytes=nbytes,
-                       runs=runs, num_threads=torch.get_num_threads())
+    return MembwResult(read_gbps=nbytes / read_s / 1e9, copy_gbps=2 * nbytes / copy_s / 1e9,
+                       buffer_bytes=nbytes, runs=runs, num_threads=torch.get_num_threads())

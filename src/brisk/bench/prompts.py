@@ -25,7 +25,7 @@ def token_window(ids: list[int], start: int, length: int) -> list[int]:
 
 
 def make_prompt(tokenizer, ids: list[int], start: int, length: int) -> list[int]:  # noqa: ANN001
-    """A prompt of exactly `length` ids; it starts with BOS when the tokenizer adds one, as real prompts do."""
+    """A prompt of exactly `length` ids, starting with BOS when the tokenizer adds one as real ones do."""
     if length < 1:
         raise ValueError(f"prompt length must be at least 1, got {length}")
     bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []

@@ -134,11 +134,21 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
     if not enabled:
         yield lambda n: None
         return
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=stderr_console(), transient=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=stderr_console(), transient=True)
     task = progress.add_task(description, total=total)
     with progress:
         yield lambda n: progress.advance(task, n)
+
+
+def table_rows(spec: list[tuple[str, str, float, str]], ours: dict[str, Any], theirs: dict[str, Any] | None,
+               ) -> list[tuple[str, float | None, float | None, str]]:
+    """(label, key, scale, format) + two result dicts -> `comparison_table` rows; missing keys show as '-'."""
+    def get(d: dict[str, Any] | None, key: str, scale: float) -> float | None:
+        v = (d or {}).get(key)
+        return None if v is None else v * scale
+
+    return [(label, get(ours, key, scale), get(theirs, key, scale), fmt) for label, key, scale, fmt in spec]
 
 
 def comparison_table(title: str, rows: list[tuple[str, float | None, float | None, str]],

@@ -88,7 +88,8 @@ def run_throughput(llm, prompts: list[list[int]], output_len: int,  # noqa: ANN0
     longest = max(len(p) for p in prompts) + output_len
     if longest > engine.max_model_len:
         raise ValueError(f"the longest prompt plus output is {longest} tokens, over max_model_len="
-                         f"{engine.max_model_len}; raise --max-model-len or lower --input-len-max/--output-len")
+                         f"{engine.max_model_len}; raise --max-model-len or lower --input-len-max or "
+                         "--output-len")
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     result = ThroughputResult(num_prompts=len(prompts), output_len=output_len,
                               prompt_tokens=sum(len(p) for p in prompts), output_tokens=0, elapsed_s=0.0)

@@ -203,8 +203,8 @@ class Scheduler:
         """
         touched: list[Request] = []
         for s in sched.scheduled:
-            req = self.requests[s.req_id]
-            if req.is_finished:  # aborted while the step ran
+            req = self.requests.get(s.req_id)
+            if req is None or req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += len(s.token_ids)
             tokens = result.sampled_token_ids.get(s.req_id)
@@ -213,6 +213,8 @@ class Scheduler:
             logprobs = result.logprobs.get(s.req_id)
             forks = self.pending_forks.pop(s.req_id, [])
             for k, child in enumerate(forks, start=1):
+                if child.is_finished:  # this sample was aborted before its prompt finished
+                    continue
                 child.all_token_ids = list(req.all_token_ids)
                 child.num_computed_tokens = req.num_computed_tokens
                 child.num_cached_tokens = req.num_cached_tokens

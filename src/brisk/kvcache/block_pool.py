@@ -136,6 +136,10 @@ class BlockPool:
         self._cached.clear()
         return True
 
+    def uncache(self, block: KVBlock) -> None:
+        """Withdraw a block from the prefix cache (its KV turned out never to be computed)."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

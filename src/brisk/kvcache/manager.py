@@ -206,6 +206,12 @@ class KVCacheManager:
         req_id = request.request_id
         blocks = self._req_to_blocks.pop(req_id, None)
         if blocks:
+            # Blocks are registered in the cache when scheduled, before their KV is written. A request
+            # preempted after being scheduled in the same step never computes them: withdraw those hashes
+            # (blocks past num_computed_tokens that no one else holds) so no later lookup trusts them.
+            for block in blocks[request.num_computed_tokens // self.block_size:]:
+                if block.ref_cnt == 1 and block.block_hash is not None:
+                    self.block_pool.uncache(block)
             self.block_pool.free_blocks(reversed(blocks))
         self._req_to_block_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)

@@ -102,12 +102,12 @@ class Tokenizer:
         pad_id = hf.token_to_id(names["pad_token"]) if names["pad_token"] else None
         eos_ids = [hf.token_to_id(names["eos_token"])] if names["eos_token"] else []
         gen_eos = generation_config.get("eos_token_id")
-        eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        eos_ids += [gen_eos] if isinstance(gen_eos, int) else [i for i in (gen_eos or []) if isinstance(i, int)]
 
         # BOS comes from tokenizer.json's post-processor: transformers (v5) ignores tokenizer_config's
         # add_bos_token/add_eos_token whenever a tokenizer.json exists, and the two agree in published folders.
         probe = hf.encode("a", add_special_tokens=True).ids
-        add_bos = bos_id is not None and probe[0] == bos_id
+        add_bos = bos_id is not None and probe[:1] == [bos_id]
 
         return cls(
             hf,

