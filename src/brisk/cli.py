@@ -96,8 +96,8 @@ def main() -> None:
 @sampling_options
 def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **kw: Any) -> None:
     """Generate a continuation of PROMPT (or a chat answer with --chat)."""
+    params = build_params(kw)  # bad sampling values fail before the model loads
     llm = build_llm(kw)
-    params = build_params(kw)
     tok = llm.get_tokenizer()
     if as_chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -120,8 +120,8 @@ def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **
 @sampling_options
 def chat(system: str | None, **kw: Any) -> None:
     """Interactive chat: streams answers and keeps the conversation. Ctrl-D or /exit to quit, /reset to clear."""
-    llm = build_llm(kw)
     params = build_params(kw)
+    llm = build_llm(kw)
     tok = llm.get_tokenizer()
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     click.echo("brisk chat — /reset clears the conversation, /exit or Ctrl-D quits.", err=True)

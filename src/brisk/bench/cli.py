@@ -158,6 +158,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs_rss = None
     theirs_bytes = None
     if baseline == "hf":
+        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
         theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
         report.reset_peak_rss()
@@ -250,6 +251,7 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
 
     theirs = None
     if baseline == "hf":
+        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
         with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)

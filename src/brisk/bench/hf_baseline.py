@@ -7,6 +7,8 @@ tokens and, in float32, the same tokens (a cheap check that the two did the same
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,10 @@ def load_hf_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     if path.is_dir():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=dtype)
+        # transformers' GGUF reader draws its own tqdm bar on stderr, which would tear brisk's rich output
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                      dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
