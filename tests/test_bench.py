@@ -3,6 +3,7 @@ internal consistency, never speed), and the CLI end to end with its JSON, with a
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -81,8 +82,7 @@ def test_module_weight_bytes_match_config(tiny_dirs: dict, which: str, dtype: to
     expected = config_weight_bytes_per_token(loaded.config, dtype_bytes)
     assert weight_bytes_per_token(loaded.model) == expected
     # transformers' module of the same checkpoint (its tied lm_head shares the embedding's storage)
-    assert weight_bytes_per_token(tiny_dirs[f"hf_{which}"].to(dtype)) == expected
-    tiny_dirs[f"hf_{which}"].to(torch.float32)
+    assert weight_bytes_per_token(copy.deepcopy(tiny_dirs[f"hf_{which}"]).to(dtype)) == expected
 
 
 # ---------------------------------------------------------------------------- prompts and membw

@@ -13,6 +13,7 @@ from rich.console import Console
 from brisk.bench import report
 from brisk.bench.hf_baseline import TransformersMissingError
 from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
+from brisk.bench.roofline import achieved_gbps
 
 
 class _BenchGroup(click.Group):
@@ -99,6 +100,14 @@ def membw(size: str, runs: int, threads: int | None, json_path: str | None) -> N
 
 
 # ---------------------------------------------------------------------------- latency
+def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbps: float,
+                     peak_rss: int | None) -> dict[str, Any]:
+    """A LatencyResult's summary plus the roofline view: achieved GB/s, fraction of measured bandwidth."""
+    gbps = achieved_gbps(bytes_per_token, res.decode_tok_s)
+    return {**res.summary(), "bytes_per_token": bytes_per_token, "mean_decode_context": context,
+            "achieved_gbps": gbps, "fraction_of_membw": gbps / membw_gbps, "peak_rss_bytes": peak_rss}
+
+
 @bench.command()
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens (real text).")
 @click.option("--output-len", type=int, default=128, show_default=True, help="Generated tokens per run.")
@@ -168,19 +177,14 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         del hf_model
         gc.collect()
 
-    def derived(res, nbytes: float | None, rss: int | None) -> dict[str, Any]:  # noqa: ANN001
-        if res is None:
-            return {}
-        gbps = nbytes * res.decode_tok_s / 1e9
-        return {**res.summary(), "bytes_per_token": nbytes, "mean_decode_context": context,
-                "achieved_gbps": gbps, "fraction_of_membw": gbps / membw_gbps, "peak_rss_bytes": rss}
-
+    brisk_figures = _latency_figures(ours, bytes_per_token, context, membw_gbps, ours_rss)
     results: dict[str, Any] = {"model": model_facts, "membw_read_gbps": membw_gbps,
                                "membw": bw.to_dict() if bw else None,
-                               "brisk": {**derived(ours, bytes_per_token, ours_rss),
-                                         "kv_pool_bytes": kv_pool_bytes, "token_ids": ours.token_ids}}
+                               "brisk": {**brisk_figures, "kv_pool_bytes": kv_pool_bytes,
+                                         "token_ids": ours.token_ids}}
     if theirs is not None:
-        results["hf"] = {**derived(theirs, theirs_bytes, theirs_rss), "token_ids": theirs.token_ids}
+        results["hf"] = {**_latency_figures(theirs, theirs_bytes, context, membw_gbps, theirs_rss),
+                         "token_ids": theirs.token_ids}
         results["speedup"] = {"decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s,
                               "ttft": theirs.ttft_mean_s / ours.ttft_mean_s}
         results["same_tokens"] = ours.token_ids == theirs.token_ids
