@@ -207,3 +207,19 @@ def test_bad_inputs(model_dir):
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         LLM(model_dir, max_model_len=256, num_kv_blocks=4)
     assert_no_leak(llm)
+
+
+def test_multi_turn_chat_hits_the_prefix_cache(model_dir):
+    llm = LLM(model_dir, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    turn1 = [{"role": "system", "content": "You answer in the style of Jane Austen, at some length."},
+             {"role": "user", "content": "Emma Woodhouse, handsome, clever, and rich, with a comfortable home"}]
+    first = llm.chat(turn1, greedy)[0]
+    turn2 = turn1 + [{"role": "assistant", "content": first.outputs[0].text},
+                     {"role": "user", "content": "and then?"}]
+    second = llm.chat(turn2, greedy)[0]
+    # every full block of the first turn's prompt is reused by the second turn
+    assert second.metrics.num_cached_tokens >= len(first.prompt_token_ids) // 16 * 16 > 0
+    fresh = LLM(model_dir, max_model_len=256, enable_prefix_caching=False).chat(turn2, greedy)[0]
+    assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert_no_leak(llm)
