@@ -45,15 +45,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv, bias=bias)
         self.v_proj = nn.Linear(h, kv, bias=bias)
         self.o_proj = nn.Linear(q, h, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by model.fuse.fuse_projections (replaces q/k/v_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, h, d]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)  # [T, h + 2 kvh, d]: q heads, k heads, v heads
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # one rotation for q and k together
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+        else:
+            q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)  # [T, h, d]
+            k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)  # [T, kvh, d]
+            v = self.v_proj(x).view(t, kvh, d)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -65,8 +69,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by model.fuse.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 I] -> 2 x [T, I]
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from brisk.model.config import ModelConfig
+from brisk.model.fuse import fuse_projections
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
 
@@ -117,7 +118,9 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", max_model_len: int | None = None) -> LoadedModel:
+               device: torch.device | str = "cpu", max_model_len: int | None = None,
+               fuse: bool = True) -> LoadedModel:
+    """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math)."""
     start = time.perf_counter()
     path = resolve_model(model)
     if path.is_dir():
@@ -135,6 +138,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     config = ckpt.config
     net = build_model(config, ckpt.tensors, dtype, device)
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
+    if fuse:
+        fuse_projections(net)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 
