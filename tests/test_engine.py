@@ -223,3 +223,17 @@ def test_multi_turn_chat_hits_the_prefix_cache(model_dir):
     fresh = LLM(model_dir, max_model_len=256, enable_prefix_caching=False).chat(turn2, greedy)[0]
     assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
     assert_no_leak(llm)
+
+
+def test_stream_never_shows_part_of_a_stop_string(model_dir):
+    llm = LLM(model_dir, max_model_len=256)
+    prompt = make_prompts()[3]
+    text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 6]  # spans several tokens of the byte-level BPE
+    assert stop.strip()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    outs = list(llm.stream(prompt, params))
+    assert "".join(o.outputs[0].text_delta for o in outs) == outs[-1].outputs[0].text == text[: text.index(stop)]
+    assert all(o.outputs[0].text == "".join(p.outputs[0].text_delta for p in outs[: i + 1])
+               for i, o in enumerate(outs))
+    assert_no_leak(llm)

@@ -158,6 +158,31 @@ def chat(system: str | None, **kw: Any) -> None:
         history.append({"role": "assistant", "content": answer})
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server to the network (set --api-key then).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="BRISK_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (also from env BRISK_API_KEY).")
+@click.option("--served-model-name", default=None, help="Model name clients use (default: the model's own name).")
+@click.option("--max-waiting", type=int, default=128, show_default=True,
+              help="Sequences admitted beyond the running batch; more are refused with 503 + Retry-After.")
+@click.option("--cors-origins", default=None,
+              help="Comma-separated origins allowed by CORS, or '*' (default: CORS off).")
+@click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
+@engine_options
+def serve(host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
+          cors_origins: str | None, max_request_bytes: str, **kw: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from brisk.serve.app import ServerConfig, run_server
+
+    origins = [o.strip() for o in cors_origins.split(",") if o.strip()] if cors_origins else []
+    config = ServerConfig(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
+                          cors_origins=origins, max_request_bytes=max_request_bytes)  # bad values fail before loading
+    llm = build_llm(kw)
+    run_server(llm.engine, config, host=host, port=port)
+
+
 def _register_bench() -> None:
     try:
         from brisk.bench.cli import bench

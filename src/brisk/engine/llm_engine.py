@@ -110,7 +110,7 @@ class LLMEngine:
         for k in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device="cpu").manual_seed(params.seed + k)
+                gen = torch.Generator(device="cpu").manual_seed((params.seed + k) % 2**64)
             rid = request_id if k == 0 else f"{request_id}#{k}"
             samples.append(Request(rid, ids, params, eos_token_ids=eos, arrival_time=arrival_time,
                                    priority=priority, generator=gen, parent_id=None if k == 0 else request_id,
@@ -195,10 +195,14 @@ class LLMEngine:
 
     def _group_output(self, group: _Group) -> RequestOutput:
         completions = []
+        hold = max((len(stop) for stop in group.params.stop), default=1) - 1 if group.params.stop else 0
         for req, state in zip(group.samples, group.states, strict=True):
-            text_delta = state.text[state.emitted_text:]
+            # while running, hold back the last len(longest stop) - 1 characters: they may be the start of a
+            # stop string that the next token completes, and must then never have been streamed
+            visible = len(state.text) if req.is_finished else max(state.emitted_text, len(state.text) - hold)
+            text_delta = state.text[state.emitted_text:visible]
             num_new = req.num_output_tokens - state.emitted_tokens
-            state.emitted_text = len(state.text)
+            state.emitted_text = visible
             state.emitted_tokens = req.num_output_tokens
             lps = None
             cum = None
@@ -206,7 +210,7 @@ class LLMEngine:
                 lps = list(req.logprobs)
                 cum = sum(d[t] for d, t in zip(lps, req.output_token_ids, strict=False))
             completions.append(CompletionOutput(
-                index=req.sample_index, text=state.text, token_ids=list(req.output_token_ids),
+                index=req.sample_index, text=state.text[:visible], token_ids=list(req.output_token_ids),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
                 cumulative_logprob=cum, text_delta=text_delta, num_new_tokens=num_new))
         first = group.samples[0]

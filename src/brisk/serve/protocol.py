@@ -9,16 +9,18 @@ with a message that says so, rather than quietly producing something the client 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from brisk.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Most samples one request may ask for. OpenAI allows 128; on a CPU engine 16 already fills a batch, and
-# the server also caps n x prompts by its admission capacity (see app._check_capacity).
+# the server also caps n x prompts by its admission capacity (see app._Server.check_capacity).
 MAX_N = 16
 _INT64 = 2**63
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ClientError(ValueError):
@@ -154,8 +156,13 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as the chat template wants them: plain-string content, 'developer' read as 'system'."""
         out = []
         for i, m in enumerate(self.messages):
-            if m.content is None or isinstance(m.content, str):
-                content = m.content or ""
+            if m.content is None:
+                if m.role != "assistant":  # an assistant turn may be empty (e.g. it only called tools)
+                    raise ClientError(f"messages[{i}] ({m.role}) needs a 'content'", param=f"messages.{i}.content",
+                                      code="missing_required_parameter")
+                content = ""
+            elif isinstance(m.content, str):
+                content = m.content
             else:
                 texts = []
                 for j, part in enumerate(m.content):
@@ -292,7 +299,7 @@ _FIELD_SHAPES = {
 }
 
 
-def parse_request[M: BaseModel](model: type[M], body: Any) -> M:
+def parse_request(model: type[M], body: Any) -> M:
     """Validate a decoded JSON body into `model`; raise ClientError naming the first bad field."""
     if not isinstance(body, dict):
         raise ClientError(f"the request body must be a JSON object, got a JSON {_json_type(body)}")

@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine.
+
+Every request is validated here, before it reaches the engine: JSON and field types (protocol.py), the
+model name, token ids, prompt length against the context, admission capacity. Anything a client can send
+is answered with an OpenAI error object and a 4xx status; a 500 means a bug in brisk, never bad input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from brisk.engine.config import parse_size
+from brisk.engine.llm_engine import LLMEngine
+from brisk.engine.sampling_params import SamplingParams
+from brisk.serve import responses
+from brisk.serve.async_engine import (
+    AsyncEngine,
+    ClientDisconnected,
+    EngineError,
+    EngineRequest,
+    RequestStream,
+    ServerOverloadedError,
+)
+from brisk.serve.metrics import CONTENT_TYPE, ServerMetrics
+from brisk.serve.protocol import (
+    ChatCompletionRequest,
+    ClientError,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
+
+logger = logging.getLogger("brisk.serve")
+
+# OpenAI's default max_tokens for /v1/completions; chat completions default to "until the context is full".
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Seconds a client told "overloaded" should wait before retrying (the openai client honours Retry-After).
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str | None = None  # None = the model's own name
+    api_key: str | None = None  # None = no authentication
+    max_waiting: int = 128  # sequences admitted beyond the running batch; more get 503
+    cors_origins: list[str] = field(default_factory=list)  # empty = CORS off
+    max_request_bytes: int | str = "1MiB"
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        self.max_request_bytes = parse_size(self.max_request_bytes)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty; leave it out to serve without authentication")
+
+
+class _Server:
+    """What the routes share: the engine loop, the tokenizer, limits, metrics."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.model_name = config.served_model_name or engine.loaded.name
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.num_blocks)
+        self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, metrics=self.metrics)
+
+    # ------------------------------------------------------------------ request checks
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            raise ClientError(f"the model {model!r} does not exist on this server; it serves {self.model_name!r} "
+                              "(see GET /v1/models)", param="model", code="model_not_found")
+        return self.model_name
+
+    def check_prompt_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise ClientError(f"'{param}' is empty; give at least one token", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ClientError(f"'{param}' has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                              param=param, code="invalid_value")
+        return ids
+
+    def max_tokens_for(self, ids: list[int], requested: int | None, default: int | None, param: str,
+                       prompt_param: str) -> int:
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ClientError(f"the prompt has {len(ids)} tokens, which leaves no room to generate within this "
+                              f"model's context of {self.max_model_len} tokens (max_model_len); shorten the prompt",
+                              param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise ClientError(f"'{param}'={requested} plus the prompt's {len(ids)} tokens exceeds this model's "
+                              f"context of {self.max_model_len} tokens (max_model_len); ask for at most {room} "
+                              "tokens or shorten the prompt", param=param, code="context_length_exceeded")
+        return requested
+
+    def check_capacity(self, num_seqs: int, param: str) -> None:
+        """A request larger than the whole admission capacity could never be admitted: 400, not 503."""
+        if num_seqs > self.engine.capacity:
+            raise ClientError(f"this request needs {num_seqs} sequences (n x prompts) but the server admits at most "
+                              f"{self.engine.capacity} at once; lower n or send fewer prompts per request",
+                              param=param, code="invalid_value")
+
+    # ------------------------------------------------------------------ request -> engine requests
+    def completion_requests(self, req: CompletionRequest, request_id: str) -> list[EngineRequest]:
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: list[Any] = [prompt]
+        elif not prompt:
+            raise ClientError("'prompt' is empty; give a string, a list of strings or a list of token ids",
+                              param="prompt")
+        else:
+            prompts = list(prompt)
+        self.check_capacity(len(prompts) * (req.n or 1), "n" if len(prompts) == 1 else "prompt")  # before tokenizing
+        out = []
+        for i, p in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            ids = self.check_prompt_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p), param)
+            max_tokens = self.max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens",
+                                             param)
+            params = _sampling_params(req, max_tokens, req.logprobs)
+            out.append(EngineRequest(f"{request_id}-{i}", ids, params))
+        return out
+
+    def chat_requests(self, req: ChatCompletionRequest, request_id: str) -> list[EngineRequest]:
+        try:
+            ids = self.tokenizer.encode_chat(req.template_messages(),
+                                             add_generation_prompt=req.add_generation_prompt is not False)
+        except ClientError:
+            raise
+        except ValueError as e:  # no chat template, or the template rejected the conversation
+            raise ClientError(str(e), param="messages") from None
+        self.check_prompt_ids(ids, "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_tokens_for(ids, req.requested_max_tokens, None, param, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_capacity(req.n or 1, "n")
+        return [EngineRequest(f"{request_id}-0", ids, _sampling_params(req, max_tokens, logprobs))]
+
+
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                     logprobs: int | None) -> SamplingParams:
+    try:
+        return req.to_sampling_params(max_tokens, logprobs)
+    except ValueError as e:  # SamplingParams' messages start with the field name ("top_p must be ...")
+        name = str(e).split(" ", 1)[0]
+        raise ClientError(str(e), param=name if name in type(req).model_fields else None,
+                          code="invalid_value") from None
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _error_response(status: int, message: str, err_type: str, param: str | None = None,
+                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientError)
+    async def client_error(_: Request, e: ClientError) -> JSONResponse:
+        return _error_response(e.status_code, e.message, e.err_type, e.param, e.code)
+
+    @app.exception_handler(ServerOverloadedError)
+    async def overloaded(_: Request, e: ServerOverloadedError) -> JSONResponse:
+        return _error_response(503, str(e), "server_overloaded", code="server_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/completions, /v1/chat/completions, "\
+                      "/v1/models, /health, /metrics"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(e.detail)
+        return _error_response(e.status_code, message, _HTTP_ERROR_TYPES.get(e.status_code, "invalid_request_error"),
+                               headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(400, f"invalid request: {e.errors()[0].get('msg')}", "invalid_request_error")
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, e: EngineError) -> JSONResponse:
+        return _error_response(500, str(e), "internal_error", code="engine_error")
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting answered requests by endpoint and status (BaseHTTPMiddleware would
+    wrap `receive` and break the disconnect watcher)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, endpoints: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_and_record(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.requests.labels(path if path in self.endpoints else "other", str(status[0])).inc()
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app. The engine loop starts with the app's lifespan and stops with it."""
+    server = _Server(engine, config or ServerConfig())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        try:
+            yield
+        finally:
+            server.engine.shutdown()
+
+    app = FastAPI(title="brisk", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    _install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        key = server.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ClientError("missing API key: send the header 'Authorization: Bearer <key>'", status_code=401,
+                              err_type="authentication_error", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):  # constant time: no timing oracle
+            raise ClientError("invalid API key", status_code=401, err_type="authentication_error",
+                              code="invalid_api_key")
+
+    auth = [Depends(check_api_key)]
+
+    async def read_json(request: Request) -> Any:
+        limit = server.config.max_request_bytes
+        too_large = ClientError(f"the request body is larger than this server's limit of {limit} bytes "
+                                "(--max-request-bytes)", status_code=413, code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientDisconnected() from None
+        body = b"".join(chunks)
+        if not body.strip():
+            raise ClientError("the request body is empty; send a JSON object", code="invalid_json")
+        try:
+            return json.loads(body)
+        except RecursionError:
+            raise ClientError("the request body is nested too deeply to parse", code="invalid_json") from None
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise ClientError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.engine.is_running:
+            return _error_response(503, "the engine loop is not running", "internal_error", code="engine_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        card = ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        req = parse_request(CompletionRequest, await read_json(request))
+        req.check()
+        ctx = responses.Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
+                                server.tokenizer, req.n or 1, _holdback(req.stop))
+        stream = server.engine.open_stream(server.completion_requests(req, ctx.request_id), request.receive)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(responses.completion_events(stream, ctx, req.logprobs, include_usage), stream)
+        outputs = await _collect(stream)
+        return JSONResponse(responses.completion_response(outputs, ctx, req.logprobs).model_dump())
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await read_json(request))
+        req.check()
+        ctx = responses.Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
+                                server.tokenizer, req.n or 1, _holdback(req.stop))
+        stream = server.engine.open_stream(server.chat_requests(req, ctx.request_id), request.receive)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(responses.chat_events(stream, ctx, top, include_usage), stream)
+        outputs = await _collect(stream)
+        return JSONResponse(responses.chat_response(outputs, ctx, top).model_dump())
+
+    endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)
+    if server.config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=server.config.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+def _holdback(stop: str | list[str] | None) -> int:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    return max((len(s) for s in stops), default=1) - 1
+
+
+async def _collect(stream: RequestStream) -> dict[int, Any]:
+    """Wait for every prompt's final output (prompt index -> RequestOutput)."""
+    try:
+        final = {}
+        async for index, out in stream:
+            if out.finished:
+                final[index] = out
+        return final
+    except ValueError as e:  # the engine refused a prompt the handler let through
+        raise ClientError(str(e)) from None
+    finally:
+        stream.close()
+
+
+def _sse(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+    # The background close covers a response whose body is never iterated (client gone before it starts).
+    async def close() -> None:  # async, so Starlette runs it on the event loop and not in a worker thread
+        stream.close()
+
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(close),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def run_server(engine: LLMEngine, config: ServerConfig | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info", access_log: bool = True) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    import uvicorn
+
+    app = create_app(engine, config)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                timeout_graceful_shutdown=5)
