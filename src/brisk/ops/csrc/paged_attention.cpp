@@ -1,0 +1,591 @@
+// Paged attention for the CPU that reads brisk's KV cache in place: no gathered contiguous copy per step.
+//
+// kv_cache: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], contiguous. Logical position p of a
+// sequence lives at kv_cache[:, block_table[p / block_size], p % block_size].
+//
+// One work item = (sequence, tile of its query tokens, kv heads [kv_begin, kv_end)). Its "rows" are the tile's
+// query tokens times the query heads of those kv heads; the h / kvh query heads of one kv head (the GQA group)
+// share every key and value row read from the cache while it sits in L1:
+//
+//   row r = (query token i, query head)   sees positions [lo_i, hi_i):  hi_i = pos_i + 1,  lo_i = hi_i - window
+//   keys walked in chunks of kChunk positions, each position found through the block table:
+//       | block_table[0] | block_table[1] | ... |   ->   chunk [p0, p1)
+//   per chunk and kv head:  S = Q K^T  ->  online softmax (running max m_r and sum l_r, flash-style)
+//                                      ->  acc_r = acc_r * exp(m_old - m_new) + P V
+//
+// The softmax runs in base 2: q is pre-multiplied by scale * log2(e), so exp(s - m) becomes exp2(s' - m').
+// Decode is the case "one query token per sequence"; chunked prefill / verification has several, with the
+// causal limit of token i offset by the tokens already in the cache (pos_i = context_len - query_len + i).
+// Accumulation is float32 whatever the cache and query dtypes (float32 or bfloat16).
+//
+// Where the time goes (2-core AVX2 EPYC, SmolLM2 shapes): with the data in L1 a (key, query head) pair costs
+// ~6 ns; at batch 64 x 370 tokens the float32 cache (36 MB a layer) comes from DRAM and that dominates.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BRISK_AVX2 1
+#endif
+
+namespace brisk {
+namespace {
+
+#ifndef BRISK_CHUNK
+#define BRISK_CHUNK 32
+#endif
+// keys per chunk (they may span cache blocks): the per-chunk softmax bookkeeping of a row is amortized over
+// this many keys, and the chunk's widened K and V rows (bfloat16 cache) stay in L1
+constexpr int64_t kChunk = BRISK_CHUNK;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // round to nearest even
+
+#ifdef BRISK_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 2^x for x <= 0 (all our arguments are s - max), 0 below 2^-126 and for -inf (masked keys).
+// 2^x = 2^n * 2^f with n = round(x), f in [-1/2, 1/2];  2^f = e^r, r = f ln2, |r| <= 0.347, by its Taylor series
+// to degree 7 (truncation error r^8 / 8! < 6e-9, below float32 rounding).
+inline __m256 exp2_8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n as a float: biased exponent n + 127 in bits 23..30
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// [sum(a0), sum(a1), ..., sum(a7)]: the eight horizontal sums of eight registers, by pairwise adds.
+inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(a0, a1);  // [a0 01, a0 23, a1 01, a1 23 | a0 45, a0 67, a1 45, a1 67]
+  const __m256 t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5);
+  const __m256 t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [a0 0..3, a1 0..3, a2 0..3, a3 0..3 | the same over 4..7]
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// scores[r][t] = q[r] . keys[t] for R query rows (1 or 2) and t < n (n <= kChunk); keys[t] point at head_dim
+// floats. Two rows share every key load: with 4 keys x 2 rows in 8 accumulators a step is 6 loads for 8 FMAs
+// instead of 9 (the loads, not the FMAs, are the limit). Tail lanes recompute a valid key; scores has room.
+template <int R>
+inline void dot_rows(const float* const* q, const float* const* keys, int64_t n, int64_t d, float* const* scores) {
+#ifdef BRISK_AVX2
+  if constexpr (R == 2) {
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+      const float* k[4];
+      for (int j = 0; j < 4; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 q0 = _mm256_loadu_ps(q[0] + c), q1 = _mm256_loadu_ps(q[1] + c);
+        const __m256 k0 = _mm256_loadu_ps(k[0] + c), k1 = _mm256_loadu_ps(k[1] + c);
+        const __m256 k2 = _mm256_loadu_ps(k[2] + c), k3 = _mm256_loadu_ps(k[3] + c);
+        a0 = _mm256_fmadd_ps(q0, k0, a0);
+        a1 = _mm256_fmadd_ps(q0, k1, a1);
+        a2 = _mm256_fmadd_ps(q0, k2, a2);
+        a3 = _mm256_fmadd_ps(q0, k3, a3);
+        b0 = _mm256_fmadd_ps(q1, k0, b0);
+        b1 = _mm256_fmadd_ps(q1, k1, b1);
+        b2 = _mm256_fmadd_ps(q1, k2, b2);
+        b3 = _mm256_fmadd_ps(q1, k3, b3);
+      }
+      const __m256 sums = hsum8x8(a0, a1, a2, a3, b0, b1, b2, b3);  // [row 0: 4 keys | row 1: 4 keys]
+      _mm_storeu_ps(scores[0] + t0, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(scores[1] + t0, _mm256_extractf128_ps(sums, 1));
+    }
+  } else {
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const float* k[8];
+      for (int j = 0; j < 8; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q[0] + c);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + c), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + c), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + c), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + c), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + c), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + c), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + c), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + c), a7);
+      }
+      _mm256_storeu_ps(scores[0] + t0, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < n; ++t) {
+      float s = 0.0f;
+      for (int64_t c = 0; c < d; ++c) s += q[r][c] * keys[t][c];
+      scores[r][t] = s;
+    }
+  }
+#endif
+}
+
+// One online-softmax step of one row over a chunk of n scores (masked ones are -inf, at least one is not):
+// scores become p = exp2(s - m_new), the running max m and sum l move to the chunk, and the factor that
+// rescales the row's accumulator to the new max is returned.
+inline float softmax_chunk(float* scores, int64_t n, float& m, float& l) {
+  float m_chunk = kNegInf, sum = 0.0f;
+#ifdef BRISK_AVX2
+  for (int64_t t = n; t < (n + 7) / 8 * 8; ++t) scores[t] = kNegInf;  // padding lanes -> p = 0
+  __m256 mx = _mm256_set1_ps(kNegInf);
+  for (int64_t t = 0; t < n; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float x : lanes) m_chunk = std::max(m_chunk, x);
+  const float m_new = std::max(m, m_chunk);
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256 p = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    _mm256_storeu_ps(scores + t, p);
+    sv = _mm256_add_ps(sv, p);
+  }
+  _mm256_store_ps(lanes, sv);
+  for (float x : lanes) sum += x;
+#else
+  for (int64_t t = 0; t < n; ++t) m_chunk = std::max(m_chunk, scores[t]);
+  const float m_new = std::max(m, m_chunk);
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = std::exp2(scores[t] - m_new);
+    sum += scores[t];
+  }
+#endif
+  const float alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+#ifdef BRISK_AVX2
+// acc[r][c0 .. c0 + 8W) = alpha[r] * acc[r] + sum_t p[r][t] * values[t][c0 ..) for R rows sharing each value
+// load. The R x W accumulators stay in registers while the n value rows stream past, so the FMAs form R x W
+// independent chains instead of one chain n long.
+template <int R, int W>
+inline void accumulate_slice(const float* const* p, int64_t n, const float* const* values, int64_t c0,
+                             const float* alpha, float* const* acc) {
+  __m256 a[R][W];
+  for (int r = 0; r < R; ++r) {
+    const __m256 av = _mm256_set1_ps(alpha[r]);
+    for (int w = 0; w < W; ++w) a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + c0 + 8 * w), av);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 pt[R];
+    for (int r = 0; r < R; ++r) pt[r] = _mm256_set1_ps(p[r][t]);
+    const float* vt = values[t] + c0;
+    for (int w = 0; w < W; ++w) {
+      const __m256 vv = _mm256_loadu_ps(vt + 8 * w);
+      for (int r = 0; r < R; ++r) a[r][w] = _mm256_fmadd_ps(pt[r], vv, a[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[r] + c0 + 8 * w, a[r][w]);
+  }
+}
+#endif
+
+// acc[r] = alpha[r] * acc[r] + sum_t p[r][t] * values[t] over the whole head_dim, for R rows (1 or 2).
+template <int R>
+inline void accumulate_values(const float* const* p, int64_t n, const float* const* values, int64_t d,
+                              const float* alpha, float* const* acc) {
+#ifdef BRISK_AVX2
+  constexpr int kMaxW = R == 1 ? 8 : 4;  // registers per row: R * W accumulators fit in 16 with room to spare
+  for (int64_t c0 = 0; c0 < d; c0 += 8 * kMaxW) {
+    switch (std::min<int64_t>(kMaxW, (d - c0) / 8)) {
+      case 8: accumulate_slice<R, (kMaxW >= 8 ? 8 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 7: accumulate_slice<R, (kMaxW >= 7 ? 7 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 6: accumulate_slice<R, (kMaxW >= 6 ? 6 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 5: accumulate_slice<R, (kMaxW >= 5 ? 5 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 4: accumulate_slice<R, 4>(p, n, values, c0, alpha, acc); break;
+      case 3: accumulate_slice<R, 3>(p, n, values, c0, alpha, acc); break;
+      case 2: accumulate_slice<R, 2>(p, n, values, c0, alpha, acc); break;
+      default: accumulate_slice<R, 1>(p, n, values, c0, alpha, acc); break;
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < d; ++c) {
+      float a = acc[r][c] * alpha[r];
+      for (int64_t t = 0; t < n; ++t) a += p[r][t] * values[t][c];
+      acc[r][c] = a;
+    }
+  }
+#endif
+}
+
+// Row pointers of a chunk of n cache rows (cache + offsets[t]), as float: in place for a float32 cache, else
+// widened into buf.
+inline void chunk_rows(const float* cache, const int64_t* offsets, int64_t n, int64_t /*d*/, float* /*buf*/,
+                       const float** rows) {
+  for (int64_t t = 0; t < n; ++t) rows[t] = cache + offsets[t];
+}
+inline void chunk_rows(const c10::BFloat16* cache, const int64_t* offsets, int64_t n, int64_t d, float* buf,
+                       const float** rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* src = cache + offsets[t];
+    float* dst = buf + t * d;
+#ifdef BRISK_AVX2
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
+#else
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]);
+#endif
+    rows[t] = dst;
+  }
+}
+
+struct WorkItem {
+  int64_t seq;
+  int64_t q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence (0 = its first query token)
+  int64_t kv_begin, kv_end;  // kv heads [kv_begin, kv_end)
+  int64_t cost;  // rows x keys walked, to hand out the longest items first
+};
+
+struct Problem {
+  const void* q;  // [T, h, d], last dim contiguous
+  int64_t q_stride_t, q_stride_h;
+  void* out;  // [T, h, d], last dim contiguous
+  int64_t out_stride_t, out_stride_h;
+  const void* k;  // kv_cache[0]: [num_blocks, block_size, kvh, d]
+  const void* v;
+  int64_t block_size, num_kv_heads, head_dim, group;
+  const int32_t* block_tables;  // [B, max_blocks]
+  int64_t max_blocks;
+  const int64_t* query_start;  // [B + 1] first row of each sequence in q / out
+  const int32_t* context_lens;  // [B]
+  float scale_log2;  // softmax scale * log2(e)
+  int64_t window;  // sliding window in tokens, 0 = none
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, kbuf, vbuf;
+  std::vector<int64_t> live, live_lo, live_hi;  // rows taking part in the current chunk, and their windows
+  float scores[2][kChunk + 8];  // one row pair's scores, then probabilities
+  const float* krows[kChunk];
+  const float* vrows[kChunk];
+  int64_t offsets[kChunk];
+  Scratch(int64_t max_rows, int64_t d)
+      : q(max_rows * d), acc(max_rows * d), m(max_rows), l(max_rows), kbuf(kChunk * d), vbuf(kChunk * d),
+        live(max_rows), live_lo(max_rows), live_hi(max_rows) {}
+};
+
+// Rows rows[0 .. R) (query rows sharing a kv head) against the chunk's keys [p0, p1) in s.krows / s.vrows;
+// row i sees positions [lo[i], hi[i]) (causal limit, window) and at least one of them in the chunk.
+template <int R>
+inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, const int64_t* hi, int64_t n,
+                         int64_t d, int64_t p0, int64_t p1) {
+  const float* q[R];
+  float* scores[R];
+  float* acc[R];
+  float alpha[R];
+  for (int i = 0; i < R; ++i) {
+    q[i] = s.q.data() + rows[i] * d;
+    scores[i] = s.scores[i];
+    acc[i] = s.acc.data() + rows[i] * d;
+  }
+  dot_rows<R>(q, s.krows, n, d, scores);
+  for (int i = 0; i < R; ++i) {
+    if (lo[i] > p0 || hi[i] < p1) {  // the chunk straddles this row's causal limit or window start
+      for (int64_t t = 0; t < n; ++t) {
+        if (p0 + t < lo[i] || p0 + t >= hi[i]) scores[i][t] = kNegInf;
+      }
+    }
+    alpha[i] = softmax_chunk(scores[i], n, s.m[rows[i]], s.l[rows[i]]);
+  }
+  accumulate_values<R>(scores, n, s.vrows, d, alpha, acc);
+}
+
+template <typename cache_t, typename q_t>
+void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
+  const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
+  const int64_t ctx = p.context_lens[it.seq];
+  const int64_t row0 = p.query_start[it.seq];
+  const int64_t q_len = p.query_start[it.seq + 1] - row0;
+  const int64_t first_pos = ctx - q_len;  // absolute position of the sequence's query token 0
+  const int64_t num_tokens = it.q_end - it.q_begin, num_heads = (it.kv_end - it.kv_begin) * g;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  // rows r = (token i, query head): r = i * num_heads + (kv head - kv_begin) * g + hq; token i sees [lo_i, hi_i)
+  auto hi_of = [&](int64_t i) { return first_pos + it.q_begin + i + 1; };
+  auto lo_of = [&](int64_t i) { return p.window > 0 ? std::max<int64_t>(0, hi_of(i) - p.window) : 0; };
+  auto query_row = [&](int64_t r, int64_t& token, int64_t& head) {
+    token = row0 + it.q_begin + r / num_heads;
+    head = it.kv_begin * g + r % num_heads;
+  };
+
+  for (int64_t r = 0; r < num_tokens * num_heads; ++r) {
+    int64_t token, head;
+    query_row(r, token, head);
+    const q_t* src = static_cast<const q_t*>(p.q) + token * p.q_stride_t + head * p.q_stride_h;
+    float* dst = s.q.data() + r * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = to_float(src[c]) * p.scale_log2;
+    std::fill_n(s.acc.data() + r * d, d, 0.0f);
+    s.m[r] = kNegInf;
+    s.l[r] = 0.0f;
+  }
+
+  const int64_t token_stride = p.num_kv_heads * d, block_stride = bs * token_stride;
+  // this item's slice of a token's row: kv heads [kv_begin, kv_end), contiguous in the cache
+  const cache_t* k = static_cast<const cache_t*>(p.k) + it.kv_begin * d;
+  const cache_t* v = static_cast<const cache_t*>(p.v) + it.kv_begin * d;
+  const int64_t lo_all = lo_of(0), hi_all = hi_of(num_tokens - 1);
+  for (int64_t p0 = lo_all; p0 < hi_all;) {
+    const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
+    const int64_t n = p1 - p0;
+    for (int64_t t = 0; t < n; ++t) {  // slot of position p = block_table[p / bs] * bs + p % bs
+      const int64_t pos = p0 + t;
+      s.offsets[t] = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+    }
+#ifdef BRISK_AVX2
+    {  // ask for the next chunk's rows now: its blocks are unrelated to this one's, so the hardware prefetchers
+       // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
+      const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
+      const int64_t q1 = std::min(hi_all, p1 + kChunk);
+      for (int64_t pos = p1; pos < q1; ++pos) {
+        const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+        const char* kr = reinterpret_cast<const char*>(k + off);
+        const char* vr = reinterpret_cast<const char*>(v + off);
+        for (int64_t b = 0; b < slice_bytes; b += 64) {
+          _mm_prefetch(kr + b, _MM_HINT_T0);
+          _mm_prefetch(vr + b, _MM_HINT_T0);
+        }
+      }
+    }
+#endif
+    for (int64_t j = 0; j < it.kv_end - it.kv_begin; ++j) {
+      chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
+      chunk_rows(v + j * d, s.offsets, n, d, s.vbuf.data(), s.vrows);
+      // the rows of kv head j that see some of the chunk, two at a time so they share key and value loads
+      int64_t num_live = 0;
+      for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t lo = lo_of(i), hi = hi_of(i);
+        if (hi <= p0 || lo >= p1) continue;  // this token sees nothing of the chunk (causal / window)
+        for (int64_t r = i * num_heads + j * g; r < i * num_heads + (j + 1) * g; ++r) {
+          s.live[num_live] = r;
+          s.live_lo[num_live] = lo;
+          s.live_hi[num_live] = hi;
+          ++num_live;
+        }
+      }
+      int64_t x = 0;
+      for (; x + 1 < num_live; x += 2) attend_chunk<2>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+      if (x < num_live) attend_chunk<1>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+    }
+    p0 = p1;
+  }
+
+  for (int64_t r = 0; r < num_tokens * num_heads; ++r) {
+    int64_t token, head;
+    query_row(r, token, head);
+    q_t* dst = static_cast<q_t*>(p.out) + token * p.out_stride_t + head * p.out_stride_h;
+    const float inv = 1.0f / s.l[r];  // l >= 1: every row sees at least its own position
+    const float* acc = s.acc.data() + r * d;
+    for (int64_t c = 0; c < d; ++c) from_float(acc[c] * inv, dst + c);
+  }
+}
+
+template <typename cache_t, typename q_t>
+void run(const Problem& p, std::vector<WorkItem>& items, int64_t max_rows) {
+  // Longest first, handed out by an atomic counter: sequences differ wildly in length (a 2,000-token chunk
+  // next to 1-token decodes), so a static split of the item range would leave one core idle.
+  std::sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(max_rows, p.head_dim);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next++; i < num_items; i = next++) attend_item<cache_t, q_t>(p, items[i], s);
+    }
+  });
+}
+
+void check_layout(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_seqs) {
+  // q, out: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]; block_tables: [B, max_blocks] int32;
+  // context_lens: [B] int32
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "brisk paged attention: CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] tensor, got ",
+              kv_cache.sizes());
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kv_cache.size(4) && q.stride(2) == 1,
+              "q must be [tokens, heads, head_dim] with a contiguous last dim and head_dim = kv_cache.size(4), got ",
+              q.sizes(), " strides ", q.strides(), " vs kv_cache ", kv_cache.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.scalar_type() == q.scalar_type(),
+              "out must be like q ", q.sizes(), " ", q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "query heads (", q.size(1), ") must be a multiple of kv heads (",
+              kv_cache.size(3), ")");
+  TORCH_CHECK(q.size(2) % 8 == 0, "head_dim must be a multiple of 8, got ", q.size(2));
+  const auto ok_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; };
+  TORCH_CHECK(ok_dtype(q.scalar_type()) && ok_dtype(kv_cache.scalar_type()),
+              "q and kv_cache must be float32 or bfloat16, got ", q.scalar_type(), " and ", kv_cache.scalar_type());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.scalar_type() == at::kInt &&
+                  block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [num_seqs=", num_seqs, ", max_blocks] tensor, got ",
+              block_tables.sizes(), " ", block_tables.scalar_type());
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == num_seqs &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int32 [num_seqs=", num_seqs, "] tensor, got ", context_lens.sizes(),
+              " ", context_lens.scalar_type());
+}
+
+// Check every sequence's lengths and the block ids it will read before any thread touches the cache: a bad
+// table would otherwise read out of bounds.
+void check_sequences(const Problem& p, int64_t num_seqs, int64_t num_blocks) {
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t ctx = p.context_lens[b], q_len = p.query_start[b + 1] - p.query_start[b];
+    TORCH_CHECK(q_len >= 1 && ctx >= q_len, "sequence ", b, ": need 1 <= query_len (", q_len,
+                ") <= context_len (", ctx, ")");
+    const int64_t used = (ctx + p.block_size - 1) / p.block_size;
+    TORCH_CHECK(used <= p.max_blocks, "sequence ", b, ": context_len ", ctx, " needs ", used,
+                " blocks but block_tables has ", p.max_blocks, " columns");
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = p.block_tables[b * p.max_blocks + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", b, ": block_tables[", j, "] = ", blk,
+                  " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* query_start,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                    int64_t sliding_window, int64_t q_tile) {
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(query_start[num_seqs] <= q.size(0), "query_start_loc ends at row ", query_start[num_seqs],
+              " but q has ", q.size(0), " rows");
+  TORCH_CHECK(sliding_window >= 0 && q_tile >= 1, "sliding_window must be >= 0 (0 = none), q_tile >= 1");
+  Problem p;
+  p.q = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.out = out.data_ptr();
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  const int64_t cache_half = kv_cache.numel() / 2;  // elements of kv_cache[0]
+  p.k = kv_cache.data_ptr();
+  p.v = static_cast<const char*>(kv_cache.data_ptr()) + cache_half * kv_cache.element_size();
+  p.block_size = kv_cache.size(2);
+  p.num_kv_heads = kv_cache.size(3);
+  p.head_dim = kv_cache.size(4);
+  p.group = q.size(1) / p.num_kv_heads;
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.max_blocks = block_tables.size(1);
+  p.query_start = query_start;
+  p.context_lens = context_lens.data_ptr<int32_t>();
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.window = sliding_window;
+  check_sequences(p, num_seqs, kv_cache.size(1));
+
+  // Work items: (sequence, tile of query tokens, kv heads). An item takes all kv heads of its tokens when there
+  // are enough items to keep every thread busy: a token's K (and V) row is one contiguous run of kvh * head_dim
+  // values, and reading it whole runs at about 3x the bandwidth of reading one head's slice per item (the
+  // prefetchers fetch the neighbouring heads' lines anyway). Few sequences (batch-1 decode) split by head.
+  int64_t num_tiles = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) num_tiles += (query_start[b + 1] - query_start[b] + q_tile - 1) / q_tile;
+  const int64_t heads_per_item = num_tiles >= 4 * at::get_num_threads() ? p.num_kv_heads : 1;
+  std::vector<WorkItem> items;
+  items.reserve(num_tiles * (p.num_kv_heads / heads_per_item));
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = query_start[b + 1] - query_start[b], ctx = p.context_lens[b];
+    for (int64_t t0 = 0; t0 < q_len; t0 += q_tile) {
+      const int64_t t1 = std::min(q_len, t0 + q_tile);
+      const int64_t hi = ctx - q_len + t1;
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, ctx - q_len + t0 + 1 - sliding_window) : 0;
+      for (int64_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
+        items.push_back({b, t0, t1, h, h + heads_per_item, (t1 - t0) * heads_per_item * (hi - lo)});
+      }
+    }
+  }
+  const int64_t max_rows = std::min(q_tile, q.size(0)) * q.size(1);
+  const bool cache_bf16 = kv_cache.scalar_type() == at::kBFloat16, q_bf16 = q.scalar_type() == at::kBFloat16;
+  if (cache_bf16 && q_bf16) run<c10::BFloat16, c10::BFloat16>(p, items, max_rows);
+  else if (cache_bf16) run<c10::BFloat16, float>(p, items, max_rows);
+  else if (q_bf16) run<float, c10::BFloat16>(p, items, max_rows);
+  else run<float, float>(p, items, max_rows);
+}
+
+}  // namespace
+
+// Decode: one query token per sequence, row b of q is sequence b.
+// out, q: [B, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]; block_tables: [B, max_blocks] int32;
+// context_lens: [B] int32 (tokens in the cache including this step's); sliding_window: 0 = none.
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window) {
+  const int64_t num_seqs = block_tables.size(0);
+  check_layout(out, q, kv_cache, block_tables, context_lens, num_seqs);
+  TORCH_CHECK(q.size(0) == num_seqs, "decode: q has ", q.size(0), " rows for ", num_seqs, " sequences");
+  std::vector<int64_t> query_start(num_seqs + 1);
+  for (int64_t b = 0; b <= num_seqs; ++b) query_start[b] = b;
+  attention_impl(out, q, kv_cache, query_start.data(), block_tables, context_lens, scale, sliding_window, 1);
+}
+
+// Prefill / chunked prefill / multi-token verification: sequence b owns rows
+// [query_start_loc[b], query_start_loc[b + 1]) of q and out, and its query tokens are the last ones of its
+// context_lens[b] positions (the earlier ones are read from the cache).
+// out, q: [T, h, d]; query_start_loc: [B + 1] int32 or int64; the rest as for decode; q_tile: query tokens per
+// work item.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& query_start_loc, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, double scale, int64_t sliding_window, int64_t q_tile) {
+  const int64_t num_seqs = block_tables.size(0);
+  check_layout(out, q, kv_cache, block_tables, context_lens, num_seqs);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
+              "query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "], got ", query_start_loc.sizes());
+  const at::Tensor qsl = query_start_loc.to(at::kLong).contiguous();
+  const int64_t* starts = qsl.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] >= 0, "query_start_loc[0] must be >= 0");
+  attention_impl(out, q, kv_cache, starts, block_tables, context_lens, scale, sliding_window, q_tile);
+}
+
+#ifndef BRISK_OPS_NAMESPACE  // overridable only to load two builds side by side when comparing variants
+#define BRISK_OPS_NAMESPACE brisk
+#endif
+
+TORCH_LIBRARY_FRAGMENT(BRISK_OPS_NAMESPACE, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int sliding_window) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, "
+      "Tensor block_tables, Tensor context_lens, float scale, int sliding_window, int q_tile) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(BRISK_OPS_NAMESPACE, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
+
+}  // namespace brisk

@@ -1,0 +1,116 @@
+"""brisk's C++ CPU kernels (every ops/csrc/*.cpp), compiled with torch.utils.cpp_extension on first use.
+
+Nothing is built when `brisk` is imported: the first call that could use a kernel calls `get_ops()`, which
+compiles each source file as its own small extension (in parallel, about 15-25 s each on 2 cores; logged),
+caches the shared libraries under `$TORCH_EXTENSIONS_DIR` or `~/.cache/brisk/ext`, and loads them into
+`torch.ops.brisk`. Later processes reuse the cached builds in well under a second; torch rebuilds a library
+when its source changes. One file per extension, so a kernel that fails to build costs only its own ops.
+
+Every kernel has a pure-PyTorch reference path next to it, taken when
+- its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
+- `BRISK_DISABLE_KERNELS=1` is set (read on every call, so tests can flip it);
+- the tensors are not on the CPU, or a dtype / shape the kernel does not cover.
+Callers ask for an op by name (`get_op`), so a missing one is just "use the reference path".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_lock = threading.Lock()
+_state: dict[str, Any] = {"tried": False, "ops": None}
+
+
+def kernels_disabled() -> bool:
+    """True when BRISK_DISABLE_KERNELS asks for the pure-PyTorch paths."""
+    return os.environ.get("BRISK_DISABLE_KERNELS", "") not in ("", "0")
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    """(tag, compiler flags). Explicit ISA flags rather than -march=native, so a build cached on a shared home
+    directory by a newer CPU cannot crash an older one: the tag is part of the build directory's name."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    if capability.startswith("AVX"):  # AVX2 or AVX512: the kernels use AVX2 + FMA (+ F16C for conversions)
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return base / f"{name}-{py}-torch{torch.__version__.replace('+', '_')}"
+
+
+def _build(source: Path) -> None:
+    """Compile (or load the cached build of) one source file; its TORCH_LIBRARY_FRAGMENT registers its ops."""
+    from torch.utils import cpp_extension
+
+    tag, isa = _isa_flags()
+    name = f"brisk_{source.stem}_{tag}"
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}.so"
+    before = library.stat().st_mtime if library.exists() else None
+    t0 = time.perf_counter()
+    # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP;
+    # the runtime it links (libgomp.so.1) is the one torch already loaded.
+    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *isa],
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                       verbose=False)
+    elapsed = time.perf_counter() - t0
+    if before is None or library.stat().st_mtime != before:
+        logger.warning("brisk: compiled C++ kernels %s (%s) in %.1f s, cached in %s", source.name, tag, elapsed,
+                       directory)
+    else:
+        logger.info("brisk: loaded cached C++ kernels %s (%s) in %.2f s", source.name, tag, elapsed)
+
+
+def _try_build(source: Path) -> bool:
+    try:
+        _build(source)
+        return True
+    # a failed build must never take the engine down: any error here means "use the reference path"
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logger.warning("brisk: C++ kernels %s unavailable (%s: %s); using the PyTorch reference path",
+                       source.name, type(e).__name__, first)
+        return False
+
+
+def get_ops() -> Any | None:
+    """`torch.ops.brisk` once the kernels are built and loaded, or None (disabled, or nothing built)."""
+    if kernels_disabled():
+        return None
+    if not _state["tried"]:
+        with _lock:
+            if not _state["tried"]:
+                sources = list(_SOURCES)
+                with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+                    built = list(pool.map(_try_build, sources))
+                _state["ops"] = torch.ops.brisk if any(built) else None
+                _state["tried"] = True
+    return _state["ops"]
+
+
+def get_op(name: str) -> Callable[..., Any] | None:
+    """The kernel `torch.ops.brisk.<name>`, or None when the reference path must be used."""
+    ops = get_ops()
+    return getattr(ops, name, None) if ops is not None else None

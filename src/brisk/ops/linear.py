@@ -1,0 +1,49 @@
+"""Linear layers for decode: a C++ GEMV/small-GEMM for few rows, F.linear otherwise.
+
+At batch-1 decode a linear layer is a matrix-vector product: it reads every weight once and does 2 flops per
+weight, so its speed is memory bandwidth. MKL's sgemm reaches only ~10 GB/s of this machine's ~24 GB/s for
+M = 1, and its bfloat16 path on an AVX2 CPU is slower still; `linear_small_m` (ops/csrc/linear_small.cpp)
+streams each weight row once per step, 4 rows at a time, and keeps those rows in L1 while it runs them
+against every activation row (M <= MAX_SMALL_M). Larger M is compute-bound and stays with F.linear (MKL).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.ops.kernels import get_op
+
+MAX_SMALL_M = 8  # beyond this many rows, MKL's blocked GEMM wins
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the small-M kernel when it applies. x: [..., K], weight: [N, K] -> [..., N]."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    # bfloat16 at one row: MKL's bf16 GEMV is as fast as the kernel's bf16 -> f32 widening; from 2 rows on the
+    # kernel wins (MKL's bf16 GEMM has no AVX-512 BF16 path on this CPU)
+    small = 0 < rows <= MAX_SMALL_M and (rows > 1 or weight.dtype == torch.float32)
+    if small and x.device.type == "cpu" and weight.is_contiguous():
+        op = get_op("linear_small_m")
+        if op is not None:
+            out = op(x.reshape(rows, x.shape[-1]), weight, bias)  # [rows, N]
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class FastLinear(nn.Linear):
+    """nn.Linear whose forward takes the small-M kernel when it can (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_fast_linear(model: nn.Module) -> int:
+    """Turn every plain nn.Linear in `model` into a FastLinear in place; returns how many were converted."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FastLinear
+            count += 1
+    return count

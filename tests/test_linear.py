@@ -1,0 +1,52 @@
+"""The small-M linear kernel against F.linear, and its fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.ops import kernels
+from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear, use_fast_linear
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = kernels.get_ops()
+    if found is None:
+        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
+    return found
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1539, 576), (576, 1536), (7, 20), (4, 8)])  # odd N and K exercise the tails
+def test_float32_equals_f_linear(ops, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    want = F.linear(x.double(), w.double(), b.double())
+    # float32 accumulation in a different order: error ~ sqrt(K) * eps * |x||w|
+    torch.testing.assert_close(ops.linear_small_m(x, w, b).double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ops.linear_small_m(x, w, None).double(), want - b.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_bfloat16_weights_accumulate_in_float32(ops, m):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=g).bfloat16(), torch.randn(960, 576, generator=g).bfloat16()
+    want = F.linear(x.double(), w.double())  # exact products of the bf16 values
+    got = ops.linear_small_m(x, w, None)
+    assert got.dtype == torch.bfloat16
+    # the only rounding that matters is the final cast to bf16 (relative 2^-8)
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=2**-7)
+
+
+def test_fast_linear_module_and_fallback(ops, monkeypatch):
+    lin = nn.Linear(64, 48)
+    x1, x_big = torch.randn(1, 3, 64), torch.randn(MAX_SMALL_M + 4, 64)
+    want1, want_big = lin(x1), lin(x_big)
+    assert use_fast_linear(nn.Sequential(lin)) == 1 and type(lin) is FastLinear
+    torch.testing.assert_close(lin(x1), want1, atol=1e-5, rtol=1e-5)  # [1, 3, 64]: 3 rows, kernel path
+    torch.testing.assert_close(lin(x_big), want_big)  # many rows: F.linear
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    torch.testing.assert_close(linear(x1, lin.weight, lin.bias), want1)  # reference path, same values
