@@ -166,7 +166,8 @@ def chat(system: str | None, **kw: Any) -> None:
               help="Require 'Authorization: Bearer KEY' on /v1 routes (also from env BRISK_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model name clients use (default: the model's own name).")
 @click.option("--max-waiting", type=int, default=128, show_default=True,
-              help="Sequences admitted beyond the running batch; more are refused with 503 + Retry-After.")
+              help="Admission cap: at most max-num-seqs + max-waiting sequences (running or queued) are held; "
+                   "requests beyond it are refused with 503 + Retry-After.")
 @click.option("--cors-origins", default=None,
               help="Comma-separated origins allowed by CORS, or '*' (default: CORS off).")
 @click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
