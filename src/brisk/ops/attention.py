@@ -117,11 +117,15 @@ def build_reference_indices(meta: AttentionMetadata, block_size: int) -> Referen
     return ReferenceIndices(decode_slots, decode_mask, prefills)
 
 
+def flat_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one layer's cache by slot: [2, num_blocks, block_size, kvh, d] -> 2 x [num_slots, kvh, d]."""
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    return kv_cache[0].view(num_slots, *kv_cache.shape[3:]), kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values. kv_cache: [2, num_blocks, block_size, kvh, d]; k, v: [T, kvh, d]."""
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    k_flat = kv_cache[0].view(num_slots, *kv_cache.shape[3:])  # [num_slots, kvh, d]
-    v_flat = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+    k_flat, v_flat = flat_kv(kv_cache)
     k_flat.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
@@ -170,9 +174,7 @@ def _decode_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    k_flat = kv_cache[0].view(num_slots, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(num_slots, num_kv_heads, head_dim)
+    k_flat, v_flat = flat_kv(kv_cache)
     slots = ref.decode_context_slots  # [Bd, L]
     bd, lmax = slots.shape
     qd = q[:num_decodes].reshape(bd, num_kv_heads, group, head_dim)  # [Bd, kvh, g, d]
@@ -188,12 +190,10 @@ def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """One SDPA per sequence: against this step's k/v when there is no prior context, else the gathered cache."""
     if not prefills:
         return
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    k_flat = kv_cache[0].view(num_slots, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(num_slots, num_kv_heads, head_dim)
+    k_flat, v_flat = flat_kv(kv_cache)
     for p in prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
