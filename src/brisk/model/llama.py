@@ -17,6 +17,7 @@ from torch import nn
 from brisk.model.config import ModelConfig
 from brisk.model.rope import RotaryEmbedding, apply_rope
 from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
+from brisk.ops.fused import add_rms_norm, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +26,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
-        # statistics in float32, the weight applied in the model dtype, as HF does
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, residual += x in place and (norm(residual), residual).
+
+        Statistics in float32, the weight applied in the model dtype, as HF does (ops.fused has both paths).
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -73,8 +78,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 I] -> 2 x [T, I]
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2 I] -> silu(gate) * up: [T, I]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -86,10 +90,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream without it), as in vLLM.
+
+        The hidden state is residual + x; each residual add is fused into the norm that follows it, which
+        updates `residual` in place. The first layer gets residual None: the embeddings are the stream.
+        """
+        if residual is None:
+            residual = x  # [T, hidden] from the embedding lookup: a fresh tensor, ours to update in place
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -131,14 +146,20 @@ class LlamaForCausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_caches: list[torch.Tensor], context_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's output after the final norm: [T, hidden], ready for lm_head."""
         assert self.rope is not None, "call init_rope() after loading weights"
         cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache)
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        x, _ = self.model.norm(x, residual)  # the last residual add, fused into the final norm
         return x
 
     def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden: [T, hidden], final-normed (from `hidden_states`) -> logits of the rows that need them."""
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [N, hidden]
-        return self.lm_head(self.model.norm(hidden))  # [N, vocab]
+        return self.lm_head(hidden)  # [N, vocab]

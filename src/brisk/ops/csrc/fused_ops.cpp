@@ -1,0 +1,249 @@
+// Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up.
+//
+// At batch-1 decode each of these is a few hundred to a few thousand floats, so the cost is the number of ops,
+// not the arithmetic: ATen's rms_norm is ~8 ops (pow, mean, add, rsqrt, mul, to, mul, ...) and SwiGLU is 3
+// (chunk, silu, mul). Here each is one pass over its rows. Rounding follows the modules they replace:
+//   rms_norm, float32:  x * r * w                    r = 1 / sqrt(mean(x^2) + eps), all float32
+//   rms_norm, bfloat16: bf16(w * bf16(x * r))        statistics in float32; HF's `weight * normed.to(dtype)`
+//   silu_mul, bfloat16: bf16(bf16(silu(g)) * u)      F.silu(gate) * up in bf16 rounds twice; so does this
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+
+namespace {
+
+// Rows of work below which one thread does it all: waking the OpenMP pool costs more (several us) than
+// normalizing a few rows (a 576-wide row is ~0.1 us). Chosen so each task gets >= ~32K elements.
+constexpr int64_t kElementsPerTask = 32 * 1024;
+
+inline int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(1, width));
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// ---- 8-wide loads and stores for float and bfloat16 (bf16 = the high 16 bits of a float) ----
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// float -> bf16 with round-to-nearest-even, NaN kept a (quiet) NaN: the same rounding as c10::BFloat16.
+inline __m128i to_bf16_8(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  __m256i hi = _mm256_srli_epi32(rounded, 16);
+  __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  hi = _mm256_blendv_epi8(hi, _mm256_set1_epi32(0x7FC0), is_nan);
+  // 8 x u32 (each <= 0xFFFF) -> 8 x u16: pack the two 128-bit halves
+  return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_8(v)); }
+// what a float becomes once stored in T and read back (identity for float)
+inline __m256 round_to(__m256 v, const float*) { return v; }
+inline __m256 round_to(__m256 v, const at::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(v)), 16));
+}
+
+// Scalar tails go through the same 8-wide code on a zero-padded copy, so a tail element is computed exactly
+// like a body element (no second scalar formula whose rounding could differ).
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t n) {
+  T buf[8];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, n * sizeof(T));
+  return load8(buf);
+}
+template <typename T>
+inline void store_tail(T* p, __m256 v, int64_t n) {
+  T buf[8];
+  store8(buf, v);
+  std::memcpy(static_cast<void*>(p), buf, n * sizeof(T));
+}
+
+// ---- RMSNorm ----
+
+// out = norm(x) * w for one row of H; when add != nullptr, first x := x + add is written back to x (the
+// residual stream), rounded to T as a separate `residual + x` op would round it.
+template <typename T>
+inline void rms_norm_row(T* x, const T* add, const T* w, T* out, int64_t H, float eps) {
+  const int64_t body = H - H % 8;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  int64_t k = 0;
+  if (add != nullptr) {
+    for (; k < body; k += 8) {
+      __m256 v = round_to(_mm256_add_ps(load8(x + k), load8(add + k)), x);
+      store8(x + k, v);
+      acc0 = _mm256_fmadd_ps(v, v, acc0);
+    }
+    if (k < H) {
+      __m256 v = round_to(_mm256_add_ps(load_tail(x + k, H - k), load_tail(add + k, H - k)), x);
+      store_tail(x + k, v, H - k);
+      acc1 = _mm256_fmadd_ps(v, v, acc1);
+    }
+  } else {
+    for (; k + 16 <= body; k += 16) {  // two accumulators: the FMA latency chain is the bottleneck here
+      __m256 a = load8(x + k), b = load8(x + k + 8);
+      acc0 = _mm256_fmadd_ps(a, a, acc0);
+      acc1 = _mm256_fmadd_ps(b, b, acc1);
+    }
+    for (; k < body; k += 8) {
+      __m256 a = load8(x + k);
+      acc0 = _mm256_fmadd_ps(a, a, acc0);
+    }
+    if (k < H) {
+      __m256 a = load_tail(x + k, H - k);
+      acc1 = _mm256_fmadd_ps(a, a, acc1);
+    }
+  }
+  const float ms = hsum(_mm256_add_ps(acc0, acc1)) / static_cast<float>(H);
+  const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(ms + eps));
+  auto norm = [&](__m256 xv, __m256 wv) {
+    // float32: (x * r) * w; bf16: w * bf16(x * r), then rounded once more on store
+    return _mm256_mul_ps(round_to(_mm256_mul_ps(xv, r), x), wv);
+  };
+  for (k = 0; k < body; k += 8) store8(out + k, norm(load8(x + k), load8(w + k)));
+  if (k < H) store_tail(out + k, norm(load_tail(x + k, H - k), load_tail(w + k, H - k)), H - k);
+}
+
+template <typename T>
+void rms_norm_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      rms_norm_row(x + r * H, add != nullptr ? add + r * H : nullptr, w, out + r * H, H, eps);
+  });
+}
+
+void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, H], got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
+              " != x dtype ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be [H] = [", x.size(1),
+              "], got ", weight.sizes());
+}
+
+// ---- SiLU(gate) * up ----
+
+// e^x for x <= 0 (the only range silu needs, see below): x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor
+// series to degree 7 (truncation r^8/8! < 6e-9, under float32's 6e-8 ulp), 2^n put into the exponent bits.
+// Below -87.3 the result would be subnormal: flushed to 0 there (silu's value there is below 1e-36 anyway).
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // Cody-Waite: ln2 split in a part exact in float (so n * hi is exact) and the rest
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n in [-126, 0]: 2^n = float with biased exponent n + 127
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// silu(g) = g / (1 + e^-g). Written with e = e^-|g| <= 1 so the exponential never overflows:
+//   g >= 0: g / (1 + e)        g < 0: g e / (1 + e)
+inline __m256 silu8(__m256 g) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 e = exp_nonpositive(_mm256_or_ps(g, sign));  // -|g|
+  __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+  auto f = [&](__m256 g, __m256 u) { return _mm256_mul_ps(round_to(silu8(g), out), u); };
+  int64_t k = 0;
+  for (; k + 8 <= I; k += 8) store8(out + k, f(load8(gate + k), load8(up + k)));
+  if (k < I) store_tail(out + k, f(load_tail(gate + k, I - k), load_tail(up + k, I - k)), I - k);
+}
+
+}  // namespace
+
+// x: [T, H], weight: [H], same dtype (float32 or bfloat16), contiguous -> [T, H]
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args("rms_norm", x, weight);
+  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), static_cast<const float*>(nullptr), weight.data_ptr<float>(),
+                  out.data_ptr<float>(), T, H, static_cast<float>(eps));
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(nullptr),
+                  weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  return out;
+}
+
+// residual += x (in place), then -> rms_norm(residual, weight): vLLM's fused_add_rms_norm, one pass per row.
+// x, residual: [T, H]; weight: [H]; all one dtype, contiguous.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_norm_args("add_rms_norm", residual, weight);
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x ", x.sizes(), " and residual ", residual.sizes(),
+              " must have one shape");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.is_contiguous(),
+              "add_rms_norm: x must be contiguous and of residual's dtype");
+  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                  T, H, static_cast<float>(eps));
+  else
+    rms_norm_rows(residual.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  return out;
+}
+
+// gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> silu(gate) * up [T, I]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2I], got ",
+              gate_up.sizes());
+  TORCH_CHECK(gate_up.is_contiguous(), "silu_mul: gate_up must be contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+              "silu_mul: gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  auto run = [&](auto* gu, auto* o) {
+    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, o + r * I, I);
+    });
+  };
+  if (gate_up.scalar_type() == at::kFloat)
+    run(gate_up.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+}

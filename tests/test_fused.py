@@ -1,0 +1,176 @@
+"""The fused RMSNorm / add + RMSNorm / SiLU-mul kernels against their PyTorch references and a float64 oracle,
+the reference paths against the kernels, and a whole model with the kernels on and off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hf_utils import make_tiny_hf_model
+
+from brisk import LLM, SamplingParams
+from brisk.model.loader import load_model
+from brisk.ops import kernels
+from brisk.ops.attention import AttentionMetadata, PrefillSeq
+from brisk.ops.fused import add_rms_norm, rms_norm, rms_norm_reference, silu_mul, silu_mul_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 3, 64]  # decode, a few decodes, a prefill chunk (64 x 576 is past the threading threshold)
+WIDTHS = [576, 64, 100]  # SmolLM2's hidden size, one 8-wide block multiple, and 100 = 12 x 8 + a 4-wide tail
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """Build (or load the cached build of) the extension once, whatever the environment says."""
+    saved = os.environ.pop("BRISK_DISABLE_KERNELS", None)
+    try:
+        found = kernels.get_ops()
+    finally:
+        if saved is not None:
+            os.environ["BRISK_DISABLE_KERNELS"] = saved
+    if found is None or not hasattr(found, "rms_norm"):
+        pytest.fail("the fused C++ kernels did not build; see the warning logged by brisk.ops.kernels")
+    return found
+
+
+def inputs(rows: int, width: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """x [rows, width] with a spread of row scales (the norm must undo each), a residual and a weight near 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    residual = torch.randn(rows, width, generator=g)
+    weight = 1 + 0.3 * torch.randn(width, generator=g)
+    return x.to(dtype), residual.to(dtype), weight.to(dtype)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        # the same float32 formula summed in another order: a few ulps of the result
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        # Both round the same float32 value to bf16; the sums differ in the last float32 bits, which can move
+        # a value across a rounding boundary: at most one bf16 ulp (relative 2^-8 .. 2^-7), and rarely.
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+        assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rms_norm_equals_reference(ops, dtype, rows, width):
+    x, _, w = inputs(rows, width, dtype, seed=rows * width)
+    got = ops.rms_norm(x, w, EPS)
+    assert_matches(got, rms_norm_reference(x, w, EPS))
+    if dtype == torch.float32:  # and the textbook formula in float64: float32 rounding only
+        x64 = x.double()
+        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm_equals_add_then_norm(ops, dtype, rows, width):
+    x, residual, w = inputs(rows, width, dtype, seed=rows + width)
+    want_residual = residual + x  # rounded to dtype, as a separate add would be
+    want = rms_norm_reference(want_residual, w, EPS)
+    got = ops.add_rms_norm(x, residual, w, EPS)
+    assert torch.equal(residual, want_residual)  # the sum is written back into residual, bit for bit
+    assert_matches(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_silu_mul_equals_reference(ops, dtype, rows, width):
+    g = torch.Generator().manual_seed(rows * 7 + width)
+    gate_up = (4 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (rows, width)
+    assert_matches(got, silu_mul_reference(gate_up))
+
+
+def test_silu_over_the_whole_float_range(ops):
+    """The kernel's own exp: within a few float32 ulps of float64 silu from -120 to 120 (where e^-g overflows
+    and e^g underflows), and exactly silu(0) = 0."""
+    g = torch.linspace(-120, 120, 48_001)
+    gate_up = torch.stack([g, torch.ones_like(g)]).reshape(1, -1)  # [1, 2I]: gate = g, up = 1
+    got = ops.silu_mul(gate_up)[0].double()
+    want = torch.nn.functional.silu(g.double())
+    assert torch.isfinite(got).all()
+    # relative 4 ulps (2^-21) where the value is a normal float; below g = -87.3 the kernel flushes e^g to 0,
+    # an absolute error of at most 87.3 e^-87.3 ~ 1.1e-36
+    torch.testing.assert_close(got, want, atol=1.2e-36, rtol=2**-21)
+    assert ops.silu_mul(torch.zeros(1, 16))[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reference_path_equals_kernel_path(ops, monkeypatch, dtype):
+    """The public functions, kernels on, then BRISK_DISABLE_KERNELS=1: same values, same in-place contract."""
+    x, residual, w = inputs(5, 100, dtype, seed=11)
+    x = x.view(5, 1, 100)  # [..., H]: the wrappers flatten leading dims for the kernel
+    residual = residual.view(5, 1, 100)
+    gate_up = torch.randn(5, 1, 200).to(dtype)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        r = residual.clone()
+        normed, returned = add_rms_norm(x, r, w, EPS)
+        assert returned is r  # the caller's residual tensor, updated in place, is what comes back
+        return rms_norm(x, w, EPS), normed, r, silu_mul(gate_up)
+
+    fast = run()
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    assert kernels.get_op("rms_norm") is None
+    slow = run()
+    for got, want in zip(fast, slow, strict=True):
+        assert_matches(got, want)
+    assert torch.equal(fast[2], slow[2]) and torch.equal(slow[2], residual + x)
+
+
+def test_unsupported_inputs_take_the_reference_path(ops):
+    x, residual, w = inputs(3, 64, torch.float32, seed=12)
+    # float16, a non-contiguous x, a weight of another dtype: the kernel refuses them, the wrapper falls back
+    half = x.half()
+    torch.testing.assert_close(rms_norm(half, w.half(), EPS), rms_norm_reference(half, w.half(), EPS))
+    strided = torch.randn(64, 3).t()  # [3, 64] view, rows not contiguous
+    assert_matches(rms_norm(strided, w, EPS), rms_norm_reference(strided, w, EPS))
+    mixed = rms_norm(x.bfloat16(), w, EPS)  # bf16 x, float32 weight: promoted to float32 as HF's module does
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, rms_norm_reference(x.bfloat16(), w, EPS))
+    r = residual.clone()
+    normed, returned = add_rms_norm(strided, r, w, EPS)  # the reference path keeps the in-place contract
+    assert returned is r and torch.equal(r, residual + strided)
+    assert_matches(normed, rms_norm_reference(residual + strided, w, EPS))
+    gu = torch.randn(2, 8, 3).transpose(1, 2)  # [2, 3, 8], not contiguous
+    assert_matches(silu_mul(gu), silu_mul_reference(gu))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(x, w[:10], EPS)
+    with pytest.raises(RuntimeError, match="must have one shape"):
+        ops.add_rms_norm(x[:2], residual, w, EPS)
+
+
+def test_model_with_kernels_on_and_off(tmp_path, ops, monkeypatch):
+    """A whole tiny model (intermediate 100: silu_mul's tail) through both paths: close logits, same tokens."""
+    make_tiny_hf_model(tmp_path, "llama", intermediate_size=100, seed=6)
+    loaded = load_model(tmp_path)
+    c = loaded.config
+    ids = torch.randint(3, c.vocab_size, (24,), generator=torch.Generator().manual_seed(5))
+    llm = LLM(str(tmp_path), max_model_len=128, kv_cache_memory="2MiB")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def logits_and_tokens() -> tuple[torch.Tensor, list[int]]:
+        kv = [torch.zeros(2, 2, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+        meta = AttentionMetadata(slot_mapping=torch.arange(24), prefills=[PrefillSeq(0, 24, 24, None, None)])
+        with torch.inference_mode():
+            logits = loaded.model(ids, torch.arange(24), meta, kv)
+        return logits, llm.generate([ids[:8].tolist()], params)[0].outputs[0].token_ids
+
+    fast_logits, fast_tokens = logits_and_tokens()
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    slow_logits, slow_tokens = logits_and_tokens()
+    assert fast_logits.shape == (24, c.vocab_size)
+    # float32 rounding differences through 2 layers (the attention and linear kernels differ as well)
+    torch.testing.assert_close(fast_logits, slow_logits, atol=1e-4, rtol=1e-4)
+    assert fast_tokens == slow_tokens
