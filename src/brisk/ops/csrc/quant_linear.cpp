@@ -1,0 +1,483 @@
+// Weight-only quantized linear: out[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias), W_hat decoded on the fly from
+// 8/4/3/2-bit codes (affine: w = scale * q + min, min = -scale * zero) or 4-bit codebook codes (w = scale * lut[q]).
+//
+// Arithmetic. Per group g of G elements (G a multiple of 32), with s = scale[n, g] and m = min[n, g]:
+//   dot(x_g, w_g) = s * dot(x_g, q_g) + m * sum(x_g)
+// so the weights are never formed: the inner loop multiplies activations by the codes, s is applied once per
+// (row, group) to the partial dot product (or, for 32-element groups, to the 4 decoded vectors of the block,
+// shared by all activation rows of the tile), and the m term is one short dot(min[n, :], xsum[row, :]) per
+// output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Each weight block is
+// decoded once per tile of up to 4 activation rows, in registers, and a chunk of packed rows stays in L1 while
+// the tiles of a larger M run over it: the weights stream from memory once per call.
+//
+// Layout (made by brisk.ops.qlinear.prepack, not the checkpoint layout): each row is cut into blocks of 32
+// elements, one block in 32 * bits / 8 bytes. The decoder turns a block into 4 vectors of 8 float lanes; lane l of
+// vector i holds element e = 8 i + l. The bytes are permuted so that one load (or broadcast load) puts every
+// element's code in a fixed bit field of its lane:
+//
+//   8 bits: 32 bytes, 8 dwords; lane l = dword l, element 8 i + l in byte i          field offset 8 i
+//   4 bits: 16 bytes broadcast to both 128-bit halves; lane l = dword l % 4, element 8 i + l in nibble
+//           2 i + l / 4                                                               field offset 8 i + 4 (l / 4)
+//   2 bits: 8 bytes broadcast to all four 64-bit quarters; lane l = dword l % 2, element 8 i + l in crumb
+//           4 i + l / 2                                                               field offset 8 i + 2 (l / 2)
+//   3 bits: 12 bytes holding the 12-bit fields F_l = sum_i q[8 i + l] << 3 i, F_l at bit 12 l; a byte shuffle
+//           copies bytes floor(1.5 l) and floor(1.5 l) + 1 into lane l                field offset 4 (l % 2) + 3 i
+//
+// and the decode is a mask: and(lane, ((1 << bits) - 1) << offset) converted to float is q * 2^offset, exact.
+// The factor 2^offset is folded into the activations instead, once per call: x'[e] = x[e] * 2^-offset(e), and
+// x'[e] * (q_e * 2^offset(e)) == x[e] * q_e exactly (powers of two; offsets are at most 28, so only activations
+// below ~3e-30 in magnitude, whose products vanish anyway, could turn subnormal). So unpacking 8 codes costs one
+// AND and one int->float conversion, with no shifts or shuffles. The one exception is the top field of a lane,
+// whose 2^offset could reach the int32 sign bit: vector 3 of the 8/4/2-bit layouts is shifted right first (by
+// 24, 4 and 2 bits) and its offsets shrink by as much. Codebook (NF4) codes index a 16-entry table instead: a
+// variable shift brings each code to bit 0, two 8-entry permutes look up both halves of the table, and a blend on
+// bit 3 of the code picks one; the activations are then used as they are.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// software prefetch distance in the packed codes: at M = 1 the hardware prefetcher alone leaves int8 at ~12 GB/s
+// on a ~15 GB/s box; a prefetch ~1 KiB ahead (a few rows) brings it to ~15 (int4: 10.5 -> 11.8 GB/s)
+constexpr int64_t kPrefetchBytes = 1024;
+
+struct QW {
+  const uint8_t* data;   // [N, row_bytes]
+  int64_t row_bytes;     // K / 32 * BPB
+  const float* scales;   // [N, ngroups]
+  const float* mins;     // [N, ngroups]; nullptr in codebook mode
+  int64_t ngroups;
+  int64_t blocks_per_group;
+  int64_t nblocks;       // K / 32
+  __m256 lut_lo, lut_hi; // codebook entries 0-7 and 8-15 (codebook mode)
+};
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// Bit offset of element 8 i + l's code within lane l of decoded vector i (after vector 3's pre-shift).
+template <int BITS>
+constexpr int field_offset(int i, int l) {
+  if (BITS == 8) return i < 3 ? 8 * i : 0;
+  if (BITS == 4) return i < 3 ? 8 * i + 4 * (l / 4) : 20 + 4 * (l / 4);
+  if (BITS == 2) return i < 3 ? 8 * i + 2 * (l / 2) : 22 + 2 * (l / 2);
+  return 4 * (l % 2) + 3 * i;  // 3 bits
+}
+
+// Right shift applied to the block before decoding vector 3, so that no field reaches the int32 sign bit.
+template <int BITS>
+constexpr int top_shift() { return BITS == 8 ? 24 : (BITS == 4 ? 4 : (BITS == 2 ? 2 : 0)); }
+
+template <int BITS, int I>
+inline __m256i field_mask() {
+  constexpr int q = (1 << BITS) - 1;
+  return _mm256_setr_epi32(q << field_offset<BITS>(I, 0), q << field_offset<BITS>(I, 1),
+                           q << field_offset<BITS>(I, 2), q << field_offset<BITS>(I, 3),
+                           q << field_offset<BITS>(I, 4), q << field_offset<BITS>(I, 5),
+                           q << field_offset<BITS>(I, 6), q << field_offset<BITS>(I, 7));
+}
+
+// Shift counts that bring each lane's code of vector I to bit 0 (codebook mode, 4 bits).
+template <int I>
+inline __m256i code_shift() {
+  constexpr int t = I == 3 ? top_shift<4>() : 0;
+  return _mm256_setr_epi32(field_offset<4>(I, 0) + t, field_offset<4>(I, 1) + t, field_offset<4>(I, 2) + t,
+                           field_offset<4>(I, 3) + t, field_offset<4>(I, 4) + t, field_offset<4>(I, 5) + t,
+                           field_offset<4>(I, 6) + t, field_offset<4>(I, 7) + t);
+}
+
+// The 2^-offset factor of element e (0..31) of a block: activations are multiplied by it once per call.
+template <int BITS, bool LUT>
+float x_factor(int e) {
+  return LUT ? 1.f : std::ldexp(1.f, -field_offset<BITS>(e / 8, e % 8));
+}
+
+// One block (32 elements) at p as a vector whose lanes hold the bit fields described at the top of the file.
+// `tail`: the block is the last of its row, so the 3-bit loader must not read past its 12 bytes.
+template <int BITS>
+inline __m256i load_block(const uint8_t* p, bool tail) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else if constexpr (BITS == 4) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (BITS == 2) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+  } else {
+    static_assert(BITS == 3, "bits must be 8, 4, 3 or 2");
+    __m128i raw;
+    if (tail) {  // 8 + 4 bytes: never touch the byte after the row
+      int32_t hi;
+      std::memcpy(&hi, p + 8, 4);
+      raw = _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), hi, 2);
+    } else {
+      raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 4 bytes of the next block ride along
+    }
+    // lane l <- bytes floor(1.5 l), floor(1.5 l) + 1 (the shuffle works within each 128-bit half, and both halves
+    // hold the same 16 bytes)
+    const __m256i gather = _mm256_setr_epi8(0, 1, -1, -1, 1, 2, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1,
+                                            6, 7, -1, -1, 7, 8, -1, -1, 9, 10, -1, -1, 10, 11, -1, -1);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), gather);
+  }
+}
+
+// codes at bit 0 of each lane (junk above bit 3 is ignored) -> codebook values: the permutes read bits 0-2, the
+// blend reads the sign bit, where the shift puts bit 3
+inline __m256 lookup(__m256i q, const QW& p) {
+  const __m256 lo = _mm256_permutevar8x32_ps(p.lut_lo, q);
+  const __m256 hi = _mm256_permutevar8x32_ps(p.lut_hi, q);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+}
+
+// Decode one block into w[0..3]: q * 2^offset (affine codes) or codebook values (LUT), lane l of w[i] being
+// element 8 i + l.
+template <int BITS, bool LUT>
+inline void decode(const uint8_t* p, bool tail, const QW& qw, __m256 w[4]) {
+  const __m256i d = load_block<BITS>(p, tail);
+  if constexpr (LUT) {
+    static_assert(BITS == 4, "codebook codes are 4-bit");
+    w[0] = lookup(_mm256_srlv_epi32(d, code_shift<0>()), qw);
+    w[1] = lookup(_mm256_srlv_epi32(d, code_shift<1>()), qw);
+    w[2] = lookup(_mm256_srlv_epi32(d, code_shift<2>()), qw);
+    w[3] = lookup(_mm256_srlv_epi32(d, code_shift<3>()), qw);
+  } else {
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(d, field_mask<BITS, 0>()));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(d, field_mask<BITS, 1>()));
+    w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(d, field_mask<BITS, 2>()));
+    if constexpr (BITS == 8) {
+      w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 24));  // the top byte needs no mask
+    } else if constexpr (top_shift<BITS>() > 0) {
+      w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, top_shift<BITS>()), field_mask<BITS, 3>()));
+    } else {
+      w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(d, field_mask<BITS, 3>()));
+    }
+  }
+}
+
+// a[0:n] . b[0:n] added into the lanes of acc (8 at a time; the masked load of the tail never touches memory
+// past the end)
+inline __m256 dot_into(__m256 acc, const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
+  }
+  return acc;
+}
+
+// Weight row n against MT activation rows. NV independent accumulators per activation row keep at least 6 FMA
+// chains in flight (FMA latency 4, two per cycle) even for one activation row, without spilling registers.
+// SCALED (32-element groups): the decoded codes are multiplied by the block's scale (4 multiplies per block, shared
+// by the MT rows); otherwise the raw codes are accumulated and the scale applied once per group and activation row.
+// Either way the min term comes from xsum at the end.
+// xq: [MT, K] prescaled activations (row stride K); xsum: [MT, ngroups] (affine codes only); out: [MT, ldo] at
+// column n.
+template <int BITS, bool LUT, bool SCALED, int MT>
+void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum, float* out, int64_t ldo) {
+  constexpr int NV = MT <= 2 ? 4 : 2;
+  constexpr int BPB = 32 * BITS / 8;
+  __m256 acc[MT][NV], tot[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = _mm256_setzero_ps();
+    for (int a = 0; a < NV; ++a) acc[m][a] = _mm256_setzero_ps();
+  }
+  const uint8_t* wp = p.data + n * p.row_bytes;
+  const uint8_t* const wend = wp + p.row_bytes;
+  const float* sp = p.scales + n * p.ngroups;
+  const float* xk = xq;
+  // one flat loop over the row's blocks (a nested group/block loop costs a loop setup per group, which is most of
+  // the time for 32-element groups); `left` counts down the blocks left in the current group
+  int64_t left = p.blocks_per_group;
+  for (; wp < wend; wp += BPB, xk += kBlock) {
+    __m256 w[4];
+    _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+    decode<BITS, LUT>(wp, wp + BPB == wend, p, w);
+    if constexpr (SCALED) {  // one group per block
+      const __m256 s = _mm256_broadcast_ss(sp++);
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < 4; ++i)
+        acc[m][i % NV] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xk + m * K + 8 * i), acc[m][i % NV]);
+    if constexpr (!SCALED) {
+      if (--left == 0) {  // end of a group: tot += s * dot(x_g, q_g)
+        left = p.blocks_per_group;
+        const __m256 s = _mm256_broadcast_ss(sp++);
+        for (int m = 0; m < MT; ++m) {
+          __m256 a = acc[m][0];
+          for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
+          tot[m] = _mm256_fmadd_ps(a, s, tot[m]);
+          for (int i = 0; i < NV; ++i) acc[m][i] = _mm256_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 a = tot[m];
+    if constexpr (SCALED) {
+      a = acc[m][0];
+      for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
+    }
+    // + sum_g min_g * sum(x_g)
+    if constexpr (!LUT) a = dot_into(a, p.mins + n * p.ngroups, xsum + m * p.ngroups, p.ngroups);
+    out[m * ldo + n] = hsum(a);
+  }
+}
+
+constexpr int kMaxTileRows = 4;
+
+template <int BITS, bool LUT, bool SCALED, int MT>
+void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t K, const float* xsum, float* out,
+               int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) tile<BITS, LUT, SCALED, MT>(p, n, xq, K, xsum, out, ldo);
+}
+
+// Weight rows n0 .. n1-1 against all M activation rows, one tile of up to 4 activation rows at a time. The caller
+// keeps n1 - n0 small enough that those packed rows stay in L1 from one tile to the next, and one tile of
+// activations (4 K floats) stays in L1 across the rows: every byte of weights comes from memory once per call.
+template <int BITS, bool LUT, bool SCALED>
+void run_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t M, int64_t K, const float* xsum,
+              float* out, int64_t ldo) {
+  int64_t m = 0;
+  auto xs = [&](int64_t row) { return xsum ? xsum + row * p.ngroups : nullptr; };
+  for (; m + kMaxTileRows <= M; m += kMaxTileRows)
+    tile_rows<BITS, LUT, SCALED, kMaxTileRows>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo);
+  switch (M - m) {
+    case 1: tile_rows<BITS, LUT, SCALED, 1>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
+    case 2: tile_rows<BITS, LUT, SCALED, 2>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
+    case 3: tile_rows<BITS, LUT, SCALED, 3>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+template <int BITS, bool LUT>
+void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const float* xsum, float* out) {
+  // per-element scaling pays 4 multiplies per block; per-group scaling pays ~2 ops per activation row and group
+  const bool scaled = p.blocks_per_group == 1;
+  // rows per chunk: their packed codes (<= 4 KiB) stay in L1 while the activation tiles run over them
+  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);
+  // grain: rows per task such that a task streams >= ~32 KiB of codes
+  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t c = n0; c < n1; c += chunk) {
+      const int64_t c1 = std::min(n1, c + chunk);
+      if (scaled) run_rows<BITS, LUT, true>(p, c, c1, xq, M, K, xsum, out, N);
+      else run_rows<BITS, LUT, false>(p, c, c1, xq, M, K, xsum, out, N);
+    }
+  });
+}
+
+int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
+
+QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_linear: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "quant_linear: data must be a contiguous uint8 [N, K * bits / 8] tensor");
+  const int64_t N = data.size(0);
+  const int64_t ngroups = K / group_size;
+  TORCH_CHECK(data.size(1) == K / kBlock * block_bytes(bits), "quant_linear: data has ", data.size(1),
+              " bytes per row, expected ", K / kBlock * block_bytes(bits));
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear: scales must be float32 [N, K / G]");
+  QW p{};
+  p.data = data.data_ptr<uint8_t>();
+  p.row_bytes = data.size(1);
+  p.scales = scales.data_ptr<float>();
+  p.mins = nullptr;
+  if (mins.has_value() && mins->defined()) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "quant_linear: mins must be float32 and shaped like scales");
+    p.mins = mins->data_ptr<float>();
+  }
+  p.ngroups = ngroups;
+  p.blocks_per_group = group_size / kBlock;
+  p.nblocks = K / kBlock;
+  p.lut_lo = p.lut_hi = _mm256_setzero_ps();
+  if (codebook.has_value() && codebook->defined()) {
+    TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
+                codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
+    TORCH_CHECK(p.mins == nullptr, "quant_linear: codebook codes take no mins");
+    p.lut_lo = _mm256_loadu_ps(codebook->data_ptr<float>());
+    p.lut_hi = _mm256_loadu_ps(codebook->data_ptr<float>() + 8);
+  } else {
+    TORCH_CHECK(p.mins != nullptr, "quant_linear: affine codes need mins (-scale * zero)");
+  }
+  return p;
+}
+
+template <typename F>
+void dispatch(int64_t bits, bool lut, F&& f) {
+  switch (bits) {
+    case 8: f(std::integral_constant<int, 8>{}, std::false_type{}); break;
+    case 4:
+      if (lut) f(std::integral_constant<int, 4>{}, std::true_type{});
+      else f(std::integral_constant<int, 4>{}, std::false_type{});
+      break;
+    case 3: f(std::integral_constant<int, 3>{}, std::false_type{}); break;
+    default: f(std::integral_constant<int, 2>{}, std::false_type{}); break;
+  }
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The activations as the kernel reads them, made once per call in one pass over x:
+//   xq[m, k] = x[m, k] * 2^-offset(k % 32)   (cancels the 2^offset the decoder leaves on each code)
+//   xsum[m, g] = sum(x[m, g G : (g + 1) G])   (the min term's partner)
+template <int BITS, bool LUT, typename T>
+void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xq, float* xsum) {
+  __m256 f[4];
+  for (int i = 0; i < 4; ++i) {
+    float v[8];
+    for (int l = 0; l < 8; ++l) v[l] = x_factor<BITS, LUT>(8 * i + l);
+    f[i] = _mm256_loadu_ps(v);
+  }
+  const int64_t ngroups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += kBlock) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256 v = load8(x + m * K + k + 8 * i);
+          s = _mm256_add_ps(s, v);
+          _mm256_storeu_ps(xq + m * K + k + 8 * i, _mm256_mul_ps(v, f[i]));
+        }
+      }
+      if (xsum) xsum[m * ngroups + g] = hsum(s);
+    }
+  }
+}
+
+// out[m, n] = acc[m, n] (+ bias[n]) in the output dtype
+template <typename T, typename B>
+void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      out[m * N + n] = static_cast<T>(acc[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+}
+
+}  // namespace
+
+// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (layout above); scales, mins: [N, K / G]
+// float32 (mins absent in codebook mode); codebook: [16] float32 or absent; bias: [N] or absent.
+// Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
+at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
+                              int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_small: x must be float32 or bfloat16 [..., K]");
+  const int64_t K = x.size(-1);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  QW p = make_qw(data, scales, mins, codebook, bits, group_size, K);
+  const int64_t N = data.size(0);
+  const bool lut = codebook.has_value() && codebook->defined();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
+                (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                "quant_linear_small: bias must be a contiguous float32 or bfloat16 [N] tensor");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  const bool direct = x.scalar_type() == at::kFloat && !has_bias;  // the kernel can write the result in place
+  auto out = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return out;
+  auto xc = x.contiguous();
+  // scratch: xq [M, K], xsum [M, ngroups], and the float32 result [M, N] unless written in place
+  auto scratch = at::empty({M * (K + p.ngroups + (direct ? 0 : N))}, x.options().dtype(at::kFloat));
+  float* xq = scratch.data_ptr<float>();
+  float* xsum = lut ? nullptr : xq + M * K;
+  float* acc = direct ? out.data_ptr<float>() : xq + M * (K + p.ngroups);
+  dispatch(bits, lut, [&](auto b, auto l) {
+    constexpr int BITS = decltype(b)::value;
+    constexpr bool LUT = decltype(l)::value;
+    if (xc.scalar_type() == at::kFloat)
+      prepare_x<BITS, LUT>(xc.data_ptr<float>(), M, K, group_size, xq, xsum);
+    else
+      prepare_x<BITS, LUT>(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xsum);
+    run<BITS, LUT>(p, xq, M, N, K, xsum, acc);
+  });
+  if (!direct) {
+    const bool bf16_bias = has_bias && bias->scalar_type() == at::kBFloat16;
+    const float* bf = has_bias && !bf16_bias ? bias->data_ptr<float>() : nullptr;
+    const at::BFloat16* bb = bf16_bias ? bias->data_ptr<at::BFloat16>() : nullptr;
+    if (x.scalar_type() == at::kFloat) {
+      if (bb) finish(acc, bb, M, N, out.data_ptr<float>());
+      else finish(acc, bf, M, N, out.data_ptr<float>());
+    } else {
+      if (bb) finish(acc, bb, M, N, out.data_ptr<at::BFloat16>());
+      else finish(acc, bf, M, N, out.data_ptr<at::BFloat16>());
+    }
+  }
+  return out;
+}
+
+// Dequantize the runtime layout to float32 [N, K] (the large-M path runs F.linear on the result).
+at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
+                            int64_t in_features) {
+  const int64_t K = in_features;
+  QW p = make_qw(data, scales, mins, codebook, bits, group_size, K);
+  const int64_t N = data.size(0);
+  auto out = at::empty({N, K}, scales.options());
+  float* o = out.data_ptr<float>();
+  dispatch(bits, codebook.has_value() && codebook->defined(), [&](auto b, auto l) {
+    constexpr int BITS = decltype(b)::value;
+    constexpr bool LUT = decltype(l)::value;
+    constexpr int BPB = 32 * BITS / 8;
+    float factor[kBlock];
+    for (int e = 0; e < kBlock; ++e) factor[e] = x_factor<BITS, LUT>(e);
+    at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = p.data + n * p.row_bytes;
+        float* orow = o + n * K;
+        for (int64_t blk = 0; blk < p.nblocks; ++blk) {
+          const int64_t g = blk / p.blocks_per_group;
+          const __m256 s = _mm256_set1_ps(p.scales[n * p.ngroups + g]);
+          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(p.mins[n * p.ngroups + g]);
+          __m256 w[4];
+          decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
+          for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m
+            const __m256 q = _mm256_mul_ps(w[i], _mm256_loadu_ps(factor + 8 * i));
+            _mm256_storeu_ps(orow + blk * kBlock + 8 * i, _mm256_fmadd_ps(q, s, mn));
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("quant_linear_small(Tensor x, Tensor data, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
+        "int group_size, Tensor? bias) -> Tensor", &quant_linear_small);
+  m.def("quant_dequantize(Tensor data, Tensor scales, Tensor? mins, Tensor? codebook, int bits, int group_size, "
+        "int in_features) -> Tensor", &quant_dequantize);
+}
+
+#endif  // AVX2 + FMA: without them no ops are registered and brisk.ops.qlinear takes its reference path

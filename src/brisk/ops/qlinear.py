@@ -1,0 +1,247 @@
+"""Weight-only quantized linear: 8/4/3/2-bit affine codes or 4-bit NF4 codes, decoded inside the matmul.
+
+`prepack` turns a checkpoint's packed codes (the "brisk-packed v1" layout of notes/quant_format.md) into the
+runtime layout of ops/csrc/quant_linear.cpp once, at load time: blocks of 32 elements permuted so that every
+code sits in a fixed bit field of the 32-bit lane that the kernel decodes it into (one AND and one int->float
+conversion per 8 codes), float32 scales, and mins = -scale * zero, so that a weight is w = scale * q + min.
+`quant_linear` then runs
+
+- few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel, which reads each packed weight once per call
+  and never materialises float weights. At M = 1 a linear layer is a matrix-vector product bound by memory
+  bandwidth, and 4-bit codes (with their scales and mins) are 1/5 to 1/8 of the float32 bytes;
+- many rows (prefill): dequantize to float32 (in C++, a chunk of rows at a time) and F.linear (MKL).
+  Dequantizing costs O(N K) and the GEMM O(M N K), so beyond MAX_SMALL_M rows the decode is a small fraction of
+  the call, and MKL's register-blocked GEMM beats a kernel that decodes weights inside its inner loop;
+- the reference path (pure PyTorch dequantize + F.linear, float32 accumulation) when the kernels are disabled or
+  did not build, off the CPU, or for a shape the kernel does not cover (group size not a multiple of 32).
+
+Activations may be float32 or bfloat16; the arithmetic is float32 either way and the result has x's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from brisk.ops.kernels import get_op
+
+BLOCK = 32  # elements per packed block of the runtime layout; group sizes must be multiples of it for the kernel
+SUPPORTED_BITS = (8, 4, 3, 2)
+# Up to this many activation rows the kernel runs; beyond, dequantize + MKL's GEMM. Measured on the 2-core AVX2
+# box at the default model's shapes (int4, 2 threads): the kernel is 1.2-1.5x faster at M = 16, even at ~24,
+# and 1.2-1.7x slower at 32-48, where MKL's register blocking outweighs the float32 weights it has to read.
+MAX_SMALL_M = 16
+
+# The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023): quantiles of N(0, 1) scaled to [-1, 1], with an
+# exact zero; 7 negative and 8 positive levels.
+NF4_CODEBOOK = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982544708252, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A quantized [out_features, in_features] weight in brisk's runtime layout (see module docstring)."""
+
+    bits: int
+    group_size: int
+    out_features: int
+    in_features: int
+    data: torch.Tensor  # uint8; blocked: [N, K / 32 * 4 * bits] (quant_linear.cpp layout), else [N, K * bits / 8]
+    scales: torch.Tensor  # float32 [N, K / G]
+    mins: torch.Tensor | None  # float32 [N, K / G] = -scale * zero; None in codebook mode
+    codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
+    blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this weight holds (codes, scales, mins, codebook)."""
+        tensors = [self.data, self.scales, self.mins, self.codebook]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# ---- checkpoint layout ("brisk-packed v1"): consecutive elements, little end first ----
+
+def _unpack_checkpoint(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """[N, K * bits / 8] uint8 -> codes [N, K] uint8."""
+    n = packed.shape[0]
+    if bits == 8:
+        return packed.clone()
+    if bits == 3:
+        b = packed.view(n, -1, 3).to(torch.int32)  # [N, K/8, 3]: one 24-bit word per 8 codes
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [N, K/8]
+        shifts = torch.arange(8, dtype=torch.int32) * 3
+        return ((word[..., None] >> shifts) & 7).to(torch.uint8).reshape(n, in_features)
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.uint8) * bits
+    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [N, K / per_byte, per_byte]
+    return codes.reshape(n, in_features)
+
+
+# ---- runtime layout (see the top of ops/csrc/quant_linear.cpp): blocks of 32 elements; the kernel decodes
+# element e = 8 i + l of a block into lane l of vector i, and each lane reads one 32-bit word of the block ----
+
+def _to_blocked(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] uint8 (K % 32 == 0) -> runtime layout [N, K / 32 * 4 * bits] uint8."""
+    n, k = q.shape
+    nb = k // BLOCK
+    if bits == 8:  # word l, byte i = q[8 i + l]
+        return q.view(n, nb, 4, 8).transpose(-1, -2).reshape(n, -1)  # [N, nb, i, l] -> [N, nb, l, i]
+    if bits == 4:  # word j < 4, byte i = q[8 i + j] | q[8 i + j + 4] << 4 (lanes j and j + 4 share word j)
+        q4 = q.view(n, nb, 4, 2, 4)  # [N, nb, i, h, j]: element 8 i + 4 h + j
+        return (q4[:, :, :, 0] | (q4[:, :, :, 1] << 4)).transpose(-1, -2).reshape(n, -1)  # [N, nb, j, i]
+    if bits == 2:  # word j < 2, byte i = sum_p q[8 i + 2 p + j] << 2 p (lanes j, j + 2, j + 4, j + 6 share word j)
+        q4 = q.view(n, nb, 4, 4, 2)  # [N, nb, i, p, j]
+        byte = q4[:, :, :, 0] | (q4[:, :, :, 1] << 2) | (q4[:, :, :, 2] << 4) | (q4[:, :, :, 3] << 6)  # [N, nb, i, j]
+        return byte.transpose(-1, -2).reshape(n, -1)  # [N, nb, j, i]
+    # 3 bits: 12-bit field per lane, F_l = sum_i q[8 i + l] << 3 i; lanes 2 t, 2 t + 1 share bytes 3 t .. 3 t + 2
+    q4 = q.view(n, nb, 4, 8).to(torch.int32)  # [N, nb, i, l]
+    field = q4[:, :, 0] | (q4[:, :, 1] << 3) | (q4[:, :, 2] << 6) | (q4[:, :, 3] << 9)  # [N, nb, l]
+    word = field[..., 0::2] | (field[..., 1::2] << 12)  # [N, nb, 4]: 24 bits each
+    data = torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], dim=-1)  # [N, nb, 4, 3]
+    return data.to(torch.uint8).reshape(n, -1)
+
+
+def _from_blocked(data: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of _to_blocked: runtime layout -> codes [N, K] uint8."""
+    n, nb = data.shape[0], in_features // BLOCK
+    if bits == 8:
+        return data.view(n, nb, 8, 4).transpose(-1, -2).reshape(n, in_features)
+    if bits == 4:
+        d = data.view(n, nb, 4, 4).transpose(-1, -2)  # [N, nb, i, j]
+        return torch.stack([d & 0xF, d >> 4], dim=-2).reshape(n, in_features)  # [N, nb, i, h, j]
+    if bits == 2:
+        d = data.view(n, nb, 2, 4).transpose(-1, -2)[:, :, :, None, :]  # [N, nb, i, 1, j]
+        shifts = (torch.arange(4, dtype=torch.uint8) * 2).view(4, 1)
+        return ((d >> shifts) & 3).reshape(n, in_features)  # [N, nb, i, p, j]
+    b = data.view(n, nb, 4, 3).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [N, nb, 4]
+    field = torch.stack([word & 0xFFF, word >> 12], dim=-1).view(n, nb, 1, 8)  # [N, nb, 1, l]
+    shifts = (torch.arange(4, dtype=torch.int32) * 3).view(4, 1)
+    return ((field >> shifts) & 7).to(torch.uint8).reshape(n, in_features)  # [N, nb, i, l]
+
+
+def _check_codes(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, in_features: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if in_features <= 0 or group_size <= 0 or in_features % group_size:
+        raise ValueError(f"group_size ({group_size}) must be positive and divide in_features ({in_features}); "
+                         "use group_size = in_features for per-channel scales")
+    multiple = {8: 1, 4: 2, 3: 8, 2: 4}[bits]  # codes that fill a whole number of bytes
+    if in_features % multiple:
+        raise ValueError(f"{bits}-bit codes pack {multiple} to {multiple * bits // 8} byte(s): in_features "
+                         f"({in_features}) must be a multiple of {multiple}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != in_features * bits // 8:
+        raise ValueError(f"qweight must be uint8 [out_features, {in_features * bits // 8}] (in_features * bits / 8 "
+                         f"bytes per row), got {qweight.dtype} {list(qweight.shape)}")
+    want = [qweight.shape[0], in_features // group_size]
+    if not scales.is_floating_point() or list(scales.shape) != want:
+        raise ValueError(f"scales must be a float tensor of shape {want} ([out_features, in_features / "
+                         f"group_size]), got {scales.dtype} {list(scales.shape)}")
+
+
+def _finish(q: torch.Tensor, bits: int, group_size: int, in_features: int, packed: torch.Tensor,
+            scales: torch.Tensor, mins: torch.Tensor | None, codebook: torch.Tensor | None) -> PackedWeight:
+    blocked = group_size % BLOCK == 0  # then in_features % 32 == 0 too
+    data = _to_blocked(q, bits) if blocked else packed.contiguous()
+    return PackedWeight(bits=bits, group_size=group_size, out_features=q.shape[0], in_features=in_features,
+                        data=data, scales=scales, mins=mins, codebook=codebook, blocked=blocked)
+
+
+def prepack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int,
+            in_features: int) -> PackedWeight:
+    """Checkpoint codes -> runtime layout. qweight: uint8 [N, K * bits / 8] (brisk-packed v1), scales: [N, K / G],
+    zeros: [N, K / G] integer-valued in [0, 2^bits - 1], or None for symmetric (zero = 2^(bits - 1))."""
+    _check_codes(qweight, scales, bits, group_size, in_features)
+    scales = scales.detach().to(torch.float32).contiguous()
+    if zeros is None:
+        zeros = torch.full_like(scales, float(1 << (bits - 1)))
+    else:
+        if list(zeros.shape) != list(scales.shape):
+            raise ValueError(f"zeros must have the shape of scales {list(scales.shape)}, got {list(zeros.shape)}")
+        zeros = zeros.detach().to(torch.float32)
+        if not bool(((zeros == zeros.round()) & (zeros >= 0) & (zeros <= (1 << bits) - 1)).all()):
+            raise ValueError(f"zeros must be integers in [0, {(1 << bits) - 1}] for {bits}-bit codes")
+    q = _unpack_checkpoint(qweight.detach().cpu(), bits, in_features)
+    mins = (-scales * zeros).contiguous()  # w = scale * (q - zero) = scale * q + min
+    return _finish(q, bits, group_size, in_features, qweight.detach(), scales, mins, None)
+
+
+def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in_features: int,
+                codebook: torch.Tensor | tuple[float, ...] = NF4_CODEBOOK) -> PackedWeight:
+    """4-bit codebook codes -> runtime layout; w = absmax[n, g] * codebook[q]. qweight: uint8 [N, K / 2] packed as
+    4-bit codes (brisk-packed v1), absmax: [N, K / G]; codebook: 16 values, NF4 unless given."""
+    _check_codes(qweight, absmax, 4, group_size, in_features)
+    codebook = torch.as_tensor(codebook, dtype=torch.float32).flatten().contiguous()
+    if codebook.numel() != 16:
+        raise ValueError(f"a 4-bit codebook has 16 entries, got {codebook.numel()}")
+    q = _unpack_checkpoint(qweight.detach().cpu(), 4, in_features)
+    scales = absmax.detach().to(torch.float32).contiguous()
+    return _finish(q, 4, group_size, in_features, qweight.detach(), scales, None, codebook)
+
+
+def unpack_codes(pw: PackedWeight) -> torch.Tensor:
+    """The integer codes q [N, K] (uint8) of a packed weight, whatever its layout."""
+    if pw.blocked:
+        return _from_blocked(pw.data, pw.bits, pw.in_features)
+    return _unpack_checkpoint(pw.data, pw.bits, pw.in_features)
+
+
+def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference dequantization to [N, K]: scale * q + min (affine) or scale * codebook[q], in float32."""
+    q = unpack_codes(pw)
+    n, k, g = pw.out_features, pw.in_features, pw.group_size
+    if pw.codebook is not None:
+        w = pw.codebook[q.long()].view(n, k // g, g) * pw.scales[..., None]  # [N, K/G, G]
+    else:
+        assert pw.mins is not None, "an affine PackedWeight carries mins"
+        w = torch.addcmul(pw.mins[..., None], q.view(n, k // g, g).float(), pw.scales[..., None])  # [N, K/G, G]
+    return w.reshape(n, k).to(dtype)
+
+
+def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] (float32 or bfloat16) @ dequantized weight^T (+ bias) -> [..., N] in x's dtype."""
+    k = pw.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dim, this weight expects {k}")
+    if pw.blocked and x.is_cpu and x.dtype in _KERNEL_DTYPES:
+        if x.numel() <= MAX_SMALL_M * k:  # few rows (decode): decode the codes inside the kernel
+            op = get_op("quant_linear_small")
+            if op is not None:
+                return op(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
+        else:
+            op = get_op("quant_dequantize")
+            if op is not None:
+                return _dequantize_and_multiply(x, pw, bias, op)
+    # reference path: float32 weights and accumulation, like the kernel
+    w = dequantize_packed(pw).to(x.device)  # [N, K]
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# rows of weights dequantized at a time on the large-M path: 2^21 float32 weights (8 MiB) stay in the last-level
+# cache between the decode that writes them and the GEMM that reads them, and bound the temporary memory
+_DEQUANT_CHUNK_WEIGHTS = 1 << 21
+
+
+def _dequantize_and_multiply(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
+                             op: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Many rows (prefill): dequantize (C++) a chunk of weight rows at a time and multiply with F.linear. The
+    decode costs O(N K) and the GEMM O(M N K), so for the M that reach this path the decode is a few percent of
+    the time, and MKL's blocked GEMM is faster than any decode-in-the-inner-loop kernel at large M."""
+    xf = x.float()
+    bf = None if bias is None else bias.float()
+    rows = max(1, _DEQUANT_CHUNK_WEIGHTS // pw.in_features)
+    parts = []
+    for n0 in range(0, pw.out_features, rows):
+        n1 = min(pw.out_features, n0 + rows)
+        mins = None if pw.mins is None else pw.mins[n0:n1]
+        w = op(pw.data[n0:n1], pw.scales[n0:n1], mins, pw.codebook, pw.bits, pw.group_size, pw.in_features)
+        parts.append(F.linear(xf, w, None if bf is None else bf[n0:n1]))  # [..., n1 - n0]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [..., N]
+    return out.to(x.dtype)
