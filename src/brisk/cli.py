@@ -184,15 +184,16 @@ def serve(host: str, port: int, api_key: str | None, served_model_name: str | No
     run_server(llm.engine, config, host=host, port=port)
 
 
-def _register_bench() -> None:
-    try:
-        from brisk.bench.cli import bench
-    except ImportError:  # bench module not present in this build
-        return
-    main.add_command(bench)
+def _register_commands() -> None:
+    from brisk.bench.cli import bench
+    from brisk.eval.cli import eval_group
+    from brisk.quant.cli import quantize
+
+    for command in (bench, eval_group, quantize):
+        main.add_command(command)
 
 
-_register_bench()
+_register_commands()
 
 if __name__ == "__main__":
     main()

@@ -452,3 +452,50 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         report.write_json(kw["json_path"], "serve", params, results)
     if any(c["verdict"] == "FAIL" for c in res["checks"].values()):
         ctx.exit(1)
+
+
+# ---------------------------------------------------------------------------- quant
+@bench.command("quant")
+@click.option("--settings", default="int8,int4-g64,nf4-g64,int3-g64,int2-g64", show_default=True,
+              help="Comma-separated settings (float32 is always measured first as the baseline); "
+                   "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch.")
+@click.option("--model", "-m", default=None, help="Float model to quantize (default: SmolLM2-135M-Instruct).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Held-out text for perplexity (default: none, no perplexity column).")
+@click.option("--window", type=int, default=1024, show_default=True, help="Perplexity window (tokens).")
+@click.option("--max-windows", type=int, default=32, show_default=True, help="Perplexity windows; 0 = all.")
+@click.option("--batch", type=int, default=8, show_default=True, help="Batch size of the batched decode figure.")
+@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
+@click.option("--output-len", type=int, default=64, show_default=True, help="Generated tokens per decode run.")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def quant(settings: str, model: str | None, text_path: str | None, window: int, max_windows: int, batch: int,
+          input_len: int, output_len: int, threads: int | None, json_path: str | None) -> None:
+    """Quantization report: size, perplexity, batch-1 and batch-B decode tok/s per setting, against float32."""
+    from rich.table import Table
+
+    from brisk.bench.quant import run_quant_report
+
+    _set_threads(threads)
+    text = Path(text_path).read_text(encoding="utf-8") if text_path else None
+    names = [s.strip() for s in settings.split(",") if s.strip()]
+    console = report.stderr_console()
+    rows = run_quant_report(names, model, text, window, max_windows or None, batch, input_len, output_len,
+                            log=lambda m: console.print(f"[dim]{m}"))
+    base = rows[0]
+    table = Table(title=f"quantization (RTN; embedding/head int8): decode {input_len} -> {output_len} tokens, "
+                        f"{torch.get_num_threads()} threads" + (f", ppl window {window}" if text else ""))
+    for col in ("setting", "linear layers", "size (MB)", "ppl", "Δppl", "tok/s b=1", "speedup b=1",
+                f"tok/s b={batch}", f"speedup b={batch}", "greedy = float"):
+        table.add_column(col, justify="left" if col in ("setting", "linear layers") else "right")
+    for r in rows:
+        dppl = f"{100 * (r.ppl / base.ppl - 1):+.2f}%" if r.ppl and base.ppl else "-"
+        table.add_row(r.name, r.label, f"{r.size_bytes / 1e6:.1f}", f"{r.ppl:.3f}" if r.ppl else "-", dppl,
+                      f"{r.decode_tok_s_b1:.1f}", f"{r.decode_tok_s_b1 / base.decode_tok_s_b1:.2f}x",
+                      f"{r.decode_tok_s_batch:.1f}", f"{r.decode_tok_s_batch / base.decode_tok_s_batch:.2f}x",
+                      "yes" if r.same_greedy_as_float else "no")
+    Console().print(table)
+    if json_path:
+        report.write_json(json_path, "quant", click.get_current_context().params,
+                          {"rows": [r.to_dict() for r in rows]})

@@ -50,6 +50,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     embedding_weights = {f"{prefix}.weight" if prefix else "weight": m.weight
                          for prefix, m in model.named_modules() if isinstance(m, nn.Embedding)}
     total = sum(sizes.values())
+    for module in model.modules():  # a quantized table (quant.layers.QuantEmbedding) is only ever looked up
+        if hasattr(module, "table_tensors") and hasattr(module, "row_bytes"):
+            total += module.row_bytes - sum(t.numel() * t.element_size() for t in module.table_tensors())
     for name, w in embedding_weights.items():
         key = w.data_ptr()
         row_bytes = w.shape[1] * w.element_size()

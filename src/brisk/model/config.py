@@ -78,6 +78,36 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers `config.json` dict that `from_hf_dict` (and transformers) read back as this config."""
+        arch_class = {v: k for k, v in _HF_ARCH.items()}[self.architecture]
+        d: dict[str, Any] = {
+            "architectures": [arch_class],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "sliding_window": self.sliding_window,
+            "hidden_act": self.hidden_act,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
+        }
+        if self.architecture == "qwen2":
+            d["use_sliding_window"] = self.sliding_window is not None
+        if self.torch_dtype:
+            d["torch_dtype"] = self.torch_dtype
+        return d
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict."""

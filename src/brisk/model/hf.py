@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from brisk.model.config import ModelConfig
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.config import QuantizationConfig, read_quantization_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,6 +41,7 @@ class HFCheckpoint:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: QuantizationConfig | None = None  # set for a folder written by `brisk quantize`
 
 
 def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
@@ -50,10 +52,12 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCh
         config = ModelConfig.from_hf_dict(config_dict)
     except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type; UnsupportedModelError passes
         raise HFCheckpointError(f"{folder / 'config.json'} has a malformed field: {e}") from e
+    quantization = read_quantization_config(config_dict, str(folder / "config.json"))
     generation_config = _read_json(folder / "generation_config.json", required=False) or {}
     tensors = load_safetensors_folder(folder, dtype)
     tokenizer = _load_tokenizer(folder, config, config_dict, generation_config)
-    return HFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config)
+    return HFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config,
+                        quantization=quantization)
 
 
 def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -104,8 +108,10 @@ def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
                     continue
                 t = f.get_tensor(name)
                 # Convert once here so the model never holds two copies; integer tensors (packed quantized
-                # weights, index buffers) keep their dtype.
-                out[name] = t.to(dtype) if t.is_floating_point() else t
+                # weights, index buffers) and quantization scales keep their dtype (a float16 scale rounded to
+                # bfloat16 would move every weight of its group).
+                convert = t.is_floating_point() and not name.endswith(".scales")
+                out[name] = t.to(dtype) if convert else t
     except SafetensorError as e:
         raise HFCheckpointError(
             f"{file} is not a readable safetensors file ({e}); it is probably truncated or corrupt: "

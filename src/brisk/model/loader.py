@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,12 +90,17 @@ def _default_or_none() -> Path | None:
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Create the module on the meta device and assign the checkpoint tensors once, checking names and shapes."""
+                device: torch.device | str = "cpu", quantized: Collection[str] = ()) -> LlamaForCausalLM:
+    """Create the module on the meta device and assign the checkpoint tensors once, checking names and shapes.
+
+    `quantized` names modules whose weights the checkpoint holds in packed form: their `.weight` is not expected
+    here (it stays on the meta device until quant.checkpoint swaps the module).
+    """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
+    skipped = {f"{name}.{p}" for name in quantized for p in ("weight", "bias")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in skipped}
+    if config.tie_word_embeddings and "lm_head.weight" in expected:
         expected.pop("lm_head.weight")
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}  # some tied files still carry it
     missing = sorted(set(expected) - set(tensors))
@@ -112,7 +118,7 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
             raise CheckpointError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
                                   "from the model config")
     state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    model.load_state_dict(state, strict=not (config.tie_word_embeddings or quantized), assign=True)
     model.tie_weights()
     model.eval().requires_grad_(False)
     return model
@@ -137,7 +143,17 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
     config = ckpt.config
-    net = build_model(config, ckpt.tensors, dtype, device)
+    quantization = getattr(ckpt, "quantization", None)
+    if quantization is None:
+        net = build_model(config, ckpt.tensors, dtype, device)
+    else:
+        from brisk.quant.checkpoint import apply_quantized_modules, quantized_module_names, take_all_quantized
+
+        tensors = dict(ckpt.tensors)
+        # the packed tensors are taken out first; what is left is an ordinary float checkpoint
+        parts = take_all_quantized(tensors, config, quantization)
+        net = build_model(config, tensors, dtype, device, quantized=quantized_module_names(config, quantization))
+        apply_quantized_modules(net, config, quantization, parts, dtype, fuse=fuse)
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
     if fuse:
         fuse_projections(net)

@@ -25,6 +25,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import tokenizers
+import tokenizers.processors
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -117,6 +118,32 @@ class Tokenizer:
             chat_template=_find_chat_template(path, cfg),
             pad_token_id=pad_id,
         )
+
+    def save(self, folder: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json so that `from_hf_folder`
+        (and transformers) read back the same ids, special tokens, EOS set and chat template.
+
+        BOS that this wrapper adds by flag (GGUF vocabularies) is written as a post-processor, because folders
+        state "add BOS" through tokenizer.json's post-processor, not through a config field.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        hf = tokenizers.Tokenizer.from_str(self.hf_tokenizer.to_str())
+        if self.add_bos_token and not self._post_processor_adds_bos:
+            bos = self.bos_token
+            hf.post_processor = tokenizers.processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)])
+        elif not self.add_bos_token and self._post_processor_adds_bos:
+            hf.post_processor = None
+        hf.save(str(folder / "tokenizer.json"))
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "bos_token": self.bos_token, "eos_token": self.eos_token,
+                                  "pad_token": self.pad_token, "add_bos_token": self.add_bos_token}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids}
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     # ---------------------------------------------------------------- basic properties
     @property

@@ -1,0 +1,140 @@
+"""`brisk bench quant`: the quantization report. Each setting quantized from the same float model in one
+invocation, then: checkpoint size, perplexity on held-out text, decode tok/s at batch 1 and batch B, and the
+speedup over the float32 row measured in the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from brisk.engine.sampling_params import SamplingParams
+from brisk.quant.config import LayerQuant
+
+# name -> setting of the decoder's linear layers (embedding / head at 8 bits per channel, as `brisk quantize`)
+SETTINGS: dict[str, LayerQuant | None] = {
+    "float32": None,
+    "int8": LayerQuant(bits=8, group_size=-1, sym=True),
+    "int4-g64": LayerQuant(bits=4, group_size=64, sym=False),
+    "int4-g64-sym": LayerQuant(bits=4, group_size=64, sym=True),
+    "nf4-g64": LayerQuant(bits=4, group_size=64, sym=True, scheme="nf4"),
+    "int3-g64": LayerQuant(bits=3, group_size=64, sym=False),
+    "int2-g64": LayerQuant(bits=2, group_size=64, sym=False),
+    "int4-g32": LayerQuant(bits=4, group_size=32, sym=False),
+    "int4-ch": LayerQuant(bits=4, group_size=-1, sym=False),
+}
+
+
+@dataclass
+class QuantRow:
+    name: str
+    label: str
+    size_bytes: int  # weight files on disk (the float row: its float32 tensors, counted as stored in memory)
+    ppl: float | None
+    decode_tok_s_b1: float
+    decode_tok_s_batch: float
+    batch: int
+    quantize_s: float = 0.0
+    same_greedy_as_float: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decode_rate(llm, prompt_ids: list[int], batch: int, output_len: int) -> tuple[float, list[int]]:  # noqa: ANN001
+    """Decode tokens/s of `batch` identical-length requests running together, prefill excluded: the clock starts
+    when every request has its first token. Returns (tok/s, greedy tokens of request 0)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # distinct prompts (a shifted window each) so prefix caching cannot share them
+    ids = [engine.add_request(None, prompt_ids[i:] + prompt_ids[:i], params) for i in range(batch)]
+    started: set[str] = set()
+    first_tokens: dict[str, int] = {}
+    start = None
+    tokens_after = 0
+    first_out: list[int] = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if out.request_id not in started and n:
+                started.add(out.request_id)
+                first_tokens[out.request_id] = n
+            if out.request_id == ids[0]:
+                first_out = list(out.outputs[0].token_ids)
+            if out.finished:
+                tokens_after += n - first_tokens[out.request_id]
+        if start is None and len(started) == batch:
+            start = now
+    elapsed = time.perf_counter() - start if start is not None else float("nan")
+    return tokens_after / elapsed, first_out
+
+
+def build_checkpoint(setting: LayerQuant, out: Path, model: str | None) -> float:
+    """Quantize `model` with RTN at `setting` into `out`; returns seconds spent."""
+    from brisk.model.loader import load_model
+    from brisk.quant.checkpoint import save_quantized
+    from brisk.quant.rtn import plan_layers, rtn_quantize
+
+    start = time.perf_counter()
+    loaded = load_model(model, fuse=False)
+    plan = plan_layers(loaded.model, loaded.config.tie_word_embeddings, setting)
+    tensors, qconfig = rtn_quantize(loaded, plan, setting, progress=False)
+    save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors)
+    return time.perf_counter() - start
+
+
+def run_quant_report(names: list[str], model: str | None, text: str | None, window: int, max_windows: int | None,
+                     batch: int, input_len: int, output_len: int, workdir: Path | None = None,
+                     log: Any = print) -> list[QuantRow]:
+    """One row per setting name (see SETTINGS). The float32 row is measured first and always."""
+    from brisk.engine.llm import LLM
+    from brisk.eval.ppl import perplexity
+    from brisk.eval.size import model_size
+    from brisk.model.loader import resolve_model
+
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    if "float32" not in names:
+        names = ["float32", *names]
+    source = str(resolve_model(model))
+    rows: list[QuantRow] = []
+    reference_tokens: list[int] | None = None
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for name in names:
+            setting = SETTINGS[name]
+            seconds = 0.0
+            path = source
+            if setting is not None:
+                log(f"{name}: quantizing ...")
+                path = str(Path(tmp) / name)
+                seconds = build_checkpoint(setting, Path(path), model)
+            llm = LLM(path, kv_cache_memory="256MiB", enable_prefix_caching=False)
+            loaded = llm.engine.loaded
+            size = (model_size(loaded) if setting is None else model_size(Path(path))).total.bytes
+            ppl = None
+            if text is not None:
+                log(f"{name}: perplexity ...")
+                ppl = perplexity(loaded, text, window=window, max_windows=max_windows, progress=True).ppl
+            tok = llm.get_tokenizer()
+            from brisk.bench.prompts import make_prompt, text_token_ids
+
+            prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
+            log(f"{name}: decode at batch 1 and {batch} ...")
+            decode_rate(llm, prompt, 1, 8)  # warm-up: kernels built, caches touched
+            b1, tokens = decode_rate(llm, prompt, 1, output_len)
+            bb, _ = decode_rate(llm, prompt, batch, output_len)
+            if reference_tokens is None:
+                reference_tokens = tokens
+            rows.append(QuantRow(name=name, label=setting.label if setting else "float32", size_bytes=size,
+                                 ppl=ppl, decode_tok_s_b1=b1, decode_tok_s_batch=bb, batch=batch,
+                                 quantize_s=seconds, same_greedy_as_float=tokens == reference_tokens))
+            del llm, loaded
+            gc.collect()
+    return rows

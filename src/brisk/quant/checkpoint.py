@@ -1,0 +1,180 @@
+"""Quantized checkpoint folders: write them, check them, and build a model from them.
+
+A folder is a Hugging Face model folder whose `config.json` carries a `quantization_config` (quant/config.py)
+and whose `model.safetensors` holds, for every quantized module X (HF names, before brisk's load-time fusion):
+
+    X.qweight  uint8    [N, K * bits / 8]  codes packed along the row (layout: quant/primitives.py)
+    X.scales   float16  [N, K / G]         per-group scale (NF4: per-group absmax)
+    X.qzeros   uint8    [N, K / G]         per-group zero point; absent when symmetric (zero = 2^(bits-1))
+    X.bias     float                       when the layer has one
+
+and every other tensor as in a float checkpoint. The tokenizer, chat template and generation config travel in
+the same folder, so `brisk generate --model OUT` and `LLM(model=OUT)` need no other flags.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from brisk.model.config import ModelConfig
+from brisk.model.llama import LlamaForCausalLM
+from brisk.model.tokenizer import Tokenizer
+from brisk.ops.qlinear import prepack, prepack_nf4
+from brisk.quant import primitives
+from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
+from brisk.quant.layers import QuantEmbedding, QuantLinear
+
+EMBEDDING = "model.embed_tokens"
+
+
+def encode_layer(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: LayerQuant
+                 ) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one layer from its codes q [N, K] (uint8), scale [N, K/G] and zero [N, K/G]."""
+    out = {"qweight": primitives.pack(q.to(torch.uint8), spec.bits).contiguous(),
+           "scales": scale.to(torch.float16).contiguous()}
+    if spec.scheme == "int" and not spec.sym:
+        assert zero is not None
+        out["qzeros"] = zero.round().to(torch.uint8).contiguous()
+    return out
+
+
+def save_quantized(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer, qconfig: QuantizationConfig,
+                   tensors: dict[str, torch.Tensor]) -> Path:
+    """Write config.json (+ quantization_config), model.safetensors and the tokenizer files to `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config_dict = config.to_hf_dict()
+    config_dict["quantization_config"] = qconfig.to_dict()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt", "quantization": "brisk"})
+    tokenizer.save(folder)
+    # config.json last: a folder with a config.json is a finished checkpoint
+    (folder / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _module_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    """(out_features, in_features) of an HF module name of the Llama family."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    leaf = name.rsplit(".", 1)[-1]
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i), "lm_head": (config.vocab_size, h),
+              "embed_tokens": (config.vocab_size, h)}
+    if leaf not in shapes:
+        raise QuantConfigError(f"quantization_config lists module {name!r}, which is not a linear layer or the "
+                               "embedding of this model")
+    return shapes[leaf]
+
+
+def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, spec: LayerQuant
+                       ) -> dict[str, torch.Tensor]:
+    """Pop and check one quantized module's tensors; the error names the tensor and what was expected."""
+    n, k = _module_shape(config, name)
+    groups = spec.groups(k)
+    if spec.scheme == "int" and k * spec.bits % 8:
+        raise QuantConfigError(f"{name}: {k} {spec.bits}-bit codes do not fill whole bytes")
+    expected = {"qweight": ((n, k * spec.bits // 8), torch.uint8), "scales": ((n, groups), None)}
+    if spec.scheme == "int" and not spec.sym:
+        expected["qzeros"] = ((n, groups), torch.uint8)
+    out = {}
+    for suffix, (shape, dtype) in expected.items():
+        key = f"{name}.{suffix}"
+        if key not in tensors:
+            raise QuantConfigError(f"checkpoint lacks {key}, which quantization_config ({spec.label}) implies; "
+                                   "the checkpoint and its config.json do not belong together")
+        t = tensors.pop(key)
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            raise QuantConfigError(
+                f"{key} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, but quantization_config says "
+                f"{name} is {spec.label} with in_features {k}, which needs "
+                f"{str(dtype or 'float').removeprefix('torch.')} {list(shape)}; the config does not match the tensors")
+        out[suffix] = t
+    if spec.sym or spec.scheme == "nf4":
+        stray = tensors.pop(f"{name}.qzeros", None)
+        if stray is not None:
+            raise QuantConfigError(f"{name}.qzeros is present but quantization_config says {name} is symmetric; "
+                                   "the config does not match the tensors")
+    bias = tensors.pop(f"{name}.bias", None)
+    if bias is not None:
+        out["bias"] = bias
+    return out
+
+
+def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int):  # noqa: ANN202
+    """One PackedWeight from one or more layers' checkpoint tensors, rows concatenated (load-time fusion)."""
+    qweight = torch.cat([p["qweight"] for p in parts])  # [sum(N), K * bits / 8]
+    scales = torch.cat([p["scales"] for p in parts]).float()  # [sum(N), groups]
+    group = in_features if spec.group_size == -1 else spec.group_size
+    if spec.scheme == "nf4":
+        return prepack_nf4(qweight, scales, group, in_features)
+    zeros = torch.cat([p["qzeros"] for p in parts]) if "qzeros" in parts[0] else None
+    return prepack(qweight, scales, zeros, spec.bits, group, in_features)
+
+
+def _quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int,
+                  dtype: torch.dtype) -> QuantLinear:
+    bias = torch.cat([p["bias"] for p in parts]).to(dtype) if "bias" in parts[0] else None
+    return QuantLinear(_packed(parts, spec, in_features), bias, spec)
+
+
+def take_all_quantized(tensors: dict[str, torch.Tensor], config: ModelConfig, qconfig: QuantizationConfig
+                       ) -> dict[str, dict[str, torch.Tensor]]:
+    """Pop every quantized module's tensors from `tensors` (checked): module name -> its tensors."""
+    return {name: take_layer_tensors(tensors, config, name, spec) for name, spec in qconfig.modules.items()}
+
+
+def quantized_module_names(config: ModelConfig, qconfig: QuantizationConfig) -> list[str]:
+    """Modules whose float weight the checkpoint does not hold (a tied head goes with its embedding)."""
+    names = list(qconfig.modules)
+    if config.tie_word_embeddings and EMBEDDING in qconfig.modules:
+        names.append("lm_head")
+    return names
+
+
+def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfig: QuantizationConfig,
+                            layer_parts: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,
+                            fuse: bool = True) -> None:
+    """Swap every module quantization_config lists for its quantized version (tensors from
+    `take_all_quantized`), fusing q/k/v and gate/up when all parts share one setting."""
+    layer_parts = dict(layer_parts)
+    h = config.hidden_size
+    for idx, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{idx}"
+        groups = [(layer.self_attn, "qkv_proj", ["q_proj", "k_proj", "v_proj"], "self_attn"),
+                  (layer.mlp, "gate_up_proj", ["gate_proj", "up_proj"], "mlp")]
+        for parent, fused_name, names, sub in groups:
+            full = [f"{prefix}.{sub}.{n}" for n in names]
+            specs = {qconfig.modules.get(f) for f in full}
+            if fuse and len(specs) == 1 and None not in specs:
+                spec = specs.pop()
+                setattr(parent, fused_name, _quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype))
+                for n in names:
+                    setattr(parent, n, None)
+        for sub, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            for child, module in list(parent.named_children()):
+                full = f"{prefix}.{sub}.{child}"
+                if full in layer_parts and isinstance(module, nn.Linear):
+                    spec = qconfig.modules[full]
+                    setattr(parent, child, _quant_linear([layer_parts.pop(full)], spec, module.in_features, dtype))
+    if EMBEDDING in layer_parts:
+        spec = qconfig.modules[EMBEDDING]
+        parts = layer_parts.pop(EMBEDDING)
+        model.model.embed_tokens = QuantEmbedding(parts["qweight"], parts["scales"], parts.get("qzeros"), spec, h,
+                                                  dtype)
+        if config.tie_word_embeddings:  # the head computes from the same codes, in the kernel's layout
+            model.lm_head = _quant_linear([parts], spec, h, dtype)
+    if "lm_head" in layer_parts:
+        if config.tie_word_embeddings:
+            raise QuantConfigError("quantization_config lists lm_head separately, but the model ties it to the "
+                                   "embedding; list model.embed_tokens only")
+        model.lm_head = _quant_linear([layer_parts.pop("lm_head")], qconfig.modules["lm_head"], h, dtype)
+    if layer_parts:
+        raise QuantConfigError(f"quantization_config lists modules the model does not have: "
+                               f"{', '.join(sorted(layer_parts)[:5])}")

@@ -1,0 +1,80 @@
+"""Quantized modules that replace nn.Linear / nn.Embedding in a loaded model (applied from outside the model).
+
+`QuantLinear` computes from the packed weight through `brisk.ops.qlinear.quant_linear` (C++ kernels for decode,
+a reference path otherwise); the float weight is never stored. `QuantEmbedding` keeps the table in the
+checkpoint layout and dequantizes only the rows a step looks up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from brisk.ops.qlinear import PackedWeight, quant_linear
+from brisk.quant import primitives
+from brisk.quant.config import LayerQuant
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(W)^T + b, computed from the packed codes. The packed tensors are buffers, so
+    state_dict() and memory accounting see what is really held."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, spec: LayerQuant) -> None:
+        super().__init__()
+        self.packed = packed
+        self.spec = spec
+        self.in_features = packed.in_features
+        self.out_features = packed.out_features
+        for f in dataclasses.fields(packed):
+            value = getattr(packed, f.name)
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f"packed_{f.name}", value)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup from a quantized table [V, H]: gathers the packed rows, dequantizes only those."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, spec: LayerQuant,
+                 embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embedding_dim = embedding_dim
+        self.num_embeddings = qweight.shape[0]
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)  # [V, H * bits / 8] uint8, checkpoint layout
+        self.register_buffer("scales", scales.float())  # [V, groups]
+        self.register_buffer("qzeros", None if qzeros is None else qzeros.float())  # [V, groups] or None (sym)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one lookup reads: a packed row plus its scales (and zeros)."""
+        tables = [t for t in (self.qweight, self.scales, self.qzeros) if t is not None]
+        return sum(t.shape[1] * t.element_size() for t in tables)
+
+    def table_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scales, self.qzeros) if t is not None]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, input_ids.reshape(-1))  # [T, H * bits / 8]
+        scales = self.scales.index_select(0, input_ids.reshape(-1))  # [T, groups]
+        if self.spec.scheme == "nf4":
+            codes = primitives.unpack(rows, 4, self.embedding_dim)
+            out = primitives.dequantize_nf4(codes, scales, dtype=self.dtype)
+        else:
+            q = primitives.unpack(rows, self.spec.bits, self.embedding_dim)  # [T, H]
+            zeros = (torch.full_like(scales, 2 ** (self.spec.bits - 1)) if self.qzeros is None
+                     else self.qzeros.index_select(0, input_ids.reshape(-1)))
+            out = primitives.dequantize(q, scales, zeros, dtype=self.dtype)
+        return out.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.spec.label}"

@@ -1,0 +1,34 @@
+"""`brisk bench quant` on a tiny model: every row measured, sizes shrink with bits, JSON written."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+from hf_utils import make_tiny_hf_model
+
+from brisk.cli import main
+
+
+def test_bench_quant_report_on_a_tiny_model(tmp_path):
+    src = tmp_path / "float"
+    make_tiny_hf_model(src, "llama", seed=7, max_position_embeddings=512)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    out = tmp_path / "quant.json"
+    result = CliRunner().invoke(main, ["bench", "quant", "--model", str(src), "--settings", "int8,int4-g64,int2-g64",
+                                       "--text", str(text), "--window", "64", "--max-windows", "2", "--batch", "3",
+                                       "--input-len", "16", "--output-len", "6", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["float32", "int8", "int4-g64", "int2-g64"]
+    sizes = [r["size_bytes"] for r in rows]
+    assert sizes == sorted(sizes, reverse=True)  # fewer bits, fewer bytes
+    for r in rows:
+        assert r["decode_tok_s_b1"] > 0 and r["decode_tok_s_batch"] > 0 and r["ppl"] > 1
+    assert rows[0]["same_greedy_as_float"] is True
+
+
+def test_bench_quant_rejects_unknown_setting():
+    result = CliRunner().invoke(main, ["bench", "quant", "--settings", "int5"])
+    assert result.exit_code != 0 and "unknown setting(s) int5" in result.output
