@@ -467,11 +467,12 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
 @click.option("--batch", type=int, default=8, show_default=True, help="Batch size of the batched decode figure.")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
 @click.option("--output-len", type=int, default=64, show_default=True, help="Generated tokens per decode run.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Decode runs per figure; the best is kept.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def quant(settings: str, model: str | None, text_path: str | None, window: int, max_windows: int, batch: int,
-          input_len: int, output_len: int, threads: int | None, json_path: str | None) -> None:
+          input_len: int, output_len: int, runs: int, threads: int | None, json_path: str | None) -> None:
     """Quantization report: size, perplexity, batch-1 and batch-B decode tok/s per setting, against float32."""
     from rich.table import Table
 
@@ -481,7 +482,9 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
     text = Path(text_path).read_text(encoding="utf-8") if text_path else None
     names = [s.strip() for s in settings.split(",") if s.strip()]
     console = report.stderr_console()
-    rows = run_quant_report(names, model, text, window, max_windows or None, batch, input_len, output_len,
+    if runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {runs}")
+    rows = run_quant_report(names, model, text, window, max_windows or None, batch, input_len, output_len, runs,
                             log=lambda m: console.print(f"[dim]{m}"))
     base = rows[0]
     table = Table(title=f"quantization (RTN; embedding/head int8): decode {input_len} -> {output_len} tokens, "
@@ -495,7 +498,7 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
                       f"{r.decode_tok_s_b1:.1f}", f"{r.decode_tok_s_b1 / base.decode_tok_s_b1:.2f}x",
                       f"{r.decode_tok_s_batch:.1f}", f"{r.decode_tok_s_batch / base.decode_tok_s_batch:.2f}x",
                       "yes" if r.same_greedy_as_float else "no")
-    Console().print(table)
+    Console(width=max(Console().width, 150)).print(table)
     if json_path:
         report.write_json(json_path, "quant", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
