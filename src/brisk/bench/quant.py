@@ -93,6 +93,7 @@ def run_quant_report(names: list[str], model: str | None, text: str | None, wind
                      batch: int, input_len: int, output_len: int, runs: int = 3, workdir: Path | None = None,
                      log: Any = print) -> list[QuantRow]:
     """One row per setting name (see SETTINGS). The float32 row is measured first and always."""
+    from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.engine.llm import LLM
     from brisk.eval.ppl import perplexity
     from brisk.eval.size import model_size
@@ -123,8 +124,6 @@ def run_quant_report(names: list[str], model: str | None, text: str | None, wind
                 log(f"{name}: perplexity ...")
                 ppl = perplexity(loaded, text, window=window, max_windows=max_windows, progress=True).ppl
             tok = llm.get_tokenizer()
-            from brisk.bench.prompts import make_prompt, text_token_ids
-
             prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
             log(f"{name}: decode at batch 1 and {batch} ...")
             decode_rate(llm, prompt, 1, 8)  # warm-up: kernels built, caches touched

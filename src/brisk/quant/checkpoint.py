@@ -24,7 +24,7 @@ from torch import nn
 from brisk.model.config import ModelConfig
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
-from brisk.ops.qlinear import prepack, prepack_nf4
+from brisk.ops.qlinear import PackedWeight, prepack, prepack_nf4
 from brisk.quant import primitives
 from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
 from brisk.quant.layers import QuantEmbedding, QuantLinear
@@ -107,7 +107,7 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     return out
 
 
-def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int):  # noqa: ANN202
+def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int) -> PackedWeight:
     """One PackedWeight from one or more layers' checkpoint tensors, rows concatenated (load-time fusion)."""
     qweight = torch.cat([p["qweight"] for p in parts])  # [sum(N), K * bits / 8]
     scales = torch.cat([p["scales"] for p in parts]).float()  # [sum(N), groups]

@@ -64,15 +64,15 @@ class QuantEmbedding(nn.Module):
         return [t for t in (self.qweight, self.scales, self.qzeros) if t is not None]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.qweight.index_select(0, input_ids.reshape(-1))  # [T, H * bits / 8]
-        scales = self.scales.index_select(0, input_ids.reshape(-1))  # [T, groups]
+        flat = input_ids.reshape(-1)  # [T]
+        rows = self.qweight.index_select(0, flat)  # [T, H * bits / 8]
+        scales = self.scales.index_select(0, flat)  # [T, groups]
         if self.spec.scheme == "nf4":
-            codes = primitives.unpack(rows, 4, self.embedding_dim)
-            out = primitives.dequantize_nf4(codes, scales, dtype=self.dtype)
+            out = primitives.dequantize_nf4(primitives.unpack(rows, 4, self.embedding_dim), scales, dtype=self.dtype)
         else:
             q = primitives.unpack(rows, self.spec.bits, self.embedding_dim)  # [T, H]
             zeros = (torch.full_like(scales, 2 ** (self.spec.bits - 1)) if self.qzeros is None
-                     else self.qzeros.index_select(0, input_ids.reshape(-1)))
+                     else self.qzeros.index_select(0, flat))
             out = primitives.dequantize(q, scales, zeros, dtype=self.dtype)
         return out.view(*input_ids.shape, self.embedding_dim)
 

@@ -73,7 +73,7 @@ def rtn_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: Laye
     `loaded` must be unfused (load_model(..., fuse=False)) so module names are the checkpoint's HF names.
     """
     model = loaded.model
-    state = {k: v for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
     if loaded.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     names = list(plan)
