@@ -502,3 +502,65 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
     if json_path:
         report.write_json(json_path, "quant", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
+
+
+# ---------------------------------------------------------------------------- sparse
+@bench.command("sparse")
+@click.option("--model", "-m", default=None, help="Float model to prune (default: SmolLM2-135M-Instruct).")
+@click.option("--quant", "quants", default="int8,int4", show_default=True,
+              help="Comma-separated quantizations also measured dense vs 50%-pruned sparse (int8, int4); "
+                   "'' for none.")
+@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
+@click.option("--output-len", type=int, default=64, show_default=True, help="Generated tokens per decode run.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Decode runs per row; the best is kept.")
+@click.option("--kernels", "kernels_only", is_flag=True,
+              help="Only the kernel microbenchmark (M = 1, default-model shapes) at several sparsities.")
+@click.option("--sparsities", default="0.1,0.2,0.3,0.4,0.5,2:4", show_default=True,
+              help="Sparsities of the --kernels sweep (fractions or N:M).")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs: int, kernels_only: bool,
+           sparsities: str, threads: int | None, json_path: str | None) -> None:
+    """Batch-1 decode of the magnitude-pruned model (50%, 2:4) through the sparse path against dense, and of
+    pruned int8 / int4 against the same quantization dense: tok/s, speedup, weight bytes and GB/s."""
+    from rich.table import Table
+
+    from brisk.bench.sparse import kernel_sweep, run_sparse_report
+
+    _set_threads(threads)
+    if runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {runs}")
+    console = report.stderr_console()
+    wide = Console(width=max(Console().width, 130))
+    if kernels_only:
+        points = [s.strip() for s in sparsities.split(",") if s.strip()]
+        sweep = kernel_sweep(points, reps=max(3, runs))
+        table = Table(title=f"sparse kernel vs dense kernel, M = 1, default-model shapes, "
+                            f"{torch.get_num_threads()} threads (best of {max(3, runs)})")
+        for col in ("values", "sparsity", "bytes sparse/dense", "dense ms", "dense GB/s", "sparse ms",
+                    "sparse GB/s", "speedup"):
+            table.add_column(col, justify="left" if col in ("values", "sparsity") else "right")
+        for p in sweep:
+            table.add_row(p["kind"], p["sparsity"], f"{p['bytes_ratio']:.2f}", f"{p['dense_ms']:.1f}",
+                          f"{p['dense_gbps']:.1f}", f"{p['sparse_ms']:.1f}", f"{p['sparse_gbps']:.1f}",
+                          f"{p['speedup']:.2f}x")
+        wide.print(table)
+        if json_path:
+            report.write_json(json_path, "sparse-kernels", click.get_current_context().params, {"points": sweep})
+        return
+    names = [q.strip() for q in quants.split(",") if q.strip()]
+    rows = run_sparse_report(model, names, input_len, output_len, runs, log=lambda m: console.print(f"[dim]{m}"))
+    table = Table(title=f"sparse decode, batch 1: {input_len} -> {output_len} tokens, {torch.get_num_threads()} "
+                        f"threads, best of {runs} (magnitude pruning per row)")
+    for col in ("setting", "sparse layers", "weights MB/token", "tok/s", "speedup", "vs", "weight GB/s",
+                "greedy = dense path"):
+        table.add_column(col, justify="left" if col in ("setting", "vs") else "right")
+    for r in rows:
+        same = "-" if r.same_greedy is None else ("yes" if r.same_greedy else "no")
+        table.add_row(r.name, str(r.sparse_layers), f"{r.weight_bytes / 1e6:.1f}", f"{r.tok_s:.1f}",
+                      f"{r.speedup:.2f}x", r.baseline, f"{r.gbps:.1f}", same)
+    wide.print(table)
+    if json_path:
+        report.write_json(json_path, "sparse", click.get_current_context().params,
+                          {"rows": [r.to_dict() for r in rows]})

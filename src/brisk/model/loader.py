@@ -126,8 +126,10 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", max_model_len: int | None = None,
-               fuse: bool = True) -> LoadedModel:
-    """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math)."""
+               fuse: bool = True, sparse: bool | None = None) -> LoadedModel:
+    """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math); `sparse`
+    (default: as `fuse`, so tools that load plain HF-named layers get plain layers) stores the decoder linear
+    layers that are sparse enough (pruned) compressed, for the sparse kernels (same math)."""
     start = time.perf_counter()
     path = resolve_model(model)
     if path.is_dir():
@@ -157,6 +159,10 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
     if fuse:
         fuse_projections(net)
+    if fuse if sparse is None else sparse:  # after fusion: a fused layer of pruned parts is as sparse as its parts
+        from brisk.ops.sparse import sparsify_model
+
+        sparsify_model(net)
     use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
 

@@ -15,6 +15,7 @@ Callers ask for an op by name (`get_op`), so a missing one is just "use the refe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -49,14 +50,20 @@ def _isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
-def build_directory(name: str) -> Path:
+def build_directory(name: str, source: Path | None = None) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         base = Path(root)
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return base / f"{name}-{py}-torch{torch.__version__.replace('+', '_')}"
+    folder = f"{name}-{py}-torch{torch.__version__.replace('+', '_')}"
+    if source is not None:
+        # The build files record the source's path and torch versions builds by content: two checkouts (or
+        # two versions of a kernel) sharing one folder would rebuild each other's library on every switch.
+        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
+        folder += f"-{key}"
+    return base / folder
 
 
 def _build(source: Path) -> None:
@@ -65,7 +72,7 @@ def _build(source: Path) -> None:
 
     tag, isa = _isa_flags()
     name = f"brisk_{source.stem}_{tag}"
-    directory = build_directory(name)
+    directory = build_directory(name, source)
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{name}.so"
     before = library.stat().st_mtime if library.exists() else None
