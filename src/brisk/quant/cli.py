@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from brisk.quant.config import LayerQuant
+from brisk.quant.config import LayerQuant, QuantizationConfig
+
+if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (fast `brisk --help`)
+    import torch
+
+    from brisk.model.loader import LoadedModel
+    from brisk.quant.calib import CalibConfig
 
 
 @click.command("quantize")
 @click.argument("model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--method", type=click.Choice(["rtn"]), default="rtn", show_default=True,
-              help="How the codes are chosen (rtn: round to nearest, no data needed).")
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), default="rtn", show_default=True,
+              help="How the codes are chosen. rtn: round to nearest, no data; gptq: error-compensating rounding "
+                   "(Frantar et al. 2023); awq: activation-aware scaling + clipping (Lin et al. 2024). gptq and "
+                   "awq calibrate on --calib-text.")
 @click.option("--bits", type=click.Choice(["8", "4", "3", "2"]), default="4", show_default=True,
               help="Bits per weight of the decoder's linear layers.")
 @click.option("--group-size", type=int, default=64, show_default=True,
@@ -26,9 +35,22 @@ from brisk.quant.config import LayerQuant
               help="Embedding and lm_head: 8-bit per channel, or none = keep them in float.")
 @click.option("--skip", multiple=True, metavar="PATTERN",
               help="Keep modules matching this fnmatch pattern in float (repeatable), e.g. 'model.layers.0.*'.")
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="gptq/awq: UTF-8 text the calibration samples are drawn from (required for them).")
+@click.option("--num-samples", type=int, default=16, show_default=True,
+              help="gptq/awq: calibration samples (random windows of the text).")
+@click.option("--seq-len", type=int, default=256, show_default=True, help="gptq/awq: tokens per sample.")
+@click.option("--seed", type=int, default=0, show_default=True, help="gptq/awq: seed of the sample offsets.")
+@click.option("--batch-size", type=int, default=8, show_default=True,
+              help="gptq/awq: samples per forward mini-batch (bounds memory, not the result).")
+@click.option("--damp", type=float, default=0.01, show_default=True,
+              help="gptq: dampening, as a fraction of the Hessian's mean diagonal.")
+@click.option("--act-order/--no-act-order", default=True, show_default=True,
+              help="gptq: quantize columns by descending activation (static groups keep the format).")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
-             head_bits: str, skip: tuple[str, ...], force: bool) -> None:
+             head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
+             seed: int, batch_size: int, damp: float, act_order: bool, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -45,6 +67,12 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                                    "it or choose another folder")
     if scheme == "nf4" and bits != "4":
         raise click.ClickException("--scheme nf4 is a 4-bit format; use it with --bits 4")
+    if method != "rtn" and scheme != "int":
+        raise click.ClickException(f"--method {method} works on the uniform int grid; use --scheme int (or "
+                                   "--method rtn for nf4)")
+    if method != "rtn" and calib_text is None:
+        raise click.ClickException(f"--method {method} needs calibration data: pass --calib-text FILE (a UTF-8 "
+                                   "text, e.g. ../shared/data/emma.txt)")
     default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
@@ -54,10 +82,50 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                        head=None if head_bits == "none" else HEAD_DEFAULT, skip=skip)
     if not plan:
         raise click.ClickException("no module left to quantize: the --skip patterns match every layer")
-    tensors, qconfig = rtn_quantize(loaded, plan, default)
+    if method == "rtn":
+        tensors, qconfig = rtn_quantize(loaded, plan, default)
+    else:
+        from brisk.quant.calib import CalibConfig, CalibrationError
+
+        try:
+            calib = CalibConfig(str(calib_text), num_samples=num_samples, seq_len=seq_len, seed=seed,
+                                batch_size=batch_size)
+            tensors, qconfig = calibrated_quantize(loaded, plan, default, method, calib, damp=damp,
+                                                   act_order=act_order)
+        except (CalibrationError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
     save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors)
     size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
     console.print(f"[bold green]quantized[/] {loaded.name} -> {out}: {len(plan)} modules ({default.label}, "
                   f"embedding/head {'float' if head_bits == 'none' else HEAD_DEFAULT.label}), "
                   f"{size / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s")
     console.print(f"run it:  brisk generate --model {out} 'Hello'     size:  brisk eval size --model {out}")
+
+
+def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, method: str,
+                        calib: CalibConfig, damp: float = 0.01, act_order: bool = True, progress: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+    """GPTQ or AWQ over the layer-wise driver: checkpoint tensors and config, in RTN's format.
+
+    The decoder's planned linears get the method's codes; the embedding/head (not calibrated: the driver runs
+    the decoder blocks only) get RTN's, as `brisk quantize --method rtn` gives them. `loaded` must be unfused.
+    """
+    from brisk.quant.awq import AWQConfig, awq_apply
+    from brisk.quant.calib import load_calibration_ids, run_layerwise
+    from brisk.quant.gptq import GPTQConfig, gptq_apply
+    from brisk.quant.rtn import checkpoint_tensors
+
+    ids = load_calibration_ids(loaded.tokenizer, calib)  # [N, L]
+    encoded: dict[str, dict[str, torch.Tensor]] = {}
+    if method == "gptq":
+        method_config: GPTQConfig | AWQConfig = GPTQConfig(damp=damp, act_order=act_order)
+        apply = gptq_apply(plan, method_config, encoded)
+    elif method == "awq":
+        method_config = AWQConfig()
+        apply = awq_apply(plan, method_config, encoded)
+    else:
+        raise ValueError(f"unknown calibrated method {method!r}; expected gptq or awq")
+    run_layerwise(loaded.model, ids, apply, batch_size=calib.batch_size, progress=progress, label=method.upper())
+    qconfig = QuantizationConfig(method=method, default=default, modules=dict(plan),
+                                 calibration=calib.to_dict(), method_config=method_config.to_dict())
+    return checkpoint_tensors(loaded, plan, encoded), qconfig

@@ -7,6 +7,8 @@ use, with `"quant_method": "brisk"` so that no other loader mistakes the tensors
       "quant_method": "brisk", "format_version": 1,
       "method": "rtn",                          # how the integers were chosen (rtn, gptq, awq, ...)
       "bits": 4, "group_size": 64, "sym": false, "scheme": "int",    # the defaults of the run
+      "calibration": {"calib_text": "emma.txt", "num_samples": 32, "seq_len": 512, "seed": 0},  # gptq/awq
+      "method_config": {"damp": 0.01, "act_order": true, ...},   # the method's own settings (gptq/awq)
       "modules": {                              # every quantized module, by its HF name
         "model.layers.0.self_attn.q_proj": {"bits": 4, "group_size": 64, "sym": false, "scheme": "int"},
         "model.embed_tokens":              {"bits": 8, "group_size": -1, "sym": true,  "scheme": "int"},
@@ -28,7 +30,7 @@ QUANT_METHOD = "brisk"
 FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCHEMES = ("int", "nf4")
-METHODS = ("rtn",)
+METHODS = ("rtn", "gptq", "awq")
 
 
 class QuantConfigError(ValueError):
@@ -79,14 +81,20 @@ class LayerQuant:
 
 @dataclass
 class QuantizationConfig:
-    method: str  # how the codes were chosen: rtn (later gptq, awq, ...)
+    method: str  # how the codes were chosen: rtn, gptq, awq
     default: LayerQuant  # the run's settings; per-module entries may differ (e.g. 8-bit embeddings)
     modules: dict[str, LayerQuant] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # calibrated methods: the data they saw (calib.CalibConfig.to_dict()) and their own settings; informational,
+    # the tensors alone define the model
+    calibration: dict[str, Any] | None = None
+    method_config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        extra = {k: v for k, v in (("calibration", self.calibration), ("method_config", self.method_config))
+                 if v is not None}
         return {"quant_method": QUANT_METHOD, "format_version": self.format_version, "method": self.method,
-                **asdict(self.default), "modules": {name: asdict(q) for name, q in self.modules.items()}}
+                **asdict(self.default), **extra, "modules": {name: asdict(q) for name, q in self.modules.items()}}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "config.json") -> QuantizationConfig:
@@ -115,7 +123,12 @@ class QuantizationConfig:
             parsed = {name: _layer_from_dict(q, name) for name, q in modules.items()}
         except QuantConfigError as e:
             raise QuantConfigError(f"{source}: {e}") from None
-        return cls(method=d["method"], default=default, modules=parsed, format_version=version)
+        for key in ("calibration", "method_config"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise QuantConfigError(f"{source}: quantization_config.{key} must be an object, got "
+                                       f"{type(d[key]).__name__}")
+        return cls(method=d["method"], default=default, modules=parsed, format_version=version,
+                   calibration=d.get("calibration"), method_config=d.get("method_config"))
 
 
 def _layer_from_dict(d: Any, name: str) -> LayerQuant:

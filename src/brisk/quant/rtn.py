@@ -72,17 +72,26 @@ def rtn_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: Laye
 
     `loaded` must be unfused (load_model(..., fuse=False)) so module names are the checkpoint's HF names.
     """
-    model = loaded.model
-    state = dict(model.state_dict())
+    names = list(plan)
+    encoded = {name: quantize_layer(loaded.model.get_submodule(name).weight, plan[name])
+               for name in _progress(names, progress, "RTN")}
+    return checkpoint_tensors(loaded, plan, encoded), QuantizationConfig(method="rtn", default=default,
+                                                                        modules=dict(plan))
+
+
+def checkpoint_tensors(loaded: LoadedModel, plan: dict[str, LayerQuant],
+                       encoded: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The model's state dict with every planned module's weight replaced by its checkpoint tensors: those in
+    `encoded` (a calibrated method's codes) or, for the rest (the embedding/head), RTN's."""
+    state = dict(loaded.model.state_dict())
     if loaded.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    names = list(plan)
-    for name in _progress(names, progress, "RTN"):
-        module = model.get_submodule(name)
-        state.pop(f"{name}.weight")
-        for suffix, t in quantize_layer(module.weight, plan[name]).items():
+    for name, spec in plan.items():
+        weight = state.pop(f"{name}.weight")
+        tensors = encoded[name] if name in encoded else quantize_layer(weight, spec)
+        for suffix, t in tensors.items():
             state[f"{name}.{suffix}"] = t
-    return state, QuantizationConfig(method="rtn", default=default, modules=dict(plan))
+    return state
 
 
 def _progress(items: list[str], enabled: bool, label: str) -> Iterable[str]:
