@@ -187,9 +187,10 @@ def serve(host: str, port: int, api_key: str | None, served_model_name: str | No
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
+    from brisk.prune.cli import prune
     from brisk.quant.cli import quantize
 
-    for command in (bench, eval_group, quantize):
+    for command in (bench, eval_group, prune, quantize):
         main.add_command(command)
 
 

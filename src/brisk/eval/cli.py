@@ -1,4 +1,4 @@
-"""`brisk eval ppl | size`: perplexity on a text file, and a model's size by tensor kind."""
+"""`brisk eval ppl | size | sparsity`: perplexity on a text file, a model's size by tensor kind, its sparsity."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class _EvalGroup(click.Group):
 
 @click.group("eval", cls=_EvalGroup)
 def eval_group() -> None:
-    """Evaluate a model: perplexity on a text, size by tensor kind."""
+    """Evaluate a model: perplexity on a text, size by tensor kind, sparsity per layer."""
 
 
 @eval_group.command("ppl")
@@ -89,3 +89,17 @@ def size(model: str | None, json_path: str | None) -> None:
     print_size_report(result)
     if json_path:
         report.write_json(json_path, "eval size", {"model": model}, result.to_dict())
+
+
+@eval_group.command("sparsity")
+@click.option("--model", "-m", default=None, help=_MODEL_HELP)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
+def sparsity(model: str | None, json_path: str | None) -> None:
+    """Exact zeros of every decoder linear, per layer and in total, and the N:M patterns they all satisfy."""
+    from brisk.bench import report
+    from brisk.eval.sparsity import print_sparsity_report, sparsity_report
+
+    result = sparsity_report(model)
+    print_sparsity_report(result)
+    if json_path:
+        report.write_json(json_path, "eval sparsity", {"model": model}, result.to_dict())

@@ -95,6 +95,11 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         except (CalibrationError, ValueError) as e:
             raise click.ClickException(str(e)) from None
     save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors)
+    from brisk.prune.checkpoint import add_sparsity_config, read_sparsity_config
+
+    if loaded.path.is_dir() and (pruned := read_sparsity_config(loaded.path)) is not None:
+        pruned = {k: v for k, v in pruned.items() if k != "format"}
+        add_sparsity_config(out, pruned)  # prune-then-quantize keeps the record of how the zeros came
     size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
     console.print(f"[bold green]quantized[/] {loaded.name} -> {out}: {len(plan)} modules ({default.label}, "
                   f"embedding/head {'float' if head_bits == 'none' else HEAD_DEFAULT.label}), "

@@ -30,7 +30,7 @@ QUANT_METHOD = "brisk"
 FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCHEMES = ("int", "nf4")
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "sparsegpt")  # sparsegpt: joint prune + quantize (brisk prune)
 
 
 class QuantConfigError(ValueError):

@@ -1,0 +1,136 @@
+"""SparseGPT (Frantar & Alistarh, ICML 2023): prune one linear layer so that its output on the calibration
+inputs changes as little as possible, compensating every removed weight with the ones still to come.
+
+The layer-wise problem: given inputs X [K, T] (T calibration tokens), find W' with the chosen sparsity that
+minimises ||W X - W' X||^2. Row by row this is a quadratic with Hessian H = X X^T [K, K], shared by all rows.
+Optimal Brain Surgeon (OBS) says: removing weight w_j (and letting the not-yet-fixed weights move) costs
+w_j^2 / [H^-1]_jj and the best compensation moves the rest by -w_j / [H^-1]_jj * H^-1[j, :].
+
+SparseGPT sweeps the columns left to right and, to make each step cheap, uses the upper Cholesky factor U of
+H^-1 (H^-1 = U^T U): row j of U, divided by U_jj, is exactly the OBS update direction restricted to the
+columns j.. that are still free, and U_jj^2 is the matching [H^-1]_jj. Per column j:
+
+    q_j    = w_j with the masked entries set to 0 (then quantized, in joint prune + quantize mode)
+    err_j  = (w_j - q_j) / U_jj                              [N]
+    W[:, j:] -= err_j (outer) U[j, j:]                       the OBS compensation of column j's change
+
+Columns go in blocks of B = 128: the update is applied inside the block column by column and to the columns
+after the block at once (a [N, B] x [B, K - b1] matmul: GPTQ's "lazy batch" trick). The mask is chosen
+adaptively: for unstructured sparsity at the start of each block from the saliency w^2 / U_jj^2 of the block's
+*current* (already compensated) weights, the lowest fraction s over the whole block (all rows x B columns);
+for N:M at every M-th column, per row, among the next M columns.
+
+    | done (pruned, fixed) | current block b0..b1: mask chosen, swept col by col | later: lazy update |
+
+Joint quantization (paper sec. 3.5): q_j is the quantized value of the masked column, with group scales
+chosen (GPTQ style) from the current weights when the sweep reaches a group's first column. Masked weights
+stay exactly 0 because 0 is always on the grid (quant_format.md: lo <= 0 <= hi, symmetric zero code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from brisk.prune.masks import NMPattern, PruneConfigError, check_sparsity, nm_mask, unstructured_mask
+from brisk.quant import primitives
+from brisk.quant.config import LayerQuant
+
+BLOCK_SIZE = 128
+PERCDAMP = 0.01  # dampening lambda = 1% of mean(diag H), as GPTQ / SparseGPT
+
+
+@dataclass
+class SparseGPTResult:
+    weight: torch.Tensor  # [N, K] float32, pruned and compensated (dequantized values in joint mode)
+    mask: torch.Tensor  # [N, K] bool, True = removed
+    codes: torch.Tensor | None = None  # joint mode: uint8 [N, K]
+    scale: torch.Tensor | None = None  # joint mode: [N, K/G] (float16-representable)
+    zero: torch.Tensor | None = None  # joint mode: [N, K/G]
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, dead): U = upper Cholesky factor of (H + lambda I)^-1 [K, K]; dead [K] marks inputs that were never
+    nonzero (H_jj = 0). Their diagonal is set to 1 so H stays invertible; their weights are pruned for free."""
+    h = hessian.detach().double().clone()  # float64: H of long calibration runs is ill-conditioned
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(percdamp * torch.diagonal(h).mean())
+    lower = torch.linalg.cholesky(h)
+    h_inv = torch.cholesky_inverse(lower)
+    return torch.linalg.cholesky(h_inv, upper=True).float(), dead
+
+
+def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float, pattern: NMPattern | None = None,
+                    block_size: int = BLOCK_SIZE, percdamp: float = PERCDAMP, quant: LayerQuant | None = None
+                    ) -> SparseGPTResult:
+    """Prune W [N, K] given H = X X^T [K, K] of its calibration inputs (any positive scale: the mask and the
+    updates do not depend on it). `pattern` overrides `sparsity` with N:M; `quant` also quantizes (int only)."""
+    n, k = weight.shape
+    if hessian.shape != (k, k):
+        raise PruneConfigError(f"Hessian has shape {tuple(hessian.shape)}, the weight needs [{k}, {k}]")
+    if pattern is None:
+        check_sparsity(sparsity)
+    elif k % pattern.m or block_size % pattern.m:
+        raise PruneConfigError(f"pattern {pattern} needs the input dimension ({k}) and the block size "
+                               f"({block_size}) to be multiples of {pattern.m}")
+    if quant is not None and quant.scheme != "int":
+        raise PruneConfigError("joint SparseGPT quantization supports the int scheme only (not nf4)")
+    group = k if quant is None or quant.group_size == -1 else quant.group_size
+    if quant is not None:
+        quant.groups(k)  # the group size must divide the row
+
+    u, dead = inverse_hessian_factor(hessian, percdamp)
+    w = weight.detach().float().clone()
+    w[:, dead] = 0
+    mask = torch.zeros(n, k, dtype=torch.bool)
+    codes = torch.zeros(n, k, dtype=torch.uint8) if quant is not None else None
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+    scale = zero = None
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        w1 = w[:, b0:b1]  # [N, B] view: the block is swept in place
+        u1 = u[b0:b1, b0:b1]  # [B, B]
+        d1 = torch.diagonal(u1)  # [B]
+        err1 = torch.zeros_like(w1)  # [N, B]
+        mask1 = mask[:, b0:b1]  # [N, B] view
+        if pattern is None:
+            saliency = w1.pow(2) / d1.pow(2)[None, :]  # [N, B]
+            mask1.copy_(unstructured_mask(saliency, sparsity, per_row=False))
+        for i in range(b1 - b0):
+            j = b0 + i
+            if pattern is not None and i % pattern.m == 0:
+                saliency = w1[:, i:i + pattern.m].pow(2) / d1[i:i + pattern.m].pow(2)[None, :]  # [N, M]
+                mask1[:, i:i + pattern.m] = nm_mask(saliency, pattern.n, pattern.m)
+            col = w1[:, i].clone()  # [N]
+            q = col.masked_fill(mask1[:, i], 0.0)
+            if quant is not None:
+                if j % group == 0:
+                    scale, zero = _group_qparams(w, mask, j, group, quant)
+                    scales.append(scale)
+                    zeros.append(zero)
+                assert codes is not None and scale is not None and zero is not None
+                codes[:, j] = primitives.quantize(q[:, None], scale, zero, quant.bits)[:, 0]
+                q = primitives.dequantize(codes[:, j:j + 1], scale, zero)[:, 0]
+            err = (col - q) / d1[i]  # [N]
+            w1[:, i:] -= err[:, None] * u1[i, i:][None, :]  # OBS compensation inside the block
+            w1[:, i] = q  # exact value (the update above leaves it equal up to rounding)
+            err1[:, i] = err
+        w[:, b1:] -= err1 @ u[b0:b1, b1:]  # lazy update of the later columns: [N, B] x [B, K - b1]
+    w[mask] = 0.0
+    if quant is None:
+        return SparseGPTResult(weight=w, mask=mask)
+    return SparseGPTResult(weight=w, mask=mask, codes=codes, scale=torch.cat(scales, dim=1),
+                           zero=torch.cat(zeros, dim=1))
+
+
+def _group_qparams(w: torch.Tensor, mask: torch.Tensor, j: int, group: int, quant: LayerQuant
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero [N, 1] of the group starting at column j, from its current weights with the entries
+    already known to be removed set to 0 (they will be exactly 0); scale rounded to float16 as stored."""
+    current = w[:, j:j + group].masked_fill(mask[:, j:j + group], 0.0)  # [N, G]
+    scale, zero = primitives.choose_qparams(current, quant.bits, group_size=None, sym=quant.sym)  # [N, 1] each
+    scale = scale.clamp_min(torch.finfo(torch.float16).tiny).half().float()
+    return scale, zero
