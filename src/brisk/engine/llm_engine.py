@@ -149,7 +149,7 @@ class LLMEngine:
         result = self.runner.execute(sched, self.scheduler.requests)
         touched = self.scheduler.update(sched, result)
         if self.speculator is not None:
-            self.speculator.observe(sched, result)
+            self.speculator.observe(sched, result, self.scheduler)
         self.num_steps += 1
         return self._make_outputs(touched)
 

@@ -63,7 +63,7 @@ class Speculator:
             req.spec_token_ids = draft.token_ids
             req.spec_draft_probs = draft.probs
 
-    def observe(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+    def observe(self, sched: SchedulerOutput, result: RunnerOutput, scheduler: Scheduler) -> None:
         for s in sched.scheduled:
             if not s.num_draft_tokens or s.req_id not in result.sampled_token_ids:
                 continue
@@ -73,6 +73,11 @@ class Speculator:
             self.stats.num_accepted_tokens += emitted - 1
             self.stats.num_emitted_tokens += emitted
             self.gamma.update(s.req_id, s.num_draft_tokens, emitted - 1)
+        finished = {s.req_id for s in sched.scheduled
+                    if (req := scheduler.requests.get(s.req_id)) is None or req.is_finished}
+        if finished:  # free a draft model's KV now rather than at the next step
+            self.proposer.free(finished)
+            self.gamma.forget(finished)
 
     def reset_stats(self) -> SpecStats:
         stats, self.stats = self.stats, SpecStats()
