@@ -95,7 +95,7 @@ def test_greedy_batched_equals_plain(model_dir, other_draft_dir, plain, method):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft:same", "draft:other"])
+@pytest.mark.parametrize("method", ["ngram", "draft:other"])
 def test_greedy_alone_and_under_preemption(model_dir, other_draft_dir, plain, method):
     name, kwargs = resolve(method, model_dir, other_draft_dir)
     prompts = make_prompts()
@@ -174,6 +174,25 @@ def test_adaptive_gamma():
     for _ in range(10):
         ctl.update("r", 4, 4)
     assert ctl.gamma("r") >= 4
+
+
+def test_layerskip_search_stores_a_set_that_loads(model_dir, tmp_path):
+    from brisk.model.loader import load_model
+    from brisk.spec.draft_model import layer_skip_model
+    from brisk.spec.layerskip import layerskip_path, load_skip_layers, save_search, search_skip_layers
+
+    loaded = load_model(model_dir)
+    ids = make_prompts()[4][:48]
+    result = search_skip_layers(loaded.model, ids, loaded.dtype, max_skip=1, calibration="test")
+    assert list(result.single_layer_agreement) == [1]  # 3 layers: only the middle one is a candidate
+    assert 0.0 <= result.agreement <= 1.0 and result.prefix_agreement
+    path = tmp_path / "model.gguf"
+    save_search(result, layerskip_path(path))
+    assert load_skip_layers(path) == result.skip_layers
+    with pytest.raises(FileNotFoundError, match="layerskip-search"):
+        load_skip_layers(tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match="every layer"):
+        layer_skip_model(loaded.model, [0, 1, 2])
 
 
 def test_spec_config_parsing():

@@ -195,8 +195,9 @@ def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
     from brisk.quant.cli import quantize
+    from brisk.spec.cli import spec_group
 
-    for command in (bench, eval_group, quantize):
+    for command in (bench, eval_group, quantize, spec_group):
         main.add_command(command)
 
 

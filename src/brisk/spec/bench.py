@@ -6,15 +6,16 @@ Prompt sets (chat-templated, built from real text; fixed, so runs on different d
   chat      open questions and story continuations seeded by the novel's own sentences;
   code      write a function, or rewrite / document a real function of brisk's own source given in the prompt.
 
-Each (set, method) runs the set's prompts one at a time (batch 1) and all at once (concurrent); every
-method reuses one loaded target model. Greedy by default, so the outputs must match plain decoding token for
-token (checked and reported). Speedup = tokens/s of the method / tokens/s of plain decoding on the same set
-and batch mode, measured in this run.
+Each set runs its prompts one at a time (batch 1) and all at once (concurrent). Every method's engine shares
+one loaded target, and each prompt runs under plain decoding and every method back to back, so a busy shared
+machine slows them alike. Greedy, so every method's output must equal plain decoding's token for token
+(checked, reported). tokens/s is decode throughput: tokens after the first over the time from the first token
+to the last (prefill is the same work with or without speculation). Speedup = a method's tokens/s over plain
+decoding's on the same set and batch mode, in this run.
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
 import time
 from dataclasses import asdict, dataclass
@@ -96,8 +97,8 @@ class SpecRun:
     batch: str  # "1" (one request at a time) or "concurrent"
     num_requests: int
     output_tokens: int
-    seconds: float
-    tokens_per_s: float
+    seconds: float  # decode time: from each request's first token to its last (prefill excluded)
+    tokens_per_s: float  # tokens after the first, per decode second
     speedup: float | None = None  # vs plain, same set and batch mode
     acceptance_rate: float | None = None
     mean_accepted_per_step: float | None = None
@@ -111,54 +112,67 @@ def _engine(loaded: LoadedModel, spec: SpecConfig | None, max_model_len: int, kv
     return LLMEngine(config, loaded)
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+              ) -> tuple[list[list[int]], float]:
+    """Outputs, and the decode seconds: from the moment every request has its first token to the last finish
+    (prefill is the same work with or without speculation, so it is left out of the ratio)."""
     ids = [engine.add_request(None, p, params) for p in prompts]
     done: dict[str, list[int]] = {}
+    started: set[str] = set()
+    decode_start = None
     while len(done) < len(ids):
         for out in engine.step():
+            started.add(out.request_id)
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    return [done[i] for i in ids]
+        if decode_start is None and len(started) == len(ids):
+            decode_start = time.perf_counter()
+    return [done[i] for i in ids], time.perf_counter() - decode_start
 
 
 def run_spec_bench(loaded: LoadedModel, methods: list[str], num_prompts: int, max_tokens: int, concurrency: int,
                    num_speculative_tokens: int, sets: list[str] | None = None, max_model_len: int = 1536,
-                   kv_memory: str = "256MiB", text_path: Path | None = None, progress=print) -> list[SpecRun]:
+                   kv_memory: str = "96MiB", text_path: Path | None = None, progress=print) -> list[SpecRun]:
+    """Every method's engine is built once; each prompt (or concurrent group) then runs under plain decoding and
+    every method back to back, so load changes on a shared machine hit all of them alike."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tok = loaded.tokenizer
     conversations = prompt_sets(max(num_prompts, concurrency), text_path)
+    names = ["plain", *methods]
+    engines = {m: _engine(loaded, None if m == "plain" else SpecConfig.parse(m, num_speculative_tokens),
+                          max_model_len, kv_memory) for m in names}
+    for engine in engines.values():
+        _generate(engine, [tok.encode("Warm-up.")], SamplingParams(temperature=0, max_tokens=4))
     runs: list[SpecRun] = []
     for name, convs in conversations.items():
         if sets and name not in sets:
             continue
         prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in convs]
-        plain_outputs: dict[str, list[list[int]]] = {}
-        plain_rate: dict[str, float] = {}
-        for method in ["plain", *methods]:
-            spec = None if method == "plain" else SpecConfig.parse(method, num_speculative_tokens)
-            engine = _engine(loaded, spec, max_model_len, kv_memory)
-            _generate(engine, [prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-            for batch, group in (("1", [[p] for p in prompts[:num_prompts]]), ("concurrent", [prompts[:concurrency]])):
+        for batch, groups in (("1", [[p] for p in prompts[:num_prompts]]), ("concurrent", [prompts[:concurrency]])):
+            outputs: dict[str, list[list[int]]] = {m: [] for m in names}
+            seconds = dict.fromkeys(names, 0.0)
+            for engine in engines.values():
                 if engine.speculator is not None:
                     engine.speculator.reset_stats()
-                start = time.perf_counter()
-                outputs = [o for g in group for o in _generate(engine, g, params)]
-                seconds = time.perf_counter() - start
-                num_tokens = sum(len(o) for o in outputs)
-                run = SpecRun(name, method, batch, sum(len(g) for g in group), num_tokens, seconds,
-                              num_tokens / seconds)
-                if method == "plain":
-                    plain_outputs[batch], plain_rate[batch] = outputs, run.tokens_per_s
-                else:
-                    stats = engine.speculator.stats
-                    run.speedup = run.tokens_per_s / plain_rate[batch]
+            for group in groups:
+                for m in names:
+                    outs, secs = _generate(engines[m], group, params)
+                    outputs[m] += outs
+                    seconds[m] += secs
+            for m in names:
+                num_tokens = sum(len(o) for o in outputs[m])
+                rate = (num_tokens - len(outputs[m])) / seconds[m]
+                run = SpecRun(name, m, batch, len(outputs[m]), num_tokens, seconds[m], rate)
+                if m == "plain":
+                    plain_rate = rate
+                if m != "plain":
+                    stats = engines[m].speculator.stats
+                    run.speedup = rate / plain_rate
                     run.acceptance_rate = stats.acceptance_rate
                     run.mean_accepted_per_step = stats.mean_accepted_per_step
-                    run.identical_to_plain = outputs == plain_outputs[batch]
+                    run.identical_to_plain = outputs[m] == outputs["plain"]
                 runs.append(run)
                 progress(run)
-            del engine
-            gc.collect()
     return runs
 
 

@@ -15,9 +15,7 @@ drafts, preemption of the target request and any other divergence need no specia
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -166,24 +164,6 @@ def self_draft_model(engine: LLMEngine, bits: int, group_size: int = 64) -> Llam
     return net
 
 
-LAYERSKIP_FILE = "brisk_layerskip.json"
-
-
-def layerskip_path(model_path: Path) -> Path:
-    """Where the searched skip set is stored: inside a model folder, or next to a .gguf file."""
-    return model_path / LAYERSKIP_FILE if model_path.is_dir() else model_path.with_name(
-        model_path.name + "." + LAYERSKIP_FILE)
-
-
-def load_skip_layers(model_path: Path) -> list[int]:
-    path = layerskip_path(model_path)
-    if not path.exists():
-        raise FileNotFoundError(f"no layer-skip set stored for {model_path} ({path} is missing); run "
-                                f"`brisk spec layerskip-search --model {model_path}` first, or give skip_layers")
-    data = json.loads(path.read_text())
-    return [int(i) for i in data["skip_layers"]]
-
-
 def layer_skip_model(model: LlamaForCausalLM, skip_layers: Iterable[int]) -> LlamaForCausalLM:
     """A view of `model` that runs only the layers not in skip_layers; it shares every weight (no copy)."""
     skip = set(skip_layers)
@@ -226,6 +206,8 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
     elif config.method == "self":
         model, name, cost = self_draft_model(engine, SELF_DRAFT_BITS[config.model]), f"self:{config.model}", 0.35
     else:
+        from brisk.spec.layerskip import load_skip_layers
+
         skip = config.skip_layers if config.skip_layers is not None else load_skip_layers(target.path)
         model = layer_skip_model(target.model, skip)
         name = "layerskip"
