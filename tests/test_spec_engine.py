@@ -10,7 +10,7 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.engine.config import SpecConfig
-from brisk.spec.adaptive import AdaptiveGamma, best_gamma, expected_tokens
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, best_gamma, expected_tokens
 from brisk.spec.ngram import find_continuation
 
 VOCAB = 384
@@ -193,6 +193,20 @@ def test_layerskip_search_stores_a_set_that_loads(model_dir, tmp_path):
         load_skip_layers(tmp_path / "other.gguf")
     with pytest.raises(ValueError, match="every layer"):
         layer_skip_model(loaded.model, [0, 1, 2])
+
+
+def test_step_cost_model_is_batch_aware():
+    """Steps of t = 0.4 s + 0.01 s/token: one more draft costs 0.01/0.41 of a step at batch 1, but at batch 32
+    (compute-bound) 0.32/0.72 — adaptive γ must draft less there."""
+    model = StepCostModel()
+    for x in [1, 5, 300, 8, 40, 1, 2, 64, 16, 3] * 20:
+        model.observe_step(x, 0.4 + 0.01 * x)
+    a, b = model.line()
+    assert abs(a - 0.4) < 1e-3 and abs(b - 0.01) < 1e-5
+    assert abs(model.cost_per_draft(1) - 0.01 / 0.41) < 1e-3
+    assert abs(model.cost_per_draft(32) - 0.32 / 0.72) < 1e-3
+    model.observe_draft(0.1)
+    assert abs(model.cost_per_draft(1) - 0.11 / 0.41) < 1e-3
 
 
 def test_spec_config_parsing():

@@ -4,10 +4,11 @@ request's extra tokens, see Scheduler.schedule) and one batched forward (ModelRu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from brisk.spec.adaptive import AdaptiveGamma
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel
 from brisk.spec.proposer import Proposer
 
 
@@ -35,6 +36,7 @@ class Speculator:
         one-token decode step (measured on the default model on CPU: see BENCHMARKS / issue 8 notes)."""
         self.proposer = proposer
         self.gamma = AdaptiveGamma(max_gamma, proposer.draft_cost + verify_cost, adaptive)
+        self.costs = StepCostModel()
         self.stats = SpecStats()
 
     def propose(self, scheduler: Scheduler) -> None:
@@ -44,6 +46,12 @@ class Speculator:
             self.proposer.free(gone)
             self.gamma.forget(gone)
         reqs, ks = [], []
+        ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        # measured cost of one more draft per decoding request (batch-aware: see adaptive.StepCostModel);
+        # until a draft model has been timed, its static estimate stands in for its share
+        cost = self.costs.cost_per_draft(max(1, len(ready)))
+        if self.costs.draft_seconds == 0.0:
+            cost += self.proposer.draft_cost
         for req in scheduler.running:
             req.spec_token_ids = []
             req.spec_draft_probs = None
@@ -53,17 +61,22 @@ class Speculator:
             room = scheduler.config.max_model_len - req.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - req.num_output_tokens - 1)
-            k = min(self.gamma.gamma(req.request_id), room)
+            k = min(self.gamma.gamma(req.request_id, cost), room)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
-        if not reqs:
-            return
-        for req, draft in zip(reqs, self.proposer.propose(reqs, ks), strict=True):
-            req.spec_token_ids = draft.token_ids
-            req.spec_draft_probs = draft.probs
+        if reqs:
+            start = time.perf_counter()
+            drafts = self.proposer.propose(reqs, ks)
+            if self.proposer.draft_cost > 0.0:  # a draft model: one forward per drafted position
+                self.costs.observe_draft((time.perf_counter() - start) / max(ks))
+            for req, draft in zip(reqs, drafts, strict=True):
+                req.spec_token_ids = draft.token_ids
+                req.spec_draft_probs = draft.probs
+        self.costs.start()  # the target step that follows: schedule, forward, verify
 
     def observe(self, sched: SchedulerOutput, result: RunnerOutput, scheduler: Scheduler) -> None:
+        self.costs.stop(sched.num_batched_tokens)
         for s in sched.scheduled:
             if not s.num_draft_tokens or s.req_id not in result.sampled_token_ids:
                 continue
