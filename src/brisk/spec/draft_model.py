@@ -15,6 +15,7 @@ drafts, preemption of the target request and any other divergence need no specia
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ class DraftModelProposer(Proposer):
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.vocab_size = model.config.vocab_size
         self._shadows: dict[str, Request] = {}
+        self.forward_seconds = 0.0  # last steady-state draft forward (0 until one ran)
         self._num_target_tokens: dict[str, int] = {}  # the target's length when the shadow last drafted
 
     def live_ids(self) -> set[str]:
@@ -101,9 +103,14 @@ class DraftModelProposer(Proposer):
             if not active:
                 break
             sched = SchedulerOutput(scheduled=scheduled)
+            start = time.perf_counter()
             ids, positions, meta, ctx = self.runner.prepare(sched)
             dev = self.runner.device
             logits = self.runner.model(ids.to(dev), positions.to(dev), meta, self.runner.kv_caches, ctx)  # [B, V]
+            if max(len(s.token_ids) for s in scheduled) <= 2:
+                # a steady-state draft forward (no catch-up prefill of a new prompt): what adaptive γ should
+                # pay per drafted position
+                self.forward_seconds = time.perf_counter() - start
             tokens = self._sample(logits, [requests[j] for j in active], [drafts[j] for j in active],
                                   [probs[j] for j in active])
             for j, s, token in zip(active, scheduled, tokens, strict=True):

@@ -29,6 +29,7 @@ class Proposer:
 
     name = "proposer"
     draft_cost = 0.0
+    forward_seconds = 0.0  # a draft model's last steady-state forward (measured cost for adaptive γ); 0 = none
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:
         raise NotImplementedError

@@ -4,7 +4,6 @@ request's extra tokens, see Scheduler.schedule) and one batched forward (ModelRu
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
@@ -32,8 +31,9 @@ class SpecStats:
 class Speculator:
     def __init__(self, proposer: Proposer, max_gamma: int, adaptive: bool = True,
                  verify_cost: float = 0.08) -> None:
-        """`verify_cost`: the extra cost of one more verified token in the target's forward, relative to a
-        one-token decode step (measured on the default model on CPU: see BENCHMARKS / issue 8 notes)."""
+        """`verify_cost`: a static estimate of one more verified token's cost relative to a one-token decode step
+        (0.05-0.08 measured at batch 1 on the default model on CPU); only a fallback, since propose() passes the
+        measured, batch-aware cost of StepCostModel."""
         self.proposer = proposer
         self.gamma = AdaptiveGamma(max_gamma, proposer.draft_cost + verify_cost, adaptive)
         self.costs = StepCostModel()
@@ -66,10 +66,9 @@ class Speculator:
                 reqs.append(req)
                 ks.append(k)
         if reqs:
-            start = time.perf_counter()
             drafts = self.proposer.propose(reqs, ks)
-            if self.proposer.draft_cost > 0.0:  # a draft model: one forward per drafted position
-                self.costs.observe_draft((time.perf_counter() - start) / max(ks))
+            if self.proposer.forward_seconds > 0.0:  # a draft model's forward, catch-up prefill excluded
+                self.costs.observe_draft(self.proposer.forward_seconds)
             for req, draft in zip(reqs, drafts, strict=True):
                 req.spec_token_ids = draft.token_ids
                 req.spec_draft_probs = draft.probs
