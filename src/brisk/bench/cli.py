@@ -506,7 +506,7 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
 
 # ---------------------------------------------------------------------------- spec
 @bench.command("spec")
-@click.option("--methods", default="ngram,self:int4,layerskip", show_default=True,
+@click.option("--methods", default="ngram,self:int8,self:int4,layerskip", show_default=True,
               help="Comma-separated --speculative methods, each measured against plain decoding in this run.")
 @click.option("--model", "-m", default=None, help="Target model (default: SmolLM2-135M-Instruct).")
 @click.option("--sets", default="grounded,chat,code", show_default=True,
