@@ -29,6 +29,12 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
         click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
+        click.option("--speculative", default=None, metavar="METHOD",
+                     help="Speculative decoding: ngram (prompt lookup), layerskip, draft:PATH (a model with the same "
+                          "tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy of the model). "
+                          "(lookahead is not built.)"),
+        click.option("--num-speculative-tokens", type=int, default=None,
+                     help="Most drafted tokens per step (default 4); adaptive per request below it."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -59,7 +65,8 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"], kv_cache_memory=kw["kv_cache_memory"],
         max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
         block_size=kw["block_size"], enable_prefix_caching=not kw["no_prefix_caching"],
-        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"])
+        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
+        speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"))
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:
@@ -188,8 +195,9 @@ def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
     from brisk.quant.cli import quantize
+    from brisk.spec.cli import spec_group
 
-    for command in (bench, eval_group, quantize):
+    for command in (bench, eval_group, quantize, spec_group):
         main.add_command(command)
 
 

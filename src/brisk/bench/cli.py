@@ -564,3 +564,52 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
     if json_path:
         report.write_json(json_path, "sparse", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
+
+
+# ---------------------------------------------------------------------------- spec
+@bench.command("spec")
+@click.option("--methods", default="ngram,self:int8,self:int4,layerskip", show_default=True,
+              help="Comma-separated --speculative methods, each measured against plain decoding in this run.")
+@click.option("--model", "-m", default=None, help="Target model (default: SmolLM2-135M-Instruct).")
+@click.option("--sets", default="grounded,chat,code", show_default=True,
+              help="Prompt sets: grounded (quote/extract/summarise a given passage), chat, code.")
+@click.option("--num-prompts", type=int, default=4, show_default=True, help="Prompts per set at batch 1 (max 8).")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in the concurrent run.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated tokens per request.")
+@click.option("--num-speculative-tokens", type=int, default=4, show_default=True)
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Novel the grounded/chat prompts are cut from (default /work/shared/data/emma.txt, else the "
+                   "bundled excerpt).")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
+         num_speculative_tokens: int, text_path: str | None, threads: int | None, json_path: str | None) -> None:
+    """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
+    from rich.table import Table
+
+    from brisk.model.loader import load_model
+    from brisk.spec.bench import run_spec_bench, runs_as_dicts
+
+    _set_threads(threads)
+    if not 1 <= num_prompts <= 8 or not 1 <= concurrency <= 8:
+        raise ValueError("--num-prompts and --concurrency must be in [1, 8] (each set has 8 fixed prompts)")
+    console = report.stderr_console()
+    loaded = load_model(model, max_model_len=1536)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
+                          [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
+                          progress=lambda r: console.print(f"[dim]{r}"))
+    table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
+                        f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
+    for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):
+        table.add_column(col, justify="left" if col in ("set", "method") else "right")
+    for r in runs:
+        table.add_row(r.prompt_set, r.method, "1" if r.batch == "1" else f"{r.num_requests} conc.",
+                      f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x" if r.speedup else "-",
+                      f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "-",
+                      f"{r.mean_accepted_per_step:.2f}" if r.mean_accepted_per_step is not None else "-",
+                      "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO"))
+    Console(width=max(Console().width, 120)).print(table)
+    if json_path:
+        report.write_json(json_path, "spec", click.get_current_context().params, {"runs": runs_as_dicts(runs)})

@@ -79,6 +79,69 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead")
+SELF_DRAFT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding; keys follow vLLM's speculative_config where they exist.
+
+    method: ngram (prompt lookup) | draft (a separate model: `model` is its path) | self (an RTN-quantized copy
+    of the target built at load: `model` is int8, int4 or int2) | layerskip (the target with some layers skipped:
+    `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead.
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 4  # the most drafts per step (γ); adaptive γ chooses per request below it
+    adaptive: bool = True
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched against prompt + output
+    prompt_lookup_min: int = 1
+    skip_layers: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "lookahead":
+            raise ValueError("lookahead decoding is not built in brisk (yet); use ngram, layerskip, draft:PATH "
+                             "or self:int4")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use ngram, layerskip, draft:PATH, "
+                             "self:int4, self:int8 or self:int2")
+        if self.method == "draft" and not self.model:
+            raise ValueError("the draft method needs a model path: --speculative draft:PATH")
+        if self.method == "self":
+            self.model = self.model or "int4"
+            if self.model not in SELF_DRAFT_BITS:
+                raise ValueError(f"self-draft quantization must be one of {', '.join(SELF_DRAFT_BITS)}, "
+                                 f"got {self.model!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, spec: str | dict | SpecConfig | None, num_speculative_tokens: int | None = None
+              ) -> SpecConfig | None:
+        """'ngram' | 'layerskip' | 'lookahead' | 'draft:PATH' | 'self:int4' | a vLLM-style dict | None (off)."""
+        if spec is None or isinstance(spec, SpecConfig):
+            return spec
+        if isinstance(spec, dict):
+            kwargs = dict(spec)
+            if "method" not in kwargs:  # vLLM: {"model": "ngram"} or {"model": PATH}
+                model = kwargs.pop("model", None)
+                kwargs["method"], kwargs["model"] = ("ngram", None) if model in (None, "ngram") else ("draft", model)
+        else:
+            method, _, arg = str(spec).partition(":")
+            kwargs = {"method": method, "model": arg or None}
+        if num_speculative_tokens is not None:
+            kwargs["num_speculative_tokens"] = num_speculative_tokens
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"bad speculative config {spec!r}: {e}") from None
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None = the default model
@@ -89,6 +152,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len filled in
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    spec: SpecConfig | None = None  # speculative decoding; None = off
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)

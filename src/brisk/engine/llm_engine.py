@@ -80,6 +80,11 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
+        self.speculator = None
+        if config.spec is not None:
+            from brisk.spec import build_speculator
+
+            self.speculator = build_speculator(config.spec, self)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -134,6 +139,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)  # drafts ride along in this step's batch
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -141,6 +148,8 @@ class LLMEngine:
             return []
         result = self.runner.execute(sched, self.scheduler.requests)
         touched = self.scheduler.update(sched, result)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result, self.scheduler)
         self.num_steps += 1
         return self._make_outputs(touched)
 

@@ -8,7 +8,7 @@ import torch
 
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
-from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
+from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from brisk.model.llama import LlamaForCausalLM
 from brisk.ops.attention import AttentionMetadata
 
@@ -81,8 +81,11 @@ class ModelRunner:
             tables.append(ids[: (ctx + bs - 1) // bs])
         max_blocks = max((len(t) for t in tables), default=0)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way)
-        logits_rows = [first_row[s.req_id] + len(s.token_ids) - 1 for s in sched.scheduled if s.num_samples]
+        # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way);
+        # a request with k drafts has its last k + 1 rows verified
+        logits_rows = [r for s in sched.scheduled if s.num_samples
+                       for r in range(first_row[s.req_id] + len(s.token_ids) - 1 - s.num_draft_tokens,
+                                      first_row[s.req_id] + len(s.token_ids))]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=num_decodes,
@@ -111,6 +114,10 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
             return out
+        if any(s.num_draft_tokens for s in sampling):
+            logits, sampling = self._verify_drafts(logits, sampling, requests, out)
+            if not sampling:
+                return out
         # one logits row per sampled token; a fork (n > 1) draws n samples from its prompt's last row
         rows: list[int] = []
         reqs: list[Request] = []
@@ -132,3 +139,31 @@ class ModelRunner:
                 out.logprobs[s.req_id] = result.logprobs[j:j + n]
             j += n
         return out
+
+    def _verify_drafts(self, logits: torch.Tensor, sampling: list[ScheduledRequest], requests: Mapping[str, Request],
+                       out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Verify the requests with drafts (spec.verify) into `out`; return the other rows for the sampler."""
+        from brisk.spec.verify import verify
+
+        spec_rows: list[int] = []
+        plain_rows: list[int] = []
+        spec, plain = [], []
+        row = 0
+        for s in sampling:
+            n = 1 + s.num_draft_tokens
+            (spec_rows if s.num_draft_tokens else plain_rows).extend(range(row, row + n))
+            (spec if s.num_draft_tokens else plain).append(s)
+            row += n
+        reqs = [requests[s.req_id] for s in spec]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in spec]
+        probs = [None if r.spec_draft_probs is None else r.spec_draft_probs[:s.num_draft_tokens]
+                 for r, s in zip(reqs, spec, strict=True)]
+        result = verify(logits.index_select(0, torch.tensor(spec_rows, device=logits.device)).float(), reqs, drafts,
+                        probs)
+        for s, tokens, lps in zip(spec, result.token_ids, result.logprobs, strict=True):
+            out.sampled_token_ids[s.req_id] = tokens
+            if lps is not None:
+                out.logprobs[s.req_id] = lps
+        if plain:
+            logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+        return logits, plain

@@ -218,6 +218,19 @@ class KVCacheManager:
         self._requests.pop(req_id, None)
         self._stats_recorded.discard(req_id)
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first cdiv(num_tokens, block_size): lookahead slots (rejected
+        speculative drafts) that turned out not to be needed. Such blocks lie past request.num_tokens when
+        they were allocated, so they were never hashed into the prefix cache."""
+        blocks = self._req_to_blocks.get(request.request_id)
+        keep = _cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.block_hash is None or b.ref_cnt > 1 for b in tail), "a freed lookahead block was cached"
+        self.block_pool.free_blocks(reversed(tail))
+
     def fork(self, parent: Request, child: Request) -> None:
         """Share the parent's whole block table with `child` (n > 1 sampling); writes copy on demand.
 
