@@ -26,6 +26,16 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per engine step."),
         click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size."),
         click.option("--no-prefix-caching", is_flag=True, help="Disable automatic prefix caching."),
+        click.option("--kv-cache-dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "int8", "int4"]),
+                     help="KV cache storage: the model dtype, int8 (per token) or int4 (KIVI)."),
+        click.option("--kv-policy", default="full", show_default=True,
+                     type=click.Choice(["full", "streaming", "h2o"]),
+                     help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters."),
+        click.option("--kv-budget", type=int, default=None,
+                     help="Tokens of KV kept per request by streaming/h2o (sinks included)."),
+        click.option("--sink-tokens", type=int, default=4, show_default=True,
+                     help="streaming: leading tokens always kept (attention sinks)."),
         click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
         click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
@@ -59,7 +69,9 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"], kv_cache_memory=kw["kv_cache_memory"],
         max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
         block_size=kw["block_size"], enable_prefix_caching=not kw["no_prefix_caching"],
-        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"])
+        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
+        kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
+        sink_tokens=kw["sink_tokens"])
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

@@ -41,6 +41,10 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         num_threads: int | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_policy: str = "full",
+        kv_budget: int | None = None,
+        sink_tokens: int = 4,
     ) -> None:
         from brisk.model.loader import load_model
 
@@ -53,7 +57,8 @@ class LLM:
                                 max_model_len=max_len, enable_chunked_prefill=enable_chunked_prefill,
                                 policy=scheduling_policy)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads)
         self.engine = LLMEngine(config, loaded)

@@ -14,6 +14,7 @@ from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
+from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -64,8 +65,13 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         cache = config.cache
         dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
-        bytes_per_block = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
-        num_blocks = cache.num_blocks or cache.kv_cache_bytes // bytes_per_block
+        bytes_per_block = int(kv_bytes_per_token(cache.kv_cache_dtype, mc.num_hidden_layers, mc.num_key_value_heads,
+                                                 mc.head_dim, cache.block_size, dtype_bytes) * cache.block_size)
+        pool_bytes = cache.kv_cache_bytes
+        if cache.kv_cache_dtype == "int4":  # the residual key buffers come out of the same budget
+            pool_bytes -= cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
+                mc.num_key_value_heads, mc.head_dim, cache.block_size)
+        num_blocks = cache.num_blocks or max(0, pool_bytes) // bytes_per_block
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one sequence of "
@@ -76,7 +82,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
-                                  config.device)
+                                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks)
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0

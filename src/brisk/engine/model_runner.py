@@ -9,13 +9,15 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
+from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
-from brisk.ops.attention import AttentionMetadata
+from brisk.ops.attention import AttentionMetadata, KVCache
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+                 num_residual_blocks: int = 16) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -23,16 +25,23 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
         c = model.config
-        # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-            for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_caches: list[KVCache]
+        if kv_cache_dtype == "auto":
+            # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+            self.kv_caches = [
+                torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+                for _ in range(c.num_hidden_layers)
+            ]
+        else:  # int8 / int4: quantized on write, dequantized inside attention (kvcache/quant.py)
+            self.kv_caches = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
+                                                 c.num_key_value_heads, c.head_dim, dtype, device,
+                                                 num_residual_blocks))
         self.sampler = Sampler()
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.nbytes if isinstance(t, QuantizedKVCache) else t.numel() * t.element_size()
+                   for t in self.kv_caches)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -40,7 +49,10 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
+            if isinstance(kv, QuantizedKVCache):
+                kv.copy_blocks(src.tolist(), dst.tolist())
+            else:
+                kv[:, dst] = kv[:, src]
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                         torch.Tensor | None]:

@@ -40,8 +40,10 @@ def eval_group() -> None:
               help="Score the first N windows of the text (0 = all).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="Weights and activations dtype (the NLL is computed in float32 either way).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "int4"]),
+              help="KV cache storage during scoring (auto = the model dtype).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
-def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str,
+def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
         json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
     from brisk.bench import report
@@ -55,7 +57,8 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
     text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
     loaded = load_model(model, dtype=parse_dtype(dtype))
-    result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True)
+    result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True,
+                        kv_cache_dtype=kv_cache_dtype)
 
     table = Table(title=f"perplexity of {loaded.name} on {Path(text_path).name}", title_justify="left")
     table.add_column("metric")
@@ -66,6 +69,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         ("windows x tokens", f"{result.num_windows} x {result.window}"),
         ("predicted tokens", f"{result.num_tokens:,}"),
         ("dtype", dtype),
+        ("KV cache dtype", kv_cache_dtype),
         ("time (s)", f"{result.seconds:.1f}"),
         ("tokens/s", f"{result.tokens_per_second:.0f}"),
     ]:
@@ -73,7 +77,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
     Console().print(table)
     if json_path:
         params = {"model": str(loaded.path), "text": text_path, "window": window, "max_windows": max_windows,
-                  "dtype": dtype}
+                  "dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
         report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict()})
 
 
