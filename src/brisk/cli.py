@@ -196,6 +196,24 @@ def serve(host: str, port: int, api_key: str | None, served_model_name: str | No
     run_server(llm.engine, config, host=host, port=port)
 
 
+@main.group("convert")
+def convert() -> None:
+    """Convert a checkpoint into another ordinary checkpoint."""
+
+
+@convert.command("gqa")
+@click.option("--kv-heads", type=int, required=True,
+              help="Key/value heads of the result; must divide the model's (1 = multi-query attention).")
+@click.argument("model")
+@click.argument("out", type=click.Path(file_okay=False))
+def convert_gqa_command(kv_heads: int, model: str, out: str) -> None:
+    """Mean-pool MODEL's key/value heads into KV_HEADS groups (Ainslie et al., 2023); write a float folder OUT."""
+    from brisk.model.gqa import convert_gqa
+
+    folder = convert_gqa(model, out, kv_heads)
+    click.echo(f"wrote {folder} with {kv_heads} key/value head(s)")
+
+
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
