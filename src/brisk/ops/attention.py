@@ -68,6 +68,14 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (padding columns are never read)
     context_lens: torch.Tensor | None = None  # [B] int32: tokens in the cache including this step's
     sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
+    # StreamingLLM (kvcache/policy.py): with a window, keys [0, num_sink_tokens) are seen by every query too
+    num_sink_tokens: int = 0
+    # an evicting policy is on: the tables hold -1 for evicted blocks; attention gathers only kept positions
+    evicting: bool = False
+    # [T, d/2] cos / sin of each row's evicted count E (set by the model from positions): the query scores the
+    # sink keys rotated back by E (see _sink_window_attention)
+    sink_cos: torch.Tensor | None = None
+    sink_sin: torch.Tensor | None = None
     # hand-built alternative to the tables (reference path only)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
@@ -178,6 +186,9 @@ def paged_attention(
     use_kernels: bool | None = None,  # None: the C++ kernel when it built and fits, else the reference path
 ) -> torch.Tensor:  # [T, h, d]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.evicting:
+        _sink_window_attention(out, q, kv_cache, meta, scale)
+        return out
     if meta.block_tables is not None:
         decode_only = meta.num_decodes == meta.block_tables.shape[0]
         op = None
@@ -243,6 +254,63 @@ def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
         out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                           scale: float) -> None:
+    """Attention under an evicting policy: sinks [0, S) plus the window (p - W, p] of each query p.
+
+    Only kept positions are gathered (evicted blocks are -1 in the tables and never read). RoPE: keys are cached
+    post-RoPE at their original positions and never re-rotated. StreamingLLM wants scores that depend on cache
+    positions, where the E evicted tokens (E = max(0, p - W - S + 1)) are closed up:
+
+        window key j:  cache pos j - E,  query cache pos p - E  ->  distance p - j : the original one, so the
+                       plain query q_p = R(p) q scores it exactly as the paper does;
+        sink key j:    cache pos j,      query cache pos p - E  ->  distance p - E - j : so the query is rotated
+                       back by E for the sink columns:  R(-E) R(p) q = R(p - E) q,  and scores R(j) k as the
+                       paper's re-rotated cache would.
+
+    Rotations compose exactly, so this equals the paper's "re-rotate every cached key by its cache position"
+    without touching the cache (and without the drift of repeated in-place re-rotation, the HF SinkCache bug).
+    """
+    assert meta.block_tables is not None and meta.context_lens is not None and meta.query_start_loc is not None
+    window = meta.sliding_window
+    assert window is not None, "an evicting policy sets the window"
+    sinks = meta.num_sink_tokens
+    bs = cache_block_size(kv_cache)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = cache_num_kv_heads(kv_cache)
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc.tolist()
+    lens = meta.context_lens.tolist()
+    for b in range(len(starts) - 1):
+        rows = slice(starts[b], starts[b + 1])
+        q_len, ctx = starts[b + 1] - starts[b], lens[b]
+        first = ctx - q_len  # position of the first query row
+        num_sinks = min(sinks, ctx)
+        lo = max(num_sinks, first - window + 1)  # first window position any row of this chunk sees
+        key_pos = torch.cat([torch.arange(num_sinks), torch.arange(lo, ctx)])  # [L]
+        table = meta.block_tables[b].long()
+        slots = table[key_pos // bs] * bs + key_pos % bs  # [L]
+        assert bool((table[key_pos // bs] >= 0).all()), "a kept position lies in an evicted block"
+        k, v = gather_kv(kv_cache, slots, q.dtype)  # [L, kvh, d]
+        qb = q[rows].view(q_len, num_kv_heads, group, head_dim)  # [q, kvh, g, d]
+        scores = torch.einsum("qhgd,khd->hgqk", qb.float(), k.float()) * scale  # [kvh, g, q, L]
+        if num_sinks and meta.sink_cos is not None:
+            # rotate each row back by its E: apply_rope with -sin rotates by -E (rotate-half layout)
+            half = head_dim // 2
+            cos, sin = meta.sink_cos[rows].float(), meta.sink_sin[rows].float()  # [q, d/2]
+            x1, x2 = q[rows, :, :half].float(), q[rows, :, half:].float()  # [q, h, d/2]
+            c, s_ = cos[:, None, :], sin[:, None, :]
+            q_back = torch.cat([x1 * c + x2 * s_, x2 * c - x1 * s_], dim=-1)  # R(-E) q: [q, h, d]
+            q_back = q_back.view(q_len, num_kv_heads, group, head_dim)
+            scores[..., :num_sinks] = torch.einsum("qhgd,khd->hgqk", q_back, k[:num_sinks].float()) * scale
+        pos = torch.arange(first, ctx).unsqueeze(1)  # [q, 1]
+        kp = key_pos.unsqueeze(0)  # [1, L]
+        mask = (kp <= pos) & ((kp < sinks) | (kp > pos - window))  # [q, L]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [kvh, g, q, L]
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [q, kvh, g, d]
+        out[rows] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
 
 def causal_mask(query_len: int, context_len: int, sliding_window: int | None = None) -> torch.Tensor:
