@@ -9,6 +9,7 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
+from brisk.kvcache.policy import KVPolicy, StreamingPolicy
 from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
 from brisk.ops.attention import AttentionMetadata, KVCache
@@ -17,13 +18,19 @@ from brisk.ops.attention import AttentionMetadata, KVCache
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
-                 num_residual_blocks: int = 16) -> None:
+                 num_residual_blocks: int = 16, kv_policy: KVPolicy | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
+        # an evicting policy (kvcache/policy.py): attention sees sinks + a window, evicted blocks are -1
+        self.kv_policy = kv_policy or KVPolicy()
+        self.num_sink_tokens = 0
+        if isinstance(self.kv_policy, StreamingPolicy):
+            self.sliding_window = self.kv_policy.window
+            self.num_sink_tokens = self.kv_policy.sink_tokens
         c = model.config
         self.kv_caches: list[KVCache]
         if kv_cache_dtype == "auto":
@@ -102,6 +109,8 @@ class ModelRunner:
             block_tables=block_tables,  # [B, max_blocks]
             context_lens=torch.tensor(context_lens, dtype=torch.int32),  # [B]
             sliding_window=self.sliding_window,
+            num_sink_tokens=self.num_sink_tokens,
+            evicting=self.kv_policy.evicts,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         )
         if self.device.type != "cpu":
