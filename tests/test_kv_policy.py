@@ -208,3 +208,15 @@ def test_stream_modes_on_a_tiny_model():
     logits = sequence_logits(loaded, torch.tensor(ids[t - 8:t]))
     ref = -torch.log_softmax(logits[-1], -1)[ids[t]]
     assert torch.allclose(exact[t - 1], ref, atol=1e-4)
+
+
+def test_bench_kv_capacity_counts_through_the_manager():
+    from brisk.bench.kv import KVSetting, max_concurrent
+
+    assert max_concurrent(10, KVSetting("auto", "full", block_size=4), seq_len=8, chunk=3) == 5
+    assert max_concurrent(10, KVSetting("auto", "full", block_size=4), seq_len=40) == 1
+    # streaming, 2 sinks + a window of 4, token by token: a finished 40-token request holds the sink block and
+    # block 9 (tokens 36..39): 2 blocks. While running it needs up to 3 (the window straddles two blocks, plus
+    # the sink block), so in 12 blocks 5 finish and the 6th (2 left) does not fit
+    assert max_concurrent(12, KVSetting("auto", "streaming", budget=6, sink_tokens=2, block_size=4),
+                          seq_len=40, chunk=1) == 5
