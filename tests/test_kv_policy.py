@@ -11,10 +11,10 @@ import torch
 from gguf_utils import random_state_dict, tiny_config
 
 from brisk.engine.request import Request
-from brisk.eval.longppl import oracle_nll, stream_nll
+from brisk.eval.longppl import h2o_stream_nll, oracle_nll, stream_nll
 from brisk.eval.ppl import sequence_logits
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import KVPolicy, StreamingPolicy
+from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
 from brisk.model.loader import LoadedModel, build_model
 from brisk.model.rope import apply_rope, base_inv_freq
 from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
@@ -220,3 +220,42 @@ def test_bench_kv_capacity_counts_through_the_manager():
     # the sink block), so in 12 blocks 5 finish and the 6th (2 left) does not fit
     assert max_concurrent(12, KVSetting("auto", "streaming", budget=6, sink_tokens=2, block_size=4),
                           seq_len=40, chunk=1) == 5
+
+
+# ---- H2O ---------------------------------------------------------------------------------------------------
+
+def test_h2o_keeps_recent_plus_heavy_hitters():
+    scores = [5.0, 0.1, 3.0, 0.2, 3.0, 9.0, 0.0, 0.0]
+    # keep 5: the 2 newest (6, 7) + the 3 heaviest older ones: 5 (9.0), 0 (5.0), then 2 and 4 tie at 3.0 -> 2
+    assert h2o_keep(scores, recent=2, keep=5) == [0, 2, 5, 6, 7]
+    assert h2o_keep(scores, recent=2, keep=8) == list(range(8))  # nothing to evict
+    assert h2o_keep(scores, recent=3, keep=3) == [5, 6, 7]  # all budget to recent tokens
+    with pytest.raises(ValueError):
+        H2OPolicy(budget=4, recent=4)
+
+
+def test_h2o_stream_on_a_tiny_model():
+    loaded = tiny_loaded()
+    ids = list(torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(4)).tolist())
+    full, _ = stream_nll(loaded, ids, KVPolicy(), chunk=7, block_size=4)
+    roomy, _ = h2o_stream_nll(loaded, ids, H2OPolicy(budget=40, recent=20), chunk=3, block_size=4)
+    assert torch.allclose(full, roomy, atol=1e-4)  # a budget above the stream evicts nothing
+    tight, held = h2o_stream_nll(loaded, ids, H2OPolicy(budget=10, recent=5), chunk=2, block_size=4)
+    assert torch.allclose(full[:8], tight[:8], atol=1e-4)  # no query has yet lost a token
+    assert not torch.allclose(full[12:], tight[12:], atol=1e-3)
+    assert held <= 3  # 10 tokens in blocks of 4
+
+
+def test_attention_scores_hold_one_unit_of_mass_per_head_and_query():
+    loaded = tiny_loaded()
+    c = loaded.config
+    n = 9
+    caches = [torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+    scores = torch.zeros(n)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
+                             block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+                             context_lens=torch.tensor([n], dtype=torch.int32), evicting=True, attn_scores=[scores])
+    with torch.inference_mode():
+        loaded.model(torch.arange(3, 3 + n), torch.arange(n), meta, caches)
+    assert torch.allclose(scores.sum(), torch.tensor(float(c.num_hidden_layers * c.num_attention_heads * n)))
+    assert scores[0] > scores[-1]  # causal: the first key is seen by every query, the last by one

@@ -58,12 +58,14 @@ def eval_group() -> None:
               help="--long cache modes: tokens per forward (does not change streaming/window results).")
 @click.option("--stride", type=int, default=128, show_default=True,
               help="--long oracle: a fresh window every STRIDE tokens (1 = exact oracle).")
+@click.option("--streams", type=int, default=1, show_default=True,
+              help="--long: score this many consecutive streams of --max-tokens each (pooled).")
 @click.option("--segment", type=int, default=2048, show_default=True,
               help="--long: report the perplexity of consecutive segments of this many tokens.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
         long_stream: bool, mode: str, kv_budget: int, sink_tokens: int, max_tokens: int, chunk: int, stride: int,
-        segment: int, json_path: str | None) -> None:
+        streams: int, segment: int, json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
     from brisk.bench import report
     from brisk.engine.config import parse_dtype
@@ -77,7 +79,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         loaded = load_model(model, dtype=parse_dtype(dtype), max_model_len=max_tokens or None)
         res = long_perplexity(loaded, text, mode, budget=kv_budget, sink_tokens=sink_tokens,
                               max_tokens=max_tokens or None, chunk=chunk, stride=stride, segment=segment,
-                              kv_cache_dtype=kv_cache_dtype, progress=True)
+                              kv_cache_dtype=kv_cache_dtype, progress=True, num_streams=streams)
         table = Table(title=f"long-stream perplexity of {loaded.name} on {Path(text_path).name} ({mode})",
                       title_justify="left")
         table.add_column("metric")
@@ -92,7 +94,8 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         if json_path:
             params = {"model": str(loaded.path), "text": text_path, "long": True, "mode": mode,
                       "kv_budget": kv_budget, "sink_tokens": sink_tokens, "max_tokens": max_tokens, "chunk": chunk,
-                      "stride": stride, "segment": segment, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
+                      "streams": streams, "stride": stride, "segment": segment, "dtype": dtype,
+                      "kv_cache_dtype": kv_cache_dtype}
             report.write_json(json_path, "eval ppl --long", params, {"model_name": loaded.name, **res.to_dict()})
         return
     if window < 2:

@@ -18,7 +18,12 @@ Protocol (`brisk eval ppl --long`):
    costs budget x n token-forwards, so it is strided: windows of `budget` tokens end every `stride` tokens
    and each scores only its last `stride` targets, whose predicting rows see budget - stride + 1 .. budget
    tokens; the first window scores all of its targets. stride 1 is the exact oracle.
-4. NLL in float32 per predicted token; ppl = exp(mean NLL) over tokens 1 .. n-1 (the same set in every
+4. H2O mode: the stream in chunks through a private dense cache; after each chunk the cache is cut to
+   budget - chunk entries (the budget/2 newest + heavy hitters by attention mass summed over layers, heads and
+   queries) and compacted, so no query sees more than `budget` tokens (kvcache/policy.py H2OPolicy).
+5. `num_streams` > 1 scores that many consecutive, independent streams of `max_tokens` (each from position 0)
+   and pools their NLL: with max_tokens 1024 this is the windowed protocol of eval/ppl.py with a KV budget.
+6. NLL in float32 per predicted token; ppl = exp(mean NLL) over tokens 1 .. n-1 (the same set in every
    mode). `segment_ppl` splits the stream into consecutive segments to show whether ppl stays flat.
 """
 
@@ -36,12 +41,12 @@ from brisk.bench.report import progress_bar
 from brisk.engine.request import Request
 from brisk.eval.ppl import sequence_logits
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import KVPolicy, StreamingPolicy
+from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import LoadedModel
 from brisk.ops.attention import AttentionMetadata, KVCache
 
-LONG_MODES = ("full", "streaming", "window", "oracle")
+LONG_MODES = ("full", "streaming", "window", "oracle", "h2o")
 
 
 @dataclass
@@ -126,6 +131,54 @@ def stream_nll(loaded: LoadedModel, ids: list[int], policy: KVPolicy, chunk: int
     return nll, max_held
 
 
+def h2o_stream_nll(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk: int = 16,
+                   block_size: int = 16) -> tuple[torch.Tensor, int]:
+    """NLL [n - 1] of ids[1:] under H2O (kvcache/policy.py): the stream in chunks; after each chunk the cache is
+    cut to `budget - chunk` entries (recent + heavy hitters) and compacted, so no query ever sees more than
+    `budget` tokens (itself included), the same bound StreamingLLM's mask gives. Chunk 1 is H2O's own
+    one-token-at-a-time eviction; larger chunks evict less often. Also returns the peak blocks held."""
+    c = loaded.config
+    model = loaded.model
+    device = model.model.norm.weight.device
+    n = len(ids)
+    if chunk >= policy.budget:
+        raise ValueError(f"h2o chunk ({chunk}) must be smaller than the budget ({policy.budget})")
+    if model.rope is None or model.rope.cos_table.shape[0] < n:
+        model.init_rope(max(n, c.max_position_embeddings), device)
+    num_blocks = -(-policy.budget // block_size) + 1
+    caches = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
+                          device=device) for _ in range(c.num_hidden_layers)]
+    table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)  # private, dense: cache index = slot
+    keep = policy.budget - chunk
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    nll = torch.empty(n - 1)
+    scores = torch.zeros(0)  # accumulated attention mass per cache entry, in cache order
+    cache_len = 0
+    max_held = 0
+    for start in range(0, n, chunk):
+        num_new = min(chunk, n - start)
+        ctx = cache_len + num_new
+        max_held = max(max_held, -(-ctx // block_size))
+        step_scores = torch.cat([scores, torch.zeros(num_new)])
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(cache_len, ctx), num_decodes=1 if num_new == 1 else 0,
+            query_start_loc=torch.tensor([0, num_new]), block_tables=table,
+            context_lens=torch.tensor([ctx], dtype=torch.int32), evicting=True, attn_scores=[step_scores])
+        positions = torch.arange(start, start + num_new)  # original positions: RoPE as in the full model
+        with torch.inference_mode():
+            logits = model(ids_t[start:start + num_new].to(device), positions.to(device), meta, caches)
+        num_pred = min(num_new, n - 1 - start)
+        nll[start:start + num_pred] = _token_nll(logits[:num_pred], ids_t[start + 1:start + 1 + num_pred])
+        scores, cache_len = step_scores, ctx
+        if cache_len > keep:
+            kept = torch.tensor(h2o_keep(scores, policy.recent, keep))
+            for kv in caches:  # compaction: kept entries to cache indices 0 .. keep-1, in order
+                flat = kv.view(2, -1, c.num_key_value_heads, c.head_dim)  # [2, slots, kvh, d]
+                flat[:, :keep] = flat[:, kept]
+            scores, cache_len = scores[kept], keep
+    return nll, max_held
+
+
 def oracle_nll(loaded: LoadedModel, ids: list[int], budget: int, stride: int, kv_cache_dtype: str = "auto",
                progress: bool = False) -> torch.Tensor:
     """NLL [n - 1] of ids[1:], each token scored by a fresh forward over the `budget` tokens ending at it
@@ -150,8 +203,8 @@ def oracle_nll(loaded: LoadedModel, ids: list[int], budget: int, stride: int, kv
 
 def long_perplexity(loaded: LoadedModel, text: str, mode: str, budget: int | None = 1024, sink_tokens: int = 4,
                     max_tokens: int | None = 16384, chunk: int = 64, stride: int = 128, segment: int = 2048,
-                    kv_cache_dtype: str = "auto", block_size: int = 16, progress: bool = True
-                    ) -> LongPerplexityResult:
+                    kv_cache_dtype: str = "auto", block_size: int = 16, progress: bool = True,
+                    num_streams: int = 1) -> LongPerplexityResult:
     """Perplexity of one long stream under `mode` (see the module docstring)."""
     if mode not in LONG_MODES:
         raise ValueError(f"mode must be one of {', '.join(LONG_MODES)}, got {mode!r}")
@@ -165,17 +218,33 @@ def long_perplexity(loaded: LoadedModel, text: str, mode: str, budget: int | Non
         ids = ids[:max_tokens]
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} tokens; a stream needs at least 2")
-    max_held = 0
-    if mode == "oracle":
-        assert budget is not None
-        nll = oracle_nll(loaded, ids, budget, stride, kv_cache_dtype, progress)
+    if max_tokens is None:
+        streams = [ids]
     else:
-        if mode == "full":
-            policy: KVPolicy = KVPolicy()
-        else:
+        streams = [ids[i * max_tokens:(i + 1) * max_tokens] for i in range(num_streams)]
+        streams = [st for st in streams if len(st) == max_tokens] or [ids[:max_tokens]]
+    parts = []
+    max_held = 0
+    for stream in streams:
+        if mode == "oracle":
             assert budget is not None
-            policy = StreamingPolicy(budget, sink_tokens if mode == "streaming" else 0)
-        nll, max_held = stream_nll(loaded, ids, policy, chunk, block_size, kv_cache_dtype, progress)
+            part = oracle_nll(loaded, stream, budget, stride, kv_cache_dtype, progress)
+        elif mode == "h2o":
+            assert budget is not None
+            if kv_cache_dtype != "auto":
+                raise ValueError("h2o mode runs with the float cache only")
+            part, held = h2o_stream_nll(loaded, stream, H2OPolicy(budget, budget // 2), chunk, block_size)
+            max_held = max(max_held, held)
+        else:
+            if mode == "full":
+                policy: KVPolicy = KVPolicy()
+            else:
+                assert budget is not None
+                policy = StreamingPolicy(budget, sink_tokens if mode == "streaming" else 0)
+            part, held = stream_nll(loaded, stream, policy, chunk, block_size, kv_cache_dtype, progress)
+            max_held = max(max_held, held)
+        parts.append(part)
+    nll = torch.cat(parts)
     seconds = time.perf_counter() - start
     mean = float(nll.mean())
     segments = [math.exp(float(nll[i:i + segment].mean())) for i in range(0, nll.shape[0], segment)]

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -90,6 +92,50 @@ class StreamingPolicy(KVPolicy):
         return range(first, max(first, end))
 
 
+@dataclass(frozen=True)
+class H2OPolicy(KVPolicy):
+    """H2O (Zhang et al., 2023): keep the `recent` newest tokens plus the heavy hitters (largest accumulated
+    attention) among the older ones, `budget` tokens in all.
+
+    Simplifications, because a block table is shared by every layer and head: one kept set per request, chosen
+    by attention mass summed over all layers, heads and queries (H2O keeps a set per head). Block-aware
+    eviction = compaction: the kept tokens' K/V are copied, in order, into the first slots of the request's
+    own blocks and the blocks past them are freed (eval/longppl.py h2o_stream_nll), so the cache stays dense
+    and attention over it is plain causal attention in cache order. Keys keep their original RoPE positions
+    (they are post-RoPE), as H2O does. Compaction writes into blocks, so it must never run on a shared block:
+    it is offered in `brisk eval ppl --long` (private cache, no sharing), not yet as an engine setting.
+    """
+
+    budget: int
+    recent: int
+
+    name = "h2o"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.recent < self.budget:
+            raise ValueError(f"h2o needs 0 < recent ({self.recent}) < budget ({self.budget})")
+
+    @property
+    def evicts(self) -> bool:
+        return True
+
+
+def h2o_keep(scores: list[float] | torch.Tensor, recent: int, keep: int) -> list[int]:
+    """Indices (ascending) of the `keep` cache entries H2O keeps: the last `recent`, then the highest accumulated
+    `scores` among the others (ties: the older entry). scores: one per cached token, in cache order."""
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    n = scores.shape[0]
+    if n <= keep:
+        return list(range(n))
+    recent = min(recent, keep)
+    num_heavy = keep - recent
+    older = scores[: n - recent]
+    # stable sort by descending score: equal scores keep cache order, so the older token wins a tie
+    order = sorted(range(older.shape[0]), key=lambda i: (-float(older[i]), i))
+    heavy = sorted(order[:num_heavy])
+    return heavy + list(range(n - recent, n))
+
+
 def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4) -> KVPolicy:
     if name == "full":
         return KVPolicy()
@@ -97,4 +143,7 @@ def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4) -> K
         raise ValueError(f"kv policy {name!r} needs a budget (--kv-budget N tokens)")
     if name == "streaming":
         return StreamingPolicy(budget, sink_tokens)
+    if name == "h2o":
+        raise ValueError("--kv-policy h2o is available in `brisk eval ppl --long --mode h2o` only: its compaction "
+                         "rewrites blocks, which the engine would first have to copy when shared; use streaming")
     raise ValueError(f"unknown kv policy {name!r}; use full or streaming")

@@ -76,6 +76,9 @@ class AttentionMetadata:
     # sink keys rotated back by E (see _sink_window_attention)
     sink_cos: torch.Tensor | None = None
     sink_sin: torch.Tensor | None = None
+    # H2O (eval/h2o.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
+    # probability mass (summed over heads and this step's queries) into it, layer after layer
+    attn_scores: list[torch.Tensor] | None = None
     # hand-built alternative to the tables (reference path only)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
@@ -274,9 +277,8 @@ def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache
     without touching the cache (and without the drift of repeated in-place re-rotation, the HF SinkCache bug).
     """
     assert meta.block_tables is not None and meta.context_lens is not None and meta.query_start_loc is not None
-    window = meta.sliding_window
-    assert window is not None, "an evicting policy sets the window"
-    sinks = meta.num_sink_tokens
+    window = meta.sliding_window  # None: every cached key (H2O's compacted cache), causal within the step
+    sinks = meta.num_sink_tokens if window is not None else 0
     bs = cache_block_size(kv_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = cache_num_kv_heads(kv_cache)
@@ -288,7 +290,8 @@ def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache
         q_len, ctx = starts[b + 1] - starts[b], lens[b]
         first = ctx - q_len  # position of the first query row
         num_sinks = min(sinks, ctx)
-        lo = max(num_sinks, first - window + 1)  # first window position any row of this chunk sees
+        # first window position any row of this chunk sees
+        lo = num_sinks if window is None else max(num_sinks, first - window + 1)
         key_pos = torch.cat([torch.arange(num_sinks), torch.arange(lo, ctx)])  # [L]
         table = meta.block_tables[b].long()
         slots = table[key_pos // bs] * bs + key_pos % bs  # [L]
@@ -307,8 +310,12 @@ def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache
             scores[..., :num_sinks] = torch.einsum("qhgd,khd->hgqk", q_back, k[:num_sinks].float()) * scale
         pos = torch.arange(first, ctx).unsqueeze(1)  # [q, 1]
         kp = key_pos.unsqueeze(0)  # [1, L]
-        mask = (kp <= pos) & ((kp < sinks) | (kp > pos - window))  # [q, L]
+        mask = kp <= pos  # [q, L]
+        if window is not None:
+            mask &= (kp < sinks) | (kp > pos - window)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [kvh, g, q, L]
+        if meta.attn_scores is not None:
+            meta.attn_scores[b][key_pos] += probs.sum(dim=(0, 1, 2))  # [L]: mass each key received
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [q, kvh, g, d]
         out[rows] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
