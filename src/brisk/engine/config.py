@@ -47,10 +47,26 @@ class CacheConfig:
     kv_cache_memory: int | str = "512MiB"  # budget for the KV pool; sets the number of blocks
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools to force preemption)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "int4" (kvcache/quant.py)
+    num_residual_blocks: int = 16  # int4 only: float16 key buffers of blocks being filled (KIVI's window)
+    kv_policy: str = "full"  # "full", "streaming" or "h2o" (kvcache/policy.py)
+    kv_budget: int | None = None  # tokens kept per request by an evicting policy (sinks included)
+    sink_tokens: int = 4  # streaming: leading tokens always kept (attention sinks)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
+        if self.num_residual_blocks < 1:
+            raise ValueError(f"num_residual_blocks must be at least 1, got {self.num_residual_blocks}")
+        if self.kv_policy not in ("full", "streaming", "h2o"):
+            raise ValueError(f"kv_policy must be full, streaming or h2o, got {self.kv_policy!r}")
+        if self.kv_policy != "full" and (self.kv_budget is None or self.kv_budget <= self.sink_tokens):
+            raise ValueError(f"kv_policy {self.kv_policy!r} needs --kv-budget larger than --sink-tokens "
+                             f"({self.sink_tokens}), got {self.kv_budget}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         self.kv_cache_bytes = parse_size(self.kv_cache_memory)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")

@@ -44,6 +44,10 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
         speculative_config: dict | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_policy: str = "full",
+        kv_budget: int | None = None,
+        sink_tokens: int = 4,
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
@@ -64,7 +68,8 @@ class LLM:
                                 max_model_len=max_len, enable_chunked_prefill=enable_chunked_prefill,
                                 policy=scheduling_policy)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads, spec=spec)
         self.engine = LLMEngine(config, loaded)

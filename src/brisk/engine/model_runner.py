@@ -9,30 +9,46 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from brisk.kvcache.policy import KVPolicy, StreamingPolicy
+from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
-from brisk.ops.attention import AttentionMetadata
+from brisk.ops.attention import AttentionMetadata, KVCache
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+                 num_residual_blocks: int = 16, kv_policy: KVPolicy | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
+        # an evicting policy (kvcache/policy.py): attention sees sinks + a window, evicted blocks are -1
+        self.kv_policy = kv_policy or KVPolicy()
+        self.num_sink_tokens = 0
+        if isinstance(self.kv_policy, StreamingPolicy):
+            self.sliding_window = self.kv_policy.window
+            self.num_sink_tokens = self.kv_policy.sink_tokens
         c = model.config
-        # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-            for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_caches: list[KVCache]
+        if kv_cache_dtype == "auto":
+            # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+            self.kv_caches = [
+                torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+                for _ in range(c.num_hidden_layers)
+            ]
+        else:  # int8 / int4: quantized on write, dequantized inside attention (kvcache/quant.py)
+            self.kv_caches = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
+                                                 c.num_key_value_heads, c.head_dim, dtype, device,
+                                                 num_residual_blocks))
         self.sampler = Sampler()
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.nbytes if isinstance(t, QuantizedKVCache) else t.numel() * t.element_size()
+                   for t in self.kv_caches)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -40,7 +56,10 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
+            if isinstance(kv, QuantizedKVCache):
+                kv.copy_blocks(src.tolist(), dst.tolist())
+            else:
+                kv[:, dst] = kv[:, src]
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                         torch.Tensor | None]:
@@ -93,6 +112,8 @@ class ModelRunner:
             block_tables=block_tables,  # [B, max_blocks]
             context_lens=torch.tensor(context_lens, dtype=torch.int32),  # [B]
             sliding_window=self.sliding_window,
+            num_sink_tokens=self.num_sink_tokens,
+            evicting=self.kv_policy.evicts,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         )
         if self.device.type != "cpu":
