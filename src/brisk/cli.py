@@ -26,9 +26,25 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per engine step."),
         click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size."),
         click.option("--no-prefix-caching", is_flag=True, help="Disable automatic prefix caching."),
+        click.option("--kv-cache-dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "int8", "int4"]),
+                     help="KV cache storage: the model dtype, int8 (per token) or int4 (KIVI)."),
+        click.option("--kv-policy", default="full", show_default=True,
+                     type=click.Choice(["full", "streaming", "h2o"]),
+                     help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters."),
+        click.option("--kv-budget", type=int, default=None,
+                     help="Tokens of KV kept per request by streaming/h2o (sinks included)."),
+        click.option("--sink-tokens", type=int, default=4, show_default=True,
+                     help="streaming: leading tokens always kept (attention sinks)."),
         click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
         click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
+        click.option("--speculative", default=None, metavar="METHOD",
+                     help="Speculative decoding: ngram (prompt lookup), layerskip, draft:PATH (a model with the same "
+                          "tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy of the model). "
+                          "(lookahead is not built.)"),
+        click.option("--num-speculative-tokens", type=int, default=None,
+                     help="Most drafted tokens per step (default 4); adaptive per request below it."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -59,7 +75,10 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"], kv_cache_memory=kw["kv_cache_memory"],
         max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
         block_size=kw["block_size"], enable_prefix_caching=not kw["no_prefix_caching"],
-        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"])
+        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
+        speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
+        kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
+        sink_tokens=kw["sink_tokens"])
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:
@@ -184,13 +203,32 @@ def serve(host: str, port: int, api_key: str | None, served_model_name: str | No
     run_server(llm.engine, config, host=host, port=port)
 
 
+@main.group("convert")
+def convert() -> None:
+    """Convert a checkpoint into another ordinary checkpoint."""
+
+
+@convert.command("gqa")
+@click.option("--kv-heads", type=int, required=True,
+              help="Key/value heads of the result; must divide the model's (1 = multi-query attention).")
+@click.argument("model")
+@click.argument("out", type=click.Path(file_okay=False))
+def convert_gqa_command(kv_heads: int, model: str, out: str) -> None:
+    """Mean-pool MODEL's key/value heads into KV_HEADS groups (Ainslie et al., 2023); write a float folder OUT."""
+    from brisk.model.gqa import convert_gqa
+
+    folder = convert_gqa(model, out, kv_heads)
+    click.echo(f"wrote {folder} with {kv_heads} key/value head(s)")
+
+
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
     from brisk.prune.cli import prune
     from brisk.quant.cli import quantize
+    from brisk.spec.cli import spec_group
 
-    for command in (bench, eval_group, prune, quantize):
+    for command in (bench, eval_group, prune, quantize, spec_group):
         main.add_command(command)
 
 

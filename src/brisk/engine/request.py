@@ -77,6 +77,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] = []  # one {token_id: logprob} per output token when requested
         self.first_token_time: float | None = None
+        # Speculative decoding: tokens a proposer drafted after all_token_ids, verified by the next step, and
+        # the draft distributions q they were drawn from ([len, V]; None = point masses). Never part of
+        # all_token_ids: a draft only becomes a token when the verifier accepts it.
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # position of token_ids[0]
     block_ids: list[int]  # the request's whole block table after allocation
     num_samples: int  # tokens to sample from the last row: 0 for a prefill chunk short of the end; n at a fork
+    # speculative drafts at the end of token_ids: the last num_draft_tokens + 1 rows are verified together
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -113,6 +115,8 @@ class Scheduler:
         min(that, what is left of the budget) yields chunked prefill; prefix-cache hits simply start a waiting
         request with num_computed_tokens > 0. When blocks run out, the lowest-priority (latest-arrived) running
         request is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+        Speculative drafts are just more tokens of a running request's chunk: they take budget and slots like
+        any other token, and are dropped (never preempting anyone) when either runs short.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -125,7 +129,11 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, f"{req} is running with nothing to compute"
-            copies = self.kv.allocate_slots(req, num_new)
+            num_drafts = self._num_drafts(req, num_new, budget)
+            copies = self.kv.allocate_slots(req, num_new + num_drafts)
+            if copies is None and num_drafts:
+                num_drafts = 0
+                copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                 victim_index = self.running.index(victim)
@@ -143,8 +151,8 @@ class Scheduler:
             if copies is None:  # the request itself was preempted; self.running shrank at index i
                 continue
             copies_of[req.request_id] = copies
-            scheduled[req.request_id] = self._scheduled(req, req.num_computed_tokens, num_new)
-            budget -= num_new
+            scheduled[req.request_id] = self._scheduled(req, req.num_computed_tokens, num_new, num_drafts)
+            budget -= num_new + num_drafts
             i += 1
 
         # Waiting requests join only if nothing was preempted this step (it would just be preempted again).
@@ -175,19 +183,36 @@ class Scheduler:
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
         return out
 
-    def _scheduled(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts ride along with this chunk: only a chunk that reaches the end of
+        its tokens, within the budget, and never more than could be emitted before max_tokens/max_model_len
+        (a step emits up to num_drafts + 1 tokens)."""
+        if not req.spec_token_ids or req.num_computed_tokens + num_new != req.num_tokens:
+            return 0
+        if req.request_id in self.pending_forks:
+            return 0
+        room = self.config.max_model_len - req.num_tokens - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return max(0, min(len(req.spec_token_ids), budget - num_new, room))
+
+    def _scheduled(self, req: Request, start: int, num_new: int, num_drafts: int = 0) -> ScheduledRequest:
         reaches_end = start + num_new == req.num_tokens
         num_samples = 0
         if reaches_end:
             num_samples = 1 + len(self.pending_forks.get(req.request_id, ()))
-        return ScheduledRequest(req.request_id, req.all_token_ids[start:start + num_new], start,
-                                self.kv.get_block_ids(req.request_id), num_samples)
+        token_ids = req.all_token_ids[start:start + num_new] + req.spec_token_ids[:num_drafts]
+        return ScheduledRequest(req.request_id, token_ids, start, self.kv.get_block_ids(req.request_id), num_samples,
+                                num_drafts)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.spec_draft_probs = None
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_req_ids.append(victim.request_id)
@@ -206,11 +231,15 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None or req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += len(s.token_ids)
+            req.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens
             tokens = result.sampled_token_ids.get(s.req_id)
             if not tokens:
                 continue
             logprobs = result.logprobs.get(s.req_id)
+            if s.num_draft_tokens:
+                self._append_verified(req, tokens, logprobs)
+                touched.append(req)
+                continue
             forks = self.pending_forks.pop(s.req_id, [])
             for k, child in enumerate(forks, start=1):
                 if child.is_finished:  # this sample was aborted before its prompt finished
@@ -229,6 +258,27 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 self._check_stop(req)
         return touched
+
+    def _append_verified(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None) -> None:
+        """A verification step emitted the accepted drafts and one more token.
+
+            before:  | computed | last token | d_1 ... d_k |      (KV written for all of them this step)
+            after:   | computed + last + accepted d_1..d_a | new token |   (KV of d_a+1..d_k is garbage)
+
+        The accepted drafts' KV is valid, so they count as computed; the rejected ones' slots are simply
+        overwritten by later tokens, and blocks past the new last token are freed. None of those blocks was
+        ever registered in the prefix cache (only blocks full of real tokens are). Tokens are appended one by
+        one with the stop check after each, so an EOS among the accepted drafts ends the request there.
+        """
+        req.spec_token_ids = []
+        req.spec_draft_probs = None
+        req.num_computed_tokens += len(tokens) - 1
+        for j, token in enumerate(tokens):
+            self._append(req, token, logprobs[j] if logprobs else None)
+            self._check_stop(req)
+            if req.is_finished:
+                return
+        self.kv.free_blocks_beyond(req, req.num_tokens)
 
     def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         req.append_output_token_ids(token)

@@ -40,22 +40,76 @@ def eval_group() -> None:
               help="Score the first N windows of the text (0 = all).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="Weights and activations dtype (the NLL is computed in float32 either way).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "int4"]),
+              help="KV cache storage during scoring (auto = the model dtype).")
+@click.option("--kv-block-size", type=int, default=16, show_default=True,
+              help="KV block size while scoring (int4: the key group size).")
+@click.option("--long", "long_stream", is_flag=True,
+              help="Score the text as ONE stream through a paged KV cache with an eviction policy "
+                   "(protocol: brisk/eval/longppl.py) instead of independent windows.")
+@click.option("--mode", default="streaming", show_default=True,
+              type=click.Choice(["full", "streaming", "window", "oracle", "h2o"]),
+              help="--long: full cache, StreamingLLM (sinks + window), window only (no sinks), H2O, or the "
+                   "oracle (each token scored from its last --kv-budget tokens recomputed; strided).")
+@click.option("--kv-budget", type=int, default=1024, show_default=True,
+              help="--long: tokens of KV kept (sinks included); the oracle's window.")
+@click.option("--sink-tokens", type=int, default=4, show_default=True, help="--long streaming: sink tokens.")
+@click.option("--max-tokens", type=int, default=16384, show_default=True,
+              help="--long: stream length (the text's first N tokens; 0 = the whole text).")
+@click.option("--chunk", type=int, default=64, show_default=True,
+              help="--long cache modes: tokens per forward (does not change streaming/window results).")
+@click.option("--stride", type=int, default=128, show_default=True,
+              help="--long oracle: a fresh window every STRIDE tokens (1 = exact oracle).")
+@click.option("--streams", type=int, default=1, show_default=True,
+              help="--long: score this many consecutive streams of --max-tokens each (pooled).")
+@click.option("--segment", type=int, default=2048, show_default=True,
+              help="--long: report the perplexity of consecutive segments of this many tokens.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
-def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str,
-        json_path: str | None) -> None:
+def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
+        kv_block_size: int, long_stream: bool, mode: str, kv_budget: int, sink_tokens: int, max_tokens: int,
+        chunk: int, stride: int, streams: int, segment: int, json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
     from brisk.bench import report
     from brisk.engine.config import parse_dtype
     from brisk.eval.ppl import perplexity
     from brisk.model.loader import load_model
 
+    if long_stream:
+        from brisk.eval.longppl import long_perplexity
+
+        text = Path(text_path).read_text(encoding="utf-8")
+        loaded = load_model(model, dtype=parse_dtype(dtype), max_model_len=max_tokens or None)
+        res = long_perplexity(loaded, text, mode, budget=kv_budget, sink_tokens=sink_tokens,
+                              max_tokens=max_tokens or None, chunk=chunk, stride=stride, segment=segment,
+                              kv_cache_dtype=kv_cache_dtype, progress=True, num_streams=streams,
+                              block_size=kv_block_size)
+        table = Table(title=f"long-stream perplexity of {loaded.name} on {Path(text_path).name} ({mode})",
+                      title_justify="left")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in [("perplexity", f"{res.ppl:.4f}"), ("predicted tokens", f"{res.num_tokens:,}"),
+                            ("KV budget / sinks", f"{res.budget} / {res.sink_tokens}"),
+                            ("KV cache dtype / block", f"{kv_cache_dtype} / {kv_block_size}"),
+                            ("max blocks held", str(res.max_blocks_held)),
+                            (f"ppl per {segment} tokens", " ".join(f"{p:.2f}" for p in res.segment_ppl)),
+                            ("time (s)", f"{res.seconds:.1f}")]:
+            table.add_row(name, value)
+        Console().print(table)
+        if json_path:
+            params = {"model": str(loaded.path), "text": text_path, "long": True, "mode": mode,
+                      "kv_budget": kv_budget, "sink_tokens": sink_tokens, "max_tokens": max_tokens, "chunk": chunk,
+                      "streams": streams, "stride": stride, "segment": segment, "dtype": dtype,
+                      "kv_cache_dtype": kv_cache_dtype}
+            report.write_json(json_path, "eval ppl --long", params, {"model_name": loaded.name, **res.to_dict()})
+        return
     if window < 2:
         raise ValueError(f"--window must be at least 2, got {window}")
     if max_windows < 0:
         raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
     text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
     loaded = load_model(model, dtype=parse_dtype(dtype))
-    result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True)
+    result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True,
+                        kv_cache_dtype=kv_cache_dtype, block_size=kv_block_size)
 
     table = Table(title=f"perplexity of {loaded.name} on {Path(text_path).name}", title_justify="left")
     table.add_column("metric")
@@ -66,6 +120,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         ("windows x tokens", f"{result.num_windows} x {result.window}"),
         ("predicted tokens", f"{result.num_tokens:,}"),
         ("dtype", dtype),
+        ("KV cache dtype / block", f"{kv_cache_dtype} / {kv_block_size}"),
         ("time (s)", f"{result.seconds:.1f}"),
         ("tokens/s", f"{result.tokens_per_second:.0f}"),
     ]:
@@ -73,7 +128,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
     Console().print(table)
     if json_path:
         params = {"model": str(loaded.path), "text": text_path, "window": window, "max_windows": max_windows,
-                  "dtype": dtype}
+                  "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "kv_block_size": kv_block_size}
         report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict()})
 
 

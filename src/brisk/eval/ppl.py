@@ -12,7 +12,11 @@ Protocol (the GPTQ / SparseGPT / AWQ one, with the window length stated instead 
    quick figure and a full figure are both well defined.
 4. Each window is scored on its own from an empty context: its first token sits at position 0 and is
    only conditioned on, so a window predicts `window - 1` tokens. Nothing is carried between windows.
-5. Per token, NLL = -log_softmax(logits)[next token], computed in float32 (the logits are cast to float32
+5. With a quantized KV cache (`kv_cache_dtype` int8/int4) the window's keys and values are quantized as they
+   are written and every query attends to the dequantized cache, its own window's tokens included (as in
+   serving, where a prompt's KV is read back by every later token). `block_size` (default 16) matters only
+   for int4, whose key groups are one block.
+6. Per token, NLL = -log_softmax(logits)[next token], computed in float32 (the logits are cast to float32
    whatever the model dtype). The result is the mean NLL over all predicted tokens of all windows, and
    ppl = exp(mean NLL).
 
@@ -32,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from brisk.bench.report import progress_bar
+from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import LoadedModel
-from brisk.ops.attention import AttentionMetadata, PrefillSeq, causal_mask
+from brisk.ops.attention import AttentionMetadata, KVCache, PrefillSeq, causal_mask
 
 _BLOCK_SIZE = 16  # KV block size of the private cache; any size works, the cache is used for one call
 
@@ -52,7 +57,8 @@ class PerplexityResult:
         return asdict(self)
 
 
-def sequence_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+def sequence_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "auto",
+                    block_size: int = _BLOCK_SIZE) -> torch.Tensor:
     """All-position logits [T, V] float32 of one sequence (ids [T]) run as a single prefill from position 0.
 
     The sequence goes through the same paged path the engine uses, with a private KV cache sized for it,
@@ -62,10 +68,15 @@ def sequence_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     device = loaded.model.model.norm.weight.device  # the embedding may be a quantized table (no .weight)
     ids = ids.to(device)
     n = ids.shape[0]
-    num_blocks = (n + _BLOCK_SIZE - 1) // _BLOCK_SIZE
-    # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    kv = [torch.zeros(2, num_blocks, _BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
-                      device=device) for _ in range(c.num_hidden_layers)]
+    num_blocks = (n + block_size - 1) // block_size
+    kv: list[KVCache]
+    if kv_cache_dtype == "auto":
+        # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
+                          device=device) for _ in range(c.num_hidden_layers)]
+    else:  # quantized on write; attention reads the dequantized rows, the prompt's own included
+        kv = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
+                                 c.num_key_value_heads, c.head_dim, loaded.dtype, device))
     mask = causal_mask(n, n, c.sliding_window).to(device) if c.sliding_window else None
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=positions, prefills=[PrefillSeq(0, n, n, None, mask)])
@@ -76,9 +87,10 @@ def sequence_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
         return loaded.model(ids, positions, meta, kv, context_lens).float()
 
 
-def window_nll(loaded: LoadedModel, ids: torch.Tensor) -> float:
+def window_nll(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "auto",
+               block_size: int = _BLOCK_SIZE) -> float:
     """Summed NLL (nats) of ids[1:] given their prefixes, for one window ids [T] scored from position 0."""
-    logits = sequence_logits(loaded, ids)  # [T, V]
+    logits = sequence_logits(loaded, ids, kv_cache_dtype, block_size)  # [T, V]
     logprobs = F.log_softmax(logits[:-1], dim=-1)  # [T - 1, V]: row t predicts token t + 1
     targets = ids[1:].to(logprobs.device)
     return float(-logprobs.gather(1, targets[:, None]).sum())  # gather: [T - 1, 1]
@@ -93,7 +105,8 @@ def split_windows(ids: list[int], window: int, max_windows: int | None) -> list[
 
 
 def perplexity(loaded: LoadedModel, text: str, window: int = 1024, max_windows: int | None = 32,
-               progress: bool = True) -> PerplexityResult:
+               progress: bool = True, kv_cache_dtype: str = "auto", block_size: int = _BLOCK_SIZE
+               ) -> PerplexityResult:
     """Perplexity of `loaded` on `text` under the protocol in this module's docstring."""
     max_pos = loaded.config.max_position_embeddings
     if window < 2:
@@ -115,7 +128,7 @@ def perplexity(loaded: LoadedModel, text: str, window: int = 1024, max_windows: 
     total_nll = 0.0
     with progress_bar(f"perplexity ({window}-token windows)", len(windows), enabled=progress) as advance:
         for w in windows:
-            total_nll += window_nll(loaded, torch.tensor(w, dtype=torch.long))
+            total_nll += window_nll(loaded, torch.tensor(w, dtype=torch.long), kv_cache_dtype, block_size)
             advance(1)
     seconds = time.perf_counter() - start
     num_tokens = len(windows) * (window - 1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from brisk.kvcache.block_pool import BlockPool, KVBlock
+from brisk.kvcache.policy import KVPolicy
 
 if TYPE_CHECKING:
     from brisk.engine.request import Request
@@ -60,13 +61,19 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 policy: KVPolicy | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.policy = policy or KVPolicy()
+        # A request's block table, by logical block. An evicting policy (kvcache/policy.py) replaces the blocks
+        # it no longer needs by None: the logical index of every later block is unchanged, so slot arithmetic
+        # stays p // block_size, and the runner reads only kept positions.
+        self._req_to_blocks: dict[str, list[KVBlock | None]] = {}
+        self._num_evicted_blocks: dict[str, int] = {}  # leading logical blocks already checked for eviction
         # Content hashes of the request's full blocks, computed lazily and kept: tokens are append-only,
         # so a hash never goes stale. Whether a block was *registered* is tracked separately below.
         self._req_to_block_hashes: dict[str, list[int]] = {}
@@ -158,6 +165,8 @@ class KVCacheManager:
             for block, block_hash in zip(hits, hashes[:len(hits)], strict=True):
                 assert block.block_hash == block_hash, f"hit block {block.block_id} was evicted before use"
 
+        if self.policy.evicts and req_blocks:
+            self._evict(request, req_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
         num_existing = len(req_blocks) + len(hits)
@@ -193,9 +202,27 @@ class KVCacheManager:
             if num_full > num_cached:
                 hashes = self._get_block_hashes(request, num_full)
                 for i in range(num_cached, num_full):
-                    self.block_pool.cache_full_block(req_blocks[i], hashes[i])
+                    block = req_blocks[i]
+                    if block is not None:
+                        self.block_pool.cache_full_block(block, hashes[i])
             self._num_cached_blocks[req_id] = max(num_cached, num_full)
         return copies
+
+    def _evict(self, request: Request, req_blocks: list[KVBlock | None]) -> None:
+        """Drop the blocks the policy no longer needs (see kvcache/policy.py); a shared one stays with its
+        other holders, untouched. Freed in reverse, like `free`, so older blocks are reused last."""
+        req_id = request.request_id
+        evictable = self.policy.evictable_blocks(request.num_computed_tokens, len(req_blocks), self.block_size)
+        start = max(evictable.start, self._num_evicted_blocks.get(req_id, 0))
+        dropped = []
+        for i in range(start, evictable.stop):
+            block = req_blocks[i]
+            if block is not None:
+                dropped.append(block)
+                req_blocks[i] = None
+        if evictable.stop > start:
+            self._num_evicted_blocks[req_id] = evictable.stop
+        self.block_pool.free_blocks(reversed(dropped))
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget it. Idempotent.
@@ -204,19 +231,33 @@ class KVCacheManager:
         and is evicted before its head (which more prompts share).
         """
         req_id = request.request_id
-        blocks = self._req_to_blocks.pop(req_id, None)
-        if blocks:
+        table = self._req_to_blocks.pop(req_id, None)
+        self._num_evicted_blocks.pop(req_id, None)
+        if table:
             # Blocks are registered in the cache when scheduled, before their KV is written. A request
             # preempted after being scheduled in the same step never computes them: withdraw those hashes
             # (blocks past num_computed_tokens that no one else holds) so no later lookup trusts them.
-            for block in blocks[request.num_computed_tokens // self.block_size:]:
-                if block.ref_cnt == 1 and block.block_hash is not None:
+            for block in table[request.num_computed_tokens // self.block_size:]:
+                if block is not None and block.ref_cnt == 1 and block.block_hash is not None:
                     self.block_pool.uncache(block)
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed([b for b in table if b is not None]))
         self._req_to_block_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._stats_recorded.discard(req_id)
+
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first cdiv(num_tokens, block_size): lookahead slots (rejected
+        speculative drafts) that turned out not to be needed. Such blocks lie past request.num_tokens when
+        they were allocated, so they were never hashed into the prefix cache."""
+        blocks = self._req_to_blocks.get(request.request_id)
+        keep = _cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.block_hash is None or b.ref_cnt > 1 for b in tail), "a freed lookahead block was cached"
+        self.block_pool.free_blocks(reversed(tail))
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share the parent's whole block table with `child` (n > 1 sampling); writes copy on demand.
@@ -229,8 +270,10 @@ class KVCacheManager:
         num_hashed_tokens = num_cached * self.block_size
         assert child.all_token_ids[:num_hashed_tokens] == parent.all_token_ids[:num_hashed_tokens], (
             f"fork of {parent.request_id} into {child.request_id}: the cached prefixes differ")
-        self.block_pool.touch(blocks)
+        self.block_pool.touch([b for b in blocks if b is not None])
         self._req_to_blocks[child.request_id] = list(blocks)
+        if parent.request_id in self._num_evicted_blocks:
+            self._num_evicted_blocks[child.request_id] = self._num_evicted_blocks[parent.request_id]
         self._num_cached_blocks[child.request_id] = num_cached
         parent_hashes = self._req_to_block_hashes.get(parent.request_id, [])
         self._req_to_block_hashes[child.request_id] = parent_hashes[:num_cached]
@@ -239,10 +282,12 @@ class KVCacheManager:
     # ---- queries -------------------------------------------------------------------------------------
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+        """Physical block ids by logical block; an evicted block reads as -1 (attention never gathers it)."""
+        return [-1 if block is None else block.block_id for block in self._req_to_blocks.get(request_id, ())]
 
     def get_num_blocks(self, request_id: str) -> int:
-        return len(self._req_to_blocks.get(request_id, ()))
+        """Blocks the request holds (evicted ones not counted)."""
+        return sum(1 for block in self._req_to_blocks.get(request_id, ()) if block is not None)
 
     @property
     def usage(self) -> float:
@@ -267,6 +312,8 @@ class KVCacheManager:
         for req_id, blocks in self._req_to_blocks.items():
             num_computed = min(self._requests[req_id].num_computed_tokens, len(blocks) * bs)
             for i in range(_cdiv(num_computed, bs)):
+                if blocks[i] is None:  # evicted
+                    continue
                 block_id = blocks[i].block_id
                 filled[block_id] = max(filled.get(block_id, 0), min(bs, num_computed - i * bs))
         return sum(filled.values())

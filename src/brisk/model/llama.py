@@ -149,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's output after the final norm: [T, hidden], ready for lm_head."""
         assert self.rope is not None, "call init_rope() after loading weights"
         cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
+        if meta.evicting and meta.num_sink_tokens and meta.sliding_window is not None:
+            # StreamingLLM: each row's evicted count E, by which its query is rotated back for the sink keys
+            # (ops/attention.py _sink_window_attention)
+            evicted = (positions - meta.sliding_window - meta.num_sink_tokens + 1).clamp(min=0)  # [T]
+            meta.sink_cos, meta.sink_sin = self.rope.cos_sin(evicted)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

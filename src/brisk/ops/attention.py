@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from brisk.kvcache.quant import QuantizedKVCache
 from brisk.ops import kernels
 
 PREFILL_Q_TILE = 16  # query tokens per kernel work item: 16 x (h / kvh) rows share each K/V row read
@@ -67,6 +68,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (padding columns are never read)
     context_lens: torch.Tensor | None = None  # [B] int32: tokens in the cache including this step's
     sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
+    # StreamingLLM (kvcache/policy.py): with a window, keys [0, num_sink_tokens) are seen by every query too
+    num_sink_tokens: int = 0
+    # an evicting policy is on: the tables hold -1 for evicted blocks; attention gathers only kept positions
+    evicting: bool = False
+    # [T, d/2] cos / sin of each row's evicted count E (set by the model from positions): the query scores the
+    # sink keys rotated back by E (see _sink_window_attention)
+    sink_cos: torch.Tensor | None = None
+    sink_sin: torch.Tensor | None = None
+    # H2O (eval/h2o.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
+    # probability mass (summed over heads and this step's queries) into it, layer after layer
+    attn_scores: list[torch.Tensor] | None = None
     # hand-built alternative to the tables (reference path only)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
@@ -117,21 +129,50 @@ def build_reference_indices(meta: AttentionMetadata, block_size: int) -> Referen
     return ReferenceIndices(decode_slots, decode_mask, prefills)
 
 
+KVCache = torch.Tensor | QuantizedKVCache  # float: [2, num_blocks, block_size, kvh, d]; or int8 / int4
+
+
+def cache_block_size(kv_cache: KVCache) -> int:
+    return kv_cache.block_size if isinstance(kv_cache, QuantizedKVCache) else kv_cache.shape[2]
+
+
+def cache_num_kv_heads(kv_cache: KVCache) -> int:
+    return kv_cache.num_kv_heads if isinstance(kv_cache, QuantizedKVCache) else kv_cache.shape[3]
+
+
+def gather_kv(kv_cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `slots` [n] as 2 x [n, kvh, d] in `dtype`; a quantized cache dequantizes them here."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        k, v = kv_cache.gather(slots)
+        return k.to(dtype), v.to(dtype)
+    k_flat, v_flat = flat_kv(kv_cache)
+    return k_flat.index_select(0, slots).to(dtype), v_flat.index_select(0, slots).to(dtype)
+
+
 def flat_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of one layer's cache by slot: [2, num_blocks, block_size, kvh, d] -> 2 x [num_slots, kvh, d]."""
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     return kv_cache[0].view(num_slots, *kv_cache.shape[3:]), kv_cache[1].view(num_slots, *kv_cache.shape[3:])
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values. kv_cache: [2, num_blocks, block_size, kvh, d]; k, v: [T, kvh, d]."""
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values. kv_cache: [2, num_blocks, block_size, kvh, d]; k, v: [T, kvh, d].
+
+    A quantized cache quantizes them on the way in (kvcache/quant.py)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        kv_cache.write(k, v, slot_mapping)
+        return
     k_flat, v_flat = flat_kv(kv_cache)
     k_flat.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernel covers these tensors (the caller still checks that it built)."""
+def kernel_supports(q: torch.Tensor, kv_cache: KVCache) -> bool:
+    """Whether the C++ kernel covers these tensors (the caller still checks that it built).
+
+    Quantized caches take the reference path: it dequantizes only the gathered rows."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return False
     ok_dtypes = (torch.float32, torch.bfloat16)
     return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in ok_dtypes
             and kv_cache.dtype in ok_dtypes and q.shape[-1] % 8 == 0 and q.stride(-1) == 1
@@ -142,12 +183,15 @@ def paged_attention(
     q: torch.Tensor,  # [T, h, d]
     k: torch.Tensor,  # [T, kvh, d] this step's keys (already written to the cache)
     v: torch.Tensor,  # [T, kvh, d]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kvh, d]
+    kv_cache: KVCache,  # [2, num_blocks, block_size, kvh, d] or a quantized cache
     meta: AttentionMetadata,
     scale: float,
     use_kernels: bool | None = None,  # None: the C++ kernel when it built and fits, else the reference path
 ) -> torch.Tensor:  # [T, h, d]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.evicting:
+        _sink_window_attention(out, q, kv_cache, meta, scale)
+        return out
     if meta.block_tables is not None:
         decode_only = meta.num_decodes == meta.block_tables.shape[0]
         op = None
@@ -160,48 +204,52 @@ def paged_attention(
             op(out, q, kv_cache, meta.query_start_loc, meta.block_tables, meta.context_lens, scale, window,
                PREFILL_Q_TILE)
         else:
-            ref = meta.reference_indices(kv_cache.shape[2])
+            ref = meta.reference_indices(cache_block_size(kv_cache))
             if meta.num_decodes:
                 _decode_reference(out, q, kv_cache, meta.num_decodes, ref, scale)
-            _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale)
-    _prefills_reference(out, q, k, v, kv_cache, meta.prefills, scale)
+            _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale, meta.slot_mapping)
+    _prefills_reference(out, q, k, v, kv_cache, meta.prefills, scale, meta.slot_mapping)
     return out
 
 
-def _decode_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, num_decodes: int,
+def _decode_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, num_decodes: int,
                       ref: ReferenceIndices, scale: float) -> None:
     """Rows [0, num_decodes): one batched SDPA over a padded, gathered copy of every decode's context."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache_num_kv_heads(kv_cache)
     group = num_heads // num_kv_heads
-    k_flat, v_flat = flat_kv(kv_cache)
     slots = ref.decode_context_slots  # [Bd, L]
     bd, lmax = slots.shape
     qd = q[:num_decodes].reshape(bd, num_kv_heads, group, head_dim)  # [Bd, kvh, g, d]
-    kc = k_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-    vc = v_flat.index_select(0, slots.view(-1)).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+    kc, vc = gather_kv(kv_cache, slots.view(-1), q.dtype)  # [Bd * L, kvh, d]
+    kc = kc.view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+    vc = vc.view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
     # kc, vc: [Bd, kvh, L, d]; the query group attends as a short "sequence" of g rows per kv head
-    od = F.scaled_dot_product_attention(qd, kc.to(q.dtype), vc.to(q.dtype), attn_mask=ref.decode_mask, scale=scale)
+    od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=ref.decode_mask, scale=scale)
     out[:num_decodes] = od.reshape(bd, num_heads, head_dim)
 
 
 def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        kv_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float) -> None:
-    """One SDPA per sequence: against this step's k/v when there is no prior context, else the gathered cache."""
+                        kv_cache: KVCache, prefills: list[PrefillSeq], scale: float,
+                        slot_mapping: torch.Tensor) -> None:
+    """One SDPA per sequence: against this step's k/v when there is no prior context, else the gathered cache.
+
+    A quantized cache is always read back (dequantized), even for a prompt's own tokens, so that a prefill sees
+    the same K/V as every later decode of it."""
     if not prefills:
         return
     num_heads = q.shape[1]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache_num_kv_heads(kv_cache)
     group = num_heads // num_kv_heads
-    k_flat, v_flat = flat_kv(kv_cache)
     for p in prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
-        if p.context_slots is None:
+        if p.context_slots is None and not isinstance(kv_cache, QuantizedKVCache):
             kp, vp = k[rows], v[rows]  # [q, kvh, d]
         else:
-            kp = k_flat.index_select(0, p.context_slots).to(q.dtype)  # [L, kvh, d]
-            vp = v_flat.index_select(0, p.context_slots).to(q.dtype)
+            # no prior context: the context is this step's rows, whose slots are slot_mapping[rows]
+            slots = slot_mapping[rows] if p.context_slots is None else p.context_slots
+            kp, vp = gather_kv(kv_cache, slots, q.dtype)  # [L, kvh, d]
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         vp = vp.transpose(0, 1).unsqueeze(0)
         if p.mask is None:
@@ -209,6 +257,67 @@ def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
         out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                           scale: float) -> None:
+    """Attention under an evicting policy: sinks [0, S) plus the window (p - W, p] of each query p.
+
+    Only kept positions are gathered (evicted blocks are -1 in the tables and never read). RoPE: keys are cached
+    post-RoPE at their original positions and never re-rotated. StreamingLLM wants scores that depend on cache
+    positions, where the E evicted tokens (E = max(0, p - W - S + 1)) are closed up:
+
+        window key j:  cache pos j - E,  query cache pos p - E  ->  distance p - j : the original one, so the
+                       plain query q_p = R(p) q scores it exactly as the paper does;
+        sink key j:    cache pos j,      query cache pos p - E  ->  distance p - E - j : so the query is rotated
+                       back by E for the sink columns:  R(-E) R(p) q = R(p - E) q,  and scores R(j) k as the
+                       paper's re-rotated cache would.
+
+    Rotations compose exactly, so this equals the paper's "re-rotate every cached key by its cache position"
+    without touching the cache (and without the drift of repeated in-place re-rotation, the HF SinkCache bug).
+    """
+    assert meta.block_tables is not None and meta.context_lens is not None and meta.query_start_loc is not None
+    window = meta.sliding_window  # None: every cached key (H2O's compacted cache), causal within the step
+    sinks = meta.num_sink_tokens if window is not None else 0
+    bs = cache_block_size(kv_cache)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = cache_num_kv_heads(kv_cache)
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc.tolist()
+    lens = meta.context_lens.tolist()
+    for b in range(len(starts) - 1):
+        rows = slice(starts[b], starts[b + 1])
+        q_len, ctx = starts[b + 1] - starts[b], lens[b]
+        first = ctx - q_len  # position of the first query row
+        num_sinks = min(sinks, ctx)
+        # first window position any row of this chunk sees
+        lo = num_sinks if window is None else max(num_sinks, first - window + 1)
+        key_pos = torch.cat([torch.arange(num_sinks), torch.arange(lo, ctx)])  # [L]
+        table = meta.block_tables[b].long()
+        slots = table[key_pos // bs] * bs + key_pos % bs  # [L]
+        assert bool((table[key_pos // bs] >= 0).all()), "a kept position lies in an evicted block"
+        k, v = gather_kv(kv_cache, slots, q.dtype)  # [L, kvh, d]
+        qb = q[rows].view(q_len, num_kv_heads, group, head_dim)  # [q, kvh, g, d]
+        scores = torch.einsum("qhgd,khd->hgqk", qb.float(), k.float()) * scale  # [kvh, g, q, L]
+        if num_sinks and meta.sink_cos is not None:
+            # rotate each row back by its E: apply_rope with -sin rotates by -E (rotate-half layout)
+            half = head_dim // 2
+            cos, sin = meta.sink_cos[rows].float(), meta.sink_sin[rows].float()  # [q, d/2]
+            x1, x2 = q[rows, :, :half].float(), q[rows, :, half:].float()  # [q, h, d/2]
+            c, s_ = cos[:, None, :], sin[:, None, :]
+            q_back = torch.cat([x1 * c + x2 * s_, x2 * c - x1 * s_], dim=-1)  # R(-E) q: [q, h, d]
+            q_back = q_back.view(q_len, num_kv_heads, group, head_dim)
+            scores[..., :num_sinks] = torch.einsum("qhgd,khd->hgqk", q_back, k[:num_sinks].float()) * scale
+        pos = torch.arange(first, ctx).unsqueeze(1)  # [q, 1]
+        kp = key_pos.unsqueeze(0)  # [1, L]
+        mask = kp <= pos  # [q, L]
+        if window is not None:
+            mask &= (kp < sinks) | (kp > pos - window)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [kvh, g, q, L]
+        if meta.attn_scores is not None:
+            meta.attn_scores[b][key_pos] += probs.sum(dim=(0, 1, 2))  # [L]: mass each key received
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [q, kvh, g, d]
+        out[rows] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
 
 def causal_mask(query_len: int, context_len: int, sliding_window: int | None = None) -> torch.Tensor:

@@ -1,0 +1,320 @@
+"""Quantized paged KV caches: INT8 (per token) and INT4 (KIVI: keys per channel, values per token).
+
+Both keep the paged layout of the float cache: a token at position p of a request lives in slot
+`block_ids[p // block_size] * block_size + p % block_size`; only what a slot holds changes. Attention reads them
+through `gather(slots)`, which dequantizes just the gathered rows (ops/attention.py, reference path), so the
+cache is never materialized in float. Quantization happens in `write`, when the layer stores its new K/V.
+
+INT8 (`Int8KVCache`): symmetric, one fp16 scale per (token, kv head) for keys and for values:
+    q = round(x / s), s = max|x| / 127 over the head's d channels.
+Bytes per token and layer: 2 * kvh * (d + 2). For SmolLM2 (kvh 3, d 64): 396 B against 1,536 B in float32
+(3.88x; exactly 4x would need the scales for free) and 768 B in 16-bit (1.94x).
+
+INT4 (`Int4KVCache`), following KIVI (Liu et al., 2024):
+  * values per token: asymmetric 4-bit, one fp16 (scale, min) per (token, kv head), quantized on write;
+  * keys per channel: asymmetric 4-bit, one fp16 (scale, min) per (block, kv head, channel). The key group of
+    KIVI (G tokens sharing one channel's range) is exactly one KV block, so G = block_size:
+
+        block b:  token 0 .. token bs-1      one (scale, min) per channel c, over the bs tokens of b
+                  k[b, :, h, c]  ->  codes[b, :, h, c], scale[b, h, c], min[b, h, c]
+
+  * the full-precision window: keys of a block that is not yet full stay in float16 in a small residual pool
+    (`num_residual_blocks` buffers of one block each, assigned to blocks on their first write), because a
+    channel's range over the group is only known once the group is complete. When the block's last slot is
+    written its keys are quantized and the buffer returns to the pool. So the last 0 .. bs-1 keys of every
+    sequence are exact, as KIVI's residual of R tokens (R = G here). Values need no window: they are quantized
+    per token the moment they are written.
+    If every residual buffer is taken (more partially filled blocks than buffers: many requests, or blocks of
+    finished requests that were never filled), the least recently written one is quantized early over the rows
+    it holds; a later write into such a block dequantizes it back into a buffer and requantizes it when full
+    (lossy, but never wrong). A write that starts at offset o of a block makes rows >= o dead (tokens are
+    appended in order, so a rewrite from o means everything after o is being recomputed, e.g. after a
+    speculative rollback).
+Bytes per token and layer: kvh * (d/2 + 4 d / bs) keys + kvh * (d/2 + 4) values; for SmolLM2 at block size 64:
+216 B (3.56x fewer than 16-bit), at 16: 252 B (3.05x). The residual pool is a fixed cost on top (reported).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8", "int4")
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., d] in [0, 15] -> [..., d/2]; channel 2i in the low nibble, 2i+1 in the high one."""
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)  # [..., d/2, 2]
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., d/2] -> uint8 codes [..., d]."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)  # [..., d/2, 2] -> [..., d]
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (int8 codes [..., d], fp16 scale [...]); symmetric, scale = max|x| / 127 over d."""
+    scale = (x.abs().amax(-1).float() / 127.0).clamp(min=1e-8).half()
+    codes = torch.round(x.float() / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def quantize_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit over `dim` (min-max): x -> (uint8 codes like x, fp16 scale, fp16 min) with `dim` reduced.
+
+    The scale and min are rounded to fp16 *before* the codes are chosen, so codes fit the stored parameters.
+    """
+    x = x.float()
+    lo = x.amin(dim).half()
+    hi = x.amax(dim).float()
+    scale = ((hi - lo.float()) / 15.0).clamp(min=1e-6).half()
+    codes = torch.round((x - lo.float().unsqueeze(dim)) / scale.float().unsqueeze(dim)).clamp(0, 15)
+    return codes.to(torch.uint8), scale, lo
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float().unsqueeze(dim) + lo.float().unsqueeze(dim)).to(dtype)
+
+
+class QuantizedKVCache:
+    """One layer's quantized paged cache. Subclasses implement write / gather / copy_blocks."""
+
+    kind = ""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype  # what gather() returns (the model's compute dtype)
+        self.device = torch.device(device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of `slots` [n]: 2 x [n, kvh, d] in self.dtype."""
+        raise NotImplementedError
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class Int8KVCache(QuantizedKVCache):
+    kind = "int8"
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        n = num_blocks * block_size
+        self.codes = torch.zeros(2, n, num_kv_heads, head_dim, dtype=torch.int8, device=device)  # [2, slots, kvh, d]
+        self.scales = torch.zeros(2, n, num_kv_heads, dtype=torch.float16, device=device)  # [2, slots, kvh]
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, block_size: int) -> int:
+        return 2 * num_kv_heads * (head_dim + 2)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        for i, x in enumerate((k, v)):
+            codes, scale = quantize_int8_per_token(x)  # [T, kvh, d], [T, kvh]
+            self.codes[i].index_copy_(0, slot_mapping, codes)
+            self.scales[i].index_copy_(0, slot_mapping, scale)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = self.codes.index_select(1, slots)  # [2, n, kvh, d]
+        scales = self.scales.index_select(1, slots)  # [2, n, kvh]
+        kv = dequantize_int8(codes, scales, self.dtype)
+        return kv[0], kv[1]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        bs = self.block_size
+        for s, d in zip(src, dst, strict=True):
+            self.codes[:, d * bs:(d + 1) * bs] = self.codes[:, s * bs:(s + 1) * bs]
+            self.scales[:, d * bs:(d + 1) * bs] = self.scales[:, s * bs:(s + 1) * bs]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]
+
+
+class Int4KVCache(QuantizedKVCache):
+    kind = "int4"
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_residual_blocks: int = 16) -> None:
+        super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        if head_dim % 2:
+            raise ValueError(f"int4 KV cache needs an even head_dim, got {head_dim}")
+        if num_residual_blocks < 1:
+            raise ValueError(f"num_residual_blocks must be at least 1, got {num_residual_blocks}")
+        kvh, d, bs = num_kv_heads, head_dim, block_size
+        # keys: codes [nb, bs, kvh, d/2]; per-channel params of each block [nb, kvh, d]
+        self.k_codes = torch.zeros(num_blocks, bs, kvh, d // 2, dtype=torch.uint8, device=device)
+        self.k_scale = torch.zeros(num_blocks, kvh, d, dtype=torch.float16, device=device)
+        self.k_min = torch.zeros(num_blocks, kvh, d, dtype=torch.float16, device=device)
+        # values: codes [nb * bs, kvh, d/2]; per-token params [nb * bs, kvh]
+        self.v_codes = torch.zeros(num_blocks * bs, kvh, d // 2, dtype=torch.uint8, device=device)
+        self.v_scale = torch.zeros(num_blocks * bs, kvh, dtype=torch.float16, device=device)
+        self.v_min = torch.zeros(num_blocks * bs, kvh, dtype=torch.float16, device=device)
+        # the full-precision window: float16 keys of blocks still being filled [R, bs, kvh, d]
+        self.k_residual = torch.zeros(num_residual_blocks, bs, kvh, d, dtype=torch.float16, device=device)
+        self.residual_of_block = torch.full((num_blocks,), -1, dtype=torch.int64)  # block -> buffer, -1 = none
+        self._lru: OrderedDict[int, int] = OrderedDict()  # block -> buffer, least recently written first
+        self._free_residual = list(range(num_residual_blocks))
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, block_size: int) -> float:
+        return num_kv_heads * (head_dim / 2 + 4 * head_dim / block_size) + num_kv_heads * (head_dim / 2 + 4)
+
+    @staticmethod
+    def residual_bytes_per_block(num_kv_heads: int, head_dim: int, block_size: int) -> int:
+        return block_size * num_kv_heads * head_dim * 2
+
+    # ---- keys: per block --------------------------------------------------------------------------------
+
+    def _quantize_keys(self, blocks: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [n, rows, kvh, d] (rows <= bs: a block quantized early holds fewer) -> blocks' codes and params."""
+        codes, scale, lo = quantize_int4(keys, dim=1)  # codes [n, rows, kvh, d]; scale, lo [n, kvh, d]
+        rows = keys.shape[1]
+        self.k_codes[blocks, :rows] = _pack4(codes)
+        self.k_scale[blocks] = scale
+        self.k_min[blocks] = lo
+
+    def _dequantize_keys(self, block: int) -> torch.Tensor:
+        codes = _unpack4(self.k_codes[block])  # [bs, kvh, d]
+        return dequantize_int4(codes, self.k_scale[block], self.k_min[block], 0, torch.float16)
+
+    def _take_residual(self, block: int) -> int:
+        if not self._free_residual:
+            # every buffer is taken: quantize the least recently written block early (see module docstring)
+            old_block, old_buf = self._lru.popitem(last=False)
+            self._quantize_keys(torch.tensor([old_block]), self.k_residual[old_buf].unsqueeze(0))
+            self.residual_of_block[old_block] = -1
+            self._free_residual.append(old_buf)
+        buf = self._free_residual.pop()
+        self.residual_of_block[block] = buf
+        self._lru[block] = buf
+        return buf
+
+    def _release_residual(self, block: int) -> None:
+        buf = self._lru.pop(block)
+        self.residual_of_block[block] = -1
+        self._free_residual.append(buf)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        bs = self.block_size
+        # values: per token, at once
+        codes, scale, lo = quantize_int4(v, dim=-1)  # [T, kvh, d], [T, kvh]
+        self.v_codes.index_copy_(0, slot_mapping, _pack4(codes))
+        self.v_scale.index_copy_(0, slot_mapping, scale)
+        self.v_min.index_copy_(0, slot_mapping, lo)
+
+        # keys: per block. Blocks written whole in this call (prefill) are quantized in one batch; the others go
+        # through their residual buffer.
+        blocks = slot_mapping // bs
+        offsets = slot_mapping % bs
+        uniq, counts = torch.unique_consecutive(blocks, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        first_off = offsets[starts]
+        whole = (counts == bs) & (first_off == 0)
+        if bool(whole.any()):
+            rows = starts[whole].unsqueeze(1) + torch.arange(bs)  # [n, bs] rows of k, slot order within a block
+            whole_blocks = uniq[whole]
+            for b in whole_blocks.tolist():
+                if b in self._lru:
+                    self._release_residual(b)
+            self._quantize_keys(whole_blocks, k[rows].half())  # k[rows]: [n, bs, kvh, d]
+        for i in torch.nonzero(~whole).flatten().tolist():
+            b, start, n = int(uniq[i]), int(starts[i]), int(counts[i])
+            offs = offsets[start:start + n]
+            buf = int(self.residual_of_block[b])
+            first = int(offs[0])
+            if buf < 0:
+                buf = self._take_residual(b)
+                if first > 0:  # rows [0, first) are valid and were quantized: bring them back
+                    self.k_residual[buf, :first] = self._dequantize_keys(b)[:first]
+            else:
+                self._lru.move_to_end(b)
+            self.k_residual[buf, offs] = k[start:start + n].half()
+            if int(offs[-1]) == bs - 1:  # the block is full: quantize its keys over all bs tokens
+                self._quantize_keys(torch.tensor([b]), self.k_residual[buf].unsqueeze(0))
+                self._release_residual(b)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        blocks = slots // bs
+        k_codes = _unpack4(self.k_codes.view(-1, self.num_kv_heads, self.head_dim // 2).index_select(0, slots))
+        # per-channel params of each slot's block: [n, kvh, d], broadcast over the slot's codes [n, kvh, d]
+        k_scale, k_min = self.k_scale.index_select(0, blocks), self.k_min.index_select(0, blocks)
+        k = k_codes.float() * k_scale.float() + k_min.float()
+        if self._lru:
+            buf = self.residual_of_block.index_select(0, blocks)  # [n]
+            in_window = buf >= 0
+            if bool(in_window.any()):
+                k[in_window] = self.k_residual[buf[in_window], slots[in_window] % bs].float()
+        v_codes = _unpack4(self.v_codes.index_select(0, slots))  # [n, kvh, d]
+        v = dequantize_int4(v_codes, self.v_scale.index_select(0, slots), self.v_min.index_select(0, slots),
+                            -1, self.dtype)
+        return k.to(self.dtype), v
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        bs = self.block_size
+        for s, d in zip(src, dst, strict=True):
+            for t in (self.k_codes, self.k_scale, self.k_min):
+                t[d] = t[s]
+            for t in (self.v_codes, self.v_scale, self.v_min):
+                t[d * bs:(d + 1) * bs] = t[s * bs:(s + 1) * bs]
+            if d in self._lru:
+                self._release_residual(d)
+            src_buf = int(self.residual_of_block[s])
+            if src_buf >= 0:
+                buf = self._take_residual(d)
+                self.k_residual[buf] = self.k_residual[int(self.residual_of_block[s])]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_residual]
+
+
+def make_kv_caches(kind: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   num_residual_blocks: int = 16) -> list[QuantizedKVCache]:
+    """One quantized cache per layer (`kind` int8 or int4)."""
+    if kind == "int8":
+        return [Int8KVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+                for _ in range(num_layers)]
+    if kind == "int4":
+        return [Int4KVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_residual_blocks)
+                for _ in range(num_layers)]
+    raise ValueError(f"kv cache dtype {kind!r} is not quantized; use int8 or int4")
+
+
+def kv_bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       float_bytes: int) -> float:
+    """KV bytes one token costs in the block pool (all layers), for a cache dtype ('auto' = the model dtype)."""
+    if kind == "int8":
+        per_layer = Int8KVCache.bytes_per_token(num_kv_heads, head_dim, block_size)
+    elif kind == "int4":
+        per_layer = Int4KVCache.bytes_per_token(num_kv_heads, head_dim, block_size)
+    elif kind == "auto":
+        per_layer = 2 * num_kv_heads * head_dim * float_bytes
+    else:
+        raise ValueError(f"unknown kv cache dtype {kind!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return per_layer * num_layers

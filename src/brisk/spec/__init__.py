@@ -1,0 +1,24 @@
+"""Speculative decoding: proposers draft, the target verifies in the engine's ordinary batched step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from brisk.engine.config import SpecConfig
+from brisk.spec.speculator import Speculator
+
+if TYPE_CHECKING:
+    from brisk.engine.llm_engine import LLMEngine
+
+
+def build_speculator(config: SpecConfig, engine: LLMEngine) -> Speculator:
+    """The proposer that `config.method` names, wrapped for the engine."""
+    if config.method == "ngram":
+        from brisk.spec.ngram import NgramProposer
+
+        proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    else:
+        from brisk.spec.draft_model import build_draft_proposer
+
+        proposer = build_draft_proposer(config, engine)
+    return Speculator(proposer, config.num_speculative_tokens, config.adaptive)

@@ -1,0 +1,148 @@
+"""Adaptive γ: per request, draft as many tokens as pay off given its recent acceptance rate.
+
+With per-draft acceptance rate α, a step with γ drafts emits E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
+(Leviathan et al., eq. 1) and costs 1 + γ·c target-decode-steps, c = the draft cost of one token plus the
+extra cost of verifying it in the target's forward. γ = argmax E(γ) / (1 + γ·c) over 0..max (γ = 0: plain
+decoding, ratio 1). α is estimated from the request's own history as a decayed Bernoulli rate: a step that
+accepts a of k drafts contributes a successes out of a + (1 if a < k) trials (the trials it actually made).
+A request at γ = 0 probes with one draft every `probe_every` steps, so a text that turns repetitive later is
+noticed.
+
+c is not a constant: on a CPU the target step is memory-bound at batch 1 (four more tokens cost ~20% more) but
+compute-bound at batch 8 (each verified token costs nearly a decode token's share). `StepCostModel` fits the
+engine's measured step time as a + b * (tokens in the step) online; with B requests decoding, one more draft
+per request costs b*B / (a + b*B) of a plain step, and a draft model adds its own measured step time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Mean tokens one verification step emits (accepted drafts + 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def best_gamma(alpha: float, cost_per_draft: float, max_gamma: int) -> int:
+    """argmax over γ in [0, max_gamma] of E(γ) / (1 + γ c); ties go to the smaller γ."""
+    best, best_ratio = 0, 1.0
+    for gamma in range(1, max_gamma + 1):
+        ratio = expected_tokens(alpha, gamma) / (1.0 + gamma * cost_per_draft)
+        if ratio > best_ratio + 1e-9:
+            best, best_ratio = gamma, ratio
+    return best
+
+
+@dataclass
+class _Estimate:
+    successes: float
+    trials: float
+    steps_at_zero: int = 0
+
+
+class AdaptiveGamma:
+    def __init__(self, max_gamma: int, cost_per_draft: float, adaptive: bool = True, prior_alpha: float = 0.6,
+                 prior_weight: float = 2.0, decay: float = 0.8, probe_every: int = 8) -> None:
+        self.max_gamma = max_gamma
+        self.cost_per_draft = cost_per_draft
+        self.adaptive = adaptive
+        self.prior = (prior_alpha * prior_weight, prior_weight)
+        self.decay = decay
+        self.probe_every = probe_every
+        self._est: dict[str, _Estimate] = {}
+
+    def alpha(self, req_id: str) -> float:
+        est = self._est.get(req_id)
+        return self.prior[0] / self.prior[1] if est is None else est.successes / est.trials
+
+    def gamma(self, req_id: str, cost_per_draft: float | None = None) -> int:
+        """γ for this request's next step; cost_per_draft overrides the fixed cost (the measured one)."""
+        if not self.adaptive:
+            return self.max_gamma
+        cost = self.cost_per_draft if cost_per_draft is None else cost_per_draft
+        gamma = best_gamma(self.alpha(req_id), cost, self.max_gamma)
+        if gamma == 0:
+            est = self._est.setdefault(req_id, _Estimate(*self.prior))
+            est.steps_at_zero += 1
+            if est.steps_at_zero >= self.probe_every:
+                est.steps_at_zero = 0
+                return 1
+        return gamma
+
+    def update(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        est = self._est.setdefault(req_id, _Estimate(*self.prior))
+        trials = num_accepted + (1 if num_accepted < num_drafted else 0)
+        est.successes = self.decay * est.successes + num_accepted
+        est.trials = self.decay * est.trials + trials
+
+    def forget(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._est.pop(req_id, None)
+
+    def live_ids(self) -> set[str]:
+        return set(self._est)
+
+
+class StepCostModel:
+    """Online least squares of step seconds = a + b * num_batched_tokens, with exponential forgetting."""
+
+    def __init__(self, prior_fixed: float = 1.0, prior_per_token: float = 0.04, prior_weight: float = 4.0,
+                 decay: float = 0.98) -> None:
+        # sufficient statistics of (x = tokens, y = seconds); the prior is two virtual points on the line
+        self.decay = decay
+        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._scale = None  # seconds of a one-token step, set by the first observation (the prior is relative)
+        self._prior = (prior_fixed, prior_per_token, prior_weight)
+        self.draft_seconds = 0.0  # EMA of one draft-model forward (0 for model-free proposers)
+        self._t0: float | None = None
+
+    def _add(self, x: float, y: float, w: float = 1.0) -> None:
+        self._n += w
+        self._sx += w * x
+        self._sy += w * y
+        self._sxx += w * x * x
+        self._sxy += w * x * y
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if self._scale is None:
+            fixed, per_token, weight = self._prior
+            self._scale = seconds / (fixed + per_token * num_tokens)
+            for x in (1.0, 64.0):  # two virtual points pin the prior line until real spread arrives
+                self._add(x, self._scale * (fixed + per_token * x), weight / 2)
+        for name in ("_n", "_sx", "_sy", "_sxx", "_sxy"):
+            setattr(self, name, getattr(self, name) * self.decay)
+        self._add(float(num_tokens), seconds)
+
+    def observe_draft(self, seconds_per_forward: float) -> None:
+        self.draft_seconds = (seconds_per_forward if self.draft_seconds == 0.0
+                              else 0.8 * self.draft_seconds + 0.2 * seconds_per_forward)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) in seconds; b >= 0 and a > 0 (a step always costs something fixed)."""
+        if self._scale is None:
+            fixed, per_token, _ = self._prior
+            return fixed, per_token
+        mean_x, mean_y = self._sx / self._n, self._sy / self._n
+        var = self._sxx / self._n - mean_x * mean_x
+        b = max(0.0, (self._sxy / self._n - mean_x * mean_y) / var) if var > 1e-9 else 0.0
+        a = max(mean_y - b * mean_x, 1e-6)
+        return a, b
+
+    def cost_per_draft(self, num_decoding: int) -> float:
+        """Cost of one more draft for each of `num_decoding` requests, relative to a plain step of them."""
+        a, b = self.line()
+        plain = a + b * num_decoding
+        return (b * num_decoding + self.draft_seconds) / plain
+
+    # timing helpers around one engine step
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self, num_tokens: int) -> None:
+        if self._t0 is not None and num_tokens > 0:
+            self.observe_step(num_tokens, time.perf_counter() - self._t0)
+        self._t0 = None

@@ -1,0 +1,42 @@
+"""The proposer interface: something that drafts the next few tokens of running requests, cheaply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from brisk.engine.request import Request
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    # [len(token_ids), V] the processed distributions q each token was drawn from; None = point masses
+    # (a deterministic proposer, or greedy drafting for a greedy request: the verifier ignores q there)
+    probs: torch.Tensor | None = None
+
+
+class Proposer:
+    """Drafts up to num_drafts[j] tokens after requests[j].all_token_ids (fewer, or none, is fine).
+
+    `draft_cost` is one drafted token's cost relative to one target decode step: the adaptive γ controller's
+    cost model (0 for prompt lookup; ~0.2-0.5 for a draft model).
+    """
+
+    name = "proposer"
+    draft_cost = 0.0
+    forward_seconds = 0.0  # a draft model's last steady-state forward (measured cost for adaptive γ); 0 = none
+
+    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def free(self, req_ids: Iterable[str]) -> None:
+        """Forget requests that left the engine (finished, aborted); proposers with per-request state free it."""
+
+    def live_ids(self) -> set[str]:
+        """Requests this proposer holds state for (freed once they leave the engine)."""
+        return set()

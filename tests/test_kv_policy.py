@@ -1,0 +1,261 @@
+"""KV eviction policies: the kept tokens on hand-made cases, blocks returned to the pool (none leaked, shared
+ones intact), StreamingLLM's RoPE handling against the paper's re-rotated cache, and chunking invariance."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_utils import random_state_dict, tiny_config
+
+from brisk.engine.request import Request
+from brisk.eval.longppl import h2o_stream_nll, oracle_nll, stream_nll
+from brisk.eval.ppl import sequence_logits
+from brisk.kvcache.manager import KVCacheManager
+from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
+from brisk.model.loader import LoadedModel, build_model
+from brisk.model.rope import apply_rope, base_inv_freq
+from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
+
+
+def tiny_loaded() -> LoadedModel:
+    """A random 2-layer model (no tokenizer needed: the stream is given as ids)."""
+    config = tiny_config(max_position_embeddings=64)
+    model = build_model(config, random_state_dict(config, seed=3), torch.float32)
+    model.init_rope(64)
+    return LoadedModel(model, config, None, Path("tiny"), torch.float32, 0.0)  # type: ignore[arg-type]
+
+
+def make_request(req_id: str, num_tokens: int) -> Request:
+    return Request(req_id, list(range(100, 100 + num_tokens)), sampling_params=None)
+
+
+# ---- the policy on its own ----------------------------------------------------------------------------
+
+def test_streaming_keeps_sinks_and_window_exactly():
+    p = StreamingPolicy(budget=8, sink_tokens=2)  # window 6
+    kept = [j for j in range(20) if p.is_kept(j, 19)]
+    assert kept == [0, 1, 14, 15, 16, 17, 18, 19]
+    assert [j for j in range(6) if p.is_kept(j, 5)] == [0, 1, 2, 3, 4, 5]  # nothing evicted yet
+    assert p.num_evicted(19) == 12 and p.num_evicted(7) == 0 and p.num_evicted(8) == 1
+    window_only = StreamingPolicy(budget=8, sink_tokens=0)
+    assert [j for j in range(20) if window_only.is_kept(j, 19)] == list(range(12, 20))
+
+
+def test_streaming_evictable_blocks():
+    p = StreamingPolicy(budget=8, sink_tokens=2)  # window 6, blocks of 4
+    # the next query at 13 sees the window 8..13 (lo = 8): block 0 holds the sinks, block 1 (4..7) can go
+    assert p.evictable_blocks(13, 4, 4) == range(1, 2)
+    assert p.evictable_blocks(12, 4, 4) == range(1, 1)  # lo = 7: block 1 (4..7) still needed
+    assert p.evictable_blocks(3, 1, 4) == range(1, 1)
+    assert StreamingPolicy(budget=8, sink_tokens=5).evictable_blocks(30, 8, 4) == range(2, 7)  # sinks span 2; lo = 28
+    assert KVPolicy().evictable_blocks(100, 10, 4) == range(0)
+
+
+# ---- the manager: blocks back to the pool, nothing leaked, shared blocks untouched -----------------------
+
+def test_manager_evicts_blocks_and_frees_everything():
+    m = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False, policy=StreamingPolicy(8, 2))
+    r = make_request("r", 40)
+    held = []
+    for _ in range(40):  # decode-like: one token per step
+        assert m.allocate_slots(r, 1) == []
+        held.append(m.get_num_blocks("r"))
+        r.num_computed_tokens += 1
+    # sink block + at most 3 window blocks (6 tokens over block boundaries) at any time
+    assert max(held) <= 4 and held[-1] <= 4
+    ids = m.get_block_ids("r")
+    assert ids[0] >= 0 and ids[1] == -1 and ids[-1] >= 0
+    m.free(r)
+    assert m.num_free_blocks == 6
+
+
+def test_eviction_never_touches_a_shared_prefix_block():
+    m = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, policy=StreamingPolicy(8, 0))
+    a = make_request("a", 16)
+    assert m.allocate_slots(a, 16) == []
+    a.num_computed_tokens = 16
+    b = make_request("b", 17)  # same first 16 tokens: 4 full blocks hit
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 16
+    assert m.allocate_slots(b, 1, hits, num_hit) == []
+    b.num_computed_tokens = 17
+    shared = m.get_block_ids("b")[:4]
+    assert shared == m.get_block_ids("a")
+    assert [m.block_pool.blocks[i].ref_cnt for i in shared] == [2, 2, 2, 2]
+    b.all_token_ids.append(7)
+    m.allocate_slots(b, 1)  # next query at 17 sees 10..17: b drops blocks 0 and 1, only its own references
+    assert m.get_block_ids("b")[:2] == [-1, -1]
+    assert [m.block_pool.blocks[i].ref_cnt for i in shared] == [1, 1, 2, 2]
+    assert m.get_block_ids("a") == shared  # a's table and the cache map are unchanged
+    assert all(m.block_pool.blocks[i].block_hash is not None for i in shared)
+    m.free(a)
+    m.free(b)
+    assert m.num_free_blocks == 12
+
+
+def test_randomized_streams_never_leak():
+    rng = random.Random(0)
+    m = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, policy=StreamingPolicy(10, 3))
+    live: dict[str, Request] = {}
+    for step in range(300):
+        if len(live) < 4 and rng.random() < 0.2:
+            r = make_request(f"r{step}", rng.randint(2, 60))
+            hits, num_hit = m.get_computed_blocks(r)
+            if m.allocate_slots(r, rng.randint(1, r.num_tokens - num_hit), hits, num_hit) is not None:
+                r.num_computed_tokens = num_hit
+                live[r.request_id] = r
+                continue
+        for r in list(live.values()):
+            num_new = min(rng.randint(1, 8), r.num_tokens - r.num_computed_tokens)
+            if num_new <= 0 or rng.random() < 0.1:
+                m.free(r)
+                del live[r.request_id]
+                continue
+            if m.allocate_slots(r, num_new) is None:
+                m.free(r)
+                del live[r.request_id]
+                continue
+            r.num_computed_tokens += num_new
+            # every token the next query keeps still has a block
+            ids = m.get_block_ids(r.request_id)
+            for j in range(r.num_computed_tokens):
+                if m.policy.is_kept(j, r.num_computed_tokens):
+                    assert ids[j // 4] >= 0
+        held = sum(m.get_num_blocks(rid) for rid in live)
+        assert m.num_free_blocks + len({b for rid in live for b in m.get_block_ids(rid) if b >= 0}) == 40
+        assert held >= 0
+    for r in live.values():
+        m.free(r)
+    assert m.num_free_blocks == 40
+
+
+# ---- attention: RoPE positions as in the paper ---------------------------------------------------------
+
+def test_sink_window_attention_equals_the_papers_rerotated_cache():
+    """The paper caches keys before RoPE and rotates them by their *cache* position each step (sinks 0..S-1,
+    window S..S+W-1, query last). brisk caches post-RoPE keys at original positions and rotates the query back
+    by E for the sink columns; the outputs must agree."""
+    torch.manual_seed(0)
+    kvh, h, d, n = 2, 4, 16, 30
+    sinks, window, bs = 3, 7, 4
+    inv_freq = base_inv_freq(d, 10000.0)
+
+    def rot(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x [T, heads, d], pos [T]
+        freqs = pos.float().unsqueeze(1) * inv_freq  # [T, d/2]
+        return apply_rope(x, freqs.cos(), freqs.sin())
+
+    q_raw = torch.randn(n, h, d)
+    k_raw = torch.randn(n, kvh, d)
+    v = torch.randn(n, kvh, d)
+    pos = torch.arange(n)
+    q, k = rot(q_raw, pos), rot(k_raw, pos)  # what the model computes: RoPE at original positions
+
+    num_blocks = n // bs + 2
+    cache = torch.zeros(2, num_blocks, bs, kvh, d)
+    table = torch.arange(num_blocks)
+    write_kv(cache, k, v, pos)  # slots = positions (identity table)
+    for t in [5, 10, 11, 20, 29]:  # queries before and after eviction starts (t >= S + W)
+        e = max(0, t - window - sinks + 1)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([t]), num_decodes=1, query_start_loc=torch.tensor([0, 1]),
+                                 block_tables=table.unsqueeze(0).int(), context_lens=torch.tensor([t + 1]).int(),
+                                 sliding_window=window, num_sink_tokens=sinks, evicting=True)
+        freqs = torch.tensor([[float(e)]]) * inv_freq  # [1, d/2]
+        meta.sink_cos, meta.sink_sin = freqs.cos(), freqs.sin()
+        out = paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache, meta, d**-0.5)
+        # the paper: kept tokens in order, pre-RoPE keys rotated by cache position 0..L-1, query at L-1
+        kept = [j for j in range(t + 1) if j < sinks or j > t - window]
+        cache_pos = torch.arange(len(kept))
+        kk = rot(k_raw[kept], cache_pos).repeat_interleave(h // kvh, dim=1)  # [L, h, d]
+        qq = rot(q_raw[t:t + 1], cache_pos[-1:])  # [1, h, d]
+        probs = (torch.einsum("qhd,khd->hqk", qq, kk) * d**-0.5).softmax(-1)
+        ref = torch.einsum("hqk,khd->qhd", probs, v[kept].repeat_interleave(h // kvh, dim=1))
+        assert torch.allclose(out, ref, atol=1e-5), t
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_chunked_stream_equals_token_by_token(chunk):
+    """The mask is per row, so a chunk of queries sees exactly what each would see alone."""
+    loaded = tiny_loaded()
+    ids = list(torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist())
+    policy = StreamingPolicy(budget=12, sink_tokens=2)
+    one, _ = stream_nll(loaded, ids, policy, chunk=1, block_size=4)
+    many, held = stream_nll(loaded, ids, policy, chunk=chunk, block_size=4)
+    assert torch.allclose(one, many, atol=1e-4)
+    assert held <= 1 + (10 + chunk) // 4 + 2
+
+
+def test_stream_modes_on_a_tiny_model():
+    """A budget covering the whole stream keeps everything: streaming == window == full; smaller budgets
+    evict and differ; the oracle with a budget >= the stream is the full forward."""
+    loaded = tiny_loaded()
+    ids = list(torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(2)).tolist())
+    full, _ = stream_nll(loaded, ids, KVPolicy(), chunk=7, block_size=4)
+    big, _ = stream_nll(loaded, ids, StreamingPolicy(budget=64, sink_tokens=4), chunk=7, block_size=4)
+    assert torch.allclose(full, big, atol=1e-4)
+    small, _ = stream_nll(loaded, ids, StreamingPolicy(budget=8, sink_tokens=2), chunk=7, block_size=4)
+    assert not torch.allclose(full[10:], small[10:], atol=1e-3)
+    assert torch.allclose(full[:7], small[:7], atol=1e-4)  # before the first eviction nothing differs
+
+
+    assert torch.allclose(oracle_nll(loaded, ids, budget=64, stride=5), full, atol=1e-4)
+    # stride 1 is the exact oracle: token t is predicted from exactly the `budget` tokens before it (here 8)
+    exact = oracle_nll(loaded, ids, budget=8, stride=1)
+
+    t = 20
+    logits = sequence_logits(loaded, torch.tensor(ids[t - 8:t]))
+    ref = -torch.log_softmax(logits[-1], -1)[ids[t]]
+    assert torch.allclose(exact[t - 1], ref, atol=1e-4)
+
+
+def test_bench_kv_capacity_counts_through_the_manager():
+    from brisk.bench.kv import KVSetting, max_concurrent
+
+    assert max_concurrent(10, KVSetting("auto", "full", block_size=4), seq_len=8, chunk=3) == 5
+    assert max_concurrent(10, KVSetting("auto", "full", block_size=4), seq_len=40) == 1
+    # streaming, 2 sinks + a window of 4, token by token: a finished 40-token request holds the sink block and
+    # block 9 (tokens 36..39): 2 blocks. While running it needs up to 3 (the window straddles two blocks, plus
+    # the sink block), so in 12 blocks 5 finish and the 6th (2 left) does not fit
+    assert max_concurrent(12, KVSetting("auto", "streaming", budget=6, sink_tokens=2, block_size=4),
+                          seq_len=40, chunk=1) == 5
+
+
+# ---- H2O ---------------------------------------------------------------------------------------------------
+
+def test_h2o_keeps_recent_plus_heavy_hitters():
+    scores = [5.0, 0.1, 3.0, 0.2, 3.0, 9.0, 0.0, 0.0]
+    # keep 5: the 2 newest (6, 7) + the 3 heaviest older ones: 5 (9.0), 0 (5.0), then 2 and 4 tie at 3.0 -> 2
+    assert h2o_keep(scores, recent=2, keep=5) == [0, 2, 5, 6, 7]
+    assert h2o_keep(scores, recent=2, keep=8) == list(range(8))  # nothing to evict
+    assert h2o_keep(scores, recent=3, keep=3) == [5, 6, 7]  # all budget to recent tokens
+    with pytest.raises(ValueError):
+        H2OPolicy(budget=4, recent=4)
+
+
+def test_h2o_stream_on_a_tiny_model():
+    loaded = tiny_loaded()
+    ids = list(torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(4)).tolist())
+    full, _ = stream_nll(loaded, ids, KVPolicy(), chunk=7, block_size=4)
+    roomy, _ = h2o_stream_nll(loaded, ids, H2OPolicy(budget=40, recent=20), chunk=3, block_size=4)
+    assert torch.allclose(full, roomy, atol=1e-4)  # a budget above the stream evicts nothing
+    tight, held = h2o_stream_nll(loaded, ids, H2OPolicy(budget=10, recent=5), chunk=2, block_size=4)
+    assert torch.allclose(full[:8], tight[:8], atol=1e-4)  # no query has yet lost a token
+    assert not torch.allclose(full[12:], tight[12:], atol=1e-3)
+    assert held <= 3  # 10 tokens in blocks of 4
+
+
+def test_attention_scores_hold_one_unit_of_mass_per_head_and_query():
+    loaded = tiny_loaded()
+    c = loaded.config
+    n = 9
+    caches = [torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+    scores = torch.zeros(n)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
+                             block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+                             context_lens=torch.tensor([n], dtype=torch.int32), evicting=True, attn_scores=[scores])
+    with torch.inference_mode():
+        loaded.model(torch.arange(3, 3 + n), torch.arange(n), meta, caches)
+    assert torch.allclose(scores.sum(), torch.tensor(float(c.num_hidden_layers * c.num_attention_heads * n)))
+    assert scores[0] > scores[-1]  # causal: the first key is seen by every query, the last by one

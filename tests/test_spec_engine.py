@@ -1,0 +1,221 @@
+"""Speculative decoding in the engine: greedy output identical to plain greedy for every proposer, alone and
+batched, under preemption and with prefix caching; no KV block leaked after rejections and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_utils import make_tiny_hf_model
+
+from brisk import LLM, SamplingParams
+from brisk.engine.config import SpecConfig
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, best_gamma, expected_tokens
+from brisk.spec.ngram import find_continuation
+
+VOCAB = 384
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-spec")
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=VOCAB, num_hidden_layers=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A different random model with the same (tiny) tokenizer: a draft that is often wrong."""
+    path = tmp_path_factory.mktemp("tiny-llama-draft")
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=8, vocab_size=VOCAB, num_hidden_layers=1)
+    return str(path)
+
+
+def make_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    prompts = []
+    for n in (4, 9, 23, 2, 40):  # repeated segments, so prompt lookup finds matches
+        base = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        prompts.append(base * 3 + base[: n // 2])
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()  # a prefix shared by two prompts
+    prompts += [shared + [5, 6, 7], shared + [9]]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    llm = LLM(model_dir, max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(make_prompts(), GREEDY)]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.kv_manager.block_pool.get_num_free_blocks() == engine.num_blocks
+    assert not engine.scheduler.requests and not engine.groups
+    proposer = engine.speculator.proposer
+    assert engine.step() == []  # an idle step: the proposer drops state of requests that left (aborts)
+    assert not proposer.live_ids() and not engine.speculator.gamma.live_ids()
+    if hasattr(proposer, "kv"):
+        assert proposer.kv.block_pool.get_num_free_blocks() == proposer.kv.block_pool.num_blocks
+
+
+def spec_llm(model_dir: str, method: str, **kwargs) -> LLM:
+    name, _, arg = method.partition(":")
+    config = {"num_speculative_tokens": 4, "adaptive": False, "method": name, "model": arg or None}
+    config.update(kwargs.pop("spec", {}))
+    return LLM(model_dir, max_model_len=256, speculative_config=config, **kwargs)
+
+
+METHODS = ["ngram", "self:int8", "self:int4", "layerskip", "draft:same", "draft:other"]
+
+
+def resolve(method: str, model_dir: str, other_draft_dir: str) -> tuple[str, dict]:
+    if method == "draft:same":  # the target drafting for itself: every draft is accepted
+        return f"draft:{model_dir}", {}
+    if method == "draft:other":
+        return f"draft:{other_draft_dir}", {}
+    if method == "layerskip":
+        return "layerskip", {"spec": {"skip_layers": [1]}}
+    return method, {}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_batched_equals_plain(model_dir, other_draft_dir, plain, method):
+    name, kwargs = resolve(method, model_dir, other_draft_dir)
+    llm = spec_llm(model_dir, name, **kwargs)
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft:same":
+        assert stats.acceptance_rate == 1.0
+    elif method in ("ngram", "draft:other", "self:int4"):
+        assert stats.acceptance_rate < 1.0  # rejections happened, and were rolled back
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft:other"])
+def test_greedy_alone_and_under_preemption(model_dir, other_draft_dir, plain, method):
+    name, kwargs = resolve(method, model_dir, other_draft_dir)
+    prompts = make_prompts()
+    llm = spec_llm(model_dir, name, **kwargs)
+    for p, want in zip(prompts[:3], plain[:3], strict=True):
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == want
+    # 12 blocks of 16 tokens cannot hold all requests (each needs up to 5): preemption by recompute
+    tight = spec_llm(model_dir, name, num_kv_blocks=18, max_num_batched_tokens=64, **kwargs)
+    outs = tight.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_no_leak(tight)
+
+
+def test_abort_mid_speculation_frees_everything(model_dir):
+    llm = spec_llm(model_dir, f"draft:{model_dir}")
+    ids = [llm.engine.add_request(None, p, GREEDY) for p in make_prompts()]
+    for _ in range(6):
+        llm.engine.step()
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    llm.engine.abort_request(ids)
+    assert_no_leak(llm)
+
+
+def test_eos_among_accepted_drafts_stops_there(model_dir, plain):
+    """A stop token inside an accepted run of drafts ends the request at that token, as plain decoding does."""
+    prompts = make_prompts()
+    stop = plain[0][5]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
+    llm = spec_llm(model_dir, f"draft:{model_dir}")
+    out = llm.generate([prompts[0]], params)[0].outputs[0]
+    assert out.token_ids == plain[0][: plain[0].index(stop) + 1]
+    assert out.finish_reason == "stop"
+    capped = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert capped.outputs[0].token_ids == plain[0][:7]
+
+
+def test_streaming_emits_several_tokens_per_step(model_dir, plain):
+    llm = spec_llm(model_dir, f"draft:{model_dir}")
+    deltas = [o.outputs[0].num_new_tokens for o in llm.stream(make_prompts()[0], GREEDY)]
+    assert sum(deltas) == 24 and max(deltas) == 5  # 4 accepted drafts + the bonus in one step
+
+
+def test_sampled_requests_run_seeded_and_repeatable(model_dir, other_draft_dir):
+    """Sampling with a draft that keeps q: runs, respects max_tokens and logprobs, and a seed repeats."""
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2, max_tokens=16,
+                            seed=3, logprobs=2, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = spec_llm(model_dir, f"draft:{other_draft_dir}")
+        out = llm.generate([make_prompts()[1]], params)[0].outputs[0]
+        assert len(out.token_ids) == 16 and len(out.logprobs) == 16
+        assert all(t in lp for t, lp in zip(out.token_ids, out.logprobs, strict=True))
+        runs.append(out.token_ids)
+        assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert runs[0] == runs[1]
+
+
+def test_find_continuation():
+    t = np.array([1, 2, 3, 9, 8, 1, 2, 3, 7, 5, 1, 2, 3])
+    assert find_continuation(t, 3, 1, 2) == [7, 5]  # latest earlier match of "1 2 3"
+    assert find_continuation(np.array([4, 5, 6]), 3, 1, 2) == []
+    assert find_continuation(np.array([4, 5, 4]), 3, 1, 3) == [5, 4]  # n = 1 fallback
+    assert find_continuation(np.array([4, 5, 4, 5]), 3, 2, 3) == [4, 5]
+
+
+def test_adaptive_gamma():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.8, 4) - 3.3616) < 1e-4  # (1 - 0.8^5) / 0.2
+    assert best_gamma(0.05, 0.3, 8) == 0  # hopeless drafts: plain decoding
+    assert best_gamma(0.95, 0.0, 8) == 8  # free and nearly always right: draft the most
+    ctl = AdaptiveGamma(max_gamma=6, cost_per_draft=0.3, probe_every=3)
+    for _ in range(10):
+        ctl.update("r", 4, 0)
+    assert [ctl.gamma("r") for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # off, with a probe every 3rd step
+    for _ in range(10):
+        ctl.update("r", 4, 4)
+    assert ctl.gamma("r") >= 4
+
+
+def test_layerskip_search_stores_a_set_that_loads(model_dir, tmp_path):
+    from brisk.model.loader import load_model
+    from brisk.spec.draft_model import layer_skip_model
+    from brisk.spec.layerskip import layerskip_path, load_skip_layers, save_search, search_skip_layers
+
+    loaded = load_model(model_dir)
+    ids = make_prompts()[4][:48]
+    result = search_skip_layers(loaded.model, ids, loaded.dtype, max_skip=1, calibration="test")
+    assert list(result.single_layer_agreement) == [1]  # 3 layers: only the middle one is a candidate
+    assert 0.0 <= result.agreement <= 1.0 and result.prefix_agreement
+    path = tmp_path / "model.gguf"
+    save_search(result, layerskip_path(path))
+    assert load_skip_layers(path) == result.skip_layers
+    with pytest.raises(FileNotFoundError, match="layerskip-search"):
+        load_skip_layers(tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match="every layer"):
+        layer_skip_model(loaded.model, [0, 1, 2])
+
+
+def test_step_cost_model_is_batch_aware():
+    """Steps of t = 0.4 s + 0.01 s/token: one more draft costs 0.01/0.41 of a step at batch 1, but at batch 32
+    (compute-bound) 0.32/0.72 — adaptive γ must draft less there."""
+    model = StepCostModel()
+    for x in [1, 5, 300, 8, 40, 1, 2, 64, 16, 3] * 20:
+        model.observe_step(x, 0.4 + 0.01 * x)
+    a, b = model.line()
+    assert abs(a - 0.4) < 1e-3 and abs(b - 0.01) < 1e-5
+    assert abs(model.cost_per_draft(1) - 0.01 / 0.41) < 1e-3
+    assert abs(model.cost_per_draft(32) - 0.32 / 0.72) < 1e-3
+    model.observe_draft(0.1)
+    assert abs(model.cost_per_draft(1) - 0.11 / 0.41) < 1e-3
+
+
+def test_spec_config_parsing():
+    assert SpecConfig.parse("self:int4", 3).num_speculative_tokens == 3
+    assert SpecConfig.parse({"model": "/x/draft"}).method == "draft"
+    assert SpecConfig.parse({"method": "ngram", "prompt_lookup_max": 3}).prompt_lookup_max == 3
+    with pytest.raises(ValueError, match="not built"):
+        SpecConfig.parse("lookahead")
+    with pytest.raises(ValueError, match="int8, int4, int2"):
+        SpecConfig.parse("self:int3")
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        SpecConfig.parse("medusa")
