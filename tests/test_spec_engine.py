@@ -219,3 +219,23 @@ def test_spec_config_parsing():
         SpecConfig.parse("self:int3")
     with pytest.raises(ValueError, match="unknown speculative method"):
         SpecConfig.parse("medusa")
+
+
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"},
+                                {"kv_policy": "streaming", "kv_budget": 48, "sink_tokens": 4}])
+def test_speculation_composes_with_kv_compression(model_dir, kv):
+    """Drafts verified over a quantized or evicting cache: greedy output equals plain greedy decoding with the
+    same cache settings (a rejected draft's slots are rewritten, an int4 block re-quantized, an evicted block
+    never read), and every block comes back."""
+    prompts = make_prompts()
+    plain_llm = LLM(model_dir, max_model_len=256, **kv)
+    want = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, GREEDY)]
+    llm = spec_llm(model_dir, "ngram", **kv)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+    assert_no_leak(llm)
+
+
+def test_speculation_refuses_int4_kv_cache(model_dir):
+    with pytest.raises(ValueError, match="does not support kv_cache_dtype int4"):
+        spec_llm(model_dir, "ngram", kv_cache_dtype="int4")

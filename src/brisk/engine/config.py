@@ -174,3 +174,9 @@ class EngineConfig:
         self.torch_dtype = parse_dtype(self.dtype)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.spec is not None and self.cache.kv_cache_dtype == "int4":
+            # An int4 block's keys share per-channel scales fixed when the block fills; drafts can fill it and
+            # then be rejected, and re-quantizing it after the rewrite does not give the plain path's codes,
+            # so greedy output would no longer equal plain decoding (measured on a tiny model).
+            raise ValueError("speculative decoding does not support kv_cache_dtype int4 (KIVI's per-block key "
+                             "scales would depend on rejected drafts); use kv_cache_dtype int8 or auto with it")
