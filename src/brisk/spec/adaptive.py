@@ -142,6 +142,10 @@ class StepCostModel:
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
+    def cancel(self) -> None:
+        """Drop the step being timed (it is not one the model should learn from)."""
+        self._t0 = None
+
     def stop(self, num_tokens: int) -> None:
         if self._t0 is not None and num_tokens > 0:
             self.observe_step(num_tokens, time.perf_counter() - self._t0)

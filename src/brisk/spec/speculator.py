@@ -75,7 +75,13 @@ class Speculator:
         self.costs.start()  # the target step that follows: schedule, forward, verify
 
     def observe(self, sched: SchedulerOutput, result: RunnerOutput, scheduler: Scheduler) -> None:
-        self.costs.stop(sched.num_batched_tokens)
+        # Only decode/verify steps teach the cost model: a prefill chunk's tokens are far cheaper per token
+        # (one GEMM over many rows), and mixing them in made the fitted per-token cost so small that drafts
+        # looked free at batch 8, where verification is in fact compute-bound on a CPU.
+        if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in sched.scheduled):
+            self.costs.stop(sched.num_batched_tokens)
+        else:
+            self.costs.cancel()
         for s in sched.scheduled:
             if not s.num_draft_tokens or s.req_id not in result.sampled_token_ids:
                 continue
