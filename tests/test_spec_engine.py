@@ -62,7 +62,9 @@ def assert_no_leak(llm: LLM) -> None:
 
 def spec_llm(model_dir: str, method: str, **kwargs) -> LLM:
     name, _, arg = method.partition(":")
-    config = {"num_speculative_tokens": 4, "adaptive": False, "method": name, "model": arg or None}
+    # disable_by_batch_size None: these tests verify drafts in batches (the default turns drafting off there)
+    config = {"num_speculative_tokens": 4, "adaptive": False, "method": name, "model": arg or None,
+              "disable_by_batch_size": None}
     config.update(kwargs.pop("spec", {}))
     return LLM(model_dir, max_model_len=256, speculative_config=config, **kwargs)
 
@@ -239,3 +241,22 @@ def test_speculation_composes_with_kv_compression(model_dir, kv):
 def test_speculation_refuses_int4_kv_cache(model_dir):
     with pytest.raises(ValueError, match="does not support kv_cache_dtype int4"):
         spec_llm(model_dir, "ngram", kv_cache_dtype="int4")
+
+
+def test_disable_by_batch_size_drafts_only_for_a_lone_request(model_dir, plain):
+    """The default (vLLM's disable_by_batch_size = 1 here): no drafts while several requests are in flight,
+    drafts again once one is left; output equals plain greedy either way."""
+    prompts = make_prompts()
+    # the target drafting for itself: every step would draft if allowed
+    llm = LLM(model_dir, max_model_len=256, speculative_config={"method": "draft", "model": model_dir,
+                                                                "adaptive": False})
+    assert llm.engine.speculator.disable_by_batch_size == 1
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.speculator.stats.num_draft_tokens == 0  # all in flight together for their 4 tokens
+    assert [o.outputs[0].token_ids for o in outs] == [p[:4] for p in plain]
+    alone = llm.generate([prompts[0]], GREEDY)
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert alone[0].outputs[0].token_ids == plain[0]
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpecConfig.parse({"method": "ngram", "disable_by_batch_size": 0})
+    assert_no_leak(llm)

@@ -21,4 +21,5 @@ def build_speculator(config: SpecConfig, engine: LLMEngine) -> Speculator:
         from brisk.spec.draft_model import build_draft_proposer
 
         proposer = build_draft_proposer(config, engine)
-    return Speculator(proposer, config.num_speculative_tokens, config.adaptive)
+    return Speculator(proposer, config.num_speculative_tokens, config.adaptive,
+                      disable_by_batch_size=config.disable_by_batch_size)

@@ -30,7 +30,7 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, proposer: Proposer, max_gamma: int, adaptive: bool = True,
-                 verify_cost: float = 0.08) -> None:
+                 verify_cost: float = 0.08, disable_by_batch_size: int | None = None) -> None:
         """`verify_cost`: a static estimate of one more verified token's cost relative to a one-token decode step
         (0.05-0.08 measured at batch 1 on the default model on CPU); only a fallback, since propose() passes the
         measured, batch-aware cost of StepCostModel."""
@@ -38,6 +38,7 @@ class Speculator:
         self.gamma = AdaptiveGamma(max_gamma, proposer.draft_cost + verify_cost, adaptive)
         self.costs = StepCostModel()
         self.stats = SpecStats()
+        self.disable_by_batch_size = disable_by_batch_size
 
     def propose(self, scheduler: Scheduler) -> None:
         live = scheduler.requests
@@ -47,6 +48,8 @@ class Speculator:
             self.gamma.forget(gone)
         reqs, ks = [], []
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        busy = (self.disable_by_batch_size is not None
+                and len(scheduler.running) + len(scheduler.waiting) > self.disable_by_batch_size)
         # measured cost of one more draft per decoding request (batch-aware: see adaptive.StepCostModel);
         # until a draft model has been timed, its static estimate stands in for its share
         cost = self.costs.cost_per_draft(max(1, len(ready)))
@@ -61,7 +64,7 @@ class Speculator:
             room = scheduler.config.max_model_len - req.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - req.num_output_tokens - 1)
-            k = min(self.gamma.gamma(req.request_id, cost), room)
+            k = 0 if busy else min(self.gamma.gamma(req.request_id, cost), room)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
