@@ -36,6 +36,7 @@ Bytes per token and layer: kvh * (d/2 + 4 d / bs) keys + kvh * (d/2 + 4) values;
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 import torch
@@ -83,7 +84,7 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, 
     return (codes.float() * scale.float().unsqueeze(dim) + lo.float().unsqueeze(dim)).to(dtype)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(ABC):
     """One layer's quantized paged cache. Subclasses implement write / gather / copy_blocks."""
 
     kind = ""
@@ -101,16 +102,20 @@ class QuantizedKVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @abstractmethod
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of `slots` [n]: 2 x [n, kvh, d] in self.dtype."""
         raise NotImplementedError
 
+    @abstractmethod
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
-class Proposer:
+class Proposer(ABC):
     """Drafts up to num_drafts[j] tokens after requests[j].all_token_ids (fewer, or none, is fine).
 
     `draft_cost` is one drafted token's cost relative to one target decode step: the adaptive γ controller's
@@ -31,10 +32,11 @@ class Proposer:
     draft_cost = 0.0
     forward_seconds = 0.0  # a draft model's last steady-state forward (measured cost for adaptive γ); 0 = none
 
+    @abstractmethod
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:
         raise NotImplementedError
 
-    def free(self, req_ids: Iterable[str]) -> None:
+    def free(self, req_ids: Iterable[str]) -> None:  # noqa: B027 - a no-op default, not abstract
         """Forget requests that left the engine (finished, aborted); proposers with per-request state free it."""
 
     def live_ids(self) -> set[str]:
