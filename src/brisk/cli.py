@@ -221,6 +221,19 @@ def convert_gqa_command(kv_heads: int, model: str, out: str) -> None:
     click.echo(f"wrote {folder} with {kv_heads} key/value head(s)")
 
 
+@convert.command("gguf")
+@click.option("--outtype", required=True, type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
+              help="Type of every matrix in OUT (vectors stay F32), as llama.cpp's llama-quantize.")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+def convert_gguf_command(outtype: str, model: str, out: str) -> None:
+    """Re-type the weights of the GGUF file MODEL into OUT, metadata and tokenizer unchanged."""
+    from brisk.model.gguf_convert import retype_gguf
+
+    path = retype_gguf(model, out, outtype)
+    click.echo(f"wrote {path} ({outtype.upper()} matrices, {path.stat().st_size / 2**20:.1f} MiB)")
+
+
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group

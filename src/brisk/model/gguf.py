@@ -233,6 +233,12 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise GGUFError(f"{f.path}: {e}") from None
 
 
+def read_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """Just the tokenizer of a GGUF file (its metadata), without reading any weights."""
+    f = read_gguf(path)
+    return tokenizer_from_gguf_metadata(f.metadata, f.path)
+
+
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """The model config from a GGUF file's metadata (reads the header only)."""
     return _config_from_gguf(read_gguf(path))

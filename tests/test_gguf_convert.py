@@ -1,0 +1,94 @@
+"""Re-typing a GGUF file (model/gguf_convert.py) and the llama.cpp comparison's input checks.
+
+llama-cpp-python is an optional extra: these tests never need it (its absence is one of the cases)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf_utils import random_state_dict, tiny_config, write_tiny_model
+
+from brisk.bench.compare import weight_bytes_per_token
+from brisk.cli import main
+from brisk.model.gguf import load_gguf, read_gguf_tokenizer
+from brisk.model.gguf_convert import OUT_TYPES, retype_gguf
+
+T = GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    config = tiny_config()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf"
+    return write_tiny_model(path, random_state_dict(config, seed=3), config, qtype=T.Q4_1)
+
+
+@pytest.mark.parametrize(("outtype", "ttype", "atol"), [("f32", T.F32, 0.0), ("f16", T.F16, 2e-3),
+                                                        ("bf16", T.BF16, 2e-2), ("q8_0", T.Q8_0, 2e-2)])
+def test_retype_keeps_weights_metadata_and_tokenizer(source, tmp_path, outtype, ttype, atol):
+    out = retype_gguf(source, tmp_path / f"tiny-{outtype}.gguf", outtype)
+    src_reader, out_reader = GGUFReader(source), GGUFReader(out)
+    # every matrix at the new type, every vector still F32
+    for t in out_reader.tensors:
+        assert t.tensor_type == (ttype if len(t.shape) == 2 else T.F32), t.name
+    assert int(out_reader.fields["general.file_type"].contents()) == int(OUT_TYPES[outtype][1])
+    # metadata copied field for field (but the file type)
+    for key, field in src_reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.file_type":
+            continue
+        assert out_reader.fields[key].contents() == field.contents(), key
+    a, b = load_gguf(source), load_gguf(out)
+    assert a.config == b.config
+    for name, w in a.tensors.items():
+        torch.testing.assert_close(b.tensors[name], w, atol=atol, rtol=0, msg=name)
+    assert read_gguf_tokenizer(out).encode("hello world") == a.tokenizer.encode("hello world")
+
+
+def test_retype_errors(source, tmp_path):
+    with pytest.raises(ValueError, match="unknown GGUF output type 'q3_k'.*f32, f16, bf16, q8_0"):
+        retype_gguf(source, tmp_path / "x.gguf", "q3_k")
+    with pytest.raises(ValueError, match="is the input file"):
+        retype_gguf(source, source, "f16")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        retype_gguf(bad, tmp_path / "y.gguf", "f16")
+
+
+def test_convert_gguf_cli(source, tmp_path):
+    out = tmp_path / "tiny-f16.gguf"
+    result = CliRunner().invoke(main, ["convert", "gguf", "--outtype", "f16", str(source), str(out)])
+    assert result.exit_code == 0, result.output
+    assert "F16" in result.output and out.exists()
+    result = CliRunner().invoke(main, ["convert", "gguf", "--outtype", "q2", str(source), str(out)])
+    assert result.exit_code != 0 and "q2" in result.output
+
+
+def test_weight_bytes_per_token(source):
+    reader = GGUFReader(source)
+    matrices = sum(int(t.n_elements) for t in reader.tensors if len(t.shape) == 2)
+    vectors = sum(int(t.n_elements) for t in reader.tensors if len(t.shape) == 1)
+    assert weight_bytes_per_token(source, "f32") == 4 * (matrices + vectors)
+    assert weight_bytes_per_token(source, "q4_1") == pytest.approx(matrices * 20 / 32 + 4 * vectors)
+    assert np.isclose(weight_bytes_per_token(source, "q8_0"), matrices * 34 / 32 + 4 * vectors)
+
+
+def test_bench_compare_without_llama_cpp_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    result = CliRunner().invoke(main, ["bench", "compare"])
+    assert result.exit_code == 1
+    assert "llama-cpp-python" in result.output and "pip install" in result.output
+
+
+def test_bench_compare_rejects_bad_options(monkeypatch, source):
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())  # "installed": the checks after it run
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "compare", "--precisions", "f32,q5_k", "--model", str(source)])
+    assert result.exit_code == 1 and "unknown precision(s) q5_k" in result.output
+    result = runner.invoke(main, ["bench", "compare", "--batch-sizes", "1,x", "--model", str(source)])
+    assert result.exit_code == 1 and "--batch-sizes" in result.output
