@@ -174,3 +174,54 @@ def test_model_with_kernels_on_and_off(tmp_path, ops, monkeypatch):
     # float32 rounding differences through 2 layers (the attention and linear kernels differ as well)
     torch.testing.assert_close(fast_logits, slow_logits, atol=1e-4, rtol=1e-4)
     assert fast_tokens == slow_tokens
+
+
+# ---- RoPE + KV-cache write (rope_cache) ----
+
+def _rope_inputs(tokens: int, dtype: torch.dtype, h: int = 9, kvh: int = 3, d: int = 64, seed: int = 0):
+    from brisk.model.config import ModelConfig
+    from brisk.model.rope import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d,
+                         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=100000.0)
+    rope = RotaryEmbedding(config, 4096, "cpu")
+    positions = torch.randint(0, 4000, (tokens,), generator=g)
+    cos, sin = rope.cos_sin(positions)
+    qkv = (3 * torch.randn(tokens, (h + 2 * kvh) * d, generator=g)).to(dtype)
+    cache = torch.zeros(2, 40, 16, kvh, d, dtype=dtype)
+    slots = torch.randperm(40 * 16, generator=g)[:tokens]
+    return qkv, cos, sin, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rope_cache_is_bit_identical_to_apply_rope_and_write_kv(ops, dtype, tokens):
+    from brisk.model.rope import apply_rope
+    from brisk.ops.attention import write_kv
+
+    h, kvh, d = 9, 3, 64
+    qkv, cos, sin, cache, slots = _rope_inputs(tokens, dtype, h, kvh, d, seed=tokens)
+    view = qkv.view(tokens, h + 2 * kvh, d)
+    want_qk = apply_rope(view[:, :h + kvh], cos, sin)
+    want_cache = cache.clone()
+    write_kv(want_cache, want_qk[:, h:], view[:, h + kvh:], slots)
+    got = qkv.clone()
+    ops.rope_cache(got, cos, sin, cache, slots, h, kvh)
+    got = got.view(tokens, h + 2 * kvh, d)
+    assert torch.equal(got[:, :h + kvh], want_qk)  # q and k rotated in place, bit for bit
+    assert torch.equal(got[:, h + kvh:], view[:, h + kvh:])  # v untouched
+    assert torch.equal(cache, want_cache)  # the same cache slots hold the same rows; no other slot written
+
+
+def test_rope_cache_rejects_bad_inputs(ops):
+    qkv, cos, sin, cache, slots = _rope_inputs(4, torch.float32)
+    with pytest.raises(RuntimeError, match="outside the cache's 640 slots"):
+        ops.rope_cache(qkv, cos, sin, cache, torch.tensor([0, 1, 2, 640]), 9, 3)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        ops.rope_cache(qkv, cos, sin, cache.bfloat16(), slots, 9, 3)
+    with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \[tokens, 960\]"):
+        ops.rope_cache(qkv[:, :900], cos, sin, cache, slots, 9, 3)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous float32"):
+        ops.rope_cache(qkv, cos.double(), sin, cache, slots, 9, 3)

@@ -16,7 +16,7 @@ from torch import nn
 
 from brisk.model.config import ModelConfig
 from brisk.model.rope import RotaryEmbedding, apply_rope
-from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
+from brisk.ops.attention import AttentionMetadata, paged_attention, rope_write_kv, write_kv
 from brisk.ops.fused import add_rms_norm, rms_norm, silu_mul
 
 
@@ -56,14 +56,20 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)  # [T, h + 2 kvh, d]: q heads, k heads, v heads
-            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # one rotation for q and k together
-            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+            qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]: q heads, k heads, v heads
+            if rope_write_kv(qkv, cos, sin, kv_cache, meta, h, kvh):  # rotated in place, k and v cached
+                qkv = qkv.view(t, h + 2 * kvh, d)
+                q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+            else:
+                qkv = qkv.view(t, h + 2 * kvh, d)
+                qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # one rotation for q and k together
+                q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+                write_kv(kv_cache, k, v, meta.slot_mapping)
         else:
             q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)  # [T, h, d]
             k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)  # [T, kvh, d]
             v = self.v_proj(x).view(t, kvh, d)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

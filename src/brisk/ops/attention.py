@@ -167,6 +167,24 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                  meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> bool:
+    """RoPE on the q and k heads of a fused projection output, in place, and k, v into the cache: one C++ pass
+    (ops/csrc/fused_ops.cpp `rope_cache`), bit-identical to `apply_rope` + `write_kv`. qkv: [T, (h + 2 kvh) d].
+
+    Returns False, having done nothing, where the kernel does not apply (quantized or evicting caches, dtype
+    mismatch, no kernels): the caller then takes the reference path.
+    """
+    if (meta.evicting or isinstance(kv_cache, QuantizedKVCache) or not qkv.is_cpu or qkv.dtype != kv_cache.dtype
+            or cos.dtype != torch.float32 or not qkv.is_contiguous()):
+        return False
+    op = kernels.get_op("rope_cache")
+    if op is None:
+        return False
+    op(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, num_kv_heads)
+    return True
+
+
 def kernel_supports(q: torch.Tensor, kv_cache: KVCache) -> bool:
     """Whether the C++ kernel covers these tensors (the caller still checks that it built).
 

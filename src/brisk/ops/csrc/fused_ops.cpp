@@ -242,7 +242,85 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- RoPE on the fused q/k/v projection, in place, and this step's keys and values into the paged cache ----
+//
+// Replaces ~15 small ops per layer (slices, cos/sin casts, 4 muls, sub, add, cat, two index_copy_) with one pass
+// per token. Rounding follows model/rope.py `apply_rope` op by op, so the result is bit-identical to it:
+//   a' = (a * c) - (b * s),  b' = (b * c) + (a * s)    each product and each sum rounded to the model dtype,
+//   with c, s = cos, sin rounded to the model dtype first (`cos.to(x.dtype)`).
+// fp-contract=off: a fused multiply-add would skip the products' rounding and change float32 results.
+
+inline float round_as(float v, const float*) { return v; }
+inline float round_as(float v, const at::BFloat16*) { return static_cast<float>(at::BFloat16(v)); }
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_heads(T* x, int64_t heads, int64_t d, const float* cos,
+                                                              const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* r = x + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = round_as(cos[i], r), s = round_as(sin[i], r);
+      const float a = static_cast<float>(r[i]), b = static_cast<float>(r[i + half]);
+      const float a2 = round_as(round_as(a * c, r) - round_as(b * s, r), r);
+      const float b2 = round_as(round_as(b * c, r) + round_as(a * s, r), r);
+      r[i] = static_cast<T>(a2);
+      r[i + half] = static_cast<T>(b2);
+    }
+  }
+}
+
+// qkv: [T, (h + 2 kvh) * d] contiguous (q heads, k heads, v heads), rotated in place (q and k);
+// cos, sin: [T, d / 2] float32; kv_cache: [2, num_blocks, block_size, kvh, d] contiguous, qkv's dtype;
+// slot_mapping: [T] int64, the cache slot of each token (block * block_size + offset).
+void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
+                const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) == num_kv_heads,
+              "rope_cache: kv_cache must be a contiguous [2, num_blocks, block_size, ", num_kv_heads,
+              ", head_dim] tensor, got ", kv_cache.sizes());
+  const int64_t d = kv_cache.size(4), T = qkv.size(0), width = (num_heads + 2 * num_kv_heads) * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.is_contiguous(),
+              "rope_cache: qkv must be a contiguous [tokens, ", width, "] tensor, got ", qkv.sizes());
+  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() &&
+                  (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
+              "rope_cache: qkv and kv_cache must both be float32 or both bfloat16, got ", qkv.scalar_type(), " and ",
+              kv_cache.scalar_type());
+  TORCH_CHECK(d % 2 == 0, "rope_cache: head_dim must be even, got ", d);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == d / 2,
+                "rope_cache: cos and sin must be contiguous float32 [", T, ", ", d / 2, "], got ", t->sizes(), " ",
+                t->scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "rope_cache: slot_mapping must be a contiguous int64 [", T, "] tensor");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), row = num_kv_heads * d;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rope_cache: slot_mapping[", t, "] = ", slots[t],
+                " is outside the cache's ", num_slots, " slots");
+  auto run = [&](auto* x, auto* cache) {
+    auto* k_cache = cache;
+    auto* v_cache = cache + kv_cache.numel() / 2;
+    at::parallel_for(0, T, row_grain(width * 4), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        auto* r = x + t * width;
+        rope_heads(r, num_heads + num_kv_heads, d, cos.data_ptr<float>() + t * (d / 2),
+                   sin.data_ptr<float>() + t * (d / 2));
+        std::memcpy(k_cache + slots[t] * row, r + num_heads * d, row * sizeof(*r));
+        std::memcpy(v_cache + slots[t] * row, r + (num_heads + num_kv_heads) * d, row * sizeof(*r));
+      }
+    });
+  };
+  if (qkv.scalar_type() == at::kFloat)
+    run(qkv.data_ptr<float>(), kv_cache.data_ptr<float>());
+  else
+    run(qkv.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>());
+}
+
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
+        "int num_heads, int num_kv_heads) -> ()", &rope_cache);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
