@@ -50,3 +50,21 @@ def test_fast_linear_module_and_fallback(ops, monkeypatch):
     torch.testing.assert_close(lin(x_big), want_big)  # many rows: F.linear
     monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
     torch.testing.assert_close(linear(x1, lin.weight, lin.bias), want1)  # reference path, same values
+
+
+@pytest.mark.parametrize("chunk", [1 << 21, 64 * 20])  # one GEMM, and 64-row chunks (a ragged last one)
+def test_bfloat16_many_rows_widen_to_float32(monkeypatch, chunk):
+    """Without native bf16 arithmetic, bf16 prefill-sized matmuls run as float32 GEMMs over widened weight
+    chunks: the same values as the exact product up to the final bf16 rounding, and as MKL's bf16 GEMM."""
+    import brisk.ops.linear as lin_mod
+
+    monkeypatch.setattr(lin_mod, "_WIDEN_CHUNK_WEIGHTS", chunk)
+    monkeypatch.setattr(lin_mod, "native_bf16_gemm", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 20, generator=g).bfloat16()  # 21 rows > MAX_SMALL_M
+    w, b = torch.randn(300, 20, generator=g).bfloat16(), torch.randn(300, generator=g).bfloat16()
+    got = linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 7, 300)
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, atol=0.02, rtol=2**-7)
+    assert (got == F.linear(x, w, b)).float().mean() > 0.97  # MKL's bf16 GEMM rounds the same sums alike
