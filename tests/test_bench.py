@@ -136,6 +136,14 @@ def test_latency_counts_and_consistency(tiny_llm: LLM) -> None:
     greedy = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert res.token_ids == greedy[0].outputs[0].token_ids
     assert not tiny_llm.engine.has_unfinished_requests()
+    # the decode-step split covers the 2 measured runs' 4 decode steps each, and its parts add up
+    split = res.step_split_ms
+    assert split["steps"] == 2 * 4
+    parts = ("schedule", "prepare", "forward", "sample", "runner_other", "update_outputs")
+    assert all(split[k] >= 0 for k in parts) and split["forward"] > 0
+    assert split["total"] == pytest.approx(sum(split[k] for k in parts))
+    # and the decode steps' wall time bounds it: a mean step is within the mean time per output token
+    assert split["total"] <= 1e3 * max(res.tpot_s)
 
 
 def test_throughput_counts_and_kv_stats(tiny_llm: LLM) -> None:

@@ -216,6 +216,14 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         same = "identical" if results["same_tokens"] else "different"
         console.print("speedup = transformers time / brisk time, or brisk tok/s / transformers tok/s; "
                       f"greedy tokens of the two engines: {same}")
+    split = ours.step_split_ms
+    if split.get("steps"):
+        labels = {"schedule": "schedule", "prepare": "batch + metadata", "forward": "model forward",
+                  "sample": "sampling", "runner_other": "runner other", "update_outputs": "update + detokenize"}
+        parts = ", ".join(f"{labels[k]} {split[k]:.2f}" for k in labels)
+        outside = split["total"] - split["forward"]
+        console.print(f"brisk decode step ({split['steps']:.0f} steps), ms: {parts}; total {split['total']:.2f}, "
+                      f"of which outside the forward {outside:.2f} ({100 * outside / split['total']:.1f}%)")
     if kw["json_path"]:
         report.write_json(kw["json_path"], "latency", click.get_current_context().params, results)
 

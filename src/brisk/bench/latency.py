@@ -27,6 +27,7 @@ class LatencyResult:
     tpot_s: list[float] = field(default_factory=list)  # every decode interval of every measured run
     e2e_s: list[float] = field(default_factory=list)  # one per measured run
     token_ids: list[int] = field(default_factory=list)  # output of the last run (to compare engines)
+    step_split_ms: dict[str, float] = field(default_factory=dict)  # brisk only: per decode step, by part
 
     @property
     def runs(self) -> int:
@@ -63,6 +64,7 @@ class LatencyResult:
             "tpot_s_p90": percentile(self.tpot_s, 90),
             "decode_tok_s": self.decode_tok_s,
             "e2e_s_mean": mean(self.e2e_s),
+            **({"decode_step_split_ms": self.step_split_ms} if self.step_split_ms else {}),
         }
 
 
@@ -94,6 +96,8 @@ def run_latency(llm, prompt_ids: list[int], output_len: int, runs: int = 3, warm
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     result = LatencyResult(input_len=len(prompt_ids), output_len=output_len)
     for i in range(warmup + runs):
+        if i == warmup:
+            engine.step_timer.reset()  # the decode-step split covers the measured runs only
         times: list[float] = []
         token_ids: list[int] = []
         start = time.perf_counter()
@@ -115,4 +119,5 @@ def run_latency(llm, prompt_ids: list[int], output_len: int, runs: int = 3, warm
                     advance(new)
         if i >= warmup:
             record_run(result, start, times, token_ids)
+    result.step_split_ms = engine.step_timer.mean_ms()
     return result

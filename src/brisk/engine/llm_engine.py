@@ -49,6 +49,40 @@ class _Group:
         self.finished_time: float | None = None
 
 
+@dataclass
+class StepTimer:
+    """Where the time of pure decode steps goes (seconds, summed): scheduling, the runner's three parts
+    (building the flattened batch and its metadata, the model forward, sampling), and the engine's bookkeeping
+    after it (scheduler update, detokenization, outputs). `brisk bench latency` prints the per-step means."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    runner_other: float = 0.0
+    update_outputs: float = 0.0
+
+    def add(self, schedule: float, runner: tuple[float, float, float], execute: float, after: float) -> None:
+        self.steps += 1
+        self.schedule += schedule
+        self.prepare += runner[0]
+        self.forward += runner[1]
+        self.sample += runner[2]
+        self.runner_other += max(0.0, execute - sum(runner))
+        self.update_outputs += after
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def mean_ms(self) -> dict[str, float]:
+        """Per-step milliseconds of each part, and their total."""
+        n = max(1, self.steps)
+        parts = {k: 1e3 * getattr(self, k) / n
+                 for k in ("schedule", "prepare", "forward", "sample", "runner_other", "update_outputs")}
+        return {**parts, "total": sum(parts.values()), "steps": float(self.steps)}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -104,6 +138,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
+        self.step_timer = StepTimer()
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator
@@ -165,17 +200,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)  # drafts ride along in this step's batch
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests waiting; the KV pool is too small")
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(sched, self.scheduler.requests)
+        t2 = time.perf_counter()
         touched = self.scheduler.update(sched, result)
         if self.speculator is not None:
             self.speculator.observe(sched, result, self.scheduler)
         self.num_steps += 1
-        return self._make_outputs(touched)
+        outputs = self._make_outputs(touched)
+        if all(len(s.token_ids) == 1 for s in sched.scheduled):  # a pure decode step: the split worth reading
+            self.step_timer.add(t1 - t0, self.runner.last_timing, t2 - t1, time.perf_counter() - t2)
+        return outputs
 
     def _make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()

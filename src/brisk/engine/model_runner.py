@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -44,6 +45,7 @@ class ModelRunner:
                                                  c.num_key_value_heads, c.head_dim, dtype, device,
                                                  num_residual_blocks))
         self.sampler = Sampler()
+        self.last_timing = (0.0, 0.0, 0.0)  # seconds of the last execute(): prepare, forward, sample
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -128,9 +130,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+        t0 = time.perf_counter()
         self.copy_blocks(sched.block_copies)
         ids, positions, meta, context_lens = self.prepare(sched)
+        t1 = time.perf_counter()
         logits = self.model(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
+        t2 = time.perf_counter()
+        self.last_timing = (t1 - t0, t2 - t1, 0.0)
         out = RunnerOutput()
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
@@ -152,6 +158,7 @@ class ModelRunner:
             logits = logits.index_select(0, torch.tensor(rows))
         meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size, device=logits.device)
         result = self.sampler(logits, meta_s)
+        self.last_timing = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         j = 0
         for s in sampling:
             n = s.num_samples
