@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.model.config import ModelConfig
+from brisk.model.decode_plan import decode_plan_or_none
 from brisk.model.rope import RotaryEmbedding, apply_rope
 from brisk.ops.attention import AttentionMetadata, paged_attention, rope_write_kv, write_kv
 from brisk.ops.fused import add_rms_norm, rms_norm, silu_mul
@@ -162,8 +163,12 @@ class LlamaForCausalLM(nn.Module):
             meta.sink_cos, meta.sink_sin = self.rope.cos_sin(evicted)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        plan = decode_plan_or_none(self) if meta.num_decodes and self.model.layers else None
+        if plan is not None and plan.applies(x, meta, kv_caches):  # decode-only step: straight-line kernels
+            x, residual = plan.run(x, cos, sin, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, meta, kv_cache)
         if residual is None:  # no layers
             return self.model.norm(x)
         x, _ = self.model.norm(x, residual)  # the last residual add, fused into the final norm

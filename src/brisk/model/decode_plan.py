@@ -1,0 +1,177 @@
+"""The decode fast path: the decoder layers of a decode-only step as straight-line calls to the C++ kernels.
+
+At batch-1 decode a layer's arithmetic is a few GEMVs; what else a step costs is Python: ~270 module calls
+(`nn.Module.__call__`), the wrappers' checks for which kernel applies, and ~10 us of dispatch per op. A plan
+resolves all of that once per model: for each layer the kernels and the tensors they take (norm weights, the
+fused q/k/v and gate/up weights, packed codes of quantized layers), so a step is ~10 direct kernel calls per
+layer and nothing else:
+
+    h = add_rms_norm(x, residual)           (rms_norm for layer 0)
+    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache)
+    o = paged_decode_attention(q)           (reads the paged cache in place)
+    h = add_rms_norm(linear(o), residual)
+    x = linear(silu_mul(linear(h)))
+
+It calls the very kernels the modules call, with the same inputs, so its logits equal the module path's bit for
+bit (tests/test_decode_plan.py). A model gets no plan, and keeps the module path, when any layer has a part the
+plan does not cover (unfused projections, sparse or other custom linears, hooks); a step takes the module path
+when it is not decode-only, or its caches are quantized or evicting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from brisk.ops import kernels
+from brisk.ops.attention import AttentionMetadata
+from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear
+
+if TYPE_CHECKING:
+    from brisk.model.llama import LlamaForCausalLM
+
+_DTYPES = (torch.float32, torch.bfloat16)
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
+    w, b = module.weight, module.bias
+    if w.dtype not in _DTYPES or not w.is_contiguous() or (b is not None and b.dtype != w.dtype):
+        return None
+    small = ops.linear_small_m.default
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= MAX_SMALL_M and (rows > 1 or w.dtype == torch.float32):  # ops.linear.linear's choice
+            return small(x, w, b)
+        return linear(x, w, b)
+
+    return run
+
+
+def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
+    from brisk.ops.qlinear import quant_linear
+
+    pw, b = module.packed, module.bias
+    if not pw.blocked:
+        return None
+    small = ops.quant_linear_small.default
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_SMALL_M:  # ops.qlinear.quant_linear's choice for few rows
+            return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)
+        return quant_linear(x, pw, b)
+
+    return run
+
+
+def _resolve_linear(module: nn.Module | None, ops: Any) -> Linear | None:
+    from brisk.quant.layers import QuantLinear
+
+    if module is None or module._forward_hooks or module._forward_pre_hooks:
+        return None
+    if type(module) is FastLinear:
+        return _fast_linear(module, ops)
+    if type(module) is QuantLinear:
+        return _quant_linear(module, ops)
+    return None
+
+
+class DecodePlan:
+    """Straight-line decode over a model's layers; build with `DecodePlan.build(model)` (None if not covered)."""
+
+    def __init__(self, layers: list[_Layer], num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, ops: Any) -> None:
+        self.layers = layers
+        self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.dtype = dtype
+        self.rms_norm = ops.rms_norm.default
+        self.add_rms_norm = ops.add_rms_norm.default
+        self.silu_mul = ops.silu_mul.default
+        self.rope_cache = ops.rope_cache.default
+        self.attention = ops.paged_decode_attention.default
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> DecodePlan | None:
+        ops = kernels.get_ops()
+        needed = ("linear_small_m", "rms_norm", "add_rms_norm", "silu_mul", "rope_cache", "paged_decode_attention",
+                  "quant_linear_small")
+        if ops is None or not all(hasattr(ops, n) for n in needed):
+            return None
+        config = model.config
+        dtype = model.model.norm.weight.dtype  # the model dtype (a quantized embedding has no float weight)
+        if dtype not in _DTYPES or config.head_dim % 8:
+            return None
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
+                return None
+            parts = [_resolve_linear(m, ops) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):
+                return None
+            if norms[0].eps != norms[1].eps:
+                return None
+            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts))
+        a = model.model.layers[0].self_attn if len(model.model.layers) else None
+        if a is None:
+            return None
+        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
+        """Whether this step can run here: decode-only, plain caches of the model dtype, no eviction."""
+        bt = meta.block_tables
+        return (bt is not None and not meta.evicting and meta.num_decodes == bt.shape[0] == x.shape[0]
+                and x.dtype == self.dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
+                and kv_caches[0].dtype == self.dtype and kv_caches[0].is_contiguous())
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, hidden] embeddings -> (the last layer's MLP output, the residual stream without it)."""
+        t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
+        window = meta.sliding_window or 0
+        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
+        residual = x
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
+                                                                                            layer.eps)
+            qkv = layer.qkv(hid)  # [B, (h + 2 kvh) d]
+            self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
+            q = qkv.view(t, h + 2 * kvh, d)[:, :h]
+            o = torch.empty((t, h, d), dtype=x.dtype)
+            self.attention(o, q, kv, tables, lens, self.scale, window)
+            hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
+            x = layer.down(self.silu_mul(layer.gate_up(hid)))
+        return x, residual
+
+
+def decode_plan_or_none(model: LlamaForCausalLM) -> DecodePlan | None:
+    """The model's plan, built on first use and rebuilt when its layers or the kernels' availability change.
+    BRISK_DISABLE_DECODE_PLAN=1 turns it off (the module path then runs every step, for comparisons)."""
+    if os.environ.get("BRISK_DISABLE_DECODE_PLAN", "") not in ("", "0"):
+        return None
+    key = (id(model.model.layers), len(model.model.layers), kernels.get_ops() is not None)
+    cached = getattr(model, "_decode_plan", None)
+    if cached is None or cached[0] != key:
+        cached = (key, DecodePlan.build(model))
+        model._decode_plan = cached
+    return cached[1]
+

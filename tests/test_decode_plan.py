@@ -1,0 +1,96 @@
+"""The decode fast path (model/decode_plan.py) against the module path: the same kernels with the same inputs,
+so logits are bit-identical, for float32, bfloat16 and quantized models; and the cases it must leave alone."""
+
+from __future__ import annotations
+
+import pytest
+from hf_utils import make_tiny_hf_model
+
+from brisk import LLM, SamplingParams
+from brisk.model.decode_plan import DecodePlan, decode_plan_or_none
+from brisk.ops import kernels
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = kernels.get_ops()
+    if found is None:
+        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    # head_dim 16 (the kernels need a multiple of 8), GQA 4:2, untied head; K = 96 for down_proj
+    path = tmp_path_factory.mktemp("plan")
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, intermediate_size=96)
+    return path
+
+
+def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[tuple[list[int], list]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True):
+    calls = []
+    real_run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run", lambda self, *a: calls.append(1) or real_run(self, *a))
+    fast_llm = make_llm()
+    assert decode_plan_or_none(fast_llm.engine.loaded.model) is not None, "the plan should cover this model"
+    fast = _greedy_and_logprobs(fast_llm, prompts)
+    assert (len(calls) > 0) == plan_steps  # decode steps ran through the plan (or, here, must not)
+    monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
+    slow_llm = make_llm()
+    assert decode_plan_or_none(slow_llm.engine.loaded.model) is None
+    before = len(calls)
+    slow = _greedy_and_logprobs(slow_llm, prompts)
+    assert len(calls) == before
+    assert fast == slow  # token ids and top-3 logprobs, exactly
+
+
+PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], [3]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_equals_module_path(ops, tiny_folder, monkeypatch, dtype):
+    _run_both(monkeypatch, lambda: LLM(str(tiny_folder), dtype=dtype, kv_cache_memory="8MiB"), PROMPTS)
+
+
+@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6)])  # q/k/v biases; a sliding window
+def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window):
+    make_tiny_hf_model(tmp_path, arch, num_kv_heads=2, sliding_window=window)
+    _run_both(monkeypatch, lambda: LLM(str(tmp_path), kv_cache_memory="8MiB"), PROMPTS)
+
+
+@pytest.mark.parametrize("bits,group", [(8, -1), (4, 32)])
+def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group):
+    from brisk.bench.quant import build_checkpoint
+    from brisk.quant.config import LayerQuant
+
+    out = tmp_path / f"q{bits}"
+    build_checkpoint(LayerQuant(bits=bits, group_size=group, sym=bits == 8), out, str(tiny_folder))
+    _run_both(monkeypatch, lambda: LLM(str(out), kv_cache_memory="8MiB"), PROMPTS)
+
+
+def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
+    llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
+    model = llm.engine.loaded.model
+    plan = decode_plan_or_none(model)
+    assert isinstance(plan, DecodePlan) and len(plan.layers) == len(model.model.layers)
+    # a hook on any linear (calibration observers use them) means no plan: the hook must see its inputs
+    handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
+    assert DecodePlan.build(model) is None
+    handle.remove()
+    # kernels off: no plan, and the module path still answers
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    assert decode_plan_or_none(model) is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_plan_not_used_with_quantized_kv_cache(ops, tiny_folder, monkeypatch):
+    """int8 KV caches take the module path (their attention is the reference one): same tokens either way."""
+    make = lambda: LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype="int8")  # noqa: E731
+    _run_both(monkeypatch, make, PROMPTS, plan_steps=False)
