@@ -7,6 +7,8 @@ concurrent clients), and the KV cache must be empty again afterwards — also wh
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 
 import httpx
@@ -258,10 +260,23 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server):
+    """The client sends a non-streamed request and hangs up once it runs. A raw socket, closed as soon as the
+    metrics show the request running: a client-side read timeout would race the tiny model, which can answer
+    all 4 x 230 tokens in well under a second."""
     before = scrape(server)["brisk_requests_aborted_total"]
-    body = {"model": MODEL, "prompt": PROMPTS[11], "max_tokens": 230, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    body = {"model": MODEL, "prompt": PROMPTS[11], "max_tokens": 230, "temperature": 0.8, "n": 4,
+            "ignore_eos": True}
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        deadline = time.monotonic() + 10
+        while scrape(server).get("brisk_num_requests_running", 0) < 1:
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.002)
+    finally:
+        sock.close()
     wait_for_metric(server, "brisk_requests_aborted_total", lambda v: v == before + 1)
     wait_for_metric(server, "brisk_kv_blocks_in_use", lambda v: v == 0)
     wait_for_metric(server, "brisk_num_sequences_admitted", lambda v: v == 0)
