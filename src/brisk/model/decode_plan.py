@@ -58,7 +58,7 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= MAX_SMALL_M and (rows > 1 or w.dtype == torch.float32):  # ops.linear.linear's choice
+        if rows <= MAX_SMALL_M:  # ops.linear.linear's choice
             return small(x, w, b)
         return linear(x, w, b)
 
