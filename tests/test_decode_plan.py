@@ -94,3 +94,24 @@ def test_plan_not_used_with_quantized_kv_cache(ops, tiny_folder, monkeypatch):
     """int8 KV caches take the module path (their attention is the reference one): same tokens either way."""
     make = lambda: LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype="int8")  # noqa: E731
     _run_both(monkeypatch, make, PROMPTS, plan_steps=False)
+
+
+def test_prepacked_weights_give_the_same_batched_tokens(ops, tiny_folder):
+    """12 requests at once (batched decode past the small-M kernel, through oneDNN's packed GEMM) give the
+    tokens of the unpacked engine; logprobs agree to float32 rounding."""
+    prompts = [[1 + i, 5, 9 + i, 33, 7] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    on = LLM(str(tiny_folder), kv_cache_memory="8MiB", prepack_weights="on")
+    off = LLM(str(tiny_folder), kv_cache_memory="8MiB", prepack_weights="off")
+    assert on.engine.num_prepacked > 0 and off.engine.num_prepacked == 0
+    a, b = on.generate(prompts, params), off.generate(prompts, params)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            for tok, lp in lx.items():
+                assert lp == pytest.approx(ly[tok], abs=1e-4)
+    with pytest.raises(ValueError, match="prepack_weights must be 'auto', 'on' or 'off'"):
+        LLM(str(tiny_folder), kv_cache_memory="8MiB", prepack_weights="yes")
+    # auto: only when batches can outgrow the small-M kernel
+    assert LLM(str(tiny_folder), kv_cache_memory="8MiB", max_num_seqs=8).engine.num_prepacked == 0
+    assert LLM(str(tiny_folder), kv_cache_memory="8MiB").engine.num_prepacked > 0

@@ -68,3 +68,31 @@ def test_bfloat16_many_rows_widen_to_float32(monkeypatch, chunk):
     want = F.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(got.double(), want, atol=0.02, rtol=2**-7)
     assert (got == F.linear(x, w, b)).float().mean() > 0.97  # MKL's bf16 GEMM rounds the same sums alike
+
+
+def test_prepacked_weights_for_many_rows():
+    """oneDNN-packed copies serve the GEMMs of > MAX_SMALL_M rows (float32 only); few rows keep the kernel."""
+    import brisk.ops.linear as lin_mod
+
+    g = torch.Generator().manual_seed(9)
+    model = nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 40, bias=False), nn.Linear(40, 8).bfloat16())
+    use_fast_linear(model)
+    x_big = torch.randn(3, 7, 96, generator=g)  # 21 rows
+    want = [F.linear(x_big, model[0].weight, model[0].bias)]
+    assert lin_mod.prepack_linears(model) == 2  # the bf16 layer gets none
+    assert model[2].packed_weight is None and lin_mod.prepack_linears(model) == 0  # idempotent
+    got = model[0](x_big)
+    assert got.shape == (3, 7, 200)
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+    h = torch.randn(30, 200, generator=g)
+    torch.testing.assert_close(model[1](h), F.linear(h, model[1].weight), atol=1e-5, rtol=1e-5)
+    # the packed path really is taken for many rows, and not for few
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    lin_mod.torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
+    try:
+        model[0](x_big)
+        model[0](x_big[0, :2])
+    finally:
+        lin_mod.torch.ops.mkldnn._linear_pointwise = real
+    assert len(calls) == 1

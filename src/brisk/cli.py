@@ -39,6 +39,9 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
         click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
+        click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
+                     help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
+                          "and large batches, twice the weight memory); auto = when --max-num-seqs > 8."),
         click.option("--speculative", default=None, metavar="METHOD",
                      help="Speculative decoding: ngram (prompt lookup), layerskip, draft:PATH (a model with the same "
                           "tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy of the model). "
@@ -78,7 +81,7 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
         speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
         kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
-        sink_tokens=kw["sink_tokens"])
+        sink_tokens=kw["sink_tokens"], prepack_weights=kw["prepack_weights"])
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

@@ -176,9 +176,14 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len filled in
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     spec: SpecConfig | None = None  # speculative decoding; None = off
+    # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
+    # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8), "on", "off"
+    prepack_weights: str = "auto"
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
+        if self.prepack_weights not in ("auto", "on", "off"):
+            raise ValueError(f"prepack_weights must be 'auto', 'on' or 'off', got {self.prepack_weights!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.spec is not None and self.cache.kv_cache_dtype == "int4":

@@ -48,6 +48,7 @@ class LLM:
         kv_policy: str = "full",
         kv_budget: int | None = None,
         sink_tokens: int = 4,
+        prepack_weights: str = "auto",
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
@@ -59,7 +60,7 @@ class LLM:
         spec = SpecConfig.parse(speculative if speculative is not None else speculative_config,
                                 num_speculative_tokens)
 
-        dtype_t = EngineConfig(dtype=dtype).torch_dtype
+        dtype_t = EngineConfig(dtype=dtype, prepack_weights=prepack_weights).torch_dtype  # bad values fail here
         loaded = load_model(model, dtype=dtype_t, device=device, max_model_len=max_model_len)
         max_len = max_model_len or min(loaded.config.max_position_embeddings, 2048)
         if max_num_batched_tokens is None:
@@ -71,7 +72,8 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
                             kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
-                              cache=cache, scheduler=sched, num_threads=num_threads, spec=spec)
+                              cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
+                              prepack_weights=prepack_weights)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer

@@ -18,6 +18,7 @@ from brisk.kvcache.policy import make_policy
 from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from brisk.ops.linear import MAX_SMALL_M, prepack_linears
 
 
 class PromptTooLongError(ValueError):
@@ -98,6 +99,10 @@ class LLMEngine:
         if config.scheduler is None and not sched_cfg.enable_chunked_prefill:
             sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, max_model_len)
         self.max_model_len = sched_cfg.max_model_len
+        self.num_prepacked = 0  # linear layers with a oneDNN-packed weight for batched GEMMs
+        if config.prepack_weights == "on" or (config.prepack_weights == "auto"
+                                              and sched_cfg.max_num_seqs > MAX_SMALL_M):
+            self.num_prepacked = prepack_linears(self.loaded.model)
         cache = config.cache
         dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
         bytes_per_block = int(kv_bytes_per_token(cache.kv_cache_dtype, mc.num_hidden_layers, mc.num_key_value_heads,

@@ -57,10 +57,9 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
     small = ops.linear_small_m.default
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= MAX_SMALL_M:  # ops.linear.linear's choice
+        if x.shape[0] <= MAX_SMALL_M:  # ops.linear.linear's choice
             return small(x, w, b)
-        return linear(x, w, b)
+        return linear(x, w, b, module.packed_weight)
 
     return run
 

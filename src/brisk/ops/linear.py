@@ -52,9 +52,27 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.cat(parts, dim=-1).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with the small-M kernel when it applies. x: [..., K], weight: [N, K] -> [..., N]."""
+def prepack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """The weight reordered into oneDNN's blocked GEMM layout (an opaque tensor), or None where that is not
+    available (not float32, not on the CPU, no oneDNN in this torch). Its GEMMs run 1.2-2.2x faster than MKL's
+    sgemm for 16-512 rows on this AMD CPU (MKL picks a slower path on non-Intel CPUs); at <= 8 rows brisk's own
+    kernel is faster still, so the plain weight is kept too (twice the float32 weight memory)."""
+    if weight.dtype != torch.float32 or not weight.is_cpu or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):  # an op this build of torch does not have
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the small-M kernel when it applies, and oneDNN's GEMM on `packed` (prepack_weight) for
+    many float32 rows when given. x: [..., K], weight: [N, K] -> [..., N]."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if packed is not None and rows > MAX_SMALL_M and x.dtype == torch.float32 and x.is_cpu:
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [None], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
     # bfloat16 too: the kernel widens bf16 weights to float32 in registers and reads them ~20% faster than
     # MKL's bf16 GEMV on this AVX2 CPU (whole-model microbenchmark: 13.6 vs 11.5 GB/s)
     small = 0 < rows <= MAX_SMALL_M
@@ -70,10 +88,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class FastLinear(nn.Linear):
-    """nn.Linear whose forward takes the small-M kernel when it can (same parameters, same state dict)."""
+    """nn.Linear whose forward takes the small-M kernel when it can (same parameters, same state dict), and
+    oneDNN's GEMM on a prepacked copy of the weight for many rows once `prepack_linears` gave it one."""
+
+    packed_weight: torch.Tensor | None = None  # not a parameter or buffer: never saved, rebuilt at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every float32 FastLinear in `model` a oneDNN-packed copy of its weight (see prepack_weight);
+    returns how many got one. Batched decode and prefill then run ~1.2-2x faster, for the weights' memory."""
+    count = 0
+    for module in model.modules():
+        if type(module) is FastLinear and module.packed_weight is None:
+            module.packed_weight = prepack_weight(module.weight)
+            count += module.packed_weight is not None
+    return count
 
 
 def use_fast_linear(model: nn.Module) -> int:
