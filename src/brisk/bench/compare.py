@@ -14,6 +14,7 @@ same number of threads. For each pair the two engines are loaded side by side an
 
 from __future__ import annotations
 
+import functools
 import gc
 import tempfile
 import time
@@ -155,13 +156,18 @@ BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
 def weight_bytes_per_token(source: Path, precision: str) -> float:
     """Bytes of weights one batch-1 decode step reads at `precision`: every matrix once (the embedding as the
     tied output head), norms in float32. The roofline is bandwidth / this."""
+    matrices, vectors = _element_counts(str(source))
+    return BYTES_PER_WEIGHT[precision] * matrices + 4.0 * vectors
+
+
+@functools.cache
+def _element_counts(source: str) -> tuple[int, int]:
+    """(elements of the matrices, elements of the vectors) of a GGUF file; parsed once per file."""
     from gguf import GGUFReader
 
-    total = 0.0
-    for t in GGUFReader(source).tensors:
-        n = int(t.n_elements)
-        total += 4.0 * n if len(t.shape) == 1 else BYTES_PER_WEIGHT[precision] * n
-    return total
+    tensors = GGUFReader(source).tensors
+    return (sum(int(t.n_elements) for t in tensors if len(t.shape) > 1),
+            sum(int(t.n_elements) for t in tensors if len(t.shape) == 1))
 
 
 def plot_compare(rows: list[CompareRow], path: str | Path, membw_gbps: float | None = None,
