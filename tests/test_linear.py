@@ -96,3 +96,18 @@ def test_prepacked_weights_for_many_rows():
     finally:
         lin_mod.torch.ops.mkldnn._linear_pointwise = real
     assert len(calls) == 1
+
+
+def test_dense_gemm_equals_f_linear():
+    """Many float32 rows go to oneDNN with the plain weight: F.linear's values to float32 rounding; other dtypes
+    and layouts fall back to F.linear itself."""
+    from brisk.ops.linear import dense_gemm
+
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(2, 30, 96, generator=g), torch.randn(130, 96, generator=g), torch.randn(130, generator=g)
+    torch.testing.assert_close(dense_gemm(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    wt = torch.randn(96, 130, generator=g).t()  # non-contiguous weight: F.linear
+    assert torch.equal(dense_gemm(x, wt), F.linear(x, wt))
+    xh = x.bfloat16()
+    assert torch.equal(dense_gemm(xh, w.bfloat16()), F.linear(xh, w.bfloat16()))

@@ -46,8 +46,8 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     bf = None if bias is None else bias.float()
     rows = max(1, _WIDEN_CHUNK_WEIGHTS // k)
     if n <= rows:
-        return F.linear(xf, weight.float(), bf).to(x.dtype)
-    parts = [F.linear(xf, weight[n0:n0 + rows].float(), None if bf is None else bf[n0:n0 + rows])
+        return dense_gemm(xf, weight.float(), bf).to(x.dtype)
+    parts = [dense_gemm(xf, weight[n0:n0 + rows].float(), None if bf is None else bf[n0:n0 + rows])
              for n0 in range(0, n, rows)]
     return torch.cat(parts, dim=-1).to(x.dtype)
 
@@ -63,6 +63,24 @@ def prepack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor |
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     except (RuntimeError, AttributeError):  # an op this build of torch does not have
         return None
+
+
+@functools.cache
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for many float32 rows through oneDNN (which reorders the plain weight itself) where it is
+    available: 1.2-2x MKL's sgemm on this AMD CPU (64 x 576 x 49152: 86 vs 42 GFLOPS; 512 x 576 x 3072: 125 vs
+    80) with no extra memory; prepacked weights (prepack_weight) gain another 10-25%. F.linear otherwise."""
+    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and x.dim() >= 1 and x.numel() > 0 and _onednn_linear_available()):
+        rows = x.numel() // x.shape[-1]
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [None], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -84,6 +102,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (rows > MAX_SMALL_M and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.is_cpu
             and not native_bf16_gemm()):
         return _widened_linear(x, weight, bias)
+    if rows > MAX_SMALL_M:
+        return dense_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.ops.kernels import get_op
+from brisk.ops.linear import dense_gemm
 
 BLOCK = 32  # elements per packed block of the runtime layout; group sizes must be multiples of it for the kernel
 SUPPORTED_BITS = (8, 4, 3, 2)
@@ -242,6 +243,6 @@ def _dequantize_and_multiply(x: torch.Tensor, pw: PackedWeight, bias: torch.Tens
         n1 = min(pw.out_features, n0 + rows)
         mins = None if pw.mins is None else pw.mins[n0:n1]
         w = op(pw.data[n0:n1], pw.scales[n0:n1], mins, pw.codebook, pw.bits, pw.group_size, pw.in_features)
-        parts.append(F.linear(xf, w, None if bf is None else bf[n0:n1]))  # [..., n1 - n0]
+        parts.append(dense_gemm(xf, w, None if bf is None else bf[n0:n1]))  # [..., n1 - n0]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [..., N]
     return out.to(x.dtype)
