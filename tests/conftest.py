@@ -31,3 +31,15 @@ def default_llm():  # noqa: ANN201
     from brisk import LLM
 
     return LLM(max_model_len=1024, kv_cache_memory="128MiB")
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201 - torch.ops.brisk
+    """brisk's C++ kernels (torch.ops.brisk). A failed build fails the tests that need them, never skips them.
+    Modules with their own needs (environment, a particular op) define their own `ops`."""
+    from brisk.ops import kernels
+
+    found = kernels.get_ops()
+    if found is None:
+        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
+    return found

@@ -8,15 +8,6 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.model.decode_plan import DecodePlan, decode_plan_or_none
-from brisk.ops import kernels
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = kernels.get_ops()
-    if found is None:
-        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.ops import kernels
 from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear, use_fast_linear
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = kernels.get_ops()
-    if found is None:
-        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
-    return found
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
