@@ -17,7 +17,7 @@ from torch import nn
 
 from brisk.ops.kernels import get_op
 
-MAX_SMALL_M = 8  # beyond this many rows, MKL's blocked GEMM wins
+MAX_SMALL_M = 8  # beyond this many rows, a blocked GEMM (oneDNN, else MKL) wins
 # weight rows widened at a time on the bfloat16 large-M path: 2^21 float32 weights (8 MiB) stay in the last-level
 # cache between the conversion that writes them and the GEMM that reads them
 _WIDEN_CHUNK_WEIGHTS = 1 << 21
@@ -77,10 +77,15 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu and weight.is_contiguous()
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
             and x.dim() >= 1 and x.numel() > 0 and _onednn_linear_available()):
-        rows = x.numel() // x.shape[-1]
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [None], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _onednn_linear(x, weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """oneDNN's linear on x's rows; `weight` plain [n, K] or prepacked (prepack_weight). -> [..., n]"""
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [None], "")
+    return out.view(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -89,8 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     many float32 rows when given. x: [..., K], weight: [N, K] -> [..., N]."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if packed is not None and rows > MAX_SMALL_M and x.dtype == torch.float32 and x.is_cpu:
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [None], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _onednn_linear(x, packed, bias, weight.shape[0])
     # bfloat16 too: the kernel widens bf16 weights to float32 in registers and reads them ~20% faster than
     # MKL's bf16 GEMV on this AVX2 CPU (whole-model microbenchmark: 13.6 vs 11.5 GB/s)
     small = 0 < rows <= MAX_SMALL_M
