@@ -69,7 +69,7 @@ def spec_llm(model_dir: str, method: str, **kwargs) -> LLM:
     return LLM(model_dir, max_model_len=256, speculative_config=config, **kwargs)
 
 
-METHODS = ["ngram", "self:int8", "self:int4", "layerskip", "draft:same", "draft:other"]
+METHODS = ["ngram", "lookahead", "self:int8", "self:int4", "layerskip", "draft:same", "draft:other"]
 
 
 def resolve(method: str, model_dir: str, other_draft_dir: str) -> tuple[str, dict]:
@@ -92,12 +92,12 @@ def test_greedy_batched_equals_plain(model_dir, other_draft_dir, plain, method):
     assert stats.num_draft_tokens > 0
     if method == "draft:same":
         assert stats.acceptance_rate == 1.0
-    elif method in ("ngram", "draft:other", "self:int4"):
+    elif method in ("ngram", "lookahead", "draft:other", "self:int4"):
         assert stats.acceptance_rate < 1.0  # rejections happened, and were rolled back
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft:other"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft:other"])
 def test_greedy_alone_and_under_preemption(model_dir, other_draft_dir, plain, method):
     name, kwargs = resolve(method, model_dir, other_draft_dir)
     prompts = make_prompts()
@@ -215,8 +215,9 @@ def test_spec_config_parsing():
     assert SpecConfig.parse("self:int4", 3).num_speculative_tokens == 3
     assert SpecConfig.parse({"model": "/x/draft"}).method == "draft"
     assert SpecConfig.parse({"method": "ngram", "prompt_lookup_max": 3}).prompt_lookup_max == 3
-    with pytest.raises(ValueError, match="not built"):
-        SpecConfig.parse("lookahead")
+    assert SpecConfig.parse("lookahead").method == "lookahead"
+    with pytest.raises(ValueError, match="lookahead_ngram_size >= 2"):
+        SpecConfig.parse({"method": "lookahead", "lookahead_ngram_size": 1})
     with pytest.raises(ValueError, match="int8, int4, int2"):
         SpecConfig.parse("self:int3")
     with pytest.raises(ValueError, match="unknown speculative method"):
@@ -260,3 +261,60 @@ def test_disable_by_batch_size_drafts_only_for_a_lone_request(model_dir, plain):
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         SpecConfig.parse({"method": "ngram", "disable_by_batch_size": 0})
     assert_no_leak(llm)
+
+
+class _Req:
+    def __init__(self, tokens: list[int]) -> None:
+        self.request_id = "r"
+        self.all_token_ids = list(tokens)
+
+
+def test_lookahead_jacobi_iteration_and_pool():
+    """The proposer's two sources, by hand: the pool's n-gram for the last token first, then the previous step's
+    predictions past the accepted prefix (the Jacobi update) for the positions after it."""
+    from brisk.spec.lookahead import LookaheadProposer
+
+    prop = LookaheadProposer(ngram_size=3, pool_size=2)
+    req = _Req([1, 2, 3, 9, 8])
+    (d,) = prop.propose([req], [4])
+    # the prompt seeded the pool: 3-grams (1,2,3) (2,3,9) (3,9,8); nothing starts with 8, so no candidate, and no
+    # guesses yet: the chain is filled from the context (seeded choice), so only its length is fixed
+    assert len(d.token_ids) == 4
+    # the target predicted: after 8 -> 5, after 8,d1 -> 6, ...: d1 rejected (unless it was 5), so 5 is emitted
+    draft = [7, 7, 7, 7]
+    prop.states["r"].last_chain = [8, *draft]
+    req.all_token_ids.append(5)
+    prop.observe(req, draft, [5, 6, 4, 2, 1], [5])
+    state = prop.states["r"]
+    assert state.guess == [6, 4, 2, 1] and state.guess_at == 6  # the next iterate of the positions after 5
+    assert (7, 6) in state.pool[8]  # (8, 7) then the prediction after it
+    # chain (7, 7) followed by its predictions 4, 2, 1: two kept per key, the newest
+    assert list(state.pool[7]) == [(7, 2), (7, 1)]
+    assert (8, 5) in state.pool[9]  # the emitted token with its context: (9, 8, 5)
+    (d,) = prop.propose([req], [4])
+    # nothing in the pool starts with 5: the guesses fill the chain
+    assert d.token_ids == [6, 4, 2, 1]
+    # accept two (6, 4), then the target says 3 instead of 2: guesses continue from the predictions after that
+    req.all_token_ids += [6, 4, 3]
+    prop.observe(req, [6, 4, 2, 1], [6, 4, 3, 0, 11], [6, 4, 3])
+    assert state.guess == [0, 11]
+    assert (4, 3) in state.pool[6]  # (6, 4, 3): emitted
+    (d,) = prop.propose([req], [3])
+    # the prompt's (3, 9, 8) is the candidate for 3 and takes positions 1-2, where the guesses [0, 11] were
+    assert d.token_ids[:2] == [9, 8]
+    # a step the proposer did not see (e.g. preemption, or γ = 0) invalidates the guesses
+    req.all_token_ids.append(12)
+    (d,) = prop.propose([req], [2])
+    assert len(d.token_ids) == 2
+    prop.free(["r"])
+    assert not prop.live_ids()
+
+
+def test_lookahead_pool_keeps_the_newest_n_grams():
+    from brisk.spec.lookahead import LookaheadProposer
+
+    prop = LookaheadProposer(ngram_size=2, pool_size=2)
+    req = _Req([1, 2, 1, 3, 1, 4, 1])
+    (d,) = prop.propose([req], [1])
+    assert d.token_ids == [4]  # the newest continuation of 1 in the prompt
+    assert list(prop.states["r"].pool[1]) == [(3,), (4,)]  # (2,) dropped: two per key

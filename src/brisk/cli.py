@@ -43,9 +43,9 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
                           "and large batches, twice the weight memory); auto = when --max-num-seqs > 8."),
         click.option("--speculative", default=None, metavar="METHOD",
-                     help="Speculative decoding: ngram (prompt lookup), layerskip, draft:PATH (a model with the same "
-                          "tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy of the model). "
-                          "(lookahead is not built.)"),
+                     help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
+                          "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "
+                          "self:int2 (a quantized copy of the model)."),
         click.option("--num-speculative-tokens", type=int, default=None,
                      help="Most drafted tokens per step (default 4); adaptive per request below it."),
     ]

@@ -105,7 +105,8 @@ class SpecConfig:
 
     method: ngram (prompt lookup) | draft (a separate model: `model` is its path) | self (an RTN-quantized copy
     of the target built at load: `model` is int8, int4 or int2) | layerskip (the target with some layers skipped:
-    `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead.
+    `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead (Jacobi
+    iterations + an n-gram pool, spec/lookahead.py).
     """
 
     method: str = "ngram"
@@ -115,6 +116,8 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix matched against prompt + output
     prompt_lookup_min: int = 1
     skip_layers: list[int] | None = None
+    lookahead_ngram_size: int = 4  # lookahead: N of the n-grams the pool keeps (the paper's N)
+    lookahead_pool_size: int = 8  # lookahead: n-grams kept per first token (the paper's G)
     # vLLM's disable_by_batch_size: no drafts while more than this many requests are running. On a 2-core CPU
     # verification rows cost nearly full decode tokens once several requests decode together (measured:
     # 0.35-0.66x of plain at 8 concurrent, 0.54-0.90x at 2), so by default speculation serves one request
@@ -122,12 +125,12 @@ class SpecConfig:
     disable_by_batch_size: int | None = 1
 
     def __post_init__(self) -> None:
-        if self.method == "lookahead":
-            raise ValueError("lookahead decoding is not built in brisk (yet); use ngram, layerskip, draft:PATH "
-                             "or self:int4")
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}; use ngram, layerskip, draft:PATH, "
-                             "self:int4, self:int8 or self:int2")
+            raise ValueError(f"unknown speculative method {self.method!r}; use ngram, lookahead, layerskip, "
+                             "draft:PATH, self:int4, self:int8 or self:int2")
+        if self.lookahead_ngram_size < 2 or self.lookahead_pool_size < 1:
+            raise ValueError(f"lookahead needs lookahead_ngram_size >= 2 and lookahead_pool_size >= 1, got "
+                             f"{self.lookahead_ngram_size} and {self.lookahead_pool_size}")
         if self.method == "draft" and not self.model:
             raise ValueError("the draft method needs a model path: --speculative draft:PATH")
         if self.method == "self":

@@ -188,8 +188,9 @@ class ModelRunner:
                  for r, s in zip(reqs, spec, strict=True)]
         result = verify(logits.index_select(0, torch.tensor(spec_rows, device=logits.device)).float(), reqs, drafts,
                         probs)
-        for s, tokens, lps in zip(spec, result.token_ids, result.logprobs, strict=True):
+        for s, tokens, lps, pred in zip(spec, result.token_ids, result.logprobs, result.predictions, strict=True):
             out.sampled_token_ids[s.req_id] = tokens
+            out.draft_predictions[s.req_id] = pred
             if lps is not None:
                 out.logprobs[s.req_id] = lps
         if plain:

@@ -40,6 +40,9 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # req_id -> new tokens
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # req_id -> one dict per token
+    # req_id -> the target's argmax after each prefix of the verified drafts (len(drafts) + 1 tokens, penalties
+    # applied): what lookahead decoding's Jacobi iteration continues from (spec/lookahead.py)
+    draft_predictions: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,6 +17,10 @@ def build_speculator(config: SpecConfig, engine: LLMEngine) -> Speculator:
         from brisk.spec.ngram import NgramProposer
 
         proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.method == "lookahead":
+        from brisk.spec.lookahead import LookaheadProposer
+
+        proposer = LookaheadProposer(config.lookahead_ngram_size, config.lookahead_pool_size, engine.config.seed)
     else:
         from brisk.spec.draft_model import build_draft_proposer
 

@@ -36,6 +36,11 @@ class Proposer(ABC):
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:
         raise NotImplementedError
 
+    def observe(self, request: Request, draft: Sequence[int], predictions: Sequence[int],  # noqa: B027
+                emitted: Sequence[int]) -> None:
+        """After a step verified `draft` for `request`: the target's argmax after each prefix of it
+        (len(draft) + 1), and the tokens emitted (already appended). A no-op unless the proposer learns."""
+
     def free(self, req_ids: Iterable[str]) -> None:  # noqa: B027 - a no-op default, not abstract
         """Forget requests that left the engine (finished, aborted); proposers with per-request state free it."""
 

@@ -88,7 +88,12 @@ class Speculator:
         for s in sched.scheduled:
             if not s.num_draft_tokens or s.req_id not in result.sampled_token_ids:
                 continue
-            emitted = len(result.sampled_token_ids[s.req_id])
+            tokens = result.sampled_token_ids[s.req_id]
+            emitted = len(tokens)
+            req = scheduler.requests.get(s.req_id)
+            if req is not None and s.req_id in result.draft_predictions:
+                self.proposer.observe(req, s.token_ids[len(s.token_ids) - s.num_draft_tokens:],
+                                      result.draft_predictions[s.req_id], tokens)
             self.stats.num_verify_steps += 1
             self.stats.num_draft_tokens += s.num_draft_tokens
             self.stats.num_accepted_tokens += emitted - 1

@@ -148,6 +148,7 @@ def accept(draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, tar
 class VerifyOutput:
     token_ids: list[list[int]]  # per request: accepted drafts + one (correction or bonus)
     logprobs: list[list[dict[int, float]] | None]  # per request, per emitted token, when asked
+    predictions: list[list[int]]  # per request, the argmax of each verified row (penalties applied)
 
 
 def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]],
@@ -157,7 +158,7 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[l
     assert logits.shape[0] == sum(num_rows), f"{logits.shape[0]} logits rows for {sum(num_rows)} positions"
     meta = position_metadata(requests, num_rows, drafts, vocab_size=logits.shape[1], device=logits.device)
     penalized = processed_logits(logits, meta)  # [R, V]
-    greedy = penalized.argmax(dim=-1).tolist() if not meta.all_random else None
+    greedy = penalized.argmax(dim=-1).tolist()  # greedy rows' tokens; every row's Jacobi prediction
     probs = probs_from_processed(penalized, meta) if not meta.all_greedy else None
     temps = meta.temperature.tolist()
     tokens: list[list[int]] = []
@@ -185,4 +186,8 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[l
             if requests[j].sampling_params.logprobs is not None:
                 logprobs[j] = [d for d in lps[at:at + len(toks)] if d is not None]
             at += len(toks)
-    return VerifyOutput(tokens, logprobs)
+    predictions, start = [], 0
+    for n in num_rows:
+        predictions.append(greedy[start:start + n])
+        start += n
+    return VerifyOutput(tokens, logprobs, predictions)
