@@ -141,13 +141,16 @@ def test_streaming_emits_several_tokens_per_step(model_dir, plain):
     assert sum(deltas) == 24 and max(deltas) == 5  # 4 accepted drafts + the bonus in one step
 
 
-def test_sampled_requests_run_seeded_and_repeatable(model_dir, other_draft_dir):
-    """Sampling with a draft that keeps q: runs, respects max_tokens and logprobs, and a seed repeats."""
+@pytest.mark.parametrize("method", ["draft:other", "lookahead"])
+def test_sampled_requests_run_seeded_and_repeatable(model_dir, other_draft_dir, method):
+    """Sampling with a draft that keeps q (or point-mass drafts): runs, respects max_tokens and logprobs, and a
+    seed repeats."""
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2, max_tokens=16,
                             seed=3, logprobs=2, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = spec_llm(model_dir, f"draft:{other_draft_dir}")
+        name, kwargs = resolve(method, model_dir, other_draft_dir)
+        llm = spec_llm(model_dir, name, **kwargs)
         out = llm.generate([make_prompts()[1]], params)[0].outputs[0]
         assert len(out.token_ids) == 16 and len(out.logprobs) == 16
         assert all(t in lp for t, lp in zip(out.token_ids, out.logprobs, strict=True))
