@@ -15,7 +15,15 @@ from brisk import LLM, SamplingParams
 from brisk.cli import main
 from brisk.model.loader import load_model
 from brisk.quant import primitives
-from brisk.quant.awq import AWQConfig, OutputError, awq_scale_block, fake_quantize, search_clip, search_scale
+from brisk.quant.awq import (
+    AWQConfig,
+    ModuleError,
+    OutputError,
+    awq_scale_block,
+    fake_quantize,
+    search_clip,
+    search_scale,
+)
 from brisk.quant.calib import CalibConfig, load_calibration_ids, run_layerwise
 from brisk.quant.checkpoint import save_quantized
 from brisk.quant.cli import calibrated_quantize
@@ -60,7 +68,7 @@ def test_awq_beats_rtn_on_outlier_channels(bits: int) -> None:
     w, x, h = outlier_layer(seed=1)
     spec = LayerQuant(bits=bits, group_size=64)
     rtn = output_error(w, fake_quantize(w, spec), x)
-    s, alpha, errors = search_scale([w], x.abs().mean(0), OutputError(h, rank=256), spec, n_grid=20)
+    s, alpha, errors = search_scale([w], x.abs().mean(0), OutputError(h), spec, n_grid=20)
     assert alpha > 0 and min(errors) < errors[0]  # errors[0] is α = 0: plain RTN
     w_scaled = w * s  # what the linear holds after the fold; its input is x / s
     bound = search_clip(w_scaled, h / (s[:, None] * s[None, :]), spec, n_grid=20, max_shrink=0.5)
@@ -70,12 +78,30 @@ def test_awq_beats_rtn_on_outlier_channels(bits: int) -> None:
     assert output_error(w, w_hat, x) < 0.8 * rtn, (output_error(w, w_hat, x), rtn)
 
 
-def test_awq_low_rank_objective_is_exact_at_full_rank_and_close_below() -> None:
+def test_awq_linear_objective_is_the_output_error_over_the_calibration_tokens() -> None:
     w, x, h = outlier_layer(seed=2)
     dw = w - fake_quantize(w, LayerQuant(bits=3, group_size=64))
-    exact = float(((dw @ h) * dw).sum())
-    assert OutputError(h, rank=256)(dw) == pytest.approx(exact, rel=1e-4)
-    assert OutputError(h, rank=64)(dw) == pytest.approx(exact, rel=0.1)
+    # tr(ΔW H ΔWᵀ) with H = 2/n XᵀX is 2/n ||X ΔWᵀ||²
+    assert OutputError(h)(dw) == pytest.approx(2 * float((x @ dw.t()).square().sum()) / x.shape[0], rel=1e-4)
+
+
+def test_awq_module_error_scores_candidates_and_restores_the_weights() -> None:
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 4, bias=False)
+    x = torch.randn(32, 16)
+    saved = (a.weight.detach().clone(), b.weight.detach().clone())
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [torch.nn.functional.silu(a(x)).sum(1, keepdim=True) * b(x)]  # a nonlinear module of both
+    error = ModuleError([a, b], run)
+    assert error(torch.zeros(12, 16)) == 0.0
+    dw = torch.randn(12, 16) * 0.1
+    with torch.no_grad():
+        expect = (torch.nn.functional.silu(x @ (saved[0] - dw[:8]).t()).sum(1, keepdim=True)
+                  * (x @ (saved[1] - dw[8:]).t()) - run()[0]).square().sum()
+    assert error(dw) == pytest.approx(float(expect), rel=1e-5)
+    assert torch.equal(a.weight, saved[0]) and torch.equal(b.weight, saved[1])  # the float weights are back
 
 
 def test_gptq_with_an_identity_hessian_is_rtn() -> None:
@@ -122,6 +148,23 @@ def test_awq_scale_folding_leaves_the_float_model_unchanged(tiny: Path) -> None:
                      "self_attn.o_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
             assert f"model.layers.{i}.{name}" in changed
     torch.testing.assert_close(prefill_logits(loaded, IDS), before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["module", "linear"])
+def test_awq_searched_scales_leave_the_float_model_unchanged(tiny: Path, objective: str) -> None:
+    loaded = load_model(tiny, fuse=False)
+    before = prefill_logits(loaded, IDS)
+    plan = plan_layers(loaded.model, True, LayerQuant(bits=3, group_size=32))
+    ids = load_calibration_ids(loaded.tokenizer, CalibConfig(str(tiny / "calib.txt"), num_samples=4, seq_len=32))
+    config = AWQConfig(objective=objective, module_samples=2)
+    run_layerwise(loaded.model, ids, lambda ctx: awq_scale_block(ctx, plan, config), progress=False)
+    torch.testing.assert_close(prefill_logits(loaded, IDS), before, rtol=1e-4, atol=1e-4)
+    assert all(not p.requires_grad or p.grad is None for p in loaded.model.parameters())
+
+
+def test_awq_config_rejects_unknown_objectives() -> None:
+    with pytest.raises(ValueError, match="objective"):
+        AWQConfig(objective="kl")
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

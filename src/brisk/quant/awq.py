@@ -14,18 +14,25 @@ unchanged and the checkpoint format is RTN's:
 
 s = s_x^α / sqrt(max · min) with s_x = mean |x| per input channel (calib.ActStatsObserver); α takes the 20 values
 0, 0.05, ..., 0.95 (α = 0 is plain RTN, so the search never does worse than RTN on its objective) and the one
-with the smallest output error of the group's linears wins. Then, for every linear but q/k (their errors meet in
+with the smallest output error wins. Then, for every linear but q/k (their errors meet in
 the q·k product, where clipping hurts: the paper's choice), each (row, group) gets a clipping range
 |w| <= amax · (1 - i/20), i < 10, that minimises its output error; then RTN.
 
-Objective: the reference runs the module after the group (attention, MLP) on the calibration tokens for every
-grid point. On a 2-core CPU that is 20 extra block forwards per block, so here the error of each linear's output
-over *all* calibration tokens is computed from its input Hessian H = 2/n Σ x xᵀ instead:
-||X ΔWᵀ||² / n = tr(ΔW H ΔWᵀ) / 2, ΔW = W - Q(W diag s) diag(s)⁻¹. To make 20 grid points cheap, H is replaced by
-its top-r eigenpairs plus the mean of the remaining eigenvalues on the rest of the space (exact when r = K;
-activation Hessians are dominated by a few outlier directions, which the top part keeps exactly). The clip search
-uses the diagonal blocks of H (one per group), i.e. the error of each group's partial dot products, as the
-reference does.
+Objective (`AWQConfig.objective`), as the reference measures it, per group:
+  * "module" (default): the output of the module after the group, the way llm-awq scores a grid point:
+    self_attn for q/k/v (RoPE, softmax and the float o_proj included), the whole MLP for gate/up (SiLU and the
+    float down_proj included), the linear itself for v -> o and up -> down. The modules run on the first
+    `module_samples` calibration samples (4 x 256 tokens by default: the reference uses its whole set of
+    128 x 512, which on a 2-core CPU would cost ~20 module forwards per group and block over 64k tokens), with
+    the candidate weights Q(W diag s) diag(s)⁻¹, which is exactly the folded-and-quantized module on the
+    unscaled input.
+  * "linear": the error of the group's linears' outputs over *all* calibration tokens, exactly, from their
+    input Hessian H = 2/n Σ x xᵀ: ||X ΔWᵀ||² / n = tr(ΔW H ΔWᵀ) / 2, ΔW = W - Q(W diag s) diag(s)⁻¹. For the
+    v -> o and up -> down groups both objectives are the same function (on different token sets); for q/k/v
+    and gate/up it ignores what the nonlinearity does to the error (measured on the default model at W3 g64:
+    the module objective recovers more of RTN's perplexity increase; BENCHMARKS.md).
+The clip search uses the diagonal blocks of H (one per group), i.e. the error of each group's partial dot
+products, as the reference does.
 
 GQA: o_proj's input channel c (head h, dim j) is v's output channel (h // (heads / kv_heads), j). One v row feeds
 heads/kv_heads o columns, so those columns share one scale (the reference skips v -> o unless the shapes are
@@ -40,6 +47,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from brisk.model.llama import DecoderLayer
+from brisk.ops.attention import AttentionMetadata
 from brisk.quant import primitives
 from brisk.quant.calib import ActStatsObserver, BlockContext, CombinedObserver, HessianObserver
 from brisk.quant.checkpoint import encode_layer
@@ -52,13 +61,16 @@ NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 class AWQConfig:
     n_grid: int = 20  # grid points of α in [0, 1), and the clip grid's step 1/n_grid
     max_shrink: float = 0.5  # clip ranges tried: amax * (1 - i / n_grid) for i < n_grid * max_shrink
-    rank: int = 128  # eigenpairs of H kept exactly in the scale search's objective
+    objective: str = "module"  # "module" (the output of the module after the group) or "linear" (see above)
+    module_samples: int = 4  # calibration samples the module objective runs on (the first ones)
     clip: bool = True
     alpha: float | None = None  # a fixed α instead of the search (ablations; tests that need s != 1)
 
     def __post_init__(self) -> None:
-        if self.n_grid < 1 or not 0 <= self.max_shrink < 1 or self.rank < 1:
-            raise ValueError(f"bad AWQ settings {self}: n_grid >= 1, 0 <= max_shrink < 1, rank >= 1")
+        if self.n_grid < 1 or not 0 <= self.max_shrink < 1 or self.module_samples < 1:
+            raise ValueError(f"bad AWQ settings {self}: n_grid >= 1, 0 <= max_shrink < 1, module_samples >= 1")
+        if self.objective not in ("module", "linear"):
+            raise ValueError(f"AWQ objective must be 'module' or 'linear', got {self.objective!r}")
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -78,24 +90,46 @@ def rtn_codes(w: torch.Tensor, spec: LayerQuant) -> tuple[torch.Tensor, torch.Te
 
 
 class OutputError:
-    """tr(ΔW H ΔWᵀ) of many ΔW against one H [K, K], through H ≈ V_r Λ_r V_rᵀ + λ̄ (I - V_r V_rᵀ)."""
+    """tr(ΔW H ΔWᵀ) of a candidate ΔW [N, K] against the input Hessian H [K, K]: the squared error of the linear's
+    output summed over the calibration tokens (up to the constant 2/n), exactly."""
 
-    def __init__(self, hessian: torch.Tensor, rank: int) -> None:
-        k = hessian.shape[0]
-        evals, evecs = torch.linalg.eigh(hessian.double())  # ascending
-        r = min(rank, k)
-        top = evals[k - r:].clamp_min(0)
-        self.rest = float(evals[: k - r].clamp_min(0).mean()) if r < k else 0.0
-        self.basis = evecs[:, k - r:].float()  # [K, r]
-        self.weights = (top - self.rest).float()  # [r]: the top directions beyond the floor λ̄
+    def __init__(self, hessian: torch.Tensor) -> None:
+        self.hessian = hessian.float()
 
     def __call__(self, dw: torch.Tensor) -> float:
-        proj = dw @ self.basis  # [N, r]
-        return float((proj.square() * self.weights).sum() + self.rest * dw.square().sum())
+        return float(((dw @ self.hessian) * dw).sum())
 
 
-def search_scale(weights: list[torch.Tensor], x_mean: torch.Tensor, error: OutputError, spec: LayerQuant,
-                 n_grid: int, expand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+class ModuleError:
+    """Squared error of a module's output when the group's linears hold W - ΔW instead of W.
+
+    `run()` -> the module's outputs (a list of tensors, one per mini-batch) with the linears' current weights;
+    the float reference is taken at construction. A candidate is written into the linears' weights (the rows of
+    ΔW split by their out_features, in order) for one run and the float weights are put back.
+    """
+
+    def __init__(self, linears: list[nn.Linear], run: Callable[[], list[torch.Tensor]]) -> None:
+        self.linears = linears
+        self.run = run
+        self.reference = run()
+
+    def __call__(self, dw: torch.Tensor) -> float:
+        saved = [m.weight.data for m in self.linears]
+        try:
+            start = 0
+            for m, w in zip(self.linears, saved, strict=True):
+                n = w.shape[0]
+                m.weight.data = (w.float() - dw[start:start + n]).to(w.dtype)
+                start += n
+            out = self.run()
+        finally:
+            for m, w in zip(self.linears, saved, strict=True):
+                m.weight.data = w
+        return float(sum((o.float() - r.float()).square().sum() for o, r in zip(out, self.reference, strict=True)))
+
+
+def search_scale(weights: list[torch.Tensor], x_mean: torch.Tensor, error: Callable[[torch.Tensor], float],
+                 spec: LayerQuant, n_grid: int, expand: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  alphas: list[float] | None = None) -> tuple[torch.Tensor, float, list[float]]:
     """Best s (per input channel of x_mean) over the α grid (i / n_grid, or `alphas`): (s, α, error per α).
     `expand` maps s to the weights' input channels when they differ (GQA's v -> o)."""
@@ -182,6 +216,29 @@ def _fold(group: _Group, linears: dict[str, nn.Linear], s: torch.Tensor) -> torc
     return s_full
 
 
+def _module_run(sub: BlockContext, names: tuple[str, ...]) -> Callable[[], list[torch.Tensor]]:
+    """The run() of ModuleError for a group fed by a norm: self_attn on input_layernorm's output (q/k/v), or the
+    MLP on post_attention_layernorm's output (gate/up; its inputs computed once, since the group does not
+    change them), over the samples of `sub`."""
+    if names[0].startswith("self_attn."):
+        def attn(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
+            return block.self_attn(block.input_layernorm(x), cos, sin, meta, kv)
+        return lambda: sub.run(attn)
+
+    def mlp_input(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
+        a = block.self_attn(block.input_layernorm(x), cos, sin, meta, kv)
+        return block.post_attention_layernorm(a, x.clone())[0]  # residual x + a, normed
+    inputs = sub.run(mlp_input)
+    mlp = sub.block.mlp
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [mlp(m) for m in inputs]
+    return run
+
+
 def awq_scale_block(ctx: BlockContext, plan: dict[str, LayerQuant], config: AWQConfig
                     ) -> dict[str, torch.Tensor]:
     """Search and fold the scales of one block (the float block computes the same function afterwards).
@@ -203,6 +260,7 @@ def awq_scale_block(ctx: BlockContext, plan: dict[str, LayerQuant], config: AWQC
             assert isinstance(hess, HessianObserver) and isinstance(stats, ActStatsObserver)
             cache[id(obs)] = (hess.hessian(), stats.mean_abs())
         hessians[name], x_means[name] = cache[id(obs)]
+    sub = BlockContext(ctx.model, ctx.index, ctx.inputs[:config.module_samples], ctx.batch_size, ctx.status)
     for group in _groups(ctx):
         specs = {plan.get(f"{ctx.prefix}.{n}") for n in group.names}
         if None in specs or len(specs) != 1:
@@ -212,9 +270,14 @@ def awq_scale_block(ctx: BlockContext, plan: dict[str, LayerQuant], config: AWQC
         first = group.names[0]
         ctx.status(f"scale {'/'.join(n.split('.')[-1] for n in group.names)}")
         x_mean = group.pool(x_means[first]) if group.pool is not None else x_means[first]
-        s, _alpha, _errors = search_scale([linears[n].weight for n in group.names], x_mean,
-                                          OutputError(hessians[first], config.rank), spec, config.n_grid,
-                                          group.expand, None if config.alpha is None else [config.alpha])
+        error: Callable[[torch.Tensor], float] = OutputError(hessians[first])
+        if config.objective == "module" and not isinstance(group.prev, nn.Linear):
+            # a norm feeds the group: score the attention / MLP module after it (a linear's own output is
+            # what OutputError already scores exactly, over every calibration token)
+            error = ModuleError([linears[n] for n in group.names], _module_run(sub, group.names))
+        s, _alpha, _errors = search_scale([linears[n].weight for n in group.names], x_mean, error, spec,
+                                          config.n_grid, group.expand,
+                                          None if config.alpha is None else [config.alpha])
         s_full = _fold(group, linears, s)
         h = hessians[first] / (s_full[:, None] * s_full[None, :])  # their input is now x / s
         for name in group.names:
