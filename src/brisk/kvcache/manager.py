@@ -105,6 +105,8 @@ class KVCacheManager:
         assert request.num_computed_tokens == 0, (
             f"prefix lookup for {request.request_id}, which has {request.num_computed_tokens} computed")
         max_hit_blocks = max(0, request.num_tokens - 1) // self.block_size
+        if isinstance(self.policy, H2OPolicy):  # a hit is held whole until the first compaction: keep it in bound
+            max_hit_blocks = min(max_hit_blocks, self.policy.keep // self.block_size)
         hashes = self._get_block_hashes(request, max_hit_blocks)
         hits: list[KVBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
