@@ -221,6 +221,8 @@ def test_bench_kv_capacity_counts_through_the_manager():
     # the sink block), so in 12 blocks 5 finish and the 6th (2 left) does not fit
     assert max_concurrent(12, KVSetting("auto", "streaming", budget=6, sink_tokens=2, block_size=4),
                           seq_len=40, chunk=1) == 5
+    # h2o, budget 6: compacted to 5 entries before each token, so 6 entries in 2 blocks of 4 at most: 6 requests
+    assert max_concurrent(12, KVSetting("auto", "h2o", budget=6, block_size=4), seq_len=40, chunk=1) == 6
 
 
 # ---- H2O ---------------------------------------------------------------------------------------------------

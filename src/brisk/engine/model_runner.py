@@ -203,7 +203,8 @@ class ModelRunner:
                 scores[:cache_start] += prev
             else:  # a fresh start; cache_start > 0 is a prefix-cache hit of whole blocks
                 for j in range(cache_start // bs):
-                    mass = self.h2o_block_mass[s.block_ids[j]]
+                    mass = self.h2o_block_mass.get(s.block_ids[j])
+                    assert mass is not None, f"{s.req_id} hit block {s.block_ids[j]}, which carries no h2o mass"
                     scores[:mass.shape[0]] += mass
             if scores.shape[0] > self.h2o.keep:
                 kept = h2o_keep(scores, self.h2o.recent, self.h2o.keep)

@@ -128,7 +128,9 @@ class Scheduler:
         request with num_computed_tokens > 0. When blocks run out, the lowest-priority (latest-arrived) running
         request is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
         Speculative drafts are just more tokens of a running request's chunk: they take budget and slots like
-        any other token, and are dropped (never preempting anyone) when either runs short.
+        any other token, and are dropped (never preempting anyone) when either runs short. An H2O compaction due
+        after the last step is done by the request's allocation (kvcache/manager.py), its K/V moves carried to
+        the runner in `kv_moves`.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

@@ -76,7 +76,7 @@ class AttentionMetadata:
     # sink keys rotated back by E (see _sink_window_attention)
     sink_cos: torch.Tensor | None = None
     sink_sin: torch.Tensor | None = None
-    # H2O (eval/h2o.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
+    # H2O (eval/longppl.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
     # probability mass (summed over heads and this step's queries) into it, layer after layer
     attn_scores: list[torch.Tensor] | None = None
     # the same per query row (the engine's H2O, engine/model_runner.py): per sequence float32 [query_len, context_len]
