@@ -337,3 +337,44 @@ def test_h2o_compaction_never_writes_a_shared_block():
     m.free(parent)
     m.free(child)
     assert m.num_free_blocks == 12
+
+
+def test_h2o_randomized_compactions_never_write_shared_blocks_nor_leak():
+    rng = random.Random(1)
+    policy = H2OPolicy(budget=7, recent=3)
+    m = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, policy=policy)
+    prefix = list(range(500, 512))  # 3 shared blocks: prefix hits give tables with ref_cnt > 1 and cached blocks
+    live: dict[str, Request] = {}
+    for step in range(300):
+        if len(live) < 4 and rng.random() < 0.3:
+            tail = [rng.randint(0, 99) for _ in range(rng.randint(1, 9))]
+            r = Request(f"r{step}", prefix[:rng.randint(0, 12)] + tail, sampling_params=None)
+            hits, num_hit = m.get_computed_blocks(r)
+            if m.allocate_slots(r, 0, hits, num_hit) is not None:  # admission: take the hits, compute later
+                r.num_computed_tokens = num_hit
+                live[r.request_id] = r
+        for r in list(live.values()):
+            if rng.random() < 0.05:  # finished, aborted or preempted
+                m.free(r)
+                del live[r.request_id]
+                continue
+            if r.num_computed_tokens == r.num_tokens:
+                r.all_token_ids.append(rng.randint(0, 99))  # a decoded token
+            num_new = min(r.num_tokens - r.num_computed_tokens, rng.randint(1, 5))
+            if m.allocate_slots(r, num_new) is None:
+                continue
+            src, dst = m.take_kv_moves()
+            others = {b for o in live.values() if o is not r for b in m.get_block_ids(o.request_id)}
+            for d in dst:
+                block = m.block_pool.blocks[d // 4]
+                assert block.ref_cnt == 1 and block.block_hash is None and block.block_id not in others
+            assert len(src) == len(dst)
+            r.num_computed_tokens += num_new
+            entries = m.get_num_cache_entries(r)
+            assert entries <= policy.keep + 5 + 12  # kept + one chunk (+ a first prefix hit)
+            if entries > policy.keep:  # what the runner would send back: any `keep` entries, the newest included
+                older = rng.sample(range(entries - policy.recent), policy.keep - policy.recent)
+                m.schedule_compaction(r, sorted(older) + list(range(entries - policy.recent, entries)))
+    for r in live.values():
+        m.free(r)
+    assert m.num_free_blocks == 40
