@@ -10,11 +10,12 @@ import pytest
 import torch
 from gguf_utils import random_state_dict, tiny_config
 
+from brisk.engine.config import CacheConfig, EngineConfig, SpecConfig
 from brisk.engine.request import Request
 from brisk.eval.longppl import h2o_stream_nll, oracle_nll, stream_nll
 from brisk.eval.ppl import sequence_logits
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
+from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep, make_policy
 from brisk.model.loader import LoadedModel, build_model
 from brisk.model.rope import apply_rope, base_inv_freq
 from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
@@ -220,6 +221,8 @@ def test_bench_kv_capacity_counts_through_the_manager():
     # the sink block), so in 12 blocks 5 finish and the 6th (2 left) does not fit
     assert max_concurrent(12, KVSetting("auto", "streaming", budget=6, sink_tokens=2, block_size=4),
                           seq_len=40, chunk=1) == 5
+    # h2o, budget 6: compacted to 5 entries before each token, so 6 entries in 2 blocks of 4 at most: 6 requests
+    assert max_concurrent(12, KVSetting("auto", "h2o", budget=6, block_size=4), seq_len=40, chunk=1) == 6
 
 
 # ---- H2O ---------------------------------------------------------------------------------------------------
@@ -259,3 +262,119 @@ def test_attention_scores_hold_one_unit_of_mass_per_head_and_query():
         loaded.model(torch.arange(3, 3 + n), torch.arange(n), meta, caches)
     assert torch.allclose(scores.sum(), torch.tensor(float(c.num_hidden_layers * c.num_attention_heads * n)))
     assert scores[0] > scores[-1]  # causal: the first key is seen by every query, the last by one
+
+
+def test_h2o_settings():
+    assert make_policy("h2o", 10) == H2OPolicy(10, 5) and H2OPolicy(10, 5).keep == 9
+    assert make_policy("h2o", 10, recent=3).recent == 3
+    with pytest.raises(ValueError, match="must exceed the recent window"):
+        H2OPolicy(budget=5, recent=5)
+    with pytest.raises(ValueError, match="positive recent window"):
+        H2OPolicy(budget=5, recent=0)
+    with pytest.raises(ValueError, match="h2o-recent"):
+        CacheConfig(kv_policy="h2o", kv_budget=4, h2o_recent=6)
+    with pytest.raises(ValueError, match="kv_cache_dtype auto with h2o"):
+        CacheConfig(kv_policy="h2o", kv_budget=64, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="no meaning"):
+        CacheConfig(kv_policy="streaming", kv_budget=64, h2o_recent=8)
+    with pytest.raises(ValueError, match="speculative decoding does not support kv_policy h2o"):
+        EngineConfig(cache=CacheConfig(kv_policy="h2o", kv_budget=64), spec=SpecConfig("ngram"))
+    assert CacheConfig(kv_policy="h2o", kv_budget=64).h2o_recent == 32
+
+
+def test_h2o_compaction_keeps_exactly_the_chosen_entries_in_private_blocks():
+    # blocks of 4, keep = 5: a 10-token prompt fills blocks 0, 1 (both registered in the prefix cache) and half of 2
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True, policy=H2OPolicy(budget=6, recent=2))
+    r = make_request("r", 10)
+    assert m.allocate_slots(r, 10) == []
+    r.num_computed_tokens = 10
+    b0, b1, b2 = m.get_block_ids("r")
+    hashes = [m.block_pool.blocks[b].block_hash for b in (b0, b1)]
+    assert None not in hashes and m.block_pool.blocks[b2].block_hash is None
+    kept = h2o_keep([5.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0], recent=2, keep=5)
+    assert kept == [0, 3, 7, 8, 9]  # heavy hitters 0, 3, 7 + the 2 newest
+    m.schedule_compaction(r, kept)
+    r.all_token_ids.append(7)
+    assert m.allocate_slots(r, 1) == []  # compacts, then the 11th token's slot: entry 5, in the second block
+    # destinations: b0 and b1 are cached, so b2 (private, past the kept range) and one fresh block replace them
+    new0, new1 = m.get_block_ids("r")
+    assert new0 == b2 and new1 not in (b0, b1, b2)
+    src, dst = m.take_kv_moves()
+    slot = lambda b, i: b * 4 + i  # noqa: E731
+    # entry j of the kept list goes to entry j: 0, 1, 2, 3 in b2 (entry 8 moves within b2), 4 in the fresh block
+    assert list(zip(src, dst, strict=True)) == [
+        (slot(b0, 0), slot(b2, 0)), (slot(b0, 3), slot(b2, 1)), (slot(b1, 3), slot(b2, 2)),
+        (slot(b2, 0), slot(b2, 3)), (slot(b2, 1), slot(new1, 0))]
+    assert m.take_kv_moves() == ([], [])
+    assert m.get_num_cache_entries(r) == 5
+    # b0, b1 were only dereferenced: free, still cached under their hashes, contents never written
+    assert [m.block_pool.get_cached_block(h).block_id for h in hashes] == [b0, b1]
+    assert all(m.block_pool.blocks[b].ref_cnt == 0 for b in (b0, b1))
+    r.num_computed_tokens = 11
+    for t in range(12, 20):  # a compacted table registers nothing more in the prefix cache
+        r.all_token_ids.append(t)
+        assert m.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    assert all(m.block_pool.blocks[b].block_hash is None for b in m.get_block_ids("r"))
+    m.free(r)
+    assert m.num_free_blocks == 8
+
+
+def test_h2o_compaction_never_writes_a_shared_block():
+    m = KVCacheManager(num_blocks=12, block_size=4, enable_caching=False, policy=H2OPolicy(budget=6, recent=2))
+    parent, child = make_request("p", 9), make_request("c", 9)
+    assert m.allocate_slots(parent, 9) == []
+    parent.num_computed_tokens = child.num_computed_tokens = 9
+    m.fork(parent, child)  # n > 1: both tables hold the same 3 blocks
+    shared = m.get_block_ids("p")
+    m.schedule_compaction(child, [0, 1, 2, 7, 8])
+    assert m.allocate_slots(child, 0) == []
+    assert m.get_block_ids("p") == shared  # the parent's table and blocks are untouched
+    assert not set(m.get_block_ids("c")) & set(shared)
+    _, dst = m.take_kv_moves()
+    assert not {d // 4 for d in dst} & set(shared)
+    assert [m.block_pool.blocks[b].ref_cnt for b in shared] == [1, 1, 1]
+    m.free(parent)
+    m.free(child)
+    assert m.num_free_blocks == 12
+
+
+def test_h2o_randomized_compactions_never_write_shared_blocks_nor_leak():
+    rng = random.Random(1)
+    policy = H2OPolicy(budget=7, recent=3)
+    m = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, policy=policy)
+    prefix = list(range(500, 512))  # 3 shared blocks: prefix hits give tables with ref_cnt > 1 and cached blocks
+    live: dict[str, Request] = {}
+    for step in range(300):
+        if len(live) < 4 and rng.random() < 0.3:
+            tail = [rng.randint(0, 99) for _ in range(rng.randint(1, 9))]
+            r = Request(f"r{step}", prefix[:rng.randint(0, 12)] + tail, sampling_params=None)
+            hits, num_hit = m.get_computed_blocks(r)
+            if m.allocate_slots(r, 0, hits, num_hit) is not None:  # admission: take the hits, compute later
+                r.num_computed_tokens = num_hit
+                live[r.request_id] = r
+        for r in list(live.values()):
+            if rng.random() < 0.05:  # finished, aborted or preempted
+                m.free(r)
+                del live[r.request_id]
+                continue
+            if r.num_computed_tokens == r.num_tokens:
+                r.all_token_ids.append(rng.randint(0, 99))  # a decoded token
+            num_new = min(r.num_tokens - r.num_computed_tokens, rng.randint(1, 5))
+            if m.allocate_slots(r, num_new) is None:
+                continue
+            src, dst = m.take_kv_moves()
+            others = {b for o in live.values() if o is not r for b in m.get_block_ids(o.request_id)}
+            for d in dst:
+                block = m.block_pool.blocks[d // 4]
+                assert block.ref_cnt == 1 and block.block_hash is None and block.block_id not in others
+            assert len(src) == len(dst)
+            r.num_computed_tokens += num_new
+            entries = m.get_num_cache_entries(r)
+            assert entries <= policy.keep + 5 + 12  # kept + one chunk (+ a first prefix hit)
+            if entries > policy.keep:  # what the runner would send back: any `keep` entries, the newest included
+                older = rng.sample(range(entries - policy.recent), policy.keep - policy.recent)
+                m.schedule_compaction(r, sorted(older) + list(range(entries - policy.recent, entries)))
+    for r in live.values():
+        m.free(r)
+    assert m.num_free_blocks == 40

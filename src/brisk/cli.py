@@ -31,11 +31,14 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="KV cache storage: the model dtype, int8 (per token) or int4 (KIVI)."),
         click.option("--kv-policy", default="full", show_default=True,
                      type=click.Choice(["full", "streaming", "h2o"]),
-                     help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters."),
+                     help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters + "
+                          "recent tokens (compacted; float KV cache only, no --speculative)."),
         click.option("--kv-budget", type=int, default=None,
-                     help="Tokens of KV kept per request by streaming/h2o (sinks included)."),
+                     help="Tokens of KV kept per request by streaming/h2o (sinks / recent window included)."),
         click.option("--sink-tokens", type=int, default=4, show_default=True,
                      help="streaming: leading tokens always kept (attention sinks)."),
+        click.option("--h2o-recent", type=int, default=None,
+                     help="h2o: newest tokens always kept (default --kv-budget // 2); the rest are heavy hitters."),
         click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
         click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
@@ -81,7 +84,7 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
         speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
         kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
-        sink_tokens=kw["sink_tokens"], prepack_weights=kw["prepack_weights"])
+        sink_tokens=kw["sink_tokens"], h2o_recent=kw["h2o_recent"], prepack_weights=kw["prepack_weights"])
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

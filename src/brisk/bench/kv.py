@@ -20,7 +20,7 @@ from typing import Any
 
 from brisk.engine.request import Request
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import make_policy
+from brisk.kvcache.policy import H2OPolicy, make_policy
 from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.config import ModelConfig
 
@@ -28,7 +28,7 @@ from brisk.model.config import ModelConfig
 @dataclass
 class KVSetting:
     kv_cache_dtype: str  # auto | int8 | int4
-    policy: str  # full | streaming
+    policy: str  # full | streaming | h2o (recent = budget // 2)
     budget: int | None = None
     sink_tokens: int = 4
     block_size: int = 16
@@ -82,6 +82,10 @@ def max_concurrent(num_blocks: int, setting: KVSetting, seq_len: int, chunk: int
             if manager.allocate_slots(req, num_new) is None:
                 return admitted
             req.num_computed_tokens += num_new
+            num_entries = manager.get_num_cache_entries(req)
+            if isinstance(policy, H2OPolicy) and num_entries > policy.keep:
+                # the runner would pick heavy hitters; for block accounting any kept set of that size will do
+                manager.schedule_compaction(req, list(range(num_entries - policy.keep, num_entries)))
         admitted += 1
     return admitted
 

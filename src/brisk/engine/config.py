@@ -52,6 +52,7 @@ class CacheConfig:
     kv_policy: str = "full"  # "full", "streaming" or "h2o" (kvcache/policy.py)
     kv_budget: int | None = None  # tokens kept per request by an evicting policy (sinks included)
     sink_tokens: int = 4  # streaming: leading tokens always kept (attention sinks)
+    h2o_recent: int | None = None  # h2o: newest entries always kept (default kv_budget // 2), the rest heavy hitters
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -62,11 +63,27 @@ class CacheConfig:
             raise ValueError(f"num_residual_blocks must be at least 1, got {self.num_residual_blocks}")
         if self.kv_policy not in ("full", "streaming", "h2o"):
             raise ValueError(f"kv_policy must be full, streaming or h2o, got {self.kv_policy!r}")
-        if self.kv_policy != "full" and (self.kv_budget is None or self.kv_budget <= self.sink_tokens):
-            raise ValueError(f"kv_policy {self.kv_policy!r} needs --kv-budget larger than --sink-tokens "
+        if self.kv_policy == "streaming" and (self.kv_budget is None or self.kv_budget <= self.sink_tokens):
+            raise ValueError(f"kv_policy 'streaming' needs --kv-budget larger than --sink-tokens "
                              f"({self.sink_tokens}), got {self.kv_budget}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.kv_policy == "h2o":
+            if self.kv_budget is None:
+                raise ValueError("kv_policy 'h2o' needs --kv-budget N (tokens of KV kept per request)")
+            if self.h2o_recent is None:
+                self.h2o_recent = self.kv_budget // 2
+            if not 0 < self.h2o_recent < self.kv_budget:
+                raise ValueError(f"kv_policy 'h2o' needs 0 < --h2o-recent ({self.h2o_recent}) < --kv-budget "
+                                 f"({self.kv_budget}): the budget holds the recent window and the heavy hitters")
+            if self.kv_cache_dtype != "auto":
+                # compaction moves entries between blocks: int4 keys share per-block channel scales (a moved key
+                # would need re-quantizing with its new block), and the H2O score path reads the float cache only
+                raise ValueError(f"kv_policy 'h2o' does not support kv_cache_dtype {self.kv_cache_dtype} (compaction "
+                                 "moves entries between blocks); use kv_cache_dtype auto with h2o, or kv_policy "
+                                 f"streaming with {self.kv_cache_dtype}")
+        elif self.h2o_recent is not None:
+            raise ValueError(f"h2o_recent is an h2o setting; it has no meaning under kv_policy {self.kv_policy!r}")
         self.kv_cache_bytes = parse_size(self.kv_cache_memory)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
@@ -195,3 +212,8 @@ class EngineConfig:
             # so greedy output would no longer equal plain decoding (measured on a tiny model).
             raise ValueError("speculative decoding does not support kv_cache_dtype int4 (KIVI's per-block key "
                              "scales would depend on rejected drafts); use kv_cache_dtype int8 or auto with it")
+        if self.spec is not None and self.cache.kv_policy == "h2o":
+            # H2O scores and compacts after every step; drafts would add rejected tokens' keys and queries to the
+            # attention mass that chooses the kept entries, so greedy output would no longer equal plain H2O.
+            raise ValueError("speculative decoding does not support kv_policy h2o (rejected drafts would take part "
+                             "in choosing the heavy hitters); use kv_policy streaming or full with it")

@@ -48,6 +48,7 @@ class LLM:
         kv_policy: str = "full",
         kv_budget: int | None = None,
         sink_tokens: int = 4,
+        h2o_recent: int | None = None,
         prepack_weights: str = "auto",
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
@@ -70,7 +71,8 @@ class LLM:
                                 policy=scheduling_policy)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens)
+                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens,
+                            h2o_recent=h2o_recent)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
                               prepack_weights=prepack_weights)

@@ -14,7 +14,7 @@ from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import make_policy
+from brisk.kvcache.policy import H2OPolicy, make_policy
 from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -112,18 +112,24 @@ class LLMEngine:
             pool_bytes -= cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
                 mc.num_key_value_heads, mc.head_dim, cache.block_size)
         num_blocks = cache.num_blocks or max(0, pool_bytes) // bytes_per_block
-        policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens)
+        policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens, cache.h2o_recent)
         if policy.evicts:
             if mc.sliding_window is not None:
                 raise ValueError(f"--kv-policy {cache.kv_policy} cannot be combined with the model's own sliding "
                                  f"window ({mc.sliding_window}); use --kv-policy full")
             if self.loaded.model.rope is not None and self.loaded.model.rope.dynamic_orig_max is not None:
-                raise ValueError("--kv-policy streaming needs a static RoPE (its sink rotation composes "
-                                 "rotations); this model uses dynamic NTK scaling")
-            # a request holds at most: the sinks' blocks, the window, one step's new tokens, a partial block
-            # at each end of the window
-            needed = (-(-policy.sink_tokens // cache.block_size)
-                      + -(-(policy.window + sched_cfg.max_num_batched_tokens) // cache.block_size) + 2)
+                raise ValueError(f"--kv-policy {cache.kv_policy} needs a static RoPE (keys stay rotated at their "
+                                 "original positions); this model uses dynamic NTK scaling; use --kv-policy full")
+            if isinstance(policy, H2OPolicy):
+                # a request holds at most its kept entries + one step's new tokens, and while it compacts, the
+                # fresh destination blocks besides (kvcache/manager.py _compact)
+                needed = (-(-(policy.keep + sched_cfg.max_num_batched_tokens) // cache.block_size)
+                          + -(-policy.keep // cache.block_size))
+            else:
+                # a request holds at most: the sinks' blocks, the window, one step's new tokens, a partial block
+                # at each end of the window
+                needed = (-(-policy.sink_tokens // cache.block_size)
+                          + -(-(policy.window + sched_cfg.max_num_batched_tokens) // cache.block_size) + 2)
             if num_blocks < needed:
                 raise ValueError(f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold "
                                  f"one request under --kv-budget {cache.kv_budget} with "

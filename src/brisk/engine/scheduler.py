@@ -22,6 +22,9 @@ class ScheduledRequest:
     num_samples: int  # tokens to sample from the last row: 0 for a prefill chunk short of the end; n at a fork
     # speculative drafts at the end of token_ids: the last num_draft_tokens + 1 rows are verified together
     num_draft_tokens: int = 0
+    # entries in the request's cache before this step, where token_ids[0]'s K/V goes: num_computed_tokens
+    # (None) unless an H2O compaction dropped some (kvcache/manager.py)
+    cache_len: int | None = None
 
 
 @dataclass
@@ -30,6 +33,11 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
     preempted_req_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # H2O compactions (kvcache/manager.py _compact): K/V of every layer moved src -> dst slot, before the copies
+    kv_moves: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    # requests whose blocks were freed since the last step (finished, aborted, preempted): the runner drops
+    # any per-request state it keeps (H2O scores)
+    freed_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -43,6 +51,8 @@ class RunnerOutput:
     # req_id -> the target's argmax after each prefix of the verified drafts (len(drafts) + 1 tokens, penalties
     # applied): what lookahead decoding's Jacobi iteration continues from (spec/lookahead.py)
     draft_predictions: dict[str, list[int]] = field(default_factory=dict)
+    # H2O: req_id -> cache entries to keep (ascending), for requests whose cache outgrew the policy's keep
+    kept_entries: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +77,7 @@ class Scheduler:
         # n > 1: samples 1..n-1 wait here until their parent's prompt is computed, then fork from it
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self._freed_req_ids: list[str] = []
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
@@ -99,6 +110,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        self._freed_req_ids.append(req_id)
         for child in self.pending_forks.pop(req_id, []):  # samples not yet forked die with their parent
             child.status = status
 
@@ -119,7 +131,9 @@ class Scheduler:
         request with num_computed_tokens > 0. When blocks run out, the lowest-priority (latest-arrived) running
         request is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
         Speculative drafts are just more tokens of a running request's chunk: they take budget and slots like
-        any other token, and are dropped (never preempting anyone) when either runs short.
+        any other token, and are dropped (never preempting anyone) when either runs short. An H2O compaction due
+        after the last step is done by the request's allocation (kvcache/manager.py), its K/V moves carried to
+        the runner in `kv_moves`.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -184,6 +198,8 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         out.block_copies = [c for copies in copies_of.values() for c in copies]
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        out.kv_moves = self.kv.take_kv_moves()
+        out.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         return out
 
     def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
@@ -207,11 +223,12 @@ class Scheduler:
             num_samples = 1 + len(self.pending_forks.get(req.request_id, ()))
         token_ids = req.all_token_ids[start:start + num_new] + req.spec_token_ids[:num_drafts]
         return ScheduledRequest(req.request_id, token_ids, start, self.kv.get_block_ids(req.request_id), num_samples,
-                                num_drafts)
+                                num_drafts, self.kv.get_num_cache_entries(req))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        self._freed_req_ids.append(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -235,6 +252,9 @@ class Scheduler:
             if req is None or req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens
+            kept = result.kept_entries.get(s.req_id)
+            if kept is not None:  # H2O: compacted before the request's next allocation
+                self.kv.schedule_compaction(req, kept)
             tokens = result.sampled_token_ids.get(s.req_id)
             if not tokens:
                 continue

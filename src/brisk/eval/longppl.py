@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -136,7 +137,22 @@ def h2o_stream_nll(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk
     """NLL [n - 1] of ids[1:] under H2O (kvcache/policy.py): the stream in chunks; after each chunk the cache is
     cut to `budget - chunk` entries (recent + heavy hitters) and compacted, so no query ever sees more than
     `budget` tokens (itself included), the same bound StreamingLLM's mask gives. Chunk 1 is H2O's own
-    one-token-at-a-time eviction; larger chunks evict less often. Also returns the peak blocks held."""
+    one-token-at-a-time eviction (and the engine's rule, see H2OPolicy); larger chunks evict less often. Also
+    returns the peak blocks held."""
+    n = len(ids)
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    nll = torch.empty(n - 1)
+    max_held = 0
+    for start, logits, held in h2o_stream_logits(loaded, ids, policy, chunk, block_size):
+        num_pred = min(logits.shape[0], n - 1 - start)
+        nll[start:start + num_pred] = _token_nll(logits[:num_pred], ids_t[start + 1:start + 1 + num_pred])
+        max_held = max(max_held, held)
+    return nll, max_held
+
+
+def h2o_stream_logits(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk: int = 16,
+                      block_size: int = 16) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """The H2O stream of `h2o_stream_nll`, chunk by chunk: (first position, logits [chunk, V], blocks held)."""
     c = loaded.config
     model = loaded.model
     device = model.model.norm.weight.device
@@ -151,14 +167,11 @@ def h2o_stream_nll(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk
     table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)  # private, dense: cache index = slot
     keep = policy.budget - chunk
     ids_t = torch.tensor(ids, dtype=torch.long)
-    nll = torch.empty(n - 1)
     scores = torch.zeros(0)  # accumulated attention mass per cache entry, in cache order
     cache_len = 0
-    max_held = 0
     for start in range(0, n, chunk):
         num_new = min(chunk, n - start)
         ctx = cache_len + num_new
-        max_held = max(max_held, -(-ctx // block_size))
         step_scores = torch.cat([scores, torch.zeros(num_new)])
         meta = AttentionMetadata(
             slot_mapping=torch.arange(cache_len, ctx), num_decodes=1 if num_new == 1 else 0,
@@ -167,8 +180,7 @@ def h2o_stream_nll(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk
         positions = torch.arange(start, start + num_new)  # original positions: RoPE as in the full model
         with torch.inference_mode():
             logits = model(ids_t[start:start + num_new].to(device), positions.to(device), meta, caches)
-        num_pred = min(num_new, n - 1 - start)
-        nll[start:start + num_pred] = _token_nll(logits[:num_pred], ids_t[start + 1:start + 1 + num_pred])
+        yield start, logits, -(-ctx // block_size)
         scores, cache_len = step_scores, ctx
         if cache_len > keep:
             kept = torch.tensor(h2o_keep(scores, policy.recent, keep))
@@ -176,7 +188,6 @@ def h2o_stream_nll(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, chunk
                 flat = kv.view(2, -1, c.num_key_value_heads, c.head_dim)  # [2, slots, kvh, d]
                 flat[:, :keep] = flat[:, kept]
             scores, cache_len = scores[kept], keep
-    return nll, max_held
 
 
 def oracle_nll(loaded: LoadedModel, ids: list[int], budget: int, stride: int, kv_cache_dtype: str = "auto",

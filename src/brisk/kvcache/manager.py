@@ -1,9 +1,11 @@
 """Per-request block tables over the block pool: allocation, prefix-cache lookup, copy-on-write after fork.
 
-Slot arithmetic: token at position p of a request lives in physical slot
-    block_ids[p // block_size] * block_size + p % block_size
-of the flat KV cache (`k_cache.view(num_blocks * block_size, ...)`). The manager only decides which
-block ids each request holds; the runner turns them into slot mappings and block tables.
+Slot arithmetic: cache entry i of a request lives in physical slot
+    block_ids[i // block_size] * block_size + i % block_size
+of the flat KV cache (`k_cache.view(num_blocks * block_size, ...)`). Entry i is token position i, except under
+H2O once a request has compacted (`_compact`): then its cache holds `get_num_cache_entries` entries, the kept
+tokens in order, and the runner takes positions from the request and slots from the cache length. The manager
+only decides which block ids each request holds; the runner turns them into slot mappings and block tables.
 
 Prefix caching: a full block is identified by a hash chained over every token up to its end, so equal
 block hashes mean equal prefixes (not just equal block contents). Blocks are registered when their
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from brisk.kvcache.block_pool import BlockPool, KVBlock
-from brisk.kvcache.policy import KVPolicy
+from brisk.kvcache.policy import H2OPolicy, KVPolicy
 
 if TYPE_CHECKING:
     from brisk.engine.request import Request
@@ -79,6 +81,12 @@ class KVCacheManager:
         self._req_to_block_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already offered to the cache map
         self._requests: dict[str, Request] = {}  # live requests holding a table (for KV utilisation)
+        # H2O: tokens compacted out of the request's cache (cache entries = num_computed_tokens - dropped), the
+        # entries to keep at its next allocation (chosen by the runner), and the data moves of compactions done
+        # this schedule, (src_slots, dst_slots), for the runner to perform before the step's forward.
+        self._num_dropped: dict[str, int] = {}
+        self._pending_keep: dict[str, list[int]] = {}
+        self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}
         self._stats_recorded: set[str] = set()
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -97,6 +105,8 @@ class KVCacheManager:
         assert request.num_computed_tokens == 0, (
             f"prefix lookup for {request.request_id}, which has {request.num_computed_tokens} computed")
         max_hit_blocks = max(0, request.num_tokens - 1) // self.block_size
+        if isinstance(self.policy, H2OPolicy):  # a hit is held whole until the first compaction: keep it in bound
+            max_hit_blocks = min(max_hit_blocks, self.policy.keep // self.block_size)
         hashes = self._get_block_hashes(request, max_hit_blocks)
         hits: list[KVBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
@@ -125,6 +135,7 @@ class KVCacheManager:
 
     #  Token positions of one request, and the blocks that hold them, after allocate_slots:
     #
+    #  (positions are cache entries: under H2O, after a compaction, num_computed_tokens - dropped of them)
     #  0              num_computed_tokens   num_computed                    num_total
     #  |---- computed ----|---- prefix hit ----|------------ new ------------|
     #  [ existing blocks  ][   hit blocks      ][ CoW ][    fresh blocks     ]
@@ -147,7 +158,8 @@ class KVCacheManager:
 
         Returns the copy-on-write copies (src_block_id, dst_block_id) the runner must perform before
         writing this step's KV (empty if none), or None when there are not enough free blocks — in which
-        case nothing changed (no partial allocation, hits not referenced).
+        case nothing changed (no partial allocation, hits not referenced), except that an H2O compaction
+        due before it may have been done (the table is consistent either way; see `_compact`).
         """
         assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
         bs = self.block_size
@@ -165,9 +177,13 @@ class KVCacheManager:
             for block, block_hash in zip(hits, hashes[:len(hits)], strict=True):
                 assert block.block_hash == block_hash, f"hit block {block.block_id} was evicted before use"
 
-        if self.policy.evicts and req_blocks:
+        if req_id in self._pending_keep:
+            if not self._compact(request, req_blocks, self._pending_keep[req_id]):
+                return None
+            del self._pending_keep[req_id]
+        elif self.policy.evicts and req_blocks:
             self._evict(request, req_blocks)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = self.get_num_cache_entries(request) + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
         num_existing = len(req_blocks) + len(hits)
         num_fresh = max(0, _cdiv(num_total, bs) - num_existing)
@@ -196,7 +212,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(shared)  # each still held by the other table(s)
         req_blocks.extend(new_blocks[len(cow_idx):])
 
-        if self.enable_caching:
+        # A compacted cache no longer follows the token-hash chain: nothing more of it is registered.
+        if self.enable_caching and not self._num_dropped.get(req_id):
             num_cached = max(self._num_cached_blocks.get(req_id, 0), len(hits))
             num_full = min(num_total, request.num_tokens) // bs
             if num_full > num_cached:
@@ -224,6 +241,78 @@ class KVCacheManager:
             self._num_evicted_blocks[req_id] = evictable.stop
         self.block_pool.free_blocks(reversed(dropped))
 
+    # ---- H2O compaction ------------------------------------------------------------------------------------
+
+    def schedule_compaction(self, request: Request, kept: list[int]) -> None:
+        """After a step: keep only cache entries `kept` (ascending) of the request, compacted at its next
+        allocation. The runner chose them and already cut its scores to them (engine/model_runner.py)."""
+        assert isinstance(self.policy, H2OPolicy), f"compaction under the {self.policy.name} policy"
+        assert kept == sorted(set(kept)) and kept[-1] < self.get_num_cache_entries(request), (
+            f"bad kept entries for {request.request_id}: {kept[:8]}...")
+        self._pending_keep[request.request_id] = list(kept)
+
+    #  Compaction of one request's table (kept entries -> the first slots, in cache order):
+    #
+    #  before:  [ b0 (shared) ][ b1 ][ b2 (cached) ][ b3 ][ b4 ]      ctx entries
+    #  after:   [ b4' <- spare][ b1 ][ fresh       ]                   keep entries in cdiv(keep, bs) blocks
+    #
+    #  A destination block must be writable: ref_cnt 1 and not registered in the prefix cache. The others are
+    #  swapped for (in this order) a writable block of the request past the kept range, a fresh pool block, or
+    #  the request's own cached ref-1 block past the kept range (its hash withdrawn). The swapped-out blocks
+    #  are only dereferenced, never written: their other holders and the prefix cache keep valid contents.
+    #  The runner gathers every source slot of the step's moves before it scatters any (runner.move_kv), so a
+    #  block may be both a source and a destination, and blocks freed here may be reused in the same schedule.
+    def _compact(self, request: Request, req_blocks: list[KVBlock | None], kept: list[int]) -> bool:
+        """Returns False (nothing changed) when the pool cannot supply the destination blocks."""
+        bs = self.block_size
+        req_id = request.request_id
+        num_entries = self.get_num_cache_entries(request)
+        assert all(b is not None for b in req_blocks), "h2o tables have no evicted holes"
+        old: list[KVBlock] = list(req_blocks)  # type: ignore[arg-type]
+        num_dst = _cdiv(len(kept), bs)
+
+        def writable(block: KVBlock) -> bool:
+            return block.ref_cnt == 1 and block.block_hash is None
+
+        need = [i for i in range(num_dst) if not writable(old[i])]
+        spare = [b for b in old[num_dst:] if writable(b)]
+        own_cached = [b for b in old[num_dst:] if b.ref_cnt == 1 and b.block_hash is not None]
+        num_fresh = min(max(0, len(need) - len(spare)), self.block_pool.get_num_free_blocks())
+        if len(spare) + num_fresh + len(own_cached) < len(need):
+            return False
+        for block in own_cached[:max(0, len(need) - len(spare) - num_fresh)]:
+            self.block_pool.uncache(block)
+            spare.append(block)
+        fresh = self.block_pool.get_new_blocks(num_fresh)
+        new = old[:num_dst]
+        for i, block in zip(need, spare + fresh, strict=False):
+            new[i] = block
+        kept_set = {id(b) for b in new}
+        released = [b for b in old if id(b) not in kept_set]
+        # cache entry e sits in slot table[e // bs] * bs + e % bs; entry kept[j] goes to entry j
+        src = [old[e // bs].block_id * bs + e % bs for e in kept]
+        dst = [new[j // bs].block_id * bs + j % bs for j in range(len(kept))]
+        moves = [(a, b) for a, b in zip(src, dst, strict=True) if a != b]
+        self._pending_moves[req_id] = ([a for a, _ in moves], [b for _, b in moves])
+        req_blocks[:] = new
+        self.block_pool.free_blocks(reversed(released))
+        self._num_dropped[req_id] = self._num_dropped.get(req_id, 0) + num_entries - len(kept)
+        return True
+
+    def take_kv_moves(self) -> tuple[list[int], list[int]]:
+        """The compactions' (src_slots, dst_slots) since the last call, for the runner (then forgotten)."""
+        src: list[int] = []
+        dst: list[int] = []
+        for req_src, req_dst in self._pending_moves.values():
+            src += req_src
+            dst += req_dst
+        self._pending_moves.clear()
+        return src, dst
+
+    def get_num_cache_entries(self, request: Request) -> int:
+        """Entries in the request's cache: its computed tokens less those an H2O compaction dropped."""
+        return request.num_computed_tokens - self._num_dropped.get(request.request_id, 0)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget it. Idempotent.
 
@@ -231,13 +320,18 @@ class KVCacheManager:
         and is evicted before its head (which more prompts share).
         """
         req_id = request.request_id
+        num_entries = self.get_num_cache_entries(request)
         table = self._req_to_blocks.pop(req_id, None)
         self._num_evicted_blocks.pop(req_id, None)
+        self._num_dropped.pop(req_id, None)
+        self._pending_keep.pop(req_id, None)
+        # its destinations were its own private blocks, now free: a move into them would clobber a new holder
+        self._pending_moves.pop(req_id, None)
         if table:
             # Blocks are registered in the cache when scheduled, before their KV is written. A request
             # preempted after being scheduled in the same step never computes them: withdraw those hashes
             # (blocks past num_computed_tokens that no one else holds) so no later lookup trusts them.
-            for block in table[request.num_computed_tokens // self.block_size:]:
+            for block in table[num_entries // self.block_size:]:
                 if block is not None and block.ref_cnt == 1 and block.block_hash is not None:
                     self.block_pool.uncache(block)
             self.block_pool.free_blocks(reversed([b for b in table if b is not None]))
@@ -275,6 +369,10 @@ class KVCacheManager:
         if parent.request_id in self._num_evicted_blocks:
             self._num_evicted_blocks[child.request_id] = self._num_evicted_blocks[parent.request_id]
         self._num_cached_blocks[child.request_id] = num_cached
+        if parent.request_id in self._num_dropped:  # h2o: the child's cache is the parent's, compacted alike
+            self._num_dropped[child.request_id] = self._num_dropped[parent.request_id]
+        if parent.request_id in self._pending_keep:
+            self._pending_keep[child.request_id] = list(self._pending_keep[parent.request_id])
         parent_hashes = self._req_to_block_hashes.get(parent.request_id, [])
         self._req_to_block_hashes[child.request_id] = parent_hashes[:num_cached]
         self._requests[child.request_id] = child
@@ -310,7 +408,7 @@ class KVCacheManager:
         bs = self.block_size
         filled: dict[int, int] = {}  # block_id -> slots holding computed tokens
         for req_id, blocks in self._req_to_blocks.items():
-            num_computed = min(self._requests[req_id].num_computed_tokens, len(blocks) * bs)
+            num_computed = min(self.get_num_cache_entries(self._requests[req_id]), len(blocks) * bs)
             for i in range(_cdiv(num_computed, bs)):
                 if blocks[i] is None:  # evicted
                     continue

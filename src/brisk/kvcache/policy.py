@@ -5,9 +5,10 @@ A policy answers two questions, both from plain ints, so it is tested with no mo
   * `evictable_blocks(num_computed, num_blocks, block_size)`: logical blocks no present or future query needs;
     the manager drops its reference to them (kvcache/manager.py), so an unshared block returns to the pool.
 
-Eviction never writes into a block: it only drops a reference. A block shared with another table (prefix
-cache, n > 1 forks) therefore stays intact for its other holders; that is why eviction cannot corrupt a
-shared prefix.
+StreamingLLM's eviction never writes into a block: it only drops a reference. A block shared with another table
+(prefix cache, n > 1 forks) therefore stays intact for its other holders; that is why eviction cannot corrupt a
+shared prefix. H2O (below) does write, when it compacts; it first swaps any shared or prefix-cached destination
+block for a private one, so the same holds.
 
 StreamingLLM (Xiao et al., 2024): keep the first `sink_tokens` tokens (attention sinks) and the most recent
 `budget - sink_tokens` tokens (the window, the query's own token included):
@@ -94,16 +95,26 @@ class StreamingPolicy(KVPolicy):
 
 @dataclass(frozen=True)
 class H2OPolicy(KVPolicy):
-    """H2O (Zhang et al., 2023): keep the `recent` newest tokens plus the heavy hitters (largest accumulated
-    attention) among the older ones, `budget` tokens in all.
+    """H2O (Zhang et al., 2023): keep the `recent` newest cache entries plus the heavy hitters (largest accumulated
+    attention) among the older ones.
 
     Simplifications, because a block table is shared by every layer and head: one kept set per request, chosen
     by attention mass summed over all layers, heads and queries (H2O keeps a set per head). Block-aware
-    eviction = compaction: the kept tokens' K/V are copied, in order, into the first slots of the request's
-    own blocks and the blocks past them are freed (eval/longppl.py h2o_stream_nll), so the cache stays dense
-    and attention over it is plain causal attention in cache order. Keys keep their original RoPE positions
-    (they are post-RoPE), as H2O does. Compaction writes into blocks, so it must never run on a shared block:
-    it is offered in `brisk eval ppl --long` (private cache, no sharing), not yet as an engine setting.
+    eviction = compaction: the kept entries' K/V are copied, in cache order, into the first slots of the
+    request's blocks and the blocks past them are freed, so the cache stays dense and attention over it is plain
+    causal attention in cache order. Keys keep their original RoPE positions (they are post-RoPE), as H2O does;
+    a cache index is therefore no longer a token position.
+
+    When it compacts: after a step whose cache holds more than `keep` = budget - 1 entries, the request is cut to
+    `keep` (recent + heavy hitters, `h2o_keep`), so every decode query sees at most `budget` entries, itself
+    included (StreamingLLM's bound); a prefill chunk of C tokens sees at most budget - 1 + C. This is
+    `brisk eval ppl --long --mode h2o` (eval/longppl.py) with chunk 1, which cuts to budget - chunk.
+
+    In the engine (kvcache/manager.py `_compact`, engine/model_runner.py): the runner accumulates the scores and
+    picks the kept entries after the forward; the manager compacts the table before the request's next
+    allocation. Compaction writes into blocks, so a destination block that is shared (ref_cnt > 1) or registered
+    in the prefix cache is first replaced by a private one (its contents stay intact for the other holders), and
+    a compacted request registers nothing more in the prefix cache.
     """
 
     budget: int
@@ -112,12 +123,20 @@ class H2OPolicy(KVPolicy):
     name = "h2o"
 
     def __post_init__(self) -> None:
-        if not 0 < self.recent < self.budget:
-            raise ValueError(f"h2o needs 0 < recent ({self.recent}) < budget ({self.budget})")
+        if self.recent <= 0:
+            raise ValueError(f"h2o needs a positive recent window, got {self.recent}")
+        if self.budget <= self.recent:
+            raise ValueError(f"the h2o KV budget ({self.budget}) must exceed the recent window ({self.recent}): "
+                             "the rest of the budget holds the heavy hitters")
 
     @property
     def evicts(self) -> bool:
         return True
+
+    @property
+    def keep(self) -> int:
+        """Entries left after a compaction: one slot of the budget stays free for the next decode query."""
+        return self.budget - 1
 
 
 def h2o_keep(scores: list[float] | torch.Tensor, recent: int, keep: int) -> list[int]:
@@ -129,14 +148,15 @@ def h2o_keep(scores: list[float] | torch.Tensor, recent: int, keep: int) -> list
         return list(range(n))
     recent = min(recent, keep)
     num_heavy = keep - recent
-    older = scores[: n - recent]
+    older = scores[: n - recent].tolist()
     # stable sort by descending score: equal scores keep cache order, so the older token wins a tie
-    order = sorted(range(older.shape[0]), key=lambda i: (-float(older[i]), i))
+    order = sorted(range(len(older)), key=lambda i: (-older[i], i))
     heavy = sorted(order[:num_heavy])
     return heavy + list(range(n - recent, n))
 
 
-def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4) -> KVPolicy:
+def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4, recent: int | None = None) -> KVPolicy:
+    """full | streaming (budget, sink_tokens) | h2o (budget, recent: default budget // 2)."""
     if name == "full":
         return KVPolicy()
     if budget is None:
@@ -144,6 +164,5 @@ def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4) -> K
     if name == "streaming":
         return StreamingPolicy(budget, sink_tokens)
     if name == "h2o":
-        raise ValueError("--kv-policy h2o is available in `brisk eval ppl --long --mode h2o` only: its compaction "
-                         "rewrites blocks, which the engine would first have to copy when shared; use streaming")
-    raise ValueError(f"unknown kv policy {name!r}; use full or streaming")
+        return H2OPolicy(budget, budget // 2 if recent is None else recent)
+    raise ValueError(f"unknown kv policy {name!r}; use full, streaming or h2o")

@@ -76,9 +76,11 @@ class AttentionMetadata:
     # sink keys rotated back by E (see _sink_window_attention)
     sink_cos: torch.Tensor | None = None
     sink_sin: torch.Tensor | None = None
-    # H2O (eval/h2o.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
+    # H2O (eval/longppl.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
     # probability mass (summed over heads and this step's queries) into it, layer after layer
     attn_scores: list[torch.Tensor] | None = None
+    # the same per query row (the engine's H2O, engine/model_runner.py): per sequence float32 [query_len, context_len]
+    attn_row_scores: list[torch.Tensor] | None = None
     # hand-built alternative to the tables (reference path only)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
@@ -334,6 +336,8 @@ def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [kvh, g, q, L]
         if meta.attn_scores is not None:
             meta.attn_scores[b][key_pos] += probs.sum(dim=(0, 1, 2))  # [L]: mass each key received
+        if meta.attn_row_scores is not None:
+            meta.attn_row_scores[b][:, key_pos] += probs.sum(dim=(0, 1))  # [q, L]: from each query row
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [q, kvh, g, d]
         out[rows] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
