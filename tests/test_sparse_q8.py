@@ -133,3 +133,14 @@ def test_pruned_int8_checkpoint_through_the_int8_dot_kernel(ops, tmp_path, monke
     # moves the logits by 2.3e-2 relative (measured); 5e-2 bounds it, a wrong scale or a lost group gives O(1)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 5e-2, rel
+
+
+def test_kernel_sweep_reports_the_int8_dot_kernel_for_int8_only(ops):
+    from brisk.bench.sparse import kernel_sweep
+
+    points = kernel_sweep(["4:8"], layers=1, reps=1)
+    assert [p["kind"] for p in points] == ["float32", "int8", "int4"]
+    for p in points:
+        assert p["sparsity"] == "4:8" and p["dense_ms"] > 0 and p["sparse_ms"] > 0
+        assert (p["int8dot_ms"] is not None) == (p["kind"] == "int8")
+    assert points[1]["int8dot_speedup"] == pytest.approx(points[1]["dense_ms"] / points[1]["int8dot_ms"])

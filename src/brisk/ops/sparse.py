@@ -39,7 +39,8 @@ MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator
 # zeros and 1.4-1.8x faster at 30-50%, so 30% leaves a margin. Codes: the decode (a table lookup, a shuffle and a
 # conversion per 8 weights) costs more than the bytes it saves against brisk's dense int8/int4 kernels, which
 # already run near the bandwidth limit, so quantized layers stay dense unless asked (`sparsify_model(...,
-# min_sparsity=...)`, as `brisk bench sparse` does to measure them).
+# min_sparsity=...)`, as `brisk bench sparse` does to measure them). The integer-dot kernel for int8 values
+# (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50% (notes/sparseq_results.md).
 MIN_SPARSITY: dict[int, float | None] = {32: 0.3, 8: None, 4: None}
 
 
