@@ -40,7 +40,8 @@ MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator
 # conversion per 8 weights) costs more than the bytes it saves against brisk's dense int8/int4 kernels, which
 # already run near the bandwidth limit, so quantized layers stay dense unless asked (`sparsify_model(...,
 # min_sparsity=...)`, as `brisk bench sparse` does to measure them). The integer-dot kernel for int8 values
-# (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50% (notes/sparseq_results.md).
+# (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50%
+# (/work/notes/sparseq_results.md).
 MIN_SPARSITY: dict[int, float | None] = {32: 0.3, 8: None, 4: None}
 
 
@@ -214,7 +215,7 @@ def sparse_linear(x: torch.Tensor, sw: SparseWeight, bias: torch.Tensor | None =
                   int8_dot: bool = False) -> torch.Tensor:
     """x: [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype; float32 arithmetic. `int8_dot`:
     int8 values at decode (few rows) take ops.sparse_q8's integer dot products instead, with x rounded to int8 per
-    32 columns (measured slower than the float kernel on the AVX2 box, so not the default; see ops/sparse_q8.py)."""
+    32 columns (faster than the float kernel, but not exact; see ops/sparse_q8.py)."""
     k, n = sw.in_features, sw.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, this weight expects {k}")

@@ -11,11 +11,13 @@ unchanged; only x is rounded (to 8 bits per 32-column block, relative error <= 1
 kernel's oracle: exact integer dot products per block, scaled in float64.
 
 Measured (2026-11-29, the 2-core AVX2 VM, 1 thread, M = 1, CPU time so that other jobs' load does not count;
-notes/sparseq_results.md): not faster than the float kernel, and ~1.6x slower than the dense int8 kernel at 50%.
+/work/notes/sparseq_results.md): 1.1-1.25x faster than the float sparse kernel at 50%, but 0.66-0.70x of the dense
+int8 kernel.
 Split on one 576 x 576 layer in L2: dense int8 47 us; this kernel 80 us, of which the integer dot products alone
 (weights loaded as if already expanded) take 27 us and the expansion alone (mask bookkeeping, 4 table loads, 2
 value loads, a shuffle per 32 weights) 63 us. The expansion, not the arithmetic, is the cost, so the path is opt-in
-(`sparse_linear(..., int8_dot=True)`, `sparsify_model(..., int8_dot=True)`) and not selected at load.
+(`sparse_linear(..., int8_dot=True)`, `sparsify_model(..., int8_dot=True)`; it also changes the numerics, so greedy
+tokens may differ from the dense int8 model's) and not selected at load.
 """
 
 from __future__ import annotations
