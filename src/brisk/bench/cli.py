@@ -531,7 +531,7 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
               help="Write every number, the command line, date and machine facts to this file.")
 def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs: int, kernels_only: bool,
            sparsities: str, threads: int | None, json_path: str | None) -> None:
-    """Batch-1 decode of the magnitude-pruned model (50%, 2:4) through the sparse path against dense, and of
+    """Batch-1 decode of the magnitude-pruned model (50%, 2:4, 4:8) through the sparse path against dense, and of
     pruned int8 / int4 against the same quantization dense: tok/s, speedup, weight bytes and GB/s."""
     from rich.table import Table
 
@@ -548,12 +548,14 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
         table = Table(title=f"sparse kernel vs dense kernel, M = 1, default-model shapes, "
                             f"{torch.get_num_threads()} threads (best of {max(3, runs)})")
         for col in ("values", "sparsity", "bytes sparse/dense", "dense ms", "dense GB/s", "sparse ms",
-                    "sparse GB/s", "speedup"):
+                    "sparse GB/s", "speedup", "int8-dot ms", "int8-dot speedup"):
             table.add_column(col, justify="left" if col in ("values", "sparsity") else "right")
         for p in sweep:
             table.add_row(p["kind"], p["sparsity"], f"{p['bytes_ratio']:.2f}", f"{p['dense_ms']:.1f}",
                           f"{p['dense_gbps']:.1f}", f"{p['sparse_ms']:.1f}", f"{p['sparse_gbps']:.1f}",
-                          f"{p['speedup']:.2f}x")
+                          f"{p['speedup']:.2f}x",
+                          "-" if p["int8dot_ms"] is None else f"{p['int8dot_ms']:.1f}",
+                          "-" if p["int8dot_speedup"] is None else f"{p['int8dot_speedup']:.2f}x")
         wide.print(table)
         if json_path:
             report.write_json(json_path, "sparse-kernels", click.get_current_context().params, {"points": sweep})

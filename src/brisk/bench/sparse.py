@@ -4,8 +4,9 @@ magnitude baseline; the speed of the sparse path does not depend on which weight
 many), then measures decode tok/s (best of `runs`), the weight bytes one token reads, and what that makes in GB/s.
 
 Rows come in groups, each with its own baseline (speedup column): float32 | float32 pruned through the dense path
-(same bytes as dense: zeros cost as much as any weight) | float32 50% and 2:4 through the sparse path; and per
-quantization: dense codes | codes of the 50%-pruned model through the sparse path. `kernel_sweep` (--kernels) is
+(same bytes as dense: zeros cost as much as any weight) | float32 50%, 2:4 and 4:8 through the sparse path; and per
+quantization: dense codes | codes of the 50%-pruned model through the sparse path (int8 also through the
+integer-dot kernel of ops.sparse_q8). `kernel_sweep` (--kernels) is
 the microbenchmark behind ops.sparse.MIN_SPARSITY: one kernel call per layer shape, over enough layers that the
 weights come from memory, at several sparsities.
 """
@@ -122,7 +123,7 @@ def run_sparse_report(model: str | None, quants: list[str], input_len: int, outp
         raise ValueError(f"--input-len + --output-len must be at most {MAX_MODEL_LEN}, got {input_len + output_len}")
     # (name, baseline, loaded, same_as): same_as names the row with the same weights through the dense path
     settings: list[tuple[str, str, Any, str | None]] = [("float32", "float32", load_model(model, sparse=False), None)]
-    for pattern, label in (("0.5", "50%"), ("2:4", "2:4")):
+    for pattern, label in (("0.5", "50%"), ("2:4", "2:4"), ("4:8", "4:8")):
         log(f"float32 {label}: pruning ...")
         for sparse in (False, True):
             loaded = load_model(model, sparse=False)
@@ -142,6 +143,10 @@ def run_sparse_report(model: str | None, quants: list[str], input_len: int, outp
             loaded = load_model(folder)
             sparsify_model(loaded.model, FORCE_ALL)
             settings.append((f"{q} 50% sparse", base, loaded, f"{q} 50% dense path"))
+            if spec.bits == 8:  # the integer-dot kernel (ops.sparse_q8): x rounded to int8, so no greedy check
+                loaded = load_model(folder)
+                sparsify_model(loaded.model, FORCE_ALL, int8_dot=True)
+                settings.append((f"{q} 50% sparse int8-dot", base, loaded, None))
         return _measure(settings, input_len, output_len, runs, log)
 
 
@@ -181,21 +186,25 @@ def _measure(settings: list[tuple[str, str, Any, str | None]], input_len: int, o
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # the default model's fused qkv, o, gate_up, down
 
 
-def _best(fns: list[Callable[[], Any]], reps: int) -> float:
-    for f in fns:
-        f()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+def _best(groups: list[list[Callable[[], Any]]], reps: int) -> list[float]:
+    """Best time of each group of calls, the groups measured in turn within every repetition (A/B/A/B...)."""
+    for fns in groups:
         for f in fns:
             f()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(groups)
+    for _ in range(reps):
+        for i, fns in enumerate(groups):
+            start = time.perf_counter()
+            for f in fns:
+                f()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
 def kernel_sweep(sparsities: list[str], layers: int = 16, reps: int = 10, seed: int = 0) -> list[dict[str, Any]]:
     """M = 1 time of the sparse kernel against the dense one, per value kind and sparsity, over `layers` copies of
-    the default model's four decoder shapes (float32: 16 layers = 170 MB, far beyond the 32 MB L3)."""
+    the default model's four decoder shapes (float32: 16 layers = 170 MB, far beyond the 32 MB L3). int8 values
+    are also timed through the integer-dot kernel (ops.sparse_q8), `int8dot_ms`."""
     from brisk.ops.linear import linear
     from brisk.ops.qlinear import prepack, quant_linear
     from brisk.ops.sparse import compress, compress_packed, sparse_linear
@@ -205,7 +214,7 @@ def kernel_sweep(sparsities: list[str], layers: int = 16, reps: int = 10, seed: 
     out: list[dict[str, Any]] = []
     for kind, spec in (("float32", None), ("int8", QUANT["int8"]), ("int4", QUANT["int4"])):
         for pattern in sparsities:
-            dense_fns, sparse_fns = [], []
+            dense_fns, sparse_fns, dot_fns = [], [], []
             dense_bytes = sparse_bytes = 0
             for _ in range(layers):
                 for n, k in SHAPES:
@@ -225,11 +234,14 @@ def kernel_sweep(sparsities: list[str], layers: int = 16, reps: int = 10, seed: 
                         dense_fns.append(lambda x=x, pw=pw: quant_linear(x, pw))
                         dense_bytes += pw.nbytes()
                     sparse_fns.append(lambda x=x, sw=sw: sparse_linear(x, sw))
+                    if sw.kind == 8:
+                        dot_fns.append(lambda x=x, sw=sw: sparse_linear(x, sw, int8_dot=True))
                     sparse_bytes += sw.nbytes()
-            td, ts = _best(dense_fns, reps), _best(sparse_fns, reps)
+            td, ts, *tq = _best([dense_fns, sparse_fns] + ([dot_fns] if dot_fns else []), reps)
             out.append({"kind": kind, "sparsity": pattern, "dense_ms": td * 1e3, "sparse_ms": ts * 1e3,
                         "dense_gbps": dense_bytes / td / 1e9, "sparse_gbps": sparse_bytes / ts / 1e9,
-                        "bytes_ratio": sparse_bytes / dense_bytes, "speedup": td / ts})
-            del dense_fns, sparse_fns
+                        "bytes_ratio": sparse_bytes / dense_bytes, "speedup": td / ts,
+                        "int8dot_ms": tq[0] * 1e3 if tq else None, "int8dot_speedup": td / tq[0] if tq else None})
+            del dense_fns, sparse_fns, dot_fns
             gc.collect()
     return out

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.ops import sparse_q8
 from brisk.ops.kernels import get_op
 
 COLS = 8  # columns per mask byte
@@ -38,7 +39,9 @@ MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator
 # zeros and 1.4-1.8x faster at 30-50%, so 30% leaves a margin. Codes: the decode (a table lookup, a shuffle and a
 # conversion per 8 weights) costs more than the bytes it saves against brisk's dense int8/int4 kernels, which
 # already run near the bandwidth limit, so quantized layers stay dense unless asked (`sparsify_model(...,
-# min_sparsity=...)`, as `brisk bench sparse` does to measure them).
+# min_sparsity=...)`, as `brisk bench sparse` does to measure them). The integer-dot kernel for int8 values
+# (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50%
+# (/work/notes/sparseq_results.md).
 MIN_SPARSITY: dict[int, float | None] = {32: 0.3, 8: None, 4: None}
 
 
@@ -208,14 +211,21 @@ def densify(sw: SparseWeight, n0: int = 0, n1: int | None = None) -> torch.Tenso
 _DENSIFY_CHUNK_WEIGHTS = 1 << 21
 
 
-def sparse_linear(x: torch.Tensor, sw: SparseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype; float32 arithmetic."""
+def sparse_linear(x: torch.Tensor, sw: SparseWeight, bias: torch.Tensor | None = None,
+                  int8_dot: bool = False) -> torch.Tensor:
+    """x: [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype; float32 arithmetic. `int8_dot`:
+    int8 values at decode (few rows) take ops.sparse_q8's integer dot products instead, with x rounded to int8 per
+    32 columns (faster than the float kernel, but not exact; see ops/sparse_q8.py)."""
     k, n = sw.in_features, sw.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, this weight expects {k}")
     rows = x.numel() // k
     bf = None if bias is None else bias.float()
     if x.is_cpu and 0 < rows <= MAX_SMALL_M:
+        if int8_dot and sparse_q8.covers(sw):  # int8 values: integer dot products with int8 activations
+            out = sparse_q8.sparse_q8_linear(x.reshape(rows, k).float().contiguous(), sw, bf)  # [M, N]
+            if out is not None:
+                return out.view(*x.shape[:-1], n).to(x.dtype)
         op = get_op("sparse_linear")
         if op is not None:
             x2 = x.reshape(rows, k).float().contiguous()  # [M, K]
@@ -236,9 +246,10 @@ class SparseLinear(nn.Module):
     """y = x @ W^T + b from a SparseWeight. Its tensors are buffers, so state_dict() and the roofline's byte count
     see what is really held and read."""
 
-    def __init__(self, sw: SparseWeight, bias: torch.Tensor | None, label: str = "") -> None:
+    def __init__(self, sw: SparseWeight, bias: torch.Tensor | None, label: str = "", int8_dot: bool = False) -> None:
         super().__init__()
         self.sparse = sw
+        self.int8_dot = int8_dot and sparse_q8.covers(sw)
         self.in_features = sw.in_features
         self.out_features = sw.out_features
         self.label = label
@@ -253,12 +264,13 @@ class SparseLinear(nn.Module):
         return 1.0 - self.sparse.nnz / (self.in_features * self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_linear(x, self.sparse, self.bias)
+        return sparse_linear(x, self.sparse, self.bias, int8_dot=self.int8_dot)
 
     def extra_repr(self) -> str:
         kind = "float32" if self.sparse.kind == 32 else f"int{self.sparse.kind} g{self.sparse.group_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, {kind}, "
-                f"sparsity={self.sparsity:.3f}" + (f", {self.label}" if self.label else ""))
+                f"sparsity={self.sparsity:.3f}" + (", int8 dot" if self.int8_dot else "")
+                + (f", {self.label}" if self.label else ""))
 
 
 def zero_fraction(module: nn.Module) -> float | None:
@@ -276,9 +288,10 @@ def zero_fraction(module: nn.Module) -> float | None:
     return None
 
 
-def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | None = None
-                     ) -> SparseLinear | None:
-    """The SparseLinear for a linear layer whose zero fraction reaches the threshold of its value kind, else None."""
+def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | None = None,
+                     int8_dot: bool = False) -> SparseLinear | None:
+    """The SparseLinear for a linear layer whose zero fraction reaches the threshold of its value kind, else None.
+    `int8_dot`: int8 layers decode through ops.sparse_q8 (integer dot products, x rounded to int8)."""
     thresholds = MIN_SPARSITY if min_sparsity is None else min_sparsity
     if getattr(module, "in_features", 1) % COLS:
         return None
@@ -291,7 +304,8 @@ def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | 
         if frac is None or frac < threshold:
             return None
         sw = compress_packed(packed)
-        return None if sw is None else SparseLinear(sw, module.bias, label=getattr(module.spec, "label", ""))
+        return None if sw is None else SparseLinear(sw, module.bias, label=getattr(module.spec, "label", ""),
+                                                    int8_dot=int8_dot)
     if isinstance(module, nn.Linear):
         threshold = thresholds.get(32)
         # bfloat16 models keep the dense path: float32 values would double their bytes
@@ -304,7 +318,8 @@ def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | 
     return None
 
 
-def sparsify_model(model: nn.Module, min_sparsity: dict[int, float | None] | None = None) -> int:
+def sparsify_model(model: nn.Module, min_sparsity: dict[int, float | None] | None = None,
+                   int8_dot: bool = False) -> int:
     """Swap, in place, every linear layer inside the decoder layers (`model.model.layers`; never the embedding or
     lm_head, which pruning leaves dense) whose zero fraction reaches `min_sparsity` for a SparseLinear. Run after
     fuse_projections: a fused q/k/v or gate/up layer of pruned parts is as sparse as its parts. Returns the count."""
@@ -314,7 +329,7 @@ def sparsify_model(model: nn.Module, min_sparsity: dict[int, float | None] | Non
     done = 0
     for parent in layers.modules():
         for name, child in list(parent.named_children()):
-            sparse = to_sparse_module(child, min_sparsity)
+            sparse = to_sparse_module(child, min_sparsity, int8_dot)
             if sparse is not None:
                 setattr(parent, name, sparse)
                 done += 1
