@@ -158,3 +158,11 @@ def test_tiny_quantized_model_through_the_int8_path(ops, tmp_path, bits, group):
     assert 0 < rel < 5e-2, rel
     set_quant_activations(loaded.model, "float")
     assert torch.equal(decode_logits(), want)
+
+
+def test_engine_config_validates_the_setting():
+    from brisk.engine.config import EngineConfig
+
+    assert EngineConfig(quant_activations="int8").quant_activations == "int8"
+    with pytest.raises(ValueError, match="quant_activations"):
+        EngineConfig(quant_activations="int4")
