@@ -56,13 +56,20 @@ def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("bits,group", [(8, -1), (4, 32)])
-def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group, activations):
     from brisk.bench.quant import build_checkpoint
     from brisk.quant.config import LayerQuant
 
     out = tmp_path / f"q{bits}"
     build_checkpoint(LayerQuant(bits=bits, group_size=group, sym=bits == 8), out, str(tiny_folder))
-    _run_both(monkeypatch, lambda: LLM(str(out), kv_cache_memory="8MiB"), PROMPTS)
+
+    def make_llm() -> LLM:
+        llm = LLM(str(out), kv_cache_memory="8MiB", quant_activations=activations)
+        assert (llm.engine.num_int8_activation_layers > 0) == (activations == "int8")
+        return llm
+
+    _run_both(monkeypatch, make_llm, PROMPTS)
 
 
 def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):

@@ -50,6 +50,7 @@ class LLM:
         sink_tokens: int = 4,
         h2o_recent: int | None = None,
         prepack_weights: str = "auto",
+        quant_activations: str = "float",
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
@@ -61,7 +62,8 @@ class LLM:
         spec = SpecConfig.parse(speculative if speculative is not None else speculative_config,
                                 num_speculative_tokens)
 
-        dtype_t = EngineConfig(dtype=dtype, prepack_weights=prepack_weights).torch_dtype  # bad values fail here
+        dtype_t = EngineConfig(dtype=dtype, prepack_weights=prepack_weights,  # bad values fail here
+                               quant_activations=quant_activations).torch_dtype
         loaded = load_model(model, dtype=dtype_t, device=device, max_model_len=max_model_len)
         max_len = max_model_len or min(loaded.config.max_position_embeddings, 2048)
         if max_num_batched_tokens is None:
@@ -75,7 +77,7 @@ class LLM:
                             h2o_recent=h2o_recent)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
-                              prepack_weights=prepack_weights)
+                              prepack_weights=prepack_weights, quant_activations=quant_activations)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer

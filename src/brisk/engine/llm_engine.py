@@ -19,6 +19,7 @@ from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
+from brisk.quant.layers import set_quant_activations
 
 
 class PromptTooLongError(ValueError):
@@ -103,6 +104,8 @@ class LLMEngine:
         if config.prepack_weights == "on" or (config.prepack_weights == "auto"
                                               and sched_cfg.max_num_seqs > MAX_SMALL_M):
             self.num_prepacked = prepack_linears(self.loaded.model)
+        # quantized linears that round decode activations to int8 (0 unless quant_activations == "int8")
+        self.num_int8_activation_layers = set_quant_activations(self.loaded.model, config.quant_activations)
         cache = config.cache
         dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
         bytes_per_block = int(kv_bytes_per_token(cache.kv_cache_dtype, mc.num_hidden_layers, mc.num_key_value_heads,

@@ -66,16 +66,23 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
 
 def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     from brisk.ops.qlinear import quant_linear
+    from brisk.ops.qlinear_q8 import MAX_Q8_M, covers
 
     pw, b = module.packed, module.bias
     if not pw.blocked:
         return None
     small = ops.quant_linear_small.default
+    int8 = module.quant_activations == "int8"
+    q8 = ops.quant_linear_q8.default if int8 and covers(pw) and hasattr(ops, "quant_linear_q8") else None
+    max_q8_m = MAX_Q8_M if q8 is not None else 0
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_SMALL_M:  # ops.qlinear.quant_linear's choice for few rows
+        # ops.qlinear.quant_linear's choices for few rows
+        if x.shape[0] <= max_q8_m:
+            return q8(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, b)
+        if x.shape[0] <= MAX_SMALL_M:
             return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)
-        return quant_linear(x, pw, b)
+        return quant_linear(x, pw, b, int8_activations=int8)
 
     return run
 
@@ -167,7 +174,8 @@ def decode_plan_or_none(model: LlamaForCausalLM) -> DecodePlan | None:
     BRISK_DISABLE_DECODE_PLAN=1 turns it off (the module path then runs every step, for comparisons)."""
     if os.environ.get("BRISK_DISABLE_DECODE_PLAN", "") not in ("", "0"):
         return None
-    key = (id(model.model.layers), len(model.model.layers), kernels.get_ops() is not None)
+    key = (id(model.model.layers), len(model.model.layers), kernels.get_ops() is not None,
+           getattr(model, "_quant_activations", "float"))
     cached = getattr(model, "_decode_plan", None)
     if cached is None or cached[0] != key:
         cached = (key, DecodePlan.build(model))

@@ -32,9 +32,11 @@ class QuantLinear(nn.Module):
             if isinstance(value, torch.Tensor):
                 self.register_buffer(f"packed_{f.name}", value)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # "int8": decode rows round x to int8 per 32 columns for integer dot products (set_quant_activations)
+        self.quant_activations = "float"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.packed, self.bias)
+        return quant_linear(x, self.packed, self.bias, int8_activations=self.quant_activations == "int8")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}"
@@ -78,3 +80,20 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.spec.label}"
+
+
+def set_quant_activations(model: nn.Module, mode: str) -> int:
+    """Set how the quantized linears of `model` treat decode activations: "float" (decode the codes to float) or
+    "int8" (round x to int8 per 32 columns and use integer dot products, ops/qlinear_q8.py; 8/4-bit affine codes
+    only). Returns the number of layers that take the int8 path. The decode plan reads the same setting."""
+    from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
+
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"quant_activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+    count = 0
+    for module in model.modules():
+        if type(module) is QuantLinear:
+            module.quant_activations = mode
+            count += mode == "int8" and covers(module.packed)
+    model._quant_activations = mode  # part of the decode plan's cache key
+    return count

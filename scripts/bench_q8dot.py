@@ -1,0 +1,69 @@
+"""Dense quantized GEMV, float-activation kernel (quant_linear_small) vs int8-activation kernel (quant_linear_q8).
+
+    python scripts/bench_q8dot.py MODEL_DIR [--threads 1,2] [--rows 1,8] [--repeats 30]
+
+For each distinct (N, K) of the quantized model's linear layers (real packed codes), the two kernels alternate
+call by call in one process, so both see the same background load. Printed: best wall-clock and best CPU time
+(time.thread_time of the calling thread; at 2 threads that misses the worker thread, so read the wall figure
+there) in microseconds, and the ratio float / int8 (> 1: the int8-activation kernel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import torch
+
+from brisk.ops import kernels
+from brisk.ops.qlinear_q8 import covers
+from brisk.quant.layers import QuantLinear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--inner", type=int, default=20, help="calls per timed sample")
+    args = ap.parse_args()
+    from brisk.model.loader import load_model
+
+    model = load_model(args.model).model
+    ops = kernels.get_ops()
+    small, q8 = ops.quant_linear_small.default, ops.quant_linear_q8.default
+    layers: dict[tuple, tuple[str, QuantLinear]] = {}
+    for name, mod in model.named_modules():
+        if type(mod) is QuantLinear and covers(mod.packed):
+            pw = mod.packed
+            layers.setdefault((pw.out_features, pw.in_features, pw.bits, pw.group_size), (name, mod))
+    print(f"{'layer':34s} {'N':>6s} {'K':>5s} bits  G    thr  M | float us (wall/cpu) | int8 us (wall/cpu) | "
+          "float/int8 wall cpu")
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for m in [int(r) for r in args.rows.split(",")]:
+            for (n, k, bits, g), (name, mod) in layers.items():
+                pw = mod.packed
+                x = torch.randn(m, k)
+                calls = {
+                    "float": partial(small, x, pw.data, pw.scales, pw.mins, None, pw.bits, pw.group_size, None),
+                    "int8": partial(q8, x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, None),
+                }
+                best = {key: [float("inf"), float("inf")] for key in calls}
+                for _ in range(args.repeats):
+                    for key, fn in calls.items():  # alternated
+                        w0, c0 = time.perf_counter(), time.thread_time()
+                        for _ in range(args.inner):
+                            fn()
+                        w1, c1 = time.perf_counter(), time.thread_time()
+                        best[key][0] = min(best[key][0], (w1 - w0) / args.inner * 1e6)
+                        best[key][1] = min(best[key][1], (c1 - c0) / args.inner * 1e6)
+                f, q = best["float"], best["int8"]
+                print(f"{name:34s} {n:6d} {k:5d} {bits:4d} {g:4d} {threads:4d} {m:2d} | {f[0]:8.1f} {f[1]:8.1f} | "
+                      f"{q[0]:8.1f} {q[1]:8.1f} | {f[0] / q[0]:5.2f} {f[1] / q[1]:5.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

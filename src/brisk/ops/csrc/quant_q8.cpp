@@ -1,0 +1,355 @@
+// Dense quantized linear with int8 activations and integer dot products, for decode (few rows):
+// out[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias), W_hat = scale * q + min per group (affine 8- or 4-bit codes in the
+// runtime layout of quant_linear.cpp, read as they are: nothing new is stored).
+//
+// Why. quant_linear.cpp turns every code into a float (an AND and an int->float conversion per 8 codes) and
+// multiplies with one FMA per 8 codes; on the AVX2 box that arithmetic, not memory, bounds a 576-wide layer in
+// cache (47 us for 576 x 576 int8, of which integer dots alone would take ~27 us: notes/sparseq_results.md). Here,
+// as in llama.cpp's Q8_0 dot products, x is rounded once per call to int8 per 32 columns and one block of 32
+// codes is multiplied against it with two integer instructions (maddubs: u8 x s8 -> pairs summed to int16, madd
+// with ones: -> 8 int32), one int->float conversion and one FMA per activation row.
+//
+// Activations, per row and per 32-column block b (the kernel's float32 operations, reproduced bit for bit by
+// brisk.ops.sparse_q8.quantize_activations_q8):   xs_b = max|x_b| / 127,   xq_b = round_half_even(x_b * 127 / max|x_b|)
+// and the sum of the ROUNDED activations per weight group, xr_g = sum_{b in g} xs_b * sum(xq_b), so that the result
+// is exactly the product of the rounded x with W_hat (up to float32 summation):
+//
+//   out[m, n] = sum_g s_g * sum_{b in g} xs_b * dot(q'_b, xq_b)  +  sum_g (min_g + c * s_g) * xr_g
+//
+// with q' = q - c: c = 128 for 8-bit codes (so that they fit int8; see below), c = 0 for 4-bit codes.
+//
+// Operand ranges. maddubs adds two u8 x s8 products into a saturating int16: 8-bit codes 0..255 against |xq| <= 127
+// could reach 2 * 255 * 127 = 64770 and saturate. So 8-bit codes are recentred (q' = q ^ 0x80 = q - 128, in
+// [-128, 127]) and multiplied with the sign trick: |q'| (<= 128, unsigned) against sign(q') * xq, whose pair sums
+// reach at most 2 * 128 * 127 = 32512 < 32767: exact. 4-bit codes 0..15 are unsigned already: 2 * 15 * 127 fits.
+//
+// Layout. The codes stay in quant_linear.cpp's blocked order (see its header), and x is permuted once per call to
+// match, so that byte p of the 256-bit code vector and byte p of the activation vector hold the same element:
+//
+//   8 bits: 32 bytes; byte p = 4 l + i of the block is element e = 8 i + l (l = 0..7, i = 0..3)
+//   4 bits: 16 bytes; nibbles split into a 256-bit vector [low nibbles | high nibbles]: byte p = 4 j + i of the
+//           low half is element 8 i + j, byte 16 + 4 j + i (high half) is element 8 i + j + 4 (j = 0..3)
+//
+// Both are the same permutation, xperm[4 l + i] = x[8 i + l]: after the packs that narrow four int32 vectors
+// (lanes l of x[8 i .. 8 i + 7]) to bytes, each 128-bit half holds a 4 x 4 byte matrix [i][l] that one in-lane byte
+// shuffle transposes to [l][i].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMaxTileRows = 4;  // activation rows per tile (a chunk of weight rows stays in L1 across tiles)
+// software prefetch distance in the codes, as in quant_linear.cpp
+constexpr int64_t kPrefetchBytes = 1024;
+// groups of at most this many blocks fold their scale into each block's (see tile): measured 1.1-1.4x faster for
+// 32- and 64-column groups on the default model's shapes, M = 1..8 (1 thread, in cache and out)
+constexpr int64_t kFoldMaxBlocks = 2;
+
+struct Q8W {
+  const uint8_t* data;  // [N, row_bytes] blocked codes
+  int64_t row_bytes;    // K / 32 * BPB
+  const float* scales;  // [N, ngroups]
+  const float* mins;    // [N, ngroups]
+  int64_t ngroups;
+  int64_t blocks_per_group;
+  int64_t nblocks;  // K / 32
+};
+
+// The activations as the kernel reads them. xq: [M, K] int8 in the permuted order; xs: [M, nblocks]; xr: [M,
+// ngroups] (sums of the rounded activations per weight group).
+struct Q8X {
+  const int8_t* xq;
+  const float* xs;
+  const float* xr;
+  int64_t K, nblocks, ngroups;
+};
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// One block of codes as the unsigned maddubs operand `u`, and (8 bits) the recentred signed codes `sg` whose sign
+// the activations take.
+template <int BITS>
+inline void load_codes(const uint8_t* p, __m256i& u, __m256i& sg) {
+  if constexpr (BITS == 8) {
+    sg = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
+    u = _mm256_abs_epi8(sg);  // -128 stays 0x80, which maddubs reads as unsigned 128
+  } else {
+    static_assert(BITS == 4, "bits must be 8 or 4");
+    // [16 bytes | the same 16 bytes >> 4], then the low nibble of every byte
+    const __m256i d = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    u = _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+    sg = u;
+  }
+}
+
+// 8 int32 partial sums of the block's dot(q', xq) for one activation row.
+template <int BITS>
+inline __m256i block_dot(__m256i u, __m256i sg, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, sg)), ones);
+  else return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+}
+
+// Weight row n against MT activation rows (xq + m * K, xs + m * nblocks, xr + m * ngroups). With one or two rows
+// the blocks alternate between two accumulator sets, so two FMA chains are in flight.
+// FOLD (groups of a few blocks): no group loop; each block's activation scale is multiplied by its group's scale
+// instead (one multiply per block and activation row against ~5 operations per group end).
+template <int BITS, int MT, bool FOLD>
+void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, int64_t ldo) {
+  constexpr int NA = MT <= 2 ? 2 : 1;
+  constexpr int BPB = 32 * BITS / 8;
+  constexpr float kOffset = BITS == 8 ? 128.f : 0.f;  // c: q' = q - c
+  __m256 acc[NA][MT], tot[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = _mm256_setzero_ps();
+    for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
+  }
+  const uint8_t* wp = p.data + n * p.row_bytes;
+  const float* sp = p.scales + n * p.ngroups;
+  auto step = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
+    __m256i u, sg;
+    _mm_prefetch(reinterpret_cast<const char*>(wp + b * BPB) + kPrefetchBytes, _MM_HINT_T0);
+    load_codes<BITS>(wp + b * BPB, u, sg);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq + m * x.K + b * kBlock));
+      const __m256i d = block_dot<BITS>(u, sg, xv);  // [8] int32, exact
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(x.xs + m * x.nblocks + b), a[m]);
+    }
+  };
+  if constexpr (FOLD) {
+    const float* sg = sp;
+    __m256 s = _mm256_setzero_ps();
+    int64_t left = 0;  // blocks left in the current group
+    auto fstep = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
+      if (left == 0) {
+        s = _mm256_broadcast_ss(sg++);
+        left = p.blocks_per_group;
+      }
+      --left;
+      __m256i u, sgn;
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * BPB) + kPrefetchBytes, _MM_HINT_T0);
+      load_codes<BITS>(wp + b * BPB, u, sgn);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq + m * x.K + b * kBlock));
+        const __m256 xs = _mm256_mul_ps(_mm256_broadcast_ss(x.xs + m * x.nblocks + b), s);
+        a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<BITS>(u, sgn, xv)), xs, a[m]);
+      }
+    };
+    int64_t b = 0;
+    if constexpr (NA == 2)
+      for (; b + 2 <= p.nblocks; b += 2) {
+        fstep(b, acc[0]);
+        fstep(b + 1, acc[1]);
+      }
+    for (; b < p.nblocks; ++b) fstep(b, acc[0]);
+    for (int m = 0; m < MT; ++m) {
+      tot[m] = acc[0][m];
+      if constexpr (NA == 2) tot[m] = _mm256_add_ps(tot[m], acc[1][m]);
+    }
+  } else {
+    for (int64_t b0 = 0, g = 0; b0 < p.nblocks; b0 += p.blocks_per_group, ++g) {  // weight groups
+      const int64_t b1 = b0 + p.blocks_per_group;
+      int64_t b = b0;
+      if constexpr (NA == 2)
+        for (; b + 2 <= b1; b += 2) {
+          step(b, acc[0]);
+          step(b + 1, acc[1]);
+        }
+      for (; b < b1; ++b) step(b, acc[0]);
+      const __m256 s = _mm256_broadcast_ss(sp + g);  // end of the group: tot += s_g * sum_b xs_b dot_b
+      for (int m = 0; m < MT; ++m) {
+        __m256 t = acc[0][m];
+        if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][m]);
+        tot[m] = _mm256_fmadd_ps(t, s, tot[m]);
+        for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
+      }
+    }
+  }
+  // + sum_g (min_g + c s_g) xr_g, 8 groups at a time (the masked loads of the tail never touch memory past the end)
+  const float* mp = p.mins + n * p.ngroups;
+  const __m256 c = _mm256_set1_ps(kOffset);
+  for (int m = 0; m < MT; ++m) {
+    const float* xr = x.xr + m * x.ngroups;
+    __m256 a = tot[m];
+    int64_t g = 0;
+    for (; g + 8 <= p.ngroups; g += 8) {
+      const __m256 mn = _mm256_fmadd_ps(_mm256_loadu_ps(sp + g), c, _mm256_loadu_ps(mp + g));
+      a = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xr + g), a);
+    }
+    if (g < p.ngroups) {
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(p.ngroups - g)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 mn = _mm256_fmadd_ps(_mm256_maskload_ps(sp + g, mask), c, _mm256_maskload_ps(mp + g, mask));
+      a = _mm256_fmadd_ps(mn, _mm256_maskload_ps(xr + g, mask), a);
+    }
+    out[m * ldo + n] = hsum(a) + (bias ? bias[n] : 0.f);
+  }
+}
+
+inline bool fold(const Q8W& p) { return p.blocks_per_group <= kFoldMaxBlocks && p.blocks_per_group < p.nblocks; }
+
+template <int BITS, int MT>
+void tile_rows(const Q8W& p, int64_t n0, int64_t n1, const Q8X& x, const float* bias, float* out, int64_t ldo) {
+  if (fold(p)) for (int64_t n = n0; n < n1; ++n) tile<BITS, MT, true>(p, n, x, bias, out, ldo);
+  else for (int64_t n = n0; n < n1; ++n) tile<BITS, MT, false>(p, n, x, bias, out, ldo);
+}
+
+// x advanced by `m` activation rows
+inline Q8X rows_from(const Q8X& x, int64_t m) {
+  return Q8X{x.xq + m * x.K, x.xs + m * x.nblocks, x.xr + m * x.ngroups, x.K, x.nblocks, x.ngroups};
+}
+
+// Weight rows n0 .. n1-1 against all M activation rows, one tile of up to 4 rows at a time.
+template <int BITS>
+void run_rows(const Q8W& p, int64_t n0, int64_t n1, const Q8X& x, int64_t M, const float* bias, float* out,
+              int64_t ldo) {
+  int64_t m = 0;
+  for (; m + kMaxTileRows <= M; m += kMaxTileRows)
+    tile_rows<BITS, kMaxTileRows>(p, n0, n1, rows_from(x, m), bias, out + m * ldo, ldo);
+  switch (M - m) {
+    case 1: tile_rows<BITS, 1>(p, n0, n1, rows_from(x, m), bias, out + m * ldo, ldo); break;
+    case 2: tile_rows<BITS, 2>(p, n0, n1, rows_from(x, m), bias, out + m * ldo, ldo); break;
+    case 3: tile_rows<BITS, 3>(p, n0, n1, rows_from(x, m), bias, out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void run(const Q8W& p, const Q8X& x, int64_t M, int64_t N, const float* bias, float* out) {
+  // rows per chunk: their codes (<= 4 KiB) stay in L1 while the activation tiles run over them
+  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);
+  // grain: rows per task such that a task streams >= ~32 KiB of codes
+  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t c = n0; c < n1; c += chunk) run_rows<BITS>(p, c, std::min(n1, c + chunk), x, M, bias, out, N);
+  });
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// x [M, K] -> xq [M, K] int8 (permuted, see the top of the file), xs [M, K / 32], xr [M, K / G].
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // within each 128-bit half: byte 4 l + i <- byte 4 i + l (a 4 x 4 transpose)
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const int64_t nblocks = K / kBlock, ngroups = K / G, bpg = G / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float gsum = 0.f;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        const T* src = x + m * K + j * kBlock;
+        __m256 f[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          f[i] = load8(src + 8 * i);
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float scale = amax / 127.f;
+        xs[m * nblocks + j] = scale;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));  // round half to even
+        // sum of the block's codes (exact in int32, then exact in float: |sum| <= 32 * 127)
+        __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        gsum += scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+        // packs: half h holds [q0 l, q1 l, q2 l, q3 l] for l = 4 h .. 4 h + 3, i.e. byte 4 i + (l - 4 h)
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + j * kBlock), _mm256_shuffle_epi8(b, transpose));
+      }
+      xr[m * ngroups + g] = gsum;
+    }
+  }
+}
+
+}  // namespace
+
+// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (quant_linear.cpp's blocked layout, 8 or 4
+// bits); scales, mins: [N, K / G] float32 (G a multiple of 32 dividing K); bias: [N] float32 / bfloat16 or absent.
+// Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
+at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t bits, int64_t group_size,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_q8: x must be float32 or bfloat16 [..., K]");
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_q8: bits must be 8 or 4");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_linear_q8: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
+              data.size(1) == K / kBlock * 4 * bits,
+              "quant_linear_q8: data must be a contiguous uint8 [N, K / 32 * 4 * bits] tensor");
+  const int64_t N = data.size(0), ngroups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear_q8: scales must be float32 [N, K / G]");
+  TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scales.sizes(),
+              "quant_linear_q8: mins must be float32 and shaped like scales");
+  at::Tensor bf;  // bias as float32
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                "quant_linear_q8: bias must be a float32 or bfloat16 [N] tensor");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return out;
+  auto xc = x.contiguous();
+  const int64_t nblocks = K / kBlock;
+  const bool direct = x.scalar_type() == at::kFloat;  // the kernel writes float32 results in place
+  // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result [M, N] unless written in place,
+  // then xq [M, K] int8 (K / 4 words)
+  auto scratch = at::empty({M * (nblocks + ngroups + (direct ? 0 : N) + K / 4)}, x.options().dtype(at::kFloat));
+  float* xs = scratch.data_ptr<float>();
+  float* xr = xs + M * nblocks;
+  float* acc = direct ? out.data_ptr<float>() : xr + M * ngroups;
+  int8_t* xq = reinterpret_cast<int8_t*>(xr + M * ngroups + (direct ? 0 : M * N));
+  if (xc.scalar_type() == at::kFloat) quantize_x(xc.data_ptr<float>(), M, K, group_size, xq, xs, xr);
+  else quantize_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xr);
+  const Q8W p{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr<float>(), mins.data_ptr<float>(), ngroups,
+              group_size / kBlock, nblocks};
+  const Q8X xa{xq, xs, xr, K, nblocks, ngroups};
+  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  if (bits == 8) run<8>(p, xa, M, N, b, acc);
+  else run<4>(p, xa, M, N, b, acc);
+  if (!direct) out.copy_(at::from_blob(acc, sizes, x.options().dtype(at::kFloat)));  // -> bfloat16
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("quant_linear_q8(Tensor x, Tensor data, Tensor scales, Tensor mins, int bits, int group_size, Tensor? bias) "
+        "-> Tensor", &quant_linear_q8);
+}
+
+#endif  // AVX2 + FMA: without them no op is registered and brisk.ops.qlinear_q8 takes its reference path

@@ -1,0 +1,84 @@
+"""Dense 8/4-bit affine quantized linears with int8 activations: integer dot products for decode (M <= MAX_Q8_M).
+
+ops/csrc/quant_q8.cpp reads the same packed codes as quant_linear.cpp (nothing new is stored) but rounds x once
+per call to int8 per 32 columns, as llama.cpp's Q8_0 dot products do (xs = max|x| / 127, xq = round(x / xs),
+bit for bit `sparse_q8.quantize_activations_q8`), and multiplies a block of 32 codes with two integer
+instructions instead of decoding them to floats. Its result is the product of the ROUNDED activations with the
+dequantized weights (the min term uses the sum of the rounded x as well), so the only approximation besides
+float32 summation is x's rounding: relative error <= 1/254 of each 32-block's max |x| per element.
+
+`quant_q8_reference` is the kernel's oracle (exact integer dots per block, scaled in float64), and
+`quant_linear_q8` the entry point: the kernel, or when it is not built a float32 product of the rounded x with
+the dequantized weights (the same numbers up to summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brisk.ops.kernels import get_op
+from brisk.ops.qlinear import BLOCK, PackedWeight, dequantize_packed, unpack_codes
+from brisk.ops.sparse_q8 import quantize_activations_q8
+
+# Up to this many activation rows quant_linear takes the int8-activation kernel when asked to; beyond, the
+# float-activation kernel (measured only for M = 1..8: notes/q8dot_results.md).
+MAX_Q8_M = 8
+ACTIVATION_MODES = ("float", "int8")
+
+
+def covers(pw: PackedWeight) -> bool:
+    """Whether the int8-activation kernel takes this weight: 8- or 4-bit affine codes in the blocked layout."""
+    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and pw.mins is not None
+
+
+def _rounded_sums(xq: torch.Tensor, xs: torch.Tensor, group_size: int) -> torch.Tensor:
+    """xq [M, K] int8, xs [M, K / 32] -> xr [M, K / G] float64: sum of the rounded activations per weight group."""
+    m, nb = xs.shape
+    per_block = xq.view(m, nb, BLOCK).double().sum(-1) * xs.double()  # [M, nb]
+    return per_block.view(m, -1, group_size // BLOCK).sum(-1)  # [M, K / G]
+
+
+def quant_q8_reference(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                       rows_per_chunk: int = 4096) -> torch.Tensor:
+    """Pure-PyTorch oracle of the kernel: x [..., K] -> [..., N] in x's dtype. Per 32-column block the integer
+    dot of the codes with the rounded activations is exact (float64), scaled by xs_b and the group's scale; plus
+    min_g times the sum of the rounded activations of the group."""
+    assert covers(pw), "8- or 4-bit affine codes in the blocked layout"
+    n, k, g = pw.out_features, pw.in_features, pw.group_size
+    xq, xs = quantize_activations_q8(x.reshape(-1, k).float())  # [M, K] int8, [M, K / 32]
+    m, nb = xs.shape
+    xqb = xq.view(m, nb, BLOCK).double()  # [M, nb, 32]
+    xr = _rounded_sums(xq, xs, g)  # [M, K / G]
+    group_of_block = torch.arange(nb) * BLOCK // g  # [nb]
+    parts = []
+    for n0 in range(0, n, rows_per_chunk):  # bounds the float64 codes to rows_per_chunk * K
+        n1 = min(n, n0 + rows_per_chunk)
+        q = unpack_codes(PackedWeight(pw.bits, g, n1 - n0, k, pw.data[n0:n1], pw.scales[n0:n1], pw.mins[n0:n1],
+                                      None, True)).double().view(n1 - n0, nb, BLOCK)  # [n, nb, 32]
+        dots = torch.einsum("mjc,njc->mnj", xqb, q)  # [M, n, nb], exact integers
+        scale = pw.scales[n0:n1].double()[:, group_of_block]  # [n, nb]
+        out = (dots * xs.double()[:, None, :] * scale[None]).sum(-1)  # [M, n]
+        parts.append(out + xr @ pw.mins[n0:n1].double().T)  # + sum_g min_g xr_g
+    out = torch.cat(parts, dim=-1)  # [M, N]
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) -> float32 [..., K]: the values the kernel multiplies, xs_b * xq."""
+    k = x.shape[-1]
+    xq, xs = quantize_activations_q8(x.reshape(-1, k).float())  # [M, K], [M, K / 32]
+    xf = xq.view(xs.shape[0], -1, BLOCK).float() * xs[..., None]  # [M, nb, 32]
+    return xf.view(*x.shape[:-1], k)
+
+
+def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 / bfloat16 -> [..., N] in x's dtype, with int8-rounded activations. The caller checks
+    `covers(pw)`; without the kernel (not built, disabled, off the CPU) a float32 product of the rounded x."""
+    op = get_op("quant_linear_q8")
+    if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+        return op(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, bias)  # [..., N]
+    w = dequantize_packed(pw).to(x.device)  # [N, K]
+    return F.linear(fake_quantize_activations(x), w, None if bias is None else bias.float()).to(x.dtype)
