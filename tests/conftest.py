@@ -43,3 +43,16 @@ def ops():  # noqa: ANN201 - torch.ops.brisk
     if found is None:
         pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
     return found
+
+
+def ops_with(op_name: str):  # noqa: ANN201 - torch.ops.brisk
+    """brisk's C++ kernels with BRISK_DISABLE_KERNELS cleared, failing (never skipping) when `op_name` did not
+    build: the module-scoped `ops` fixture of kernel tests that need one particular op."""
+    from brisk.ops import kernels
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
+        found = kernels.get_ops()
+    if found is None or not hasattr(found, op_name):
+        pytest.fail(f"the C++ kernel {op_name} did not build; see the warning logged by brisk.ops.kernels")
+    return found

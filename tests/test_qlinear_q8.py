@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ops_with
 from hf_utils import make_tiny_hf_model
 from test_model import prefill_logits
 from test_quant_checkpoint import quantize_folder
 
 from brisk.model.loader import load_model
-from brisk.ops import kernels
 from brisk.ops import qlinear_q8 as Q
 from brisk.ops.qlinear import dequantize_packed, prepack, prepack_nf4, quant_linear
 from brisk.quant.config import LayerQuant
@@ -26,12 +26,7 @@ def kernels_enabled(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ops():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
-        found = kernels.get_ops()
-    if found is None or not hasattr(found, "quant_linear_q8"):
-        pytest.fail("the quant_q8 C++ kernel did not build; see the warning logged by brisk.ops.kernels")
-    return found
+    return ops_with("quant_linear_q8")
 
 
 def random_packed(n: int, k: int, bits: int, group: int, sym: bool = False, seed: int = 0):

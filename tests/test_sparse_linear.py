@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ops_with
 from hf_utils import make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 from test_quant_checkpoint import _greedy_float, quantize_folder
 
 from brisk import LLM, SamplingParams
 from brisk.model.loader import load_model
-from brisk.ops import kernels
 from brisk.ops import sparse as S
 from brisk.ops.qlinear import dequantize_packed, prepack
 from brisk.quant.config import LayerQuant
@@ -29,12 +29,7 @@ def kernels_enabled(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ops():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
-        found = kernels.get_ops()
-    if found is None or not hasattr(found, "sparse_linear"):
-        pytest.fail("the sparse_linear C++ kernels did not build; see the warning logged by brisk.ops.kernels")
-    return found
+    return ops_with("sparse_linear")
 
 
 def magnitude_prune(w: torch.Tensor, sparsity: float) -> torch.Tensor:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ops_with
 from hf_utils import make_tiny_hf_model
 from test_model import prefill_logits
 from test_quant_checkpoint import quantize_folder
 from test_sparse_linear import packed_layer, random_sparse, write_pruned
 
 from brisk.model.loader import load_model
-from brisk.ops import kernels
 from brisk.ops import sparse as S
 from brisk.ops import sparse_q8 as Q
 from brisk.ops.qlinear import dequantize_packed
@@ -26,12 +26,7 @@ def kernels_enabled(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ops():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
-        found = kernels.get_ops()
-    if found is None or not hasattr(found, "sparse_q8_linear"):
-        pytest.fail("the sparse_q8 C++ kernel did not build; see the warning logged by brisk.ops.kernels")
-    return found
+    return ops_with("sparse_q8_linear")
 
 
 def naive_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
