@@ -16,12 +16,17 @@ def test_bench_quant_report_on_a_tiny_model(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 80)
     out = tmp_path / "quant.json"
-    result = CliRunner().invoke(main, ["bench", "quant", "--model", str(src), "--settings", "int8,int4-g64,int2-g64",
+    settings = "int8,int4-g64,int2-g64,int4-g64-a8"
+    result = CliRunner().invoke(main, ["bench", "quant", "--model", str(src), "--settings", settings,
                                        "--text", str(text), "--window", "64", "--max-windows", "2", "--batch", "3",
                                        "--input-len", "16", "--output-len", "6", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
-    assert [r["name"] for r in rows] == ["float32", "int8", "int4-g64", "int2-g64"]
+    assert [r["name"] for r in rows] == ["float32", "int8", "int4-g64", "int2-g64", "int4-g64-a8"]
+    a8 = rows.pop()
+    # the same checkpoint, run with int8 activations: its perplexity windows round x too, so the figure moves
+    assert a8["size_bytes"] == rows[2]["size_bytes"] and a8["label"].endswith("int8 act")
+    assert a8["ppl"] != rows[2]["ppl"] and abs(a8["ppl"] / rows[2]["ppl"] - 1) < 0.05
     sizes = [r["size_bytes"] for r in rows]
     assert sizes == sorted(sizes, reverse=True)  # fewer bits, fewer bytes
     for r in rows:
@@ -30,5 +35,6 @@ def test_bench_quant_report_on_a_tiny_model(tmp_path):
 
 
 def test_bench_quant_rejects_unknown_setting():
-    result = CliRunner().invoke(main, ["bench", "quant", "--settings", "int5"])
-    assert result.exit_code != 0 and "unknown setting(s) int5" in result.output
+    for bad in ("int5", "float32-a8"):
+        result = CliRunner().invoke(main, ["bench", "quant", "--settings", bad])
+        assert result.exit_code != 0 and f"unknown setting '{bad}'" in result.output, result.output

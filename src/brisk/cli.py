@@ -46,8 +46,8 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
                           "and large batches, twice the weight memory); auto = when --max-num-seqs > 8."),
         click.option("--quant-activations", default="float", show_default=True, type=click.Choice(["float", "int8"]),
-                     help="Decode activations of 8/4-bit quantized models: float, or int8 per 32 columns with "
-                          "integer dot products (faster GEMVs, slightly different logits)."),
+                     help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer "
+                          "dot products, as llama.cpp's Q8 dots (faster decode, slightly different logits)."),
         click.option("--speculative", default=None, metavar="METHOD",
                      help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
                           "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "

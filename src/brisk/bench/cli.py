@@ -467,7 +467,9 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
 @bench.command("quant")
 @click.option("--settings", default="int8,int4-g64,nf4-g64,int3-g64,int2-g64", show_default=True,
               help="Comma-separated settings (float32 is always measured first as the baseline); "
-                   "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch.")
+                   "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch; "
+                   "a name + '-a8' (int8-a8, int4-g64-a8) runs that checkpoint with int8 activations "
+                   "(--quant-activations int8).")
 @click.option("--model", "-m", default=None, help="Float model to quantize (default: SmolLM2-135M-Instruct).")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Held-out text for perplexity (default: none, no perplexity column).")
@@ -476,7 +478,8 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
 @click.option("--batch", type=int, default=8, show_default=True, help="Batch size of the batched decode figure.")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
 @click.option("--output-len", type=int, default=64, show_default=True, help="Generated tokens per decode run.")
-@click.option("--runs", type=int, default=3, show_default=True, help="Decode runs per figure; the best is kept.")
+@click.option("--runs", type=int, default=3, show_default=True,
+              help="Decode rounds (every setting once per round, so drift hits all alike); the best is kept.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")

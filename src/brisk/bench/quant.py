@@ -27,6 +27,18 @@ SETTINGS: dict[str, LayerQuant | None] = {
     "int4-g32": LayerQuant(bits=4, group_size=32, sym=False),
     "int4-ch": LayerQuant(bits=4, group_size=-1, sym=False),
 }
+# A setting name + this suffix: the same checkpoint run with int8 activations (`quant_activations="int8"`: x rounded
+# to int8 per 32 columns and integer dot products, in the perplexity windows and the decode runs alike).
+A8 = "-a8"
+
+
+def parse_setting(name: str) -> tuple[LayerQuant | None, bool]:
+    """'int4-g64-a8' -> (the int4-g64 setting, True). Raises ValueError for an unknown name."""
+    base, a8 = (name[: -len(A8)], True) if name.endswith(A8) else (name, False)
+    if base not in SETTINGS or (a8 and SETTINGS[base] is None):
+        known = ", ".join([*SETTINGS, *(n + A8 for n, v in SETTINGS.items() if v is not None)])
+        raise ValueError(f"unknown setting {name!r}; choose from {known}")
+    return SETTINGS[base], a8
 
 
 @dataclass
@@ -99,24 +111,27 @@ def run_quant_report(names: list[str], model: str | None, text: str | None, wind
     from brisk.eval.size import model_size
     from brisk.model.loader import resolve_model
 
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    for n in names:
+        parse_setting(n)
     if "float32" not in names:
         names = ["float32", *names]
     source = str(resolve_model(model))
     rows: list[QuantRow] = []
-    reference_tokens: list[int] | None = None
+    built: dict[str, tuple[str, float]] = {}  # checkpoint label -> (folder, seconds); an -a8 row reuses it
+    engines: list[tuple[str, Any, list[int]]] = []  # (name, LLM, prompt) of every row, kept for the decode rounds
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for name in names:
-            setting = SETTINGS[name]
+            setting, a8 = parse_setting(name)
             seconds = 0.0
             path = source
             if setting is not None:
-                log(f"{name}: quantizing ...")
-                path = str(Path(tmp) / name)
-                seconds = build_checkpoint(setting, Path(path), model)
-            llm = LLM(path, kv_cache_memory="256MiB", enable_prefix_caching=False)
+                if setting.label not in built:
+                    log(f"{name}: quantizing ...")
+                    folder = Path(tmp) / f"q{len(built)}"
+                    built[setting.label] = (str(folder), build_checkpoint(setting, folder, model))
+                path, seconds = built[setting.label]
+            llm = LLM(path, kv_cache_memory="256MiB", enable_prefix_caching=False,
+                      quant_activations="int8" if a8 else "float")
             loaded = llm.engine.loaded
             size = (model_size(loaded) if setting is None else model_size(Path(path))).total.bytes
             ppl = None
@@ -125,16 +140,26 @@ def run_quant_report(names: list[str], model: str | None, text: str | None, wind
                 ppl = perplexity(loaded, text, window=window, max_windows=max_windows, progress=True).ppl
             tok = llm.get_tokenizer()
             prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
-            log(f"{name}: decode at batch 1 and {batch} ...")
             decode_rate(llm, prompt, 1, 8)  # warm-up: kernels built, caches touched
-            # best of `runs`: on a 2-core machine a stray process costs a run tens of percent, never helps it
-            b1, tokens = max(decode_rate(llm, prompt, 1, output_len) for _ in range(runs))
-            bb = max(decode_rate(llm, prompt, batch, output_len)[0] for _ in range(runs))
-            if reference_tokens is None:
-                reference_tokens = tokens
-            rows.append(QuantRow(name=name, label=setting.label if setting else "float32", size_bytes=size,
-                                 ppl=ppl, decode_tok_s_b1=b1, decode_tok_s_batch=bb, batch=batch,
-                                 quantize_s=seconds, same_greedy_as_float=tokens == reference_tokens))
-            del llm, loaded
-            gc.collect()
+            label = (setting.label + (", int8 act" if a8 else "")) if setting else "float32"
+            rows.append(QuantRow(name=name, label=label, size_bytes=size, ppl=ppl, decode_tok_s_b1=0.0,
+                                 decode_tok_s_batch=0.0, batch=batch, quantize_s=seconds))
+            engines.append((name, llm, prompt))
+        # Decode runs in rounds, every setting once per round: this VM's speed drifts by tens of percent over
+        # minutes, so settings measured one after the other would compare different machines. Best of `runs`:
+        # a stray process costs a run, never helps it.
+        b1: dict[str, list[tuple[float, list[int]]]] = {name: [] for name in names}
+        bb: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(runs):
+            log(f"decode round {r + 1}/{runs}: batch 1 and {batch}, every setting ...")
+            for name, llm, prompt in engines:
+                b1[name].append(decode_rate(llm, prompt, 1, output_len))
+                bb[name].append(decode_rate(llm, prompt, batch, output_len)[0])
+        reference_tokens = max(b1[names[0]])[1]
+        for row in rows:
+            rate, tokens = max(b1[row.name])
+            row.decode_tok_s_b1, row.decode_tok_s_batch = rate, max(bb[row.name])
+            row.same_greedy_as_float = tokens == reference_tokens
+        engines.clear()
+        gc.collect()
     return rows

@@ -199,8 +199,8 @@ class EngineConfig:
     # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
     # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8), "on", "off"
     prepack_weights: str = "auto"
-    # decode activations of 8/4-bit quantized linears: "float" (codes decoded to float), or "int8" (x rounded to
-    # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster kernels, slightly different numerics)
+    # activations of 8/4-bit quantized linears: "float" (codes decoded to float), or "int8" (every row of x rounded to
+    # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics)
     quant_activations: str = "float"
 
     def __post_init__(self) -> None:

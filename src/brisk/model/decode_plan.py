@@ -66,7 +66,7 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
 
 def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     from brisk.ops.qlinear import quant_linear
-    from brisk.ops.qlinear_q8 import MAX_Q8_M, covers
+    from brisk.ops.qlinear_q8 import covers
 
     pw, b = module.packed, module.bias
     if not pw.blocked:
@@ -74,11 +74,10 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     small = ops.quant_linear_small.default
     int8 = module.quant_activations == "int8"
     q8 = ops.quant_linear_q8.default if int8 and covers(pw) and hasattr(ops, "quant_linear_q8") else None
-    max_q8_m = MAX_Q8_M if q8 is not None else 0
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        # ops.qlinear.quant_linear's choices for few rows
-        if x.shape[0] <= max_q8_m:
+        # ops.qlinear.quant_linear's choices
+        if q8 is not None:
             return q8(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, b)
         if x.shape[0] <= MAX_SMALL_M:
             return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)

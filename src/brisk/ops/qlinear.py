@@ -208,15 +208,16 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> t
 def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
                  int8_activations: bool = False) -> torch.Tensor:
     """x: [..., K] (float32 or bfloat16) @ dequantized weight^T (+ bias) -> [..., N] in x's dtype.
-    int8_activations: up to qlinear_q8.MAX_Q8_M rows of 8/4-bit affine codes, round x to int8 per 32 columns and
-    use integer dot products (ops/qlinear_q8.py); other rows and formats take the float-activation paths."""
+    int8_activations: for 8/4-bit affine codes, round every row of x to int8 per 32 columns and use integer dot
+    products (ops/qlinear_q8.py), whatever the row count, so a row's numbers do not depend on the batch it runs in;
+    other formats take the float-activation paths."""
     k = pw.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, this weight expects {k}")
     if int8_activations:
         from brisk.ops import qlinear_q8
 
-        if x.numel() <= qlinear_q8.MAX_Q8_M * k and qlinear_q8.covers(pw):
+        if qlinear_q8.covers(pw):
             return qlinear_q8.quant_linear_q8(x, pw, bias)
     if pw.blocked and x.is_cpu and x.dtype in _KERNEL_DTYPES:
         if x.numel() <= MAX_SMALL_M * k:  # few rows (decode): decode the codes inside the kernel

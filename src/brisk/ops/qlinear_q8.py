@@ -1,4 +1,4 @@
-"""Dense 8/4-bit affine quantized linears with int8 activations: integer dot products for decode (M <= MAX_Q8_M).
+"""Dense 8/4-bit affine quantized linears with int8 activations: integer dot products (every row, prefill too).
 
 ops/csrc/quant_q8.cpp reads the same packed codes as quant_linear.cpp (nothing new is stored) but rounds x once
 per call to int8 per 32 columns, as llama.cpp's Q8_0 dot products do (xs = max|x| / 127, xq = round(x / xs),
@@ -21,9 +21,6 @@ from brisk.ops.kernels import get_op
 from brisk.ops.qlinear import BLOCK, PackedWeight, dequantize_packed, unpack_codes
 from brisk.ops.sparse_q8 import quantize_activations_q8
 
-# Up to this many activation rows quant_linear takes the int8-activation kernel when asked to; beyond, the
-# float-activation kernel (measured only for M = 1..8: notes/q8dot_results.md).
-MAX_Q8_M = 8
 ACTIVATION_MODES = ("float", "int8")
 
 

@@ -50,8 +50,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxTileRows = 4;  // activation rows per tile (a chunk of weight rows stays in L1 across tiles)
-// software prefetch distance in the codes, as in quant_linear.cpp
-constexpr int64_t kPrefetchBytes = 1024;
+// software prefetch distance in the codes: 4 KiB measured ~5% faster than quant_linear.cpp's 1 KiB on the default
+// model's int4 decode step (same-process A/B, 1 and 2 threads; 2 and 8 KiB in between)
+constexpr int64_t kPrefetchBytes = 4096;
 // groups of at most this many blocks fold their scale into each block's (see tile): measured 1.1-1.4x faster for
 // 32- and 64-column groups on the default model's shapes, M = 1..8 (1 thread, in cache and out)
 constexpr int64_t kFoldMaxBlocks = 2;
