@@ -10,7 +10,7 @@ from torch import nn
 from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear, use_fast_linear
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 12])
 @pytest.mark.parametrize("n,k", [(1539, 576), (576, 1536), (7, 20), (4, 8)])  # odd N and K exercise the tails
 def test_float32_equals_f_linear(ops, m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
@@ -21,7 +21,7 @@ def test_float32_equals_f_linear(ops, m, n, k):
     torch.testing.assert_close(ops.linear_small_m(x, w, None).double(), want - b.double(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 3, 4, 12])
 def test_bfloat16_weights_accumulate_in_float32(ops, m):
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 576, generator=g).bfloat16(), torch.randn(960, 576, generator=g).bfloat16()

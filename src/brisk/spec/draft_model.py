@@ -146,12 +146,15 @@ class DraftModelProposer(Proposer):
 
 def self_draft_model(engine: LLMEngine, bits: int, group_size: int = 64) -> LlamaForCausalLM:
     """An RTN-quantized copy of the engine's model (INT8 / INT4 / INT2 decoder linears, int8 embedding/head),
-    built in memory the way `brisk quantize` + load would: RTN codes, then the packed QuantLinear modules."""
+    built in memory the way `brisk quantize` + load would: RTN codes, then the packed QuantLinear modules. Its
+    8/4-bit linears take int8 activations (integer dot products, ~1.3x faster drafting here): a draft's numerics
+    only move the acceptance rate, never the output, which verification against the target decides."""
     from brisk.model.fuse import fuse_projections
     from brisk.model.loader import build_model, load_model
     from brisk.ops.linear import use_fast_linear
     from brisk.quant.checkpoint import apply_quantized_modules, quantized_module_names, take_all_quantized
     from brisk.quant.config import LayerQuant
+    from brisk.quant.layers import set_quant_activations
     from brisk.quant.rtn import HEAD_DEFAULT, plan_layers, rtn_quantize
 
     dtype = engine.loaded.dtype
@@ -168,6 +171,7 @@ def self_draft_model(engine: LLMEngine, bits: int, group_size: int = 64) -> Llam
     net.init_rope(max(engine.max_model_len, config.max_position_embeddings), engine.config.device)
     fuse_projections(net)
     use_fast_linear(net)
+    set_quant_activations(net, "int8")
     return net
 
 

@@ -9,6 +9,10 @@
 
 namespace {
 
+// software prefetch distance of the 2..8-row kernel (bytes ahead in the weight row stream): 2-4 KiB measured
+// 5-15% faster than none at M = 2..8 on the default model's shapes (same-process A/B, noisy VM)
+constexpr int kPrefetchBytes = 4096;
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -82,11 +86,52 @@ void gemv_rows(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, fl
   }
 }
 
+// 2..8 activation rows (batched decode, speculative verification): still one weight row at a time, the single
+// sequential stream of gemv_rows, each 8-column chunk multiplied into MT accumulators (the x rows stay in L1).
+// Measured 5-15% faster than rows4's four interleaved row streams at M = 2..8.
+template <int MT, typename W>
+void gemm_rows_seq(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    __m256 a[MT];
+    for (int m = 0; m < MT; ++m) a[m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256 wv = load8(wr + k);
+      for (int m = 0; m < MT; ++m) a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[m]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      float s = hsum(a[m]);
+      for (int64_t kk = k; kk < K; ++kk) s += to_f(wr[kk]) * x[m * K + kk];
+      out[m * ldo + n] = s;
+    }
+  }
+}
+
+template <typename W>
+void seq_dispatch(int64_t M, const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  switch (M) {
+    case 2: gemm_rows_seq<2>(w, K, x, n0, n1, out, ldo); break;
+    case 3: gemm_rows_seq<3>(w, K, x, n0, n1, out, ldo); break;
+    case 4: gemm_rows_seq<4>(w, K, x, n0, n1, out, ldo); break;
+    case 5: gemm_rows_seq<5>(w, K, x, n0, n1, out, ldo); break;
+    case 6: gemm_rows_seq<6>(w, K, x, n0, n1, out, ldo); break;
+    case 7: gemm_rows_seq<7>(w, K, x, n0, n1, out, ldo); break;
+    default: gemm_rows_seq<8>(w, K, x, n0, n1, out, ldo); break;
+  }
+}
+
 template <typename W>
 void run(const W* w, const float* x, float* out, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
     const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * (int64_t)sizeof(W)));
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows(w, K, x, n0, n1, out); });
+    return;
+  }
+  if (M <= 8) {
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * (int64_t)sizeof(W)));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { seq_dispatch(M, w, K, x, n0, n1, out, N); });
     return;
   }
   const int64_t blocks = N / 4;
