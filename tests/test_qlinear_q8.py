@@ -163,3 +163,28 @@ def test_engine_config_validates_the_setting():
     assert EngineConfig(quant_activations="int8").quant_activations == "int8"
     with pytest.raises(ValueError, match="quant_activations"):
         EngineConfig(quant_activations="int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_kernel_equals_the_reference_bit_for_bit(ops, monkeypatch, dtype):
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(37, 192, generator=g) * torch.logspace(-3, 2, 192)).to(dtype)
+    x[3, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[4, :32] = 0.01
+    x[4, 0], x[4, 5] = 0.3671875, 0.18359375  # x * (127 / amax) = 63.5 in float32: a tie, rounded half to even (64)
+    got = Q.fake_quantize_activations(x)
+    assert got[4, 5] == torch.tensor(64.0) * (torch.tensor(0.3671875) / 127)
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    want = Q.fake_quantize_activations(x)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_many_rows_take_the_gemm_path_with_the_same_numbers(ops):
+    # past MAX_Q8_ROWS the rounded x goes through the float GEMM: the kernel's numbers up to summation order
+    pw = random_packed(96, 256, 4, 64, seed=22)
+    x = torch.randn(Q.MAX_Q8_ROWS + 9, 256, generator=torch.Generator().manual_seed(23))
+    many = Q.quant_linear_q8(x, pw)
+    rows = torch.cat([Q.quant_linear_q8(x[i : i + 8], pw) for i in range(0, x.shape[0], 8)])  # the kernel
+    torch.testing.assert_close(many, rows, rtol=1e-5, atol=1e-5 * rows.abs().max().item())
+    want = Q.quant_q8_reference(x, pw)
+    torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

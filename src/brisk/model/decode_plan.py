@@ -66,7 +66,7 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
 
 def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     from brisk.ops.qlinear import quant_linear
-    from brisk.ops.qlinear_q8 import covers
+    from brisk.ops.qlinear_q8 import MAX_Q8_ROWS, covers
 
     pw, b = module.packed, module.bias
     if not pw.blocked:
@@ -78,7 +78,9 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     def run(x: torch.Tensor) -> torch.Tensor:
         # ops.qlinear.quant_linear's choices
         if q8 is not None:
-            return q8(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, b)
+            if x.shape[0] <= MAX_Q8_ROWS:
+                return q8(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, b)
+            return quant_linear(x, pw, b, int8_activations=True)
         if x.shape[0] <= MAX_SMALL_M:
             return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)
         return quant_linear(x, pw, b, int8_activations=int8)

@@ -46,7 +46,10 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     blocks = xp.view(m, nb, BLOCK)  # [M, nb, 32]
     amax = blocks.abs().amax(-1)  # [M, nb]
     xs = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    # a true division, as the kernels' 127.f / amax (`127.0 / tensor` is reciprocal(tensor) * 127 in torch, which
+    # differs in the last bit and so flips ties such as x = amax / 2)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(torch.finfo(torch.float32).tiny),
+                      torch.zeros_like(amax))
     xq = torch.round(blocks * inv[..., None]).to(torch.int8).view(m, nb * BLOCK)  # [M, nb * 32]
     return xq, xs
 

@@ -293,7 +293,54 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
   }
 }
 
+// x [M, K] -> out [M, K] float32: every 32-column block rounded to its int8 grid, xs_b * xq_b (quantize_x's
+// float32 operations, then the product), for the GEMM path of many rows.
+template <typename T>
+void fake_quantize_rows(const T* x, int64_t m0, int64_t m1, int64_t K, float* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t j = 0; j < K / kBlock; ++j) {
+      const T* src = x + m * K + j * kBlock;
+      float* dst = out + m * K + j * kBlock;
+      __m256 f[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        f[i] = load8(src + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      const __m256 scale = _mm256_set1_ps(amax / 127.f);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv)));  // round half to even
+        _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(q, scale));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// x: [..., K] float32 or bfloat16, K a multiple of 32 -> float32 [..., K]: the activations quant_linear_q8
+// multiplies (brisk.ops.qlinear_q8.fake_quantize_activations, bit for bit).
+at::Tensor fake_quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "fake_quantize_q8: x must be float32 or bfloat16 [..., K]");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "fake_quantize_q8: K must be a multiple of 32");
+  auto xc = x.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t M = x.numel() / K;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    if (xc.scalar_type() == at::kFloat) fake_quantize_rows(xc.data_ptr<float>(), m0, m1, K, o);
+    else fake_quantize_rows(xc.data_ptr<at::BFloat16>(), m0, m1, K, o);
+  });
+  return out;
+}
 
 // x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (quant_linear.cpp's blocked layout, 8 or 4
 // bits); scales, mins: [N, K / G] float32 (G a multiple of 32 dividing K); bias: [N] float32 / bfloat16 or absent.
@@ -351,6 +398,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("quant_linear_q8(Tensor x, Tensor data, Tensor scales, Tensor mins, int bits, int group_size, Tensor? bias) "
         "-> Tensor", &quant_linear_q8);
+  m.def("fake_quantize_q8(Tensor x) -> Tensor", &fake_quantize_q8);
 }
 
 #endif  // AVX2 + FMA: without them no op is registered and brisk.ops.qlinear_q8 takes its reference path
