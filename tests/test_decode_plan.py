@@ -25,13 +25,23 @@ def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> lis
 
 
 def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True):
+    """The plan with its C++ layer loop, the plan with the Python loop, and the module path: the same numbers."""
     calls = []
     real_run = DecodePlan.run
     monkeypatch.setattr(DecodePlan, "run", lambda self, *a: calls.append(1) or real_run(self, *a))
     fast_llm = make_llm()
-    assert decode_plan_or_none(fast_llm.engine.loaded.model) is not None, "the plan should cover this model"
+    plan = decode_plan_or_none(fast_llm.engine.loaded.model)
+    assert plan is not None, "the plan should cover this model"
+    assert plan.decode_layers is not None, "ops/csrc/decode_layers.cpp should be built"
+    cpp_calls = []
+    real_loop = plan.decode_layers
+    plan.decode_layers = lambda *a: cpp_calls.append(1) or real_loop(*a)
     fast = _greedy_and_logprobs(fast_llm, prompts)
     assert (len(calls) > 0) == plan_steps  # decode steps ran through the plan (or, here, must not)
+    assert len(cpp_calls) == len(calls)  # batches of <= 8 rows: every plan step ran the C++ loop
+    monkeypatch.setenv("BRISK_DISABLE_CPP_LAYER_LOOP", "1")
+    assert _greedy_and_logprobs(make_llm(), prompts) == fast  # the plan's Python loop
+    assert len(cpp_calls) == len(calls) // 2
     monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
     slow_llm = make_llm()
     assert decode_plan_or_none(slow_llm.engine.loaded.model) is None
@@ -113,3 +123,19 @@ def test_prepacked_weights_give_the_same_batched_tokens(ops, tiny_folder):
     # auto: only when batches can outgrow the small-M kernel
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB", max_num_seqs=8).engine.num_prepacked == 0
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB").engine.num_prepacked > 0
+
+
+def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
+    import torch
+
+    llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
+    plan = decode_plan_or_none(llm.engine.loaded.model)
+    x = torch.zeros(1, llm.engine.loaded.config.hidden_size)
+    none = torch.zeros(1, dtype=torch.int32)
+    kv = llm.engine.runner.kv_caches
+    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 44 parameter slots"):
+        plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv, plan.params[:-1], plan.spec, plan.eps,
+                           plan.scale, 0, plan.h, plan.kvh, plan.d)
+    with pytest.raises(RuntimeError, match=r"x must be \[B <= 8, hidden\]"):
+        plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.params,
+                           plan.spec, plan.eps, plan.scale, 0, plan.h, plan.kvh, plan.d)
