@@ -330,10 +330,24 @@ inline __m256 load8(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// One block of 32 activations as four float32 vectors f; returns max |x| over the block.
+template <typename T>
+inline float load_block(const T* src, __m256 f[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    f[i] = load8(src + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
 // x [M, K] -> xq [M, K] int8 (permuted, see the top of the file), xs [M, K / 32], xr [M, K / G].
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   // within each 128-bit half: byte 4 l + i <- byte 4 i + l (a 4 x 4 transpose)
   const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -342,17 +356,8 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
     for (int64_t g = 0; g < ngroups; ++g) {
       float gsum = 0.f;
       for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
-        const T* src = x + m * K + j * kBlock;
         __m256 f[4];
-        __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          f[i] = load8(src + 8 * i);
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
+        const float amax = load_block(x + m * K + j * kBlock, f);
         const float scale = amax / 127.f;
         xs[m * nblocks + j] = scale;
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -394,21 +399,11 @@ void pair_x(const int8_t* xq, const float* xs, int64_t M, int64_t K, int8_t* xq2
 // float32 operations, then the product), for the GEMM path of many rows.
 template <typename T>
 void fake_quantize_rows(const T* x, int64_t m0, int64_t m1, int64_t K, float* out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t j = 0; j < K / kBlock; ++j) {
-      const T* src = x + m * K + j * kBlock;
       float* dst = out + m * K + j * kBlock;
       __m256 f[4];
-      __m256 mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        f[i] = load8(src + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
+      const float amax = load_block(x + m * K + j * kBlock, f);
       const __m256 scale = _mm256_set1_ps(amax / 127.f);
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       for (int i = 0; i < 4; ++i) {
