@@ -109,6 +109,28 @@ def test_cli_ppl_and_size_end_to_end(tiny, tmp_path):
     assert r.exit_code == 1 and "max_position_embeddings" in r.output and "Traceback" not in r.output
 
 
+def test_cli_ppl_quantized_activations(tiny, tmp_path):
+    """An int4 model scored as the engine runs it: auto rounds its 4-bit layers' activations, float does not."""
+    from test_quant_checkpoint import quantize_folder
+
+    from brisk.quant.config import LayerQuant
+
+    qfolder = quantize_folder(tiny[0], tmp_path / "q4", LayerQuant(bits=4, group_size=32, sym=False))
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[:1200], encoding="utf-8")
+    docs = {}
+    for mode in ("auto", "float", "int8"):
+        out = tmp_path / f"{mode}.json"
+        r = CliRunner().invoke(eval_group, ["ppl", "--model", str(qfolder), "--text", str(text), "--window", "64",
+                                            "--quant-activations", mode, "--json", str(out)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        docs[mode] = json.loads(out.read_text())
+    layers = docs["int8"]["int8_activation_layers"]
+    assert docs["float"]["int8_activation_layers"] == 0 and docs["auto"]["int8_activation_layers"] == layers - 1
+    assert docs["auto"]["ppl"] != docs["float"]["ppl"]
+    assert docs["auto"]["ppl"] == pytest.approx(docs["float"]["ppl"], rel=0.05)
+
+
 # ------------------------------------------------------------------------------------------------ size
 
 def test_kinds_from_names():

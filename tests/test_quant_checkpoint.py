@@ -83,10 +83,17 @@ def test_quantized_model_equals_fake_quantized_float_model(tmp_path, spec, arch,
     reference = fake_quant_reference(src, qfolder)
     got, want = prefill_logits(quant, IDS), prefill_logits(reference, IDS)
     torch.testing.assert_close(got, want, atol=2e-4 * want.abs().max().item(), rtol=1e-4)
-    # greedy decode through the engine (decode path = small-M kernels) agrees token for token
-    a = LLM(qfolder, kv_cache_memory="8MiB").generate([IDS.tolist()], GREEDY, use_tqdm=False)[0]
+    # greedy decode through the engine (decode path = small-M kernels) with float activations agrees token for
+    # token ("auto", the default, rounds a 4-bit layer's activations to int8: tests/test_qlinear_q8.py)
+    llm = LLM(qfolder, kv_cache_memory="8MiB", quant_activations="float")
+    assert llm.engine.num_int8_activation_layers == 0
+    a = llm.generate([IDS.tolist()], GREEDY, use_tqdm=False)[0]
     ref_tokens = _greedy_float(reference, IDS.tolist(), 16)
     assert a.outputs[0].token_ids == ref_tokens
+    # the default: int8 activations exactly on the affine 4-bit layers (not NF4, 3 or 2 bits, nor the int8 head)
+    n_layers = sum(type(m) is QuantLinear for m in quant.model.modules())  # the head included
+    auto = LLM(qfolder, kv_cache_memory="8MiB").engine.num_int8_activation_layers
+    assert auto == (n_layers - 1 if spec.bits == 4 and spec.scheme != "nf4" else 0), (auto, n_layers)
 
 
 def _greedy_float(loaded, prompt: list[int], n: int) -> list[int]:

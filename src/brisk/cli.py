@@ -45,9 +45,11 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
                      help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
                           "and large batches, twice the weight memory); auto = when --max-num-seqs > 8."),
-        click.option("--quant-activations", default="float", show_default=True, type=click.Choice(["float", "int8"]),
+        click.option("--quant-activations", default="auto", show_default=True,
+                     type=click.Choice(["auto", "float", "int8"]),
                      help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer "
-                          "dot products, as llama.cpp's Q8 dots (faster decode, slightly different logits)."),
+                          "dot products, as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = "
+                          "int8 for 4-bit layers, float for 8-bit ones."),
         click.option("--speculative", default=None, metavar="METHOD",
                      help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
                           "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "
@@ -88,7 +90,7 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
         kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
         sink_tokens=kw["sink_tokens"], h2o_recent=kw["h2o_recent"], prepack_weights=kw["prepack_weights"],
-        quant_activations=kw.get("quant_activations", "float"))
+        quant_activations=kw.get("quant_activations", "auto"))
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

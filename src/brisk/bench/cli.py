@@ -469,7 +469,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
               help="Comma-separated settings (float32 is always measured first as the baseline); "
                    "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch; "
                    "a name + '-a8' (int8-a8, int4-g64-a8) runs that checkpoint with int8 activations "
-                   "(--quant-activations int8).")
+                   "(--quant-activations int8); rows without it run float activations.")
 @click.option("--model", "-m", default=None, help="Float model to quantize (default: SmolLM2-135M-Instruct).")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Held-out text for perplexity (default: none, no perplexity column).")

@@ -199,16 +199,17 @@ class EngineConfig:
     # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
     # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8), "on", "off"
     prepack_weights: str = "auto"
-    # activations of 8/4-bit quantized linears: "float" (codes decoded to float), or "int8" (every row of x rounded to
-    # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics)
-    quant_activations: str = "float"
+    # activations of 8/4-bit quantized linears: "float" (codes decoded to float), "int8" (every row of x rounded to
+    # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics), or
+    # "auto": int8 for layers of 4 bits or fewer (llama.cpp's Q4 x Q8 convention), float for 8-bit layers
+    quant_activations: str = "auto"
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
         if self.prepack_weights not in ("auto", "on", "off"):
             raise ValueError(f"prepack_weights must be 'auto', 'on' or 'off', got {self.prepack_weights!r}")
-        if self.quant_activations not in ("float", "int8"):
-            raise ValueError(f"quant_activations must be 'float' or 'int8', got {self.quant_activations!r}")
+        if self.quant_activations not in ("auto", "float", "int8"):
+            raise ValueError(f"quant_activations must be 'auto', 'float' or 'int8', got {self.quant_activations!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.spec is not None and self.cache.kv_cache_dtype == "int4":

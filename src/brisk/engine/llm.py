@@ -50,7 +50,7 @@ class LLM:
         sink_tokens: int = 4,
         h2o_recent: int | None = None,
         prepack_weights: str = "auto",
-        quant_activations: str = "float",
+        quant_activations: str = "auto",
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""

@@ -64,21 +64,25 @@ def eval_group() -> None:
               help="--long: score this many consecutive streams of --max-tokens each (pooled).")
 @click.option("--segment", type=int, default=2048, show_default=True,
               help="--long: report the perplexity of consecutive segments of this many tokens.")
+@click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
+              help="Quantized models: activations as the engine treats them (auto = int8 for 4-bit layers).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
         kv_block_size: int, long_stream: bool, mode: str, kv_budget: int, sink_tokens: int, max_tokens: int,
-        chunk: int, stride: int, streams: int, segment: int, json_path: str | None) -> None:
+        chunk: int, stride: int, streams: int, segment: int, quant_activations: str, json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
     from brisk.bench import report
     from brisk.engine.config import parse_dtype
     from brisk.eval.ppl import perplexity
     from brisk.model.loader import load_model
+    from brisk.quant.layers import set_quant_activations
 
     if long_stream:
         from brisk.eval.longppl import long_perplexity
 
         text = Path(text_path).read_text(encoding="utf-8")
         loaded = load_model(model, dtype=parse_dtype(dtype), max_model_len=max_tokens or None)
+        set_quant_activations(loaded.model, quant_activations)
         res = long_perplexity(loaded, text, mode, budget=kv_budget, sink_tokens=sink_tokens,
                               max_tokens=max_tokens or None, chunk=chunk, stride=stride, segment=segment,
                               kv_cache_dtype=kv_cache_dtype, progress=True, num_streams=streams,
@@ -108,6 +112,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
     text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
     loaded = load_model(model, dtype=parse_dtype(dtype))
+    int8_layers = set_quant_activations(loaded.model, quant_activations)
     result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True,
                         kv_cache_dtype=kv_cache_dtype, block_size=kv_block_size)
 
@@ -121,6 +126,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         ("predicted tokens", f"{result.num_tokens:,}"),
         ("dtype", dtype),
         ("KV cache dtype / block", f"{kv_cache_dtype} / {kv_block_size}"),
+        ("quantized linears with int8 activations", str(int8_layers)),
         ("time (s)", f"{result.seconds:.1f}"),
         ("tokens/s", f"{result.tokens_per_second:.0f}"),
     ]:
@@ -128,8 +134,10 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
     Console().print(table)
     if json_path:
         params = {"model": str(loaded.path), "text": text_path, "window": window, "max_windows": max_windows,
-                  "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "kv_block_size": kv_block_size}
-        report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict()})
+                  "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "kv_block_size": kv_block_size,
+                  "quant_activations": quant_activations}
+        report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict(),
+                                                          "int8_activation_layers": int8_layers})
 
 
 @eval_group.command("size")

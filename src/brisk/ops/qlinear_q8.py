@@ -21,7 +21,7 @@ from brisk.ops.kernels import get_op
 from brisk.ops.qlinear import BLOCK, PackedWeight, dequantize_packed, unpack_codes
 from brisk.ops.sparse_q8 import quantize_activations_q8
 
-ACTIVATION_MODES = ("float", "int8")
+ACTIVATION_MODES = ("auto", "float", "int8")
 # Up to this many rows the integer-dot kernel runs; beyond, the rounded activations (fake_quantize_activations) go
 # through the float GEMM path of dequantized weights: the same numbers up to float32 summation order, and faster
 # there (default model, 2 threads: the kernel 1.1-1.8x the float path at M = 1..64, 0.74-0.96x at M = 256-512).
