@@ -61,7 +61,9 @@ def build_directory(name: str, source: Path | None = None) -> Path:
     if source is not None:
         # The build files record the source's path and torch versions builds by content: two checkouts (or
         # two versions of a kernel) sharing one folder would rebuild each other's library on every switch.
-        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
+        # the shared headers (csrc/*.h) are part of every build
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes() + headers).hexdigest()[:12]
         folder += f"-{key}"
     return base / folder
 

@@ -15,7 +15,12 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load8;
 
 // Rows of work below which one thread does it all: waking the OpenMP pool costs more (several us) than
 // normalizing a few rows (a 576-wide row is ~0.1 us). Chosen so each task gets >= ~32K elements.
@@ -25,22 +30,7 @@ inline int64_t row_grain(int64_t width) {
   return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(1, width));
 }
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
-
 // ---- 8-wide loads and stores for float and bfloat16 (bf16 = the high 16 bits of a float) ----
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 // float -> bf16 with round-to-nearest-even, NaN kept a (quiet) NaN: the same rounding as c10::BFloat16.
 inline __m128i to_bf16_8(__m256 v) {

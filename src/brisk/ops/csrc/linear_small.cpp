@@ -7,26 +7,17 @@
 #include <optional>
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load8;
 
 // software prefetch distance of the 2..8-row kernel (bytes ahead in the weight row stream): 2-4 KiB measured
 // 5-15% faster than none at M = 2..8 on the default model's shapes (same-process A/B, noisy VM)
 constexpr int kPrefetchBytes = 4096;
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
 

@@ -40,6 +40,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,6 +49,9 @@
 #include <optional>
 
 namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load8;
 
 constexpr int64_t kBlock = 32;
 // software prefetch distance in the packed codes: at M = 1 the hardware prefetcher alone leaves int8 at ~12 GB/s
@@ -63,15 +68,6 @@ struct QW {
   int64_t nblocks;       // K / 32
   __m256 lut_lo, lut_hi; // codebook entries 0-7 and 8-15 (codebook mode)
 };
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
 
 // Bit offset of element 8 i + l's code within lane l of decoded vector i (after vector 3's pre-shift).
 template <int BITS>
@@ -339,12 +335,6 @@ void dispatch(int64_t bits, bool lut, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}, std::false_type{}); break;
     default: f(std::integral_constant<int, 2>{}, std::false_type{}); break;
   }
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // The activations as the kernel reads them, made once per call in one pass over x:

@@ -41,12 +41,18 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 
 namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load8;
+using brisk_simd::load_block;
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxTileRows = 4;  // activation rows per tile (a chunk of weight rows stays in L1 across tiles)
@@ -79,15 +85,6 @@ struct Q8X {
   const int8_t* xq2 = nullptr;
   const float* xs2 = nullptr;
 };
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
 
 // One block of codes as the unsigned maddubs operand `u`, and (8 bits) the recentred signed codes `sg` whose sign
 // the activations take.
@@ -322,27 +319,6 @@ void run(const Q8W& p, const Q8X& x, int64_t M, int64_t N, const float* bias, fl
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t c = n0; c < n1; c += chunk) run_rows<BITS>(p, c, std::min(n1, c + chunk), x, M, bias, out, N);
   });
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// One block of 32 activations as four float32 vectors f; returns max |x| over the block.
-template <typename T>
-inline float load_block(const T* src, __m256 f[4]) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 mx = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    f[i] = load8(src + 8 * i);
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
-  }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 // x [M, K] -> xq [M, K] int8 (permuted, see the top of the file), xs [M, K / 32], xr [M, K / G].

@@ -42,6 +42,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +51,8 @@
 #include <vector>
 
 namespace {
+
+using brisk_simd::hsum;
 
 constexpr int64_t kCols = 8;           // columns per mask byte
 constexpr int kMaxRows = 8;            // activation rows per pass (one accumulator each)
@@ -85,15 +89,6 @@ struct SW {
   int64_t ngroups;
   int64_t blocks_per_group;
 };
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
 
 // The next 8 4-bit stream entries at position `pos` (in entries) as int32 lanes, before the permute.
 inline __m256i load_codes4(const uint8_t* v, int64_t pos) {

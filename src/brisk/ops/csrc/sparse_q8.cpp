@@ -32,6 +32,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,6 +45,9 @@
 #pragma GCC target("popcnt")
 
 namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load_block;
 
 constexpr int64_t kCols = 8;    // columns per mask byte
 constexpr int64_t kBlock = 32;  // columns per activation scale and per inner step (4 mask bytes)
@@ -99,15 +104,6 @@ struct Q8 {
   int64_t ngroups;
   int64_t blocks_per_group;  // 32-column steps per weight group (ngroups == 1: all of them)
 };
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
 
 // Weight row n against MT activation rows. xq: [MT, nblocks * 32] int8 (row stride ldx); xs: [MT, nblocks].
 // With one or two activation rows the 32-column steps alternate between two accumulator sets (two FMA chains).
@@ -182,7 +178,6 @@ void run_tile(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx
 // x [M, K] float32 -> xq [M, nblocks * 32] int8 (zeros past K), xs [M, nblocks]: per 32 columns
 // xs = amax / 127, xq = round_half_even(x * (127 / amax)) (0 where amax == 0).
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nblocks, int8_t* xq, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   alignas(32) float pad[kBlock];
   for (int64_t m = 0; m < M; ++m) {
@@ -194,15 +189,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t nblocks, int8_t
         src = pad;
       }
       __m256 f[4];
-      __m256 mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        f[i] = _mm256_loadu_ps(src + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
+      const float amax = load_block(src, f);
       xs[m * nblocks + j] = amax / 127.f;
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       __m256i q[4];

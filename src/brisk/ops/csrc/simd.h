@@ -1,0 +1,45 @@
+// AVX2 helpers shared by brisk's kernels. Every ops/csrc/*.cpp is built as its own extension library, so each one
+// that includes this header compiles its own copy; kernels.py folds this header into every build's cache key.
+// A file takes the names it uses with using-declarations inside its anonymous namespace, so they overload with
+// its own helpers of the same name.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+namespace brisk_simd {
+
+// sum of the 8 lanes
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+// 8 consecutive values as float32 (bf16 -> f32 is a 16-bit shift, exact)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One block of 32 activations as four float32 vectors f; returns max |x| over the block (the int8 activation
+// kernels' per-block scale is this / 127).
+template <typename T>
+inline float load_block(const T* src, __m256 f[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    f[i] = load8(src + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, f[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+}  // namespace brisk_simd
