@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
-from brisk.bench.latency import run_latency
+from brisk.bench.latency import LatencyResult, merge_results, run_latency
 from brisk.bench.membw import measure_membw
 from brisk.bench.prompts import make_prompt, sample_prompts, text_token_ids
 from brisk.bench.roofline import (
@@ -122,6 +122,17 @@ def test_membw_small_buffer() -> None:
 
 
 # ---------------------------------------------------------------------------- the loops
+def test_merge_results_concatenates_runs_and_weights_the_step_split() -> None:
+    a = LatencyResult(8, 3, [0.1], [0.01, 0.03], [0.14], [1, 2, 3], {"forward": 10.0, "total": 12.0, "steps": 2.0})
+    b = LatencyResult(8, 3, [0.2], [0.02, 0.02], [0.24], [1, 2, 4], {"forward": 4.0, "total": 6.0, "steps": 6.0})
+    m = merge_results([a, b])
+    assert m.ttft_s == [0.1, 0.2] and m.tpot_s == [0.01, 0.03, 0.02, 0.02] and m.e2e_s == [0.14, 0.24]
+    assert m.token_ids == [1, 2, 4]  # the last part's
+    assert m.step_split_ms == {"forward": pytest.approx(5.5), "total": pytest.approx(7.5), "steps": 8.0}
+    with pytest.raises(ValueError, match="different request shapes"):
+        merge_results([a, LatencyResult(9, 3)])
+
+
 def test_latency_counts_and_consistency(tiny_llm: LLM) -> None:
     prompt = make_prompt(tiny_llm.get_tokenizer(), text_token_ids(tiny_llm.get_tokenizer()), 0, 12)
     ticks = []
@@ -184,19 +195,26 @@ def test_cli_membw_json(tmp_path: Path) -> None:
     assert {"cpu_count", "torch_threads", "torch_version"} <= set(doc["machine"])
 
 
-def test_cli_latency_with_hf_baseline(tiny_dirs: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("interleave", [True, False])
+def test_cli_latency_with_hf_baseline(tiny_dirs: dict, tmp_path: Path, interleave: bool) -> None:
     out = tmp_path / "l.json"
     r = _invoke(["latency", "--model", str(tiny_dirs["untied"]), "--input-len", "8", "--output-len", "4",
-                 "--runs", "2", "--warmup", "0", "--membw", "10", "--kv-cache-memory", "4MiB",
-                 "--max-model-len", "64", "--baseline", "hf", "--json", str(out)])
+                 "--runs", "3", "--warmup", "1", "--membw", "10", "--kv-cache-memory", "4MiB",
+                 "--max-model-len", "64", "--baseline", "hf", "--json", str(out),
+                 "--interleave" if interleave else "--no-interleave"])
     assert r.exit_code == 0, r.output
     assert "decode tok/s" in r.output and "transformers" in r.output
+    assert ("alternated" in r.output) == interleave
     doc = json.loads(out.read_text())
     assert {"benchmark", "command", "params", "date", "machine", "brisk", "hf", "speedup"} <= set(doc)
     assert doc["params"]["input_len"] == 8 and doc["membw_read_gbps"] == 10
+    assert doc["brisk"]["peak_rss_bytes"] > 0
+    # interleaved, both models are resident: the baseline's own peak cannot be told apart
+    assert (doc["hf"]["peak_rss_bytes"] is None) == interleave
+    assert doc["brisk"]["decode_step_split_ms"]["steps"] == 3 * 3  # 3 measured runs of 3 decode steps
     for side in ("brisk", "hf"):
         d = doc[side]
-        assert d["runs"] == 2 and len(d["token_ids"]) == 4 and d["peak_rss_bytes"] > 0
+        assert d["runs"] == 3 and len(d["token_ids"]) == 4 and len(d["ttft_s_all"]) == 3
         assert d["achieved_gbps"] == pytest.approx(d["bytes_per_token"] * d["decode_tok_s"] / 1e9)
         assert d["fraction_of_membw"] == pytest.approx(d["achieved_gbps"] / 10)
         assert d["tpot_s_p50"] <= d["tpot_s_p90"]

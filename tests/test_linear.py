@@ -21,15 +21,22 @@ def test_float32_equals_f_linear(ops, m, n, k):
     torch.testing.assert_close(ops.linear_small_m(x, w, None).double(), want - b.double(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 12])
-def test_bfloat16_weights_accumulate_in_float32(ops, m):
-    g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, 576, generator=g).bfloat16(), torch.randn(960, 576, generator=g).bfloat16()
-    want = F.linear(x.double(), w.double())  # exact products of the bf16 values
-    got = ops.linear_small_m(x, w, None)
-    assert got.dtype == torch.bfloat16
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 12])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (577, 1536, True), (9, 40, True), (5, 20, False)])
+def test_bfloat16_weights_accumulate_in_float32(ops, m, n, k, bias):
+    # K % 16 == 0 with M <= 8 takes the even/odd split kernel; K = 40 and 20 (and M = 12) the widening loads
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())  # exact products of the bf16 values
+    got = ops.linear_small_m(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # the only rounding that matters is the final cast to bf16 (relative 2^-8)
     torch.testing.assert_close(got.double(), want, atol=0.05, rtol=2**-7)
+    # float32 x against bf16 weights: a float32 result, accurate to float32 accumulation
+    got32 = ops.linear_small_m(x.float(), w, b)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_fast_linear_module_and_fallback(ops, monkeypatch):

@@ -123,12 +123,16 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
               help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
 @click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
               help="Off by default: each run repeats the prompt, which a prefix cache would skip.")
+@click.option("--interleave/--no-interleave", default=True, show_default=True,
+              help="With --baseline: hold both models and alternate brisk and transformers run by run, so that "
+                   "a host whose speed drifts over minutes moves both sides alike (the baseline's peak RSS is "
+                   "then not measured). --no-interleave runs all of brisk, then all of transformers.")
 @_engine_flags
 def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: str | None,
-            membw_gbps: float | None, prefix_caching: bool, **kw: Any) -> None:
+            membw_gbps: float | None, prefix_caching: bool, interleave: bool, **kw: Any) -> None:
     """Batch-1 latency: time to first token, time per output token, decode tok/s and achieved GB/s."""
     from brisk.bench.hf_baseline import hf_latency, load_hf_model, require_transformers
-    from brisk.bench.latency import run_latency
+    from brisk.bench.latency import merge_results, run_latency
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.bench.roofline import decode_bytes_per_token, mean_decode_context, weight_bytes_per_token
 
@@ -153,10 +157,35 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
 
     report.reset_peak_rss()
     total = (warmup + runs) * output_len
-    with report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance:
-        ours = run_latency(llm, prompt, output_len, runs, warmup, advance)
-    ours_rss = report.peak_rss_bytes()
     config, model_path, torch_dtype = loaded.config, loaded.path, loaded.dtype
+    theirs = None
+    theirs_rss = None
+    theirs_bytes = None
+    if baseline == "hf" and interleave:
+        # brisk's warm-up alone first (its peak RSS), then the baseline loads and the runs alternate
+        with report.progress_bar(f"brisk: {warmup} warm-up + 1 run", (warmup + 1) * output_len) as advance:
+            parts = [run_latency(llm, prompt, output_len, 1, warmup, advance)]
+        ours_rss = report.peak_rss_bytes()
+        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
+        hf_model = load_hf_model(model_path, torch_dtype)
+        theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
+        with report.progress_bar(f"transformers: {warmup} warm-up", max(1, warmup * output_len)) as advance:
+            if warmup:
+                hf_latency(hf_model, prompt, output_len, 0, warmup, advance)
+        hf_parts = []
+        with report.progress_bar(f"alternating: {runs} runs each", 2 * runs * output_len) as advance:
+            for r in range(runs):
+                hf_parts.append(hf_latency(hf_model, prompt, output_len, 1, 0, advance))
+                if r:  # round 0's brisk run is the one measured right after its warm-up
+                    parts.append(run_latency(llm, prompt, output_len, 1, 0, advance))
+                else:
+                    advance(output_len)
+        ours, theirs = merge_results(parts), merge_results(hf_parts)
+        del hf_model
+    else:
+        with report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance:
+            ours = run_latency(llm, prompt, output_len, runs, warmup, advance)
+        ours_rss = report.peak_rss_bytes()
     # drop brisk's model before loading the baseline's, so that one's peak memory does not include the other
     del llm, loaded
     gc.collect()
@@ -167,10 +196,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     else:
         bw = None
 
-    theirs = None
-    theirs_rss = None
-    theirs_bytes = None
-    if baseline == "hf":
+    if baseline == "hf" and not interleave:
         report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
         theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
@@ -214,8 +240,10 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     console.print(report.comparison_table(title, rows, "transformers" if theirs else None))
     if theirs is not None:
         same = "identical" if results["same_tokens"] else "different"
+        order = ("runs alternated brisk/transformers, both models loaded" if interleave
+                 else "all brisk runs, then all transformers runs")
         console.print("speedup = transformers time / brisk time, or brisk tok/s / transformers tok/s; "
-                      f"greedy tokens of the two engines: {same}")
+                      f"greedy tokens of the two engines: {same}; {order}")
     split = ours.step_split_ms
     if split.get("steps"):
         labels = {"schedule": "schedule", "prepare": "batch + metadata", "forward": "model forward",

@@ -68,6 +68,28 @@ class LatencyResult:
         }
 
 
+def merge_results(parts: list[LatencyResult]) -> LatencyResult:
+    """One LatencyResult from several of the same request shape (interleaved rounds): runs concatenated,
+    the decode-step split averaged over the parts weighted by their step counts."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    out = LatencyResult(input_len=first.input_len, output_len=first.output_len)
+    for p in parts:
+        if (p.input_len, p.output_len) != (first.input_len, first.output_len):
+            raise ValueError("cannot merge latency results of different request shapes")
+        out.ttft_s.extend(p.ttft_s)
+        out.tpot_s.extend(p.tpot_s)
+        out.e2e_s.extend(p.e2e_s)
+        out.token_ids = p.token_ids
+    splits = [p.step_split_ms for p in parts if p.step_split_ms.get("steps")]
+    if splits:
+        steps = sum(s["steps"] for s in splits)
+        out.step_split_ms = {k: (steps if k == "steps" else sum(s[k] * s["steps"] for s in splits) / steps)
+                             for k in splits[0]}
+    return out
+
+
 def record_run(result: LatencyResult, start: float, token_times: list[float], token_ids: list[int]) -> None:
     """Add one run's timestamps (one per output token, in order) to `result`."""
     if len(token_times) != result.output_len or len(token_ids) != result.output_len:

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 #include <immintrin.h>
 
 #include "simd.h"
@@ -113,6 +114,81 @@ void seq_dispatch(int64_t M, const W* w, int64_t K, const float* x, int64_t n0, 
   }
 }
 
+// bfloat16 weights, K % 16 == 0: 16 weights per 256-bit load, split into the even elements (the low halves of
+// each 32-bit lane, shifted up: exact bf16 -> f32) and the odd ones (the high halves, masked), multiplied into
+// x stored de-interleaved per 16 columns (xp[16b..16b+7] = x[16b + 0, 2, .., 14], xp[16b+8..] = the odd ones).
+// Two integer ops per 16 weights instead of four (a widening shuffle and a shift per 8).
+inline void split16(const at::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+void gemv_rows_eo(const at::BFloat16* w, int64_t K, const float* xp, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* wr = w + n * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    __m256 e, o;
+    for (; k + 32 <= K; k += 32) {
+      split16(wr + k, e, o);
+      a0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(xp + k), a0);
+      a1 = _mm256_fmadd_ps(o, _mm256_loadu_ps(xp + k + 8), a1);
+      split16(wr + k + 16, e, o);
+      a2 = _mm256_fmadd_ps(e, _mm256_loadu_ps(xp + k + 16), a2);
+      a3 = _mm256_fmadd_ps(o, _mm256_loadu_ps(xp + k + 24), a3);
+    }
+    if (k < K) {
+      split16(wr + k, e, o);
+      a0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(xp + k), a0);
+      a1 = _mm256_fmadd_ps(o, _mm256_loadu_ps(xp + k + 8), a1);
+    }
+    out[n] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  }
+}
+
+template <int MT>
+void gemm_rows_seq_eo(const at::BFloat16* w, int64_t K, const float* xp, int64_t n0, int64_t n1, float* out,
+                      int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* wr = w + n * K;
+    __m256 a[MT];
+    for (int m = 0; m < MT; ++m) a[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 e, o;
+      split16(wr + k, e, o);
+      for (int m = 0; m < MT; ++m) {
+        a[m] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xp + m * K + k), a[m]);
+        a[m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xp + m * K + k + 8), a[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(a[m]);
+  }
+}
+
+void seq_dispatch_eo(int64_t M, const at::BFloat16* w, int64_t K, const float* xp, int64_t n0, int64_t n1,
+                     float* out, int64_t ldo) {
+  switch (M) {
+    case 2: gemm_rows_seq_eo<2>(w, K, xp, n0, n1, out, ldo); break;
+    case 3: gemm_rows_seq_eo<3>(w, K, xp, n0, n1, out, ldo); break;
+    case 4: gemm_rows_seq_eo<4>(w, K, xp, n0, n1, out, ldo); break;
+    case 5: gemm_rows_seq_eo<5>(w, K, xp, n0, n1, out, ldo); break;
+    case 6: gemm_rows_seq_eo<6>(w, K, xp, n0, n1, out, ldo); break;
+    case 7: gemm_rows_seq_eo<7>(w, K, xp, n0, n1, out, ldo); break;
+    default: gemm_rows_seq_eo<8>(w, K, xp, n0, n1, out, ldo); break;
+  }
+}
+
+// M <= 8 rows of de-interleaved x (xp, see split16) against bfloat16 weights with K % 16 == 0
+void run_bf16_eo(const at::BFloat16* w, const float* xpp, float* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 2));
+  if (M == 1)
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows_eo(w, K, xpp, n0, n1, out); });
+  else
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { seq_dispatch_eo(M, w, K, xpp, n0, n1, out, N); });
+}
+
 template <typename W>
 void run(const W* w, const float* x, float* out, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
@@ -134,24 +210,71 @@ void run(const W* w, const float* x, float* out, int64_t M, int64_t N, int64_t K
   for (int64_t n = blocks * 4; n < N; ++n) row1(w + n * K, K, x, M, out + n, N);
 }
 
+
+// x as float32 rows in `dst` ([M, K]); with `deinterleave`, each 16 columns stored evens first (split16's order).
+// A plain loop: for decode-sized x, ATen's .to() costs more in dispatch and allocation than the copy itself.
+template <typename T>
+void gather_x(const T* x, int64_t M, int64_t K, bool deinterleave, float* dst) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * K;
+    float* d = dst + m * K;
+    if (!deinterleave) {
+      for (int64_t k = 0; k < K; ++k) d[k] = static_cast<float>(xr[k]);
+      continue;
+    }
+    for (int64_t k = 0; k < K; k += 16)
+      for (int j = 0; j < 8; ++j) {
+        d[k + j] = static_cast<float>(xr[k + 2 * j]);
+        d[k + 8 + j] = static_cast<float>(xr[k + 2 * j + 1]);
+      }
+  }
+}
+
 }  // namespace
 
-// x: [M, K] (float32 or the weight dtype), weight: [N, K] contiguous, bias: [N] or empty -> [M, N] in x's dtype
+// x: [M, K] (float32 or the weight dtype), weight: [N, K] contiguous, bias: [N] or empty -> [M, N] in x's dtype.
+// A bfloat16 result is the float32 sum (+ bias) rounded once, as before (at::BFloat16's round-to-nearest-even).
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear_small_m: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.size(1) == weight.size(1), "linear_small_m: K mismatch");
   TORCH_CHECK(weight.is_contiguous(), "linear_small_m: weight must be contiguous");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "linear_small_m: weight must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_small_m: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto xf = x.to(at::kFloat).contiguous();
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (weight.scalar_type() == at::kFloat)
-    run(weight.data_ptr<float>(), xf.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
-  else
-    run(weight.data_ptr<at::BFloat16>(), xf.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  const bool bf16_w = weight.scalar_type() == at::kBFloat16;
+  const bool eo = bf16_w && M <= 8 && K % 16 == 0;
+  const bool f32_x = x.scalar_type() == at::kFloat;
+  auto xc = x.contiguous();
+  std::vector<float> xbuf;
+  const float* xf;
+  if (f32_x && !eo) {
+    xf = xc.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    if (f32_x) gather_x(xc.data_ptr<float>(), M, K, eo, xbuf.data());
+    else gather_x(xc.data_ptr<at::BFloat16>(), M, K, eo, xbuf.data());
+    xf = xbuf.data();
+  }
+  auto out = at::empty({M, N}, x.options());
+  std::vector<float> obuf;
+  float* of = f32_x ? out.data_ptr<float>() : (obuf.resize(M * N), obuf.data());
+  if (!bf16_w) run(weight.data_ptr<float>(), xf, of, M, N, K);
+  else if (eo) run_bf16_eo(weight.data_ptr<at::BFloat16>(), xf, of, M, N, K);
+  else run(weight.data_ptr<at::BFloat16>(), xf, of, M, N, K);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_small_m: bias must have N elements");
+    auto bf = bias->to(at::kFloat).contiguous();
+    const float* b = bf.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) of[m * N + n] += b[n];
+  }
+  if (!f32_x) {
+    at::BFloat16* o = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) o[i] = at::BFloat16(of[i]);
+  }
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
