@@ -24,31 +24,53 @@ def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> lis
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True):
-    """The plan with its C++ layer loop, the plan with the Python loop, and the module path: the same numbers."""
+def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: SamplingParams | None = None):
+    """The plan with its C++ layer loop, the plan with the Python loop, and the module path: the same numbers.
+    Returns the rows of each step the plan ran, and whether it was decode-only."""
     calls = []
     real_run = DecodePlan.run
-    monkeypatch.setattr(DecodePlan, "run", lambda self, *a: calls.append(1) or real_run(self, *a))
-    fast_llm = make_llm()
-    plan = decode_plan_or_none(fast_llm.engine.loaded.model)
+
+    def run(self, x, cos, sin, meta, kv):
+        if self is targets[-1]:  # the engine's model (a speculative draft model has a plan of its own)
+            calls.append((x.shape[0], meta.num_decodes == meta.block_tables.shape[0] == x.shape[0]))
+        return real_run(self, x, cos, sin, meta, kv)
+
+    def make() -> LLM:
+        llm = make_llm()
+        targets.append(decode_plan_or_none(llm.engine.loaded.model))
+        return llm
+
+    targets: list = []
+
+    monkeypatch.setattr(DecodePlan, "run", run)
+    fast_llm = make()
+    plan = targets[-1]
     assert plan is not None, "the plan should cover this model"
     assert plan.decode_layers is not None, "ops/csrc/decode_layers.cpp should be built"
     cpp_calls = []
     real_loop = plan.decode_layers
-    plan.decode_layers = lambda *a: cpp_calls.append(1) or real_loop(*a)
-    fast = _greedy_and_logprobs(fast_llm, prompts)
-    assert (len(calls) > 0) == plan_steps  # decode steps ran through the plan (or, here, must not)
-    assert len(cpp_calls) == len(calls)  # batches of <= 8 rows: every plan step ran the C++ loop
+    plan.decode_layers = lambda *a: cpp_calls.append(a[-2] is None) or real_loop(*a)
+    fast = _greedy_and_logprobs(fast_llm, prompts) if params is None else _outputs(fast_llm, prompts, params)
+    assert (len(calls) > 0) == plan_steps  # steps ran through the plan (or, here, must not)
+    small = [decode for rows, decode in calls if rows <= 8]
+    assert cpp_calls == small  # steps of <= 8 rows ran the C++ loop, with query_start exactly when not decode-only
+    steps = list(calls)
     monkeypatch.setenv("BRISK_DISABLE_CPP_LAYER_LOOP", "1")
-    assert _greedy_and_logprobs(make_llm(), prompts) == fast  # the plan's Python loop
-    assert len(cpp_calls) == len(calls) // 2
+    again = _greedy_and_logprobs(make(), prompts) if params is None else _outputs(make(), prompts, params)
+    assert again == fast  # the plan's Python loop
+    assert len(cpp_calls) == len(small) and len(calls) == 2 * len(steps)
     monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
-    slow_llm = make_llm()
+    slow_llm = make()
     assert decode_plan_or_none(slow_llm.engine.loaded.model) is None
     before = len(calls)
-    slow = _greedy_and_logprobs(slow_llm, prompts)
+    slow = _greedy_and_logprobs(slow_llm, prompts) if params is None else _outputs(slow_llm, prompts, params)
     assert len(calls) == before
     assert fast == slow  # token ids and top-3 logprobs, exactly
+    return steps
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
 PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], [3]]
@@ -56,7 +78,35 @@ PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], [3]]
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_equals_module_path(ops, tiny_folder, monkeypatch, dtype):
-    _run_both(monkeypatch, lambda: LLM(str(tiny_folder), dtype=dtype, kv_cache_memory="8MiB"), PROMPTS)
+    steps = _run_both(monkeypatch, lambda: LLM(str(tiny_folder), dtype=dtype, kv_cache_memory="8MiB"), PROMPTS)
+    assert steps[0] == (17, False)  # the three prompts' prefill: 17 rows, the Python loop with prefill attention
+    assert all(s == (3, True) for s in steps[1:])  # then decode steps of the three
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_plan_runs_short_prefills_and_mixed_steps_in_cpp(ops, tiny_folder, monkeypatch, chunk):
+    """A 5-token and a 1-token prompt: a 6-row prefill step (C++ loop with query_start); with 4-token prefill
+    chunks, steps that mix a decode with a prefill chunk."""
+    kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
+    steps = _run_both(monkeypatch, lambda: LLM(str(tiny_folder), kv_cache_memory="8MiB", max_model_len=64, **kw),
+                      [[1, 5, 9, 33, 7], [3]])
+    assert steps[0] == ((6, False) if chunk is None else (4, False))
+    assert any(rows <= 8 and not decode for rows, decode in steps)
+
+
+@pytest.mark.parametrize("method", ["draft", "self:int8"])
+def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
+    """Verification steps (γ + 1 rows per sequence) through the plan: the module path's tokens and logprobs.
+    (The draft is the model itself, or its int8 copy: drafts every step, mostly accepted.)"""
+    make_tiny_hf_model(tmp_path, "llama", num_kv_heads=2)  # intermediate 128: the int8 self-draft's groups fit
+    spec = {"method": method.partition(":")[0], "num_speculative_tokens": 3, "adaptive": False,
+            "model": str(tmp_path) if method == "draft" else "int8", "disable_by_batch_size": None}
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    steps = _run_both(monkeypatch, lambda: LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=64,
+                                               speculative_config=spec), prompts, params=params)
+    verify = [rows for rows, decode in steps if not decode and rows <= 8]
+    assert len(verify) > 1  # verification steps ran (in C++): each sequence 1 + its drafts rows
 
 
 @pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6)])  # q/k/v biases; a sliding window
@@ -135,7 +185,7 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     kv = llm.engine.runner.kv_caches
     with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 44 parameter slots"):
         plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv, plan.params[:-1], plan.spec, plan.eps,
-                           plan.scale, 0, plan.h, plan.kvh, plan.d)
-    with pytest.raises(RuntimeError, match=r"x must be \[B <= 8, hidden\]"):
+                           plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
+    with pytest.raises(RuntimeError, match=r"x must be \[T <= 8, hidden\]"):
         plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.params,
-                           plan.spec, plan.eps, plan.scale, 0, plan.h, plan.kvh, plan.d)
+                           plan.spec, plan.eps, plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)

@@ -10,7 +10,7 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.engine.config import SpecConfig
-from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, best_gamma, expected_tokens
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, best_gamma, expected_tokens, max_speedup
 from brisk.spec.ngram import find_continuation
 
 VOCAB = 384
@@ -178,13 +178,21 @@ def test_adaptive_gamma():
     assert abs(expected_tokens(0.8, 4) - 3.3616) < 1e-4  # (1 - 0.8^5) / 0.2
     assert best_gamma(0.05, 0.3, 8) == 0  # hopeless drafts: plain decoding
     assert best_gamma(0.95, 0.0, 8) == 8  # free and nearly always right: draft the most
-    ctl = AdaptiveGamma(max_gamma=6, cost_per_draft=0.3, probe_every=3)
+    assert max_speedup(0.0, 4) == 5.0 and max_speedup(1.0, 4) == 1.0 and max_speedup(2.0, 4) == 1.0
+    ctl = AdaptiveGamma(max_gamma=6, cost_per_draft=0.3, probe_every=3, max_probe_every=12)
     for _ in range(10):
         ctl.update("r", 4, 0)
-    assert [ctl.gamma("r") for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # off, with a probe every 3rd step
+    # off, probing after 3 steps, then 6, then 12, 12 (each probe that fails doubles the wait, up to the cap)
+    got = [ctl.gamma("r") for _ in range(3 + 6 + 12 + 12)]
+    assert [i for i, g in enumerate(got) if g] == [2, 8, 20, 32]
     for _ in range(10):
         ctl.update("r", 4, 4)
-    assert ctl.gamma("r") >= 4
+    assert ctl.gamma("r") >= 4  # drafting pays again ...
+    for _ in range(10):
+        ctl.update("r", 4, 0)
+    assert [ctl.gamma("r") for _ in range(3)] == [0, 0, 1]  # ... so the next stretch at zero probes early again
+    # a draft costing a whole step cannot pay even when always accepted: no probes at all
+    assert all(g == 0 for g in (ctl.gamma("r", cost_per_draft=1.0) for _ in range(40)))
 
 
 def test_layerskip_search_stores_a_set_that_loads(model_dir, tmp_path):

@@ -12,14 +12,18 @@ layer and nothing else:
     h = add_rms_norm(linear(o), residual)
     x = linear(silu_mul(linear(h)))
 
-For batches of up to 8 rows the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a step, the same
+For steps of up to 8 rows the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a step, the same
 kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step here; measured
 1.1x float32 and 1.1-1.25x int4 batch-1 decode). It calls the very kernels the modules call, with the same inputs,
 so its logits equal the module path's bit for bit (tests/test_decode_plan.py).
 
+Steps with several rows per sequence (speculative verification of γ + 1 positions, prefill chunks, mixed
+batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
+the module path does; verification steps of up to 8 rows thus also run in C++.
+
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
-projections, sparse or other custom linears, hooks); a step takes the module path when it is not decode-only, or
-its caches are quantized or evicting.
+projections, sparse or other custom linears, hooks); a step takes the module path when its caches are quantized
+or evicting, or attention scores are being collected (H2O).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from torch import nn
 
 from brisk.ops import kernels
-from brisk.ops.attention import AttentionMetadata
+from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata
 from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear
 
 if TYPE_CHECKING:
@@ -126,6 +130,7 @@ class DecodePlan:
         self.silu_mul = ops.silu_mul.default
         self.rope_cache = ops.rope_cache.default
         self.attention = ops.paged_decode_attention.default
+        self.prefill_attention = ops.paged_prefill_attention.default
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for batches of up to MAX_SMALL_M rows
         self.decode_layers = getattr(ops, "decode_layers", None)
         self.params: list[torch.Tensor | None] = []
@@ -141,7 +146,7 @@ class DecodePlan:
     def build(model: LlamaForCausalLM) -> DecodePlan | None:
         ops = kernels.get_ops()
         needed = ("linear_small_m", "rms_norm", "add_rms_norm", "silu_mul", "rope_cache", "paged_decode_attention",
-                  "quant_linear_small")
+                  "paged_prefill_attention", "quant_linear_small")
         if ops is None or not all(hasattr(ops, n) for n in needed):
             return None
         config = model.config
@@ -167,9 +172,14 @@ class DecodePlan:
         return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        """Whether this step can run here: decode-only, plain caches of the model dtype, no eviction."""
+        """Whether this step can run here: plain caches of the model dtype, no eviction, and either decode-only
+        or laid out by query_start_loc (speculative verification, prefill chunks, mixed steps)."""
         bt = meta.block_tables
-        return (bt is not None and not meta.evicting and meta.num_decodes == bt.shape[0] == x.shape[0]
+        if bt is None or meta.evicting or meta.prefills or meta.attn_scores is not None \
+                or meta.attn_row_scores is not None:
+            return False
+        decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
+        return ((decode_only or meta.query_start_loc is not None)
                 and x.dtype == self.dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
                 and kv_caches[0].dtype == self.dtype and kv_caches[0].is_contiguous())
 
@@ -179,9 +189,12 @@ class DecodePlan:
         t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
         window = meta.sliding_window or 0
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
+        # decode-only: one query row per sequence; else rows of sequence b = [qsl[b], qsl[b + 1]) (ops.attention's
+        # paged_attention makes the same choice of kernel)
+        qsl = None if meta.num_decodes == tables.shape[0] == t else meta.query_start_loc
         if self.decode_layers is not None and t <= MAX_SMALL_M and not _cpp_loop_disabled():
             return self.decode_layers(x, cos, sin, slots, tables, lens, kv_caches, self.params, self.spec, self.eps,
-                                      self.scale, window, h, kvh, d)
+                                      self.scale, window, h, kvh, d, qsl, PREFILL_Q_TILE)
         residual = x
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
@@ -190,7 +203,10 @@ class DecodePlan:
             self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
             q = qkv.view(t, h + 2 * kvh, d)[:, :h]
             o = torch.empty((t, h, d), dtype=x.dtype)
-            self.attention(o, q, kv, tables, lens, self.scale, window)
+            if qsl is None:
+                self.attention(o, q, kv, tables, lens, self.scale, window)
+            else:
+                self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
             hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
             x = layer.down(self.silu_mul(layer.gate_up(hid)))
         return x, residual

@@ -163,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
             meta.sink_cos, meta.sink_sin = self.rope.cos_sin(evicted)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        plan = decode_plan_or_none(self) if meta.num_decodes and self.model.layers else None
-        if plan is not None and plan.applies(x, meta, kv_caches):  # decode-only step: straight-line kernels
+        plan = decode_plan_or_none(self) if self.model.layers else None
+        if plan is not None and plan.applies(x, meta, kv_caches):  # straight-line kernels, no module calls
             x, residual = plan.run(x, cos, sin, meta, kv_caches)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -5,8 +5,11 @@ With per-draft acceptance rate α, a step with γ drafts emits E(γ) = (1 - α^(
 extra cost of verifying it in the target's forward. γ = argmax E(γ) / (1 + γ·c) over 0..max (γ = 0: plain
 decoding, ratio 1). α is estimated from the request's own history as a decayed Bernoulli rate: a step that
 accepts a of k drafts contributes a successes out of a + (1 if a < k) trials (the trials it actually made).
-A request at γ = 0 probes with one draft every `probe_every` steps, so a text that turns repetitive later is
-noticed.
+A request at γ = 0 probes with one draft after `probe_every` steps, so a text that turns repetitive later is
+noticed; each probe that does not bring drafting back doubles the wait (up to `max_probe_every`), and there
+are no probes at all when even drafts that are always accepted could not pay (`max_speedup` below
+`min_probe_speedup`: a layer-skip draft that runs 29 of 30 layers costs as much as the step it saves). A probe
+is not free: the draft catches up on the tokens it missed, and the verify step carries one more row.
 
 c is not a constant: on a CPU the target step is memory-bound at batch 1 (four more tokens cost ~20% more) but
 compute-bound at batch 8 (each verified token costs nearly a decode token's share). `StepCostModel` fits the
@@ -27,6 +30,11 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def max_speedup(cost_per_draft: float, max_gamma: int) -> float:
+    """The best E(γ) / (1 + γ c) any acceptance rate could give: every draft accepted (α = 1)."""
+    return max((gamma + 1.0) / (1.0 + gamma * cost_per_draft) for gamma in range(max_gamma + 1))
+
+
 def best_gamma(alpha: float, cost_per_draft: float, max_gamma: int) -> int:
     """argmax over γ in [0, max_gamma] of E(γ) / (1 + γ c); ties go to the smaller γ."""
     best, best_ratio = 0, 1.0
@@ -42,17 +50,21 @@ class _Estimate:
     successes: float
     trials: float
     steps_at_zero: int = 0
+    probe_every: int = 0  # steps at γ = 0 before the next probe (0: not set yet)
 
 
 class AdaptiveGamma:
     def __init__(self, max_gamma: int, cost_per_draft: float, adaptive: bool = True, prior_alpha: float = 0.6,
-                 prior_weight: float = 2.0, decay: float = 0.8, probe_every: int = 8) -> None:
+                 prior_weight: float = 2.0, decay: float = 0.8, probe_every: int = 8, max_probe_every: int = 64,
+                 min_probe_speedup: float = 1.1) -> None:
         self.max_gamma = max_gamma
         self.cost_per_draft = cost_per_draft
         self.adaptive = adaptive
         self.prior = (prior_alpha * prior_weight, prior_weight)
         self.decay = decay
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.min_probe_speedup = min_probe_speedup
         self._est: dict[str, _Estimate] = {}
 
     def alpha(self, req_id: str) -> float:
@@ -65,13 +77,22 @@ class AdaptiveGamma:
             return self.max_gamma
         cost = self.cost_per_draft if cost_per_draft is None else cost_per_draft
         gamma = best_gamma(self.alpha(req_id), cost, self.max_gamma)
-        if gamma == 0:
-            est = self._est.setdefault(req_id, _Estimate(*self.prior))
-            est.steps_at_zero += 1
-            if est.steps_at_zero >= self.probe_every:
-                est.steps_at_zero = 0
-                return 1
-        return gamma
+        est = self._est.get(req_id)
+        if gamma > 0:
+            if est is not None:  # drafting pays again: the next stretch at zero starts probing early
+                est.probe_every = self.probe_every
+            return gamma
+        if max_speedup(cost, self.max_gamma) < self.min_probe_speedup:
+            return 0  # even drafts that are always accepted would not pay at this cost
+        if est is None:
+            est = self._est[req_id] = _Estimate(*self.prior)
+        est.probe_every = est.probe_every or self.probe_every
+        est.steps_at_zero += 1
+        if est.steps_at_zero >= est.probe_every:
+            est.steps_at_zero = 0
+            est.probe_every = min(2 * est.probe_every, self.max_probe_every)  # until a probe brings drafts back
+            return 1
+        return 0
 
     def update(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
         est = self._est.setdefault(req_id, _Estimate(*self.prior))

@@ -4,8 +4,9 @@
 //
 // It calls the very kernels brisk.model.decode_plan.DecodePlan.run calls, through the dispatcher (each lives in its
 // own extension library), in the same order with the same arguments, so its results equal the Python loop's bit
-// for bit. Only decode batches of up to 8 rows come here (every linear then takes its small-M kernel); larger ones
-// stay in Python, whose linears switch to GEMMs.
+// for bit. Only steps of up to 8 rows come here (every linear then takes its small-M kernel): decode batches, and
+// speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears
+// switch to GEMMs.
 //
 // Per layer the Python side passes 2 + 4 * 5 optional tensors (the two norm weights, then for each of the fused
 // qkv, o, fused gate/up and down projections five slots) and 4 * 3 ints (kind, bits, group size):
@@ -46,6 +47,11 @@ struct Ops {
                                 const at::Tensor&, double, int64_t)>
       attention = handle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               double, int64_t)>("brisk::paged_decode_attention");
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>
+      prefill_attention = handle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>(
+          "brisk::paged_prefill_attention");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)> linear_small =
       handle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>("brisk::linear_small_m");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&,
@@ -92,14 +98,17 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const c10::List<OptT>& para
 
 }  // namespace
 
-// x: [B, hidden] embeddings (B <= 8) -> (the last layer's MLP output, the residual stream without it), exactly as
-// DecodePlan.run. x is the residual stream's storage: add_rms_norm updates it in place.
+// x: [T, hidden] embeddings (T <= 8 rows) -> (the last layer's MLP output, the residual stream without it), exactly
+// as DecodePlan.run. x is the residual stream's storage: add_rms_norm updates it in place. Without query_start a
+// decode step (one row per sequence, paged_decode_attention); with it, rows of sequence b are
+// [query_start[b], query_start[b + 1]) (speculative verification, short prefill chunks: paged_prefill_attention).
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                                  const at::Tensor& slots, const at::Tensor& tables,
                                                  const at::Tensor& lens, at::TensorList kv_caches,
                                                  const c10::List<OptT>& params, at::IntArrayRef spec,
                                                  at::ArrayRef<double> eps, double scale, int64_t window,
-                                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                 const OptT& query_start, int64_t q_tile) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer &&
                   static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts &&
@@ -107,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
               "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots, ",
               num_layers * 4 * kInts, " ints and ", num_layers, " eps values; got ", params.size(), ", ", spec.size(),
               ", ", eps.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "decode_layers: x must be [B <= 8, hidden], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "decode_layers: x must be [T <= 8, hidden], got ", x.sizes());
   const Ops& o = ops();
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
@@ -121,7 +130,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
-    o.attention.call(out, q, kv, tables, lens, scale, window);
+    if (query_start.has_value())
+      o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
+    else
+      o.attention.call(out, q, kv, tables, lens, scale, window);
     hid = o.add_rms_norm.call(linear(o, out.view({t, h * d}), params, p + 2 + kSlots, spec, s + kInts), residual,
                               get(params, p + 1), eps[i]);
     cur = linear(o, o.silu_mul.call(linear(o, hid, params, p + 2 + 2 * kSlots, spec, s + 2 * kInts)), params,
@@ -133,6 +145,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, Tensor?[] params, int[] spec, float[] eps, float scale, int window, int num_heads, "
-        "int num_kv_heads, int head_dim) -> (Tensor, Tensor)",
+        "int num_kv_heads, int head_dim, Tensor? query_start, int q_tile) -> (Tensor, Tensor)",
         &decode_layers);
 }
