@@ -241,19 +241,54 @@ def test_spec_config_parsing():
         SpecConfig.parse("medusa")
 
 
+@pytest.mark.parametrize("method", ["ngram", "self:int8"])
 @pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"},
                                 {"kv_policy": "streaming", "kv_budget": 48, "sink_tokens": 4}])
-def test_speculation_composes_with_kv_compression(model_dir, kv):
+def test_speculation_composes_with_kv_compression(model_dir, kv, method):
     """Drafts verified over a quantized or evicting cache: greedy output equals plain greedy decoding with the
     same cache settings (a rejected draft's slots are rewritten, an int4 block re-quantized, an evicted block
     never read), and every block comes back."""
     prompts = make_prompts()
     plain_llm = LLM(model_dir, max_model_len=256, **kv)
     want = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, GREEDY)]
-    llm = spec_llm(model_dir, "ngram", **kv)
+    llm = spec_llm(model_dir, method, **kv)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == want
     assert_no_leak(llm)
+    if method == "self:int8":  # an int8 cache has another layout: the draft computes its own prompt KV
+        assert (llm.engine.speculator.proposer._target is None) == ("kv_cache_dtype" in kv)
+
+
+def test_self_draft_adopts_the_targets_prompt_kv(model_dir, plain):
+    """The self-draft copies the prompt's K/V from the target's cache (exactly), so its first draft forward is
+    one row, not a second prefill; the output is still plain greedy decoding's."""
+    llm = spec_llm(model_dir, "self:int8")
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
+    rows = []
+    real_prepare = proposer.runner.prepare
+    proposer.runner.prepare = lambda sched: rows.append(sum(len(s.token_ids) for s in sched.scheduled)) or \
+        real_prepare(sched)
+    prompt = make_prompts()[4]  # the 40-token segment, repeated
+    rid = engine.add_request(None, prompt, GREEDY)
+    engine.step()  # the target's prefill
+    engine.step()  # drafts (step 0 over the copied prompt) and their verification
+    assert rows and rows[0] == 1 and max(rows) == 1
+    shadow = proposer._shadows[rid]
+    assert shadow.num_computed_tokens >= len(prompt)
+    bs = engine.kv_manager.block_size
+    theirs, ours = engine.kv_manager.get_block_ids(rid), proposer.kv.get_block_ids(rid)
+    pos = torch.arange(len(prompt))
+    src = torch.tensor(theirs)[pos // bs] * bs + pos % bs
+    dst = torch.tensor(ours)[pos // bs] * bs + pos % bs
+    for t, d in zip(engine.runner.kv_caches, proposer.runner.kv_caches, strict=True):
+        assert torch.equal(t.view(2, -1, *t.shape[3:])[:, src], d.view(2, -1, *d.shape[3:])[:, dst])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leak(llm)
+    want = plain[4]
+    assert engine.speculator.stats.num_verify_steps > 0
+    out = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert out == want
 
 
 def test_speculation_refuses_int4_kv_cache(model_dir):

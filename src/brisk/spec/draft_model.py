@@ -10,6 +10,13 @@ One propose() call runs γ batched draft forwards:
 x_γ is never fed. Next call, the shadow's KV stays valid up to the longest common prefix of (old tokens +
 drafts) and the target's new tokens (accepted drafts count); everything past it is recomputed, so rejected
 drafts, preemption of the target request and any other divergence need no special case.
+
+A self-draft (`self:intN`, the target's own weights rounded) has the target's cache layout, and does not
+recompute what the target already holds: positions the target has computed and the draft has not (the whole
+prompt of a new request, the tokens decoded while adaptive γ was 0, the bonus token) are copied from the
+target's cache, so the draft's step-0 forward is one row, not a second prefill of the prompt (on a 300-token
+prompt the draft's prefill cost as much as the target's). The draft then attends to the target's keys and
+values for those positions: that only moves the acceptance rate (up, if anything), never the output.
 """
 
 from __future__ import annotations
@@ -49,6 +56,39 @@ class DraftModelProposer(Proposer):
         self._shadows: dict[str, Request] = {}
         self.forward_seconds = 0.0  # last steady-state draft forward (0 until one ran)
         self._num_target_tokens: dict[str, int] = {}  # the target's length when the shadow last drafted
+        self._target: tuple[list[torch.Tensor], KVCacheManager] | None = None  # see share_target_kv
+
+    def share_target_kv(self, kv_caches: list, manager: KVCacheManager) -> bool:
+        """Copy positions the target has computed from its cache instead of recomputing them (a self-draft:
+        same layers, same cache layout). Returns whether the layouts allow it (plain caches, equal shapes)."""
+        mine = self.runner.kv_caches
+        ok = (len(kv_caches) == len(mine) and manager.block_size == self.kv.block_size
+              and all(type(t) is torch.Tensor and type(m) is torch.Tensor and t.dtype == m.dtype
+                      and t.shape[2:] == m.shape[2:] and t.is_contiguous() and m.is_contiguous()
+                      for t, m in zip(kv_caches, mine, strict=False)))
+        self._target = (list(kv_caches), manager) if ok else None
+        return ok
+
+    def _adopt_target_kv(self, req: Request, shadow: Request) -> None:
+        """Positions [shadow computed, target computed) from the target's cache into the draft's (whose slots
+        are allocated); the shadow's tokens equal the target's there (step 0, right after _sync)."""
+        assert self._target is not None
+        caches, manager = self._target
+        start, end = shadow.num_computed_tokens, min(req.num_computed_tokens, shadow.num_tokens - 1)
+        if end <= start:
+            return
+        bs = self.kv.block_size
+        pos = torch.arange(start, end)
+        theirs = torch.tensor(manager.get_block_ids(req.request_id), dtype=torch.int64)
+        ours = torch.tensor(self.kv.get_block_ids(shadow.request_id), dtype=torch.int64)
+        if bool((theirs[pos // bs] < 0).any()):
+            return  # an evicted block: recompute instead
+        src_slots = theirs[pos // bs] * bs + pos % bs
+        dst_slots = ours[pos // bs] * bs + pos % bs
+        for src, dst in zip(caches, self.runner.kv_caches, strict=True):
+            flat_src = src.view(2, -1, *src.shape[3:])  # [2, slots, kvh, d]
+            dst.view(2, -1, *dst.shape[3:]).index_copy_(1, dst_slots, flat_src.index_select(1, src_slots))
+        shadow.num_computed_tokens = end
 
     def live_ids(self) -> set[str]:
         return set(self._shadows)
@@ -83,7 +123,7 @@ class DraftModelProposer(Proposer):
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
-        for _ in range(max(num_drafts)):
+        for step in range(max(num_drafts)):
             active = [j for j in active if len(drafts[j]) < num_drafts[j]]
             scheduled, kept = [], []
             for j in active:
@@ -95,6 +135,8 @@ class DraftModelProposer(Proposer):
                     self.kv.free(shadow)
                     shadow.num_computed_tokens = 0
                     continue
+                if step == 0 and self._target is not None:
+                    self._adopt_target_kv(requests[j], shadow)
                 scheduled.append(ScheduledRequest(shadow.request_id, shadow.all_token_ids[shadow.num_computed_tokens:],
                                                   shadow.num_computed_tokens, self.kv.get_block_ids(shadow.request_id),
                                                   1))
@@ -223,5 +265,8 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
         model = layer_skip_model(target.model, skip)
         name = "layerskip"
         cost = len(model.model.layers) / len(target.model.model.layers)
-    return DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype, engine.config.device,
-                              name=name, draft_cost=cost)
+    proposer = DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype,
+                                  engine.config.device, name=name, draft_cost=cost)
+    if config.method == "self":
+        proposer.share_target_kv(engine.runner.kv_caches, engine.kv_manager)
+    return proposer
