@@ -6,10 +6,10 @@ extra cost of verifying it in the target's forward. γ = argmax E(γ) / (1 + γ�
 decoding, ratio 1). α is estimated from the request's own history as a decayed Bernoulli rate: a step that
 accepts a of k drafts contributes a successes out of a + (1 if a < k) trials (the trials it actually made).
 A request at γ = 0 probes with one draft after `probe_every` steps, so a text that turns repetitive later is
-noticed; each probe that does not bring drafting back doubles the wait (up to `max_probe_every`), and there
-are no probes at all when even drafts that are always accepted could not pay (`max_speedup` below
-`min_probe_speedup`: a layer-skip draft that runs 29 of 30 layers costs as much as the step it saves). A probe
-is not free: the draft catches up on the tokens it missed, and the verify step carries one more row.
+noticed; each probe that does not bring drafting back doubles the wait (up to `max_probe_every`), and the wait
+is the longest one when even drafts that are always accepted could not pay (`max_speedup` below
+`min_probe_speedup`: a layer-skip draft that runs 29 of 30 layers costs as much as the step it saves). Probes
+cost a draft forward and a verified row; rare ones still re-measure the draft's cost.
 
 c is not a constant: on a CPU the target step is memory-bound at batch 1 (four more tokens cost ~20% more) but
 compute-bound at batch 8 (each verified token costs nearly a decode token's share). `StepCostModel` fits the
@@ -82,11 +82,13 @@ class AdaptiveGamma:
             if est is not None:  # drafting pays again: the next stretch at zero starts probing early
                 est.probe_every = self.probe_every
             return gamma
-        if max_speedup(cost, self.max_gamma) < self.min_probe_speedup:
-            return 0  # even drafts that are always accepted would not pay at this cost
         if est is None:
             est = self._est[req_id] = _Estimate(*self.prior)
         est.probe_every = est.probe_every or self.probe_every
+        if max_speedup(cost, self.max_gamma) < self.min_probe_speedup:
+            # even drafts that are always accepted would not pay at this cost: probe only at the longest
+            # interval, which keeps a measured draft cost from freezing (one slow forward must not end drafting)
+            est.probe_every = self.max_probe_every
         est.steps_at_zero += 1
         if est.steps_at_zero >= est.probe_every:
             est.steps_at_zero = 0
