@@ -225,8 +225,14 @@ def test_step_cost_model_is_batch_aware():
     assert abs(a - 0.4) < 1e-3 and abs(b - 0.01) < 1e-5
     assert abs(model.cost_per_draft(1) - 0.01 / 0.41) < 1e-3
     assert abs(model.cost_per_draft(32) - 0.32 / 0.72) < 1e-3
+    model.observe_draft(5.0)  # the first draft forward (one-time costs) is not taken as its price
+    assert model.draft_seconds == 0.0
     model.observe_draft(0.1)
     assert abs(model.cost_per_draft(1) - 0.11 / 0.41) < 1e-3
+    model.observe_draft(0.2)  # slower: followed slowly
+    assert abs(model.draft_seconds - 0.12) < 1e-9
+    model.observe_draft(0.04)  # faster: followed quickly
+    assert abs(model.draft_seconds - 0.08) < 1e-9
 
 
 def test_spec_config_parsing():

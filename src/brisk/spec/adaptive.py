@@ -120,7 +120,8 @@ class StepCostModel:
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._scale = None  # seconds of a one-token step, set by the first observation (the prior is relative)
         self._prior = (prior_fixed, prior_per_token, prior_weight)
-        self.draft_seconds = 0.0  # EMA of one draft-model forward (0 for model-free proposers)
+        self.draft_seconds = 0.0  # EMA of one draft-model forward (0 for model-free proposers, and until timed)
+        self._drafts_seen = 0
         self._t0: float | None = None
 
     def _add(self, x: float, y: float, w: float = 1.0) -> None:
@@ -141,8 +142,18 @@ class StepCostModel:
         self._add(float(num_tokens), seconds)
 
     def observe_draft(self, seconds_per_forward: float) -> None:
-        self.draft_seconds = (seconds_per_forward if self.draft_seconds == 0.0
-                              else 0.8 * self.draft_seconds + 0.2 * seconds_per_forward)
+        """One steady-state draft forward's seconds. The first is dropped (it pays one-time costs: page faults
+        in the draft's fresh KV pool, scratch buffers; measured at several target steps here, which priced the
+        draft out for good), and the estimate follows lower times faster than higher ones (noise on a shared
+        CPU only ever adds time)."""
+        self._drafts_seen += 1
+        if self._drafts_seen == 1:
+            return
+        if self.draft_seconds == 0.0:
+            self.draft_seconds = seconds_per_forward
+        else:
+            w = 0.5 if seconds_per_forward < self.draft_seconds else 0.2
+            self.draft_seconds = (1.0 - w) * self.draft_seconds + w * seconds_per_forward
 
     def line(self) -> tuple[float, float]:
         """(a, b) in seconds; b >= 0 and a > 0 (a step always costs something fixed)."""
