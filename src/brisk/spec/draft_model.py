@@ -57,6 +57,7 @@ class DraftModelProposer(Proposer):
         self.forward_seconds = 0.0  # last steady-state draft forward (0 until one ran)
         self._num_target_tokens: dict[str, int] = {}  # the target's length when the shadow last drafted
         self._target: tuple[list[torch.Tensor], KVCacheManager] | None = None  # see share_target_kv
+        self._adopted: dict[str, int] = {}  # positions below this hold the target's K/V in the draft's cache
 
     def share_target_kv(self, kv_caches: list, manager: KVCacheManager) -> bool:
         """Copy positions the target has computed from its cache instead of recomputing them (a self-draft:
@@ -70,11 +71,14 @@ class DraftModelProposer(Proposer):
         return ok
 
     def _adopt_target_kv(self, req: Request, shadow: Request) -> None:
-        """Positions [shadow computed, target computed) from the target's cache into the draft's (whose slots
-        are allocated); the shadow's tokens equal the target's there (step 0, right after _sync)."""
+        """Positions [start, target computed) from the target's cache into the draft's (whose slots are
+        allocated); the shadow's tokens equal the target's there (step 0, right after _sync). start is where the
+        draft's own K/V begins: its accepted drafts are overwritten with the target's too, so the draft always
+        attends to the target's keys and values for every position the target has verified."""
         assert self._target is not None
         caches, manager = self._target
-        start, end = shadow.num_computed_tokens, min(req.num_computed_tokens, shadow.num_tokens - 1)
+        start = min(shadow.num_computed_tokens, self._adopted.get(req.request_id, 0))
+        end = min(req.num_computed_tokens, shadow.num_tokens - 1)
         if end <= start:
             return
         bs = self.kv.block_size
@@ -88,7 +92,8 @@ class DraftModelProposer(Proposer):
         for src, dst in zip(caches, self.runner.kv_caches, strict=True):
             flat_src = src.view(2, -1, *src.shape[3:])  # [2, slots, kvh, d]
             dst.view(2, -1, *dst.shape[3:]).index_copy_(1, dst_slots, flat_src.index_select(1, src_slots))
-        shadow.num_computed_tokens = end
+        shadow.num_computed_tokens = max(shadow.num_computed_tokens, end)
+        self._adopted[req.request_id] = end
 
     def live_ids(self) -> set[str]:
         return set(self._shadows)
@@ -97,6 +102,7 @@ class DraftModelProposer(Proposer):
         for req_id in req_ids:
             shadow = self._shadows.pop(req_id, None)
             self._num_target_tokens.pop(req_id, None)
+            self._adopted.pop(req_id, None)
             if shadow is not None:
                 self.kv.free(shadow)
 
