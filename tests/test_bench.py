@@ -253,3 +253,33 @@ def test_cli_rejects_lengths_over_max_model_len(tiny_dirs: dict) -> None:
                                   "--max-model-len", "32", "--kv-cache-memory", "4MiB",
                                   "--input-len", "30", "--output-len", "8"])
     assert r.exit_code != 0 and "--max-model-len 38" in r.output
+
+
+def test_cli_spec_runs_each_method_against_plain(tiny_dirs: dict, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`brisk bench spec` end to end on a tiny model: every method's greedy output equals plain decoding, and
+    --disable-by-batch-size reaches the engines' speculative configs."""
+    import brisk.spec.bench as spec_bench
+
+    configs = []
+    real_engine = spec_bench._engine
+    monkeypatch.setattr(spec_bench, "_engine", lambda loaded, spec, *a: configs.append(spec) or
+                        real_engine(loaded, spec, *a))
+    out = tmp_path / "s.json"
+    r = _invoke(["spec", "--model", str(tiny_dirs["untied"]), "--methods", "ngram,self:int8", "--sets", "chat",
+                 "--num-prompts", "1", "--concurrency", "2", "--max-tokens", "8", "--num-speculative-tokens", "2",
+                 "--disable-by-batch-size", "none", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["method"], x["batch"]) for x in runs] == [(m, b) for b in ("1", "concurrent")
+                                                        for m in ("plain", "ngram", "self:int8")]
+    for x in runs:
+        assert x["tokens_per_s"] > 0 and x["output_tokens"] == 8 * x["num_requests"]
+        if x["method"] != "plain":
+            assert x["identical_to_plain"] is True and x["speedup"] > 0
+    specs = [c for c in configs if c is not None]
+    assert [c.method for c in specs] == ["ngram", "self"] and all(c.disable_by_batch_size is None for c in specs)
+    assert all(c.num_speculative_tokens == 2 for c in specs)
+    bad = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_dirs["untied"]),
+                                    "--disable-by-batch-size", "0"])
+    assert bad.exit_code != 0 and "positive integer or 'none'" in bad.output

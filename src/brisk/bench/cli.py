@@ -622,11 +622,15 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Novel the grounded/chat prompts are cut from (default /work/shared/data/emma.txt, else the "
                    "bundled excerpt).")
+@click.option("--disable-by-batch-size", "disable_by", default=None, metavar="N|none",
+              help="No drafts while more than N requests run (vLLM's setting; 'none': draft at any batch size). "
+                   "Default: the engine's (1 on this CPU).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
-         num_speculative_tokens: int, text_path: str | None, threads: int | None, json_path: str | None) -> None:
+         num_speculative_tokens: int, text_path: str | None, disable_by: str | None, threads: int | None,
+         json_path: str | None) -> None:
     """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
     from rich.table import Table
 
@@ -636,12 +640,21 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
     _set_threads(threads)
     if not 1 <= num_prompts <= 8 or not 1 <= concurrency <= 8:
         raise ValueError("--num-prompts and --concurrency must be in [1, 8] (each set has 8 fixed prompts)")
+    overrides = {}
+    if disable_by is not None:
+        if disable_by.lower() == "none":
+            overrides["disable_by_batch_size"] = None
+        elif disable_by.isdigit() and int(disable_by) >= 1:
+            overrides["disable_by_batch_size"] = int(disable_by)
+        else:
+            raise click.BadParameter(f"expected a positive integer or 'none', got {disable_by!r}",
+                                     param_hint="--disable-by-batch-size")
     console = report.stderr_console()
     loaded = load_model(model, max_model_len=1536)
     names = [m.strip() for m in methods.split(",") if m.strip()]
     runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
                           [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
-                          progress=lambda r: console.print(f"[dim]{r}"))
+                          progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides)
     table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
                         f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
     for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -132,15 +132,20 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 def run_spec_bench(loaded: LoadedModel, methods: list[str], num_prompts: int, max_tokens: int, concurrency: int,
                    num_speculative_tokens: int, sets: list[str] | None = None, max_model_len: int = 1536,
-                   kv_memory: str = "96MiB", text_path: Path | None = None, progress=print) -> list[SpecRun]:
+                   kv_memory: str = "96MiB", text_path: Path | None = None, progress=print,
+                   spec_overrides: dict | None = None) -> list[SpecRun]:
     """Every method's engine is built once; each prompt (or concurrent group) then runs under plain decoding and
-    every method back to back, so load changes on a shared machine hit all of them alike."""
+    every method back to back, so load changes on a shared machine hit all of them alike. `spec_overrides` sets
+    SpecConfig fields on every method (e.g. disable_by_batch_size)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tok = loaded.tokenizer
     conversations = prompt_sets(max(num_prompts, concurrency), text_path)
     names = ["plain", *methods]
-    engines = {m: _engine(loaded, None if m == "plain" else SpecConfig.parse(m, num_speculative_tokens),
-                          max_model_len, kv_memory) for m in names}
+    def spec_config(m: str) -> SpecConfig:
+        return replace(SpecConfig.parse(m, num_speculative_tokens), **(spec_overrides or {}))
+
+    engines = {m: _engine(loaded, None if m == "plain" else spec_config(m), max_model_len, kv_memory)
+               for m in names}
     for engine in engines.values():
         _generate(engine, [tok.encode("Warm-up.")], SamplingParams(temperature=0, max_tokens=4))
     runs: list[SpecRun] = []
