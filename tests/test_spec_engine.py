@@ -62,7 +62,7 @@ def assert_no_leak(llm: LLM) -> None:
 
 def spec_llm(model_dir: str, method: str, **kwargs) -> LLM:
     name, _, arg = method.partition(":")
-    # disable_by_batch_size None: these tests verify drafts in batches (the default turns drafting off there)
+    # disable_by_batch_size None: these tests verify drafts in batches of any size
     config = {"num_speculative_tokens": 4, "adaptive": False, "method": name, "model": arg or None,
               "disable_by_batch_size": None}
     config.update(kwargs.pop("spec", {}))
@@ -235,6 +235,24 @@ def test_step_cost_model_is_batch_aware():
     assert abs(model.draft_seconds - 0.08) < 1e-9
 
 
+def test_step_cost_model_with_two_regimes():
+    """Up to 8 tokens a step is memory-bound (40 ms + 1 ms/token), past them compute-bound (20 ms + 3.3 ms/token):
+    at 8 requests the first draft each doubles the rows into the second regime and costs step(16) - step(8)
+    = 72.8 - 48 ms, about half a plain step; each regime is read off its own line."""
+    model = StepCostModel(split=8)
+    assert not model.knows(8)
+    for x in [1, 2, 3, 5, 8, 4, 6, 8, 1, 2] * 30:
+        model.observe_step(x, 0.040 + 0.001 * x)
+    assert model.knows(8) and not model.knows(16)
+    assert abs(model.step_seconds(16) - (0.040 + 0.016)) < 1e-3  # no large steps yet: the small line
+    for x in [16, 24, 32, 40, 20] * 60:
+        model.observe_step(x, 0.020 + 0.0033 * x)
+    assert model.knows(16) and abs(model.step_seconds(8) - 0.048) < 1e-3  # the small line, undisturbed
+    assert abs(model.step_seconds(16) - 0.0728) < 1e-3
+    assert abs(model.cost_per_draft(8) - (0.0728 - 0.048) / 0.048) < 2e-2
+    assert abs(model.cost_per_draft(1) - 0.001 / 0.041) < 1e-3  # batch 1 stays in the first regime
+
+
 def test_spec_config_parsing():
     assert SpecConfig.parse("self:int4", 3).num_speculative_tokens == 3
     assert SpecConfig.parse({"model": "/x/draft"}).method == "draft"
@@ -304,12 +322,13 @@ def test_speculation_refuses_int4_kv_cache(model_dir):
 
 
 def test_disable_by_batch_size_drafts_only_for_a_lone_request(model_dir, plain):
-    """The default (vLLM's disable_by_batch_size = 1 here): no drafts while several requests are in flight,
-    drafts again once one is left; output equals plain greedy either way."""
+    """disable_by_batch_size = 1: no drafts while several requests are in flight, drafts again once one is left;
+    output equals plain greedy either way. (The default is 8.)"""
+    assert SpecConfig.parse("ngram").disable_by_batch_size == 8
     prompts = make_prompts()
     # the target drafting for itself: every step would draft if allowed
     llm = LLM(model_dir, max_model_len=256, speculative_config={"method": "draft", "model": model_dir,
-                                                                "adaptive": False})
+                                                                "adaptive": False, "disable_by_batch_size": 1})
     assert llm.engine.speculator.disable_by_batch_size == 1
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert llm.engine.speculator.stats.num_draft_tokens == 0  # all in flight together for their 4 tokens

@@ -624,7 +624,7 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
                    "bundled excerpt).")
 @click.option("--disable-by-batch-size", "disable_by", default=None, metavar="N|none",
               help="No drafts while more than N requests run (vLLM's setting; 'none': draft at any batch size). "
-                   "Default: the engine's (1 on this CPU).")
+                   "Default: the engine's (8).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")

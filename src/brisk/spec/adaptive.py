@@ -13,8 +13,10 @@ cost a draft forward and a verified row; rare ones still re-measure the draft's 
 
 c is not a constant: on a CPU the target step is memory-bound at batch 1 (four more tokens cost ~20% more) but
 compute-bound at batch 8 (each verified token costs nearly a decode token's share). `StepCostModel` fits the
-engine's measured step time as a + b * (tokens in the step) online; with B requests decoding, one more draft
-per request costs b*B / (a + b*B) of a plain step, and a draft model adds its own measured step time.
+engine's measured step time as a + b * (tokens in the step) online, one line up to the small-M kernels' 8 rows and
+one past them; with B requests decoding, one more draft per request costs (step(2B) - step(B)) / step(B) of a
+plain step, and a draft model adds its own measured forward. With several requests decoding, the speculator first
+runs one plain step of that size, so step(B) is measured, not extrapolated.
 """
 
 from __future__ import annotations
@@ -111,10 +113,15 @@ class AdaptiveGamma:
 
 
 class StepCostModel:
-    """Online least squares of step seconds = a + b * num_batched_tokens, with exponential forgetting."""
+    """Online least squares of step seconds = a + b * num_batched_tokens, with exponential forgetting.
+
+    With `split` = S, steps of more than S tokens get a line of their own: on a CPU the small-M kernels
+    (memory-bound, S = ops.linear.MAX_SMALL_M rows) and the GEMMs past them (compute-bound) are two regimes, and
+    one line fitted across both extrapolates neither (measured at 8 requests: a plain 8-row step 64 ms, while the
+    line through the verification steps put it at 106 ms, which made drafting look half as dear as it was)."""
 
     def __init__(self, prior_fixed: float = 1.0, prior_per_token: float = 0.04, prior_weight: float = 4.0,
-                 decay: float = 0.98) -> None:
+                 decay: float = 0.98, split: int | None = None) -> None:
         # sufficient statistics of (x = tokens, y = seconds); the prior is two virtual points on the line
         self.decay = decay
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
@@ -123,6 +130,10 @@ class StepCostModel:
         self.draft_seconds = 0.0  # EMA of one draft-model forward (0 for model-free proposers, and until timed)
         self._drafts_seen = 0
         self._t0: float | None = None
+        self.split = split
+        self._large = StepCostModel(prior_fixed, prior_per_token, prior_weight, decay) if split else None
+        self._num_large = 0  # steps past the split observed
+        self._seen: set[int] = set()  # token counts of the steps observed
 
     def _add(self, x: float, y: float, w: float = 1.0) -> None:
         self._n += w
@@ -132,6 +143,11 @@ class StepCostModel:
         self._sxy += w * x * y
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self._seen.add(num_tokens)
+        if self._large is not None and num_tokens > self.split:
+            self._large.observe_step(num_tokens, seconds)
+            self._num_large += 1
+            return
         if self._scale is None:
             fixed, per_token, weight = self._prior
             self._scale = seconds / (fixed + per_token * num_tokens)
@@ -166,11 +182,23 @@ class StepCostModel:
         a = max(mean_y - b * mean_x, 1e-6)
         return a, b
 
-    def cost_per_draft(self, num_decoding: int) -> float:
-        """Cost of one more draft for each of `num_decoding` requests, relative to a plain step of them."""
+    def knows(self, num_tokens: int) -> bool:
+        """Whether a step of exactly this many tokens has been timed."""
+        return num_tokens in self._seen
+
+    def step_seconds(self, num_tokens: int) -> float:
+        """A step of this many tokens: the large-step line past the split once it has two steps, else this one."""
+        if self._large is not None and num_tokens > self.split and self._num_large >= 2:
+            return self._large.step_seconds(num_tokens)
         a, b = self.line()
-        plain = a + b * num_decoding
-        return (b * num_decoding + self.draft_seconds) / plain
+        return a + b * num_tokens
+
+    def cost_per_draft(self, num_decoding: int) -> float:
+        """Cost of one more draft for each of `num_decoding` requests, relative to a plain step of them:
+        (step(2B) - step(B) + one draft forward) / step(B); on one line that is (b B + draft) / (a + b B)."""
+        plain = self.step_seconds(num_decoding)
+        extra = max(0.0, self.step_seconds(2 * num_decoding) - plain)
+        return (extra + self.draft_seconds) / plain
 
     # timing helpers around one engine step
     def start(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from brisk.ops.linear import MAX_SMALL_M
 from brisk.spec.adaptive import AdaptiveGamma, StepCostModel
 from brisk.spec.proposer import Proposer
 
@@ -36,7 +37,7 @@ class Speculator:
         measured, batch-aware cost of StepCostModel."""
         self.proposer = proposer
         self.gamma = AdaptiveGamma(max_gamma, proposer.draft_cost + verify_cost, adaptive)
-        self.costs = StepCostModel()
+        self.costs = StepCostModel(split=MAX_SMALL_M)
         self.stats = SpecStats()
         self.disable_by_batch_size = disable_by_batch_size
 
@@ -50,6 +51,10 @@ class Speculator:
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         busy = (self.disable_by_batch_size is not None
                 and len(scheduler.running) + len(scheduler.waiting) > self.disable_by_batch_size)
+        # several requests decoding, and no plain step of that size timed yet: run one first, so that drafting is
+        # priced against a measured plain step (adaptive.StepCostModel.cost_per_draft)
+        if len(ready) > 1 and self.gamma.adaptive and not self.costs.knows(len(ready)):
+            busy = True
         # measured cost of one more draft per decoding request (batch-aware: see adaptive.StepCostModel);
         # until a draft model has been timed, its static estimate stands in for its share
         cost = self.costs.cost_per_draft(max(1, len(ready)))
