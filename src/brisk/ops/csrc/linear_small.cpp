@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 
@@ -101,17 +102,23 @@ void gemm_rows_seq(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1
   }
 }
 
+// f(std::integral_constant<int, M>{}) for M = 2..8 (larger M as 8): one switch for every row-count template
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <typename W>
 void seq_dispatch(int64_t M, const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  switch (M) {
-    case 2: gemm_rows_seq<2>(w, K, x, n0, n1, out, ldo); break;
-    case 3: gemm_rows_seq<3>(w, K, x, n0, n1, out, ldo); break;
-    case 4: gemm_rows_seq<4>(w, K, x, n0, n1, out, ldo); break;
-    case 5: gemm_rows_seq<5>(w, K, x, n0, n1, out, ldo); break;
-    case 6: gemm_rows_seq<6>(w, K, x, n0, n1, out, ldo); break;
-    case 7: gemm_rows_seq<7>(w, K, x, n0, n1, out, ldo); break;
-    default: gemm_rows_seq<8>(w, K, x, n0, n1, out, ldo); break;
-  }
+  with_rows(M, [&](auto mt) { gemm_rows_seq<decltype(mt)::value>(w, K, x, n0, n1, out, ldo); });
 }
 
 // bfloat16 weights, K % 16 == 0: 16 weights per 256-bit load, split into the even elements (the low halves of
@@ -169,15 +176,7 @@ void gemm_rows_seq_eo(const at::BFloat16* w, int64_t K, const float* xp, int64_t
 
 void seq_dispatch_eo(int64_t M, const at::BFloat16* w, int64_t K, const float* xp, int64_t n0, int64_t n1,
                      float* out, int64_t ldo) {
-  switch (M) {
-    case 2: gemm_rows_seq_eo<2>(w, K, xp, n0, n1, out, ldo); break;
-    case 3: gemm_rows_seq_eo<3>(w, K, xp, n0, n1, out, ldo); break;
-    case 4: gemm_rows_seq_eo<4>(w, K, xp, n0, n1, out, ldo); break;
-    case 5: gemm_rows_seq_eo<5>(w, K, xp, n0, n1, out, ldo); break;
-    case 6: gemm_rows_seq_eo<6>(w, K, xp, n0, n1, out, ldo); break;
-    case 7: gemm_rows_seq_eo<7>(w, K, xp, n0, n1, out, ldo); break;
-    default: gemm_rows_seq_eo<8>(w, K, xp, n0, n1, out, ldo); break;
-  }
+  with_rows(M, [&](auto mt) { gemm_rows_seq_eo<decltype(mt)::value>(w, K, xp, n0, n1, out, ldo); });
 }
 
 // M <= 8 rows of de-interleaved x (xp, see split16) against bfloat16 weights with K % 16 == 0
