@@ -50,6 +50,10 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer "
                           "dot products, as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = "
                           "int8 for 4-bit layers, float for 8-bit ones."),
+        click.option("--compile", "compile_", is_flag=True,
+                     help="torch.compile (inductor) the decoder's dense parts, attention on brisk's paged kernels; "
+                          "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on "
+                          "this CPU (BENCHMARKS.md); float32 / bfloat16 models only."),
         click.option("--speculative", default=None, metavar="METHOD",
                      help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
                           "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "
@@ -90,7 +94,7 @@ def build_llm(kw: dict[str, Any]):  # noqa: ANN201
         speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
         kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
         sink_tokens=kw["sink_tokens"], h2o_recent=kw["h2o_recent"], prepack_weights=kw["prepack_weights"],
-        quant_activations=kw.get("quant_activations", "auto"))
+        quant_activations=kw.get("quant_activations", "auto"), compile=kw.get("compile_", False))
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

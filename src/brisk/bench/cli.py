@@ -69,12 +69,12 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _build_llm(kw: dict[str, Any], enable_prefix_caching: bool):  # noqa: ANN202 - brisk LLM
+def _build_llm(kw: dict[str, Any], enable_prefix_caching: bool, compile: bool = False):  # noqa: ANN202
     from brisk.engine.llm import LLM
 
     return LLM(kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"],
                kv_cache_memory=kw["kv_cache_memory"], max_num_seqs=kw["max_num_seqs"], seed=kw["seed"],
-               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching)
+               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching, compile=compile)
 
 
 def _model_facts(llm) -> dict[str, Any]:  # noqa: ANN001
@@ -117,19 +117,22 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
 @click.option("--output-len", type=int, default=128, show_default=True, help="Generated tokens per run.")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
-@click.option("--baseline", type=click.Choice(["hf"]), default=None,
-              help="Also run HF transformers generate on the same model and prompt; print speedups.")
+@click.option("--baseline", type=click.Choice(["hf", "eager"]), default=None,
+              help="hf: also run HF transformers generate on the same model and prompt; eager (with --compile): "
+                   "the same engine with its compiled graphs set aside. Prints speedups.")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
 @click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
               help="Off by default: each run repeats the prompt, which a prefix cache would skip.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Run brisk with --compile (torch.compile of the dense parts); the compile time is reported.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="With --baseline: hold both models and alternate brisk and transformers run by run, so that "
                    "a host whose speed drifts over minutes moves both sides alike (the baseline's peak RSS is "
                    "then not measured). --no-interleave runs all of brisk, then all of transformers.")
 @_engine_flags
 def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: str | None,
-            membw_gbps: float | None, prefix_caching: bool, interleave: bool, **kw: Any) -> None:
+            membw_gbps: float | None, prefix_caching: bool, compile_: bool, interleave: bool, **kw: Any) -> None:
     """Batch-1 latency: time to first token, time per output token, decode tok/s and achieved GB/s."""
     from brisk.bench.hf_baseline import hf_latency, load_hf_model, require_transformers
     from brisk.bench.latency import merge_results, run_latency
@@ -140,8 +143,11 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         raise ValueError(f"--input-len and --output-len must be at least 1, got {input_len} and {output_len}")
     if baseline == "hf":
         require_transformers()  # fail before minutes of benchmarking, not after
+    if baseline == "eager" and not compile_:
+        raise ValueError("--baseline eager compares --compile with the same engine uncompiled; add --compile")
     _set_threads(kw["threads"])
-    llm = _build_llm(kw, prefix_caching)
+    llm = _build_llm(kw, prefix_caching, compile_)
+    compile_s = llm.engine.compile_seconds
     if input_len + output_len > llm.engine.max_model_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len="
                          f"{llm.engine.max_model_len}; pass --max-model-len {input_len + output_len}")
@@ -161,7 +167,24 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs = None
     theirs_rss = None
     theirs_bytes = None
-    if baseline == "hf" and interleave:
+    if baseline == "eager":
+        # one engine, its compiled graphs attached or set aside run by run (model/compiled.py)
+        model, compiled = loaded.model, loaded.model._compiled
+        parts, eager_parts = [], []
+        with report.progress_bar(f"alternating compiled / eager: {warmup} warm-up + {runs} runs each",
+                                 2 * total) as advance:
+            for mode in ("compiled", "eager"):
+                model._compiled = compiled if mode == "compiled" else None
+                if warmup:  # warm-up runs, discarded
+                    run_latency(llm, prompt, output_len, 1, warmup - 1, advance)
+            for _ in range(runs):
+                for mode, sink in (("compiled", parts), ("eager", eager_parts)):
+                    model._compiled = compiled if mode == "compiled" else None
+                    sink.append(run_latency(llm, prompt, output_len, 1, 0, advance))
+        model._compiled = compiled
+        ours, theirs = merge_results(parts), merge_results(eager_parts)
+        ours_rss, theirs_bytes = report.peak_rss_bytes(), bytes_per_token
+    elif baseline == "hf" and interleave:
         # brisk's warm-up alone first (its peak RSS), then the baseline loads and the runs alternate
         with report.progress_bar(f"brisk: {warmup} warm-up + 1 run", (warmup + 1) * output_len) as advance:
             parts = [run_latency(llm, prompt, output_len, 1, warmup, advance)]
@@ -212,8 +235,10 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                                "membw": bw.to_dict() if bw else None,
                                "brisk": {**brisk_figures, "kv_pool_bytes": kv_pool_bytes,
                                          "token_ids": ours.token_ids}}
+    if compile_:
+        results["compile_s"] = compile_s
     if theirs is not None:
-        results["hf"] = {**_latency_figures(theirs, theirs_bytes, context, membw_gbps, theirs_rss),
+        results[baseline] = {**_latency_figures(theirs, theirs_bytes, context, membw_gbps, theirs_rss),
                          "token_ids": theirs.token_ids}
         results["speedup"] = {"decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s,
                               "ttft": theirs.ttft_mean_s / ours.ttft_mean_s}
@@ -232,13 +257,19 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         ("peak RSS while generating (MiB)", "peak_rss_bytes", 2**-20, ".0f"),
         ("KV pool, preallocated (MiB)", "kv_pool_bytes", 2**-20, ".0f"),
     ]
-    rows = report.table_rows(spec, results["brisk"], results.get("hf"))
+    rows = report.table_rows(spec, results["brisk"], results.get(baseline or "hf"))
     console = Console()
     title = (f"latency, batch 1: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens "
              f"-> {output_len} generated, {runs} runs, {torch.get_num_threads()} threads, "
              f"read bandwidth {membw_gbps:.1f} GB/s")
-    console.print(report.comparison_table(title, rows, "transformers" if theirs else None))
-    if theirs is not None:
+    other = {"hf": "transformers", "eager": "brisk uncompiled"}.get(baseline or "")
+    console.print(report.comparison_table(title, rows, other if theirs else None))
+    if compile_:
+        console.print(f"--compile: {compile_s:.1f} s of compilation at start-up (every shape bucket)")
+    if baseline == "eager" and theirs is not None:
+        console.print("speedup = uncompiled time / compiled time; greedy tokens: "
+                      f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
+    elif theirs is not None:
         same = "identical" if results["same_tokens"] else "different"
         order = ("runs alternated brisk/transformers, both models loaded" if interleave
                  else "all brisk runs, then all transformers runs")

@@ -51,6 +51,7 @@ class LLM:
         h2o_recent: int | None = None,
         prepack_weights: str = "auto",
         quant_activations: str = "auto",
+        compile: bool = False,
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
@@ -77,7 +78,8 @@ class LLM:
                             h2o_recent=h2o_recent)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
-                              prepack_weights=prepack_weights, quant_activations=quant_activations)
+                              prepack_weights=prepack_weights, quant_activations=quant_activations,
+                              compile=compile)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer

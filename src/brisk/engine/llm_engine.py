@@ -153,6 +153,11 @@ class LLMEngine:
         self._next_id = 0
         self.num_steps = 0
         self.step_timer = StepTimer()
+        self.compile_seconds = 0.0  # --compile: time spent compiling at start-up
+        if config.compile:
+            from brisk.model.compiled import compile_model
+
+            self.compile_seconds = compile_model(self.loaded.model, sched_cfg.max_num_batched_tokens)
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator

@@ -162,6 +162,9 @@ class LlamaForCausalLM(nn.Module):
             evicted = (positions - meta.sliding_window - meta.num_sink_tokens + 1).clamp(min=0)  # [T]
             meta.sink_cos, meta.sink_sin = self.rope.cos_sin(evicted)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        compiled = getattr(self, "_compiled", None)  # --compile (model/compiled.py)
+        if compiled is not None and compiled.applies(x, meta, kv_caches):
+            return compiled.run(x, cos, sin, meta, kv_caches)
         residual = None
         plan = decode_plan_or_none(self) if self.model.layers else None
         if plan is not None and plan.applies(x, meta, kv_caches):  # straight-line kernels, no module calls

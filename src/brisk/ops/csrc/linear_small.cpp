@@ -276,6 +276,12 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const s
   return out;
 }
 
+// The schema, then a CPU kernel (not a catch-all): torch.compile traces the op as one opaque call through the
+// shape function model/compiled.py registers (a catch-all kernel would have to be decomposed, which C++ cannot).
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_small_m);
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(brisk, CPU, m) {
+  m.impl("linear_small_m", &linear_small_m);
 }
