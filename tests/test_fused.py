@@ -215,12 +215,33 @@ def test_rope_cache_is_bit_identical_to_apply_rope_and_write_kv(ops, dtype, toke
     assert torch.equal(cache, want_cache)  # the same cache slots hold the same rows; no other slot written
 
 
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_rope_cache_into_a_bfloat16_cache_rounds_like_write_kv(ops, tokens):
+    """float32 qkv, bfloat16 cache (--kv-cache-dtype bfloat16): q and k rotated in float32 in place; the cache
+    gets k and v rounded to nearest even, exactly as write_kv's `.to(torch.bfloat16)`."""
+    from brisk.model.rope import apply_rope
+    from brisk.ops.attention import write_kv
+
+    h, kvh, d = 9, 3, 64
+    qkv, cos, sin, cache, slots = _rope_inputs(tokens, torch.float32, h, kvh, d, seed=tokens + 7)
+    cache = cache.bfloat16()
+    view = qkv.view(tokens, h + 2 * kvh, d)
+    want_qk = apply_rope(view[:, :h + kvh], cos, sin)
+    want_cache = cache.clone()
+    write_kv(want_cache, want_qk[:, h:], view[:, h + kvh:], slots)
+    got = qkv.clone()
+    ops.rope_cache(got, cos, sin, cache, slots, h, kvh)
+    assert torch.equal(got.view(tokens, h + 2 * kvh, d)[:, :h + kvh], want_qk)
+    assert torch.equal(cache, want_cache)
+    assert not torch.equal(cache[0].view(-1, kvh, d)[slots].float(), want_qk[:, h:])  # it did round
+
+
 def test_rope_cache_rejects_bad_inputs(ops):
     qkv, cos, sin, cache, slots = _rope_inputs(4, torch.float32)
     with pytest.raises(RuntimeError, match="outside the cache's 640 slots"):
         ops.rope_cache(qkv, cos, sin, cache, torch.tensor([0, 1, 2, 640]), 9, 3)
-    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
-        ops.rope_cache(qkv, cos, sin, cache.bfloat16(), slots, 9, 3)
+    with pytest.raises(RuntimeError, match="must be float32 / float32, bfloat16 / bfloat16 or float32 / bfloat16"):
+        ops.rope_cache(qkv.bfloat16(), cos, sin, cache, slots, 9, 3)
     with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \[tokens, 960\]"):
         ops.rope_cache(qkv[:, :900], cos, sin, cache, slots, 9, 3)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous float32"):

@@ -198,3 +198,47 @@ def test_h2o_bad_settings(model_dir):
         _llm(model_dir, kv_policy="h2o", kv_budget=8, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="speculative decoding does not support kv_policy h2o"):
         _llm(model_dir, kv_policy="h2o", kv_budget=8, speculative="ngram")
+
+
+def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
+    """--kv-cache-dtype bfloat16: twice the blocks for the same memory; K/V rounded on write and read back by
+    every path alike (the plan's C++ loop, the module path, the reference path without kernels), so those agree
+    with each other; against the float32 cache only by the rounding."""
+    from brisk.model.decode_plan import DecodePlan
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(**kw):
+        llm = _llm(model_dir, **kw)
+        outs = llm.generate(PROMPTS, params)
+        _assert_pool_clean(llm)
+        return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    plan_steps = []
+    real_run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run", lambda self, x, *a: plan_steps.append(x.shape[0]) or real_run(self, x, *a))
+    f32, want = run()
+    bf16, got = run(kv_cache_dtype="bfloat16")
+    assert all(c.dtype == torch.bfloat16 for c in bf16.engine.runner.kv_caches)
+    assert bf16.engine.num_blocks == 2 * f32.engine.num_blocks  # same kv_cache_memory
+    assert len(plan_steps) > 0  # the fast path takes a bf16 cache under a float32 model
+    monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
+    _, modules = run(kv_cache_dtype="bfloat16")
+    assert modules == got  # the same kernels with the same inputs: bit for bit
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    _, reference = run(kv_cache_dtype="bfloat16")
+    for (g_ids, g_lp), (r_ids, r_lp), (w_ids, w_lp) in zip(got, reference, want, strict=True):
+        assert g_ids == r_ids
+        for g, r in zip(g_lp, r_lp, strict=True):
+            # float32 noise between the kernels and the reference ops (~1e-7) can move a K or V value across a
+            # bf16 rounding boundary (one bf16 step is 0.4%): up to ~4e-4 here, against ~0.02 for the rounding
+            assert g.keys() == r.keys() and all(abs(g[t] - r[t]) < 2e-3 for t in g)
+        # the first token's distribution (prefill): bf16 K/V move the logprobs a little, not the argmax
+        assert g_ids[0] == w_ids[0]
+        assert all(abs(g_lp[0][t] - w_lp[0][t]) < 0.05 for t in g_lp[0].keys() & w_lp[0].keys())
+        assert any(abs(g_lp[0][t] - w_lp[0][t]) > 0 for t in g_lp[0].keys() & w_lp[0].keys())  # it did round
+
+
+def test_bad_kv_cache_dtype_is_a_clear_error(model_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16, int8 or int4"):
+        _llm(model_dir, kv_cache_dtype="fp8")

@@ -267,7 +267,7 @@ def test_spec_config_parsing():
 
 
 @pytest.mark.parametrize("method", ["ngram", "self:int8"])
-@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"},
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "bfloat16"},
                                 {"kv_policy": "streaming", "kv_budget": 48, "sink_tokens": 4}])
 def test_speculation_composes_with_kv_compression(model_dir, kv, method):
     """Drafts verified over a quantized or evicting cache: greedy output equals plain greedy decoding with the
@@ -280,8 +280,9 @@ def test_speculation_composes_with_kv_compression(model_dir, kv, method):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == want
     assert_no_leak(llm)
-    if method == "self:int8":  # an int8 cache has another layout: the draft computes its own prompt KV
-        assert (llm.engine.speculator.proposer._target is None) == ("kv_cache_dtype" in kv)
+    if method == "self:int8":  # an int8 cache has another layout: the draft computes its own prompt KV; a
+        # bfloat16 one is matched by the draft's, which adopts the target's K/V as they are
+        assert (llm.engine.speculator.proposer._target is None) == (kv.get("kv_cache_dtype") == "int8")
 
 
 def test_self_draft_adopts_the_targets_prompt_kv(model_dir, plain):

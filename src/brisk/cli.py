@@ -27,8 +27,9 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size."),
         click.option("--no-prefix-caching", is_flag=True, help="Disable automatic prefix caching."),
         click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "int8", "int4"]),
-                     help="KV cache storage: the model dtype, int8 (per token) or int4 (KIVI)."),
+                     type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
+                     help="KV cache storage: the model dtype, bfloat16 (16-bit K/V under a float32 model: half "
+                          "the memory, as llama.cpp's default f16 cache), int8 (per token) or int4 (KIVI)."),
         click.option("--kv-policy", default="full", show_default=True,
                      type=click.Choice(["full", "streaming", "h2o"]),
                      help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters + "

@@ -48,6 +48,9 @@ def _engine_flags(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Max prompt + output tokens per request."),
         click.option("--kv-cache-memory", default="512MiB", show_default=True,
                      help="Memory for the paged KV cache."),
+        click.option("--kv-cache-dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
+                     help="KV cache storage (auto = the model dtype; bfloat16 = 16-bit K/V under float32)."),
         click.option("--max-num-seqs", type=int, default=128, show_default=True,
                      help="Max requests in one batch."),
         click.option("--threads", type=int, default=None,
@@ -74,7 +77,8 @@ def _build_llm(kw: dict[str, Any], enable_prefix_caching: bool, compile: bool = 
 
     return LLM(kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"],
                kv_cache_memory=kw["kv_cache_memory"], max_num_seqs=kw["max_num_seqs"], seed=kw["seed"],
-               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching, compile=compile)
+               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching, compile=compile,
+               kv_cache_dtype=kw.get("kv_cache_dtype", "auto"))
 
 
 def _model_facts(llm) -> dict[str, Any]:  # noqa: ANN001
@@ -365,13 +369,14 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
 
 # ---------------------------------------------------------------------------- serve
 # Flags that configure the server `bench serve` starts; with --url the running server's own settings apply.
-_SERVER_FLAGS = ("dtype", "max_model_len", "kv_cache_memory", "max_num_seqs", "threads", "max_waiting",
-                 "prefix_caching")
+_SERVER_FLAGS = ("dtype", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "threads",
+                 "max_waiting", "prefix_caching")
 
 
 def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> list[str]:
     args = ["--dtype", kw["dtype"], "--kv-cache-memory", kw["kv_cache_memory"], "--max-num-seqs",
-            str(kw["max_num_seqs"]), "--seed", str(kw["seed"]), "--max-waiting", str(max_waiting)]
+            str(kw["max_num_seqs"]), "--seed", str(kw["seed"]), "--max-waiting", str(max_waiting),
+            "--kv-cache-dtype", kw.get("kv_cache_dtype", "auto")]
     for flag, key in (("--model", "model"), ("--max-model-len", "max_model_len"), ("--threads", "threads")):
         if kw[key] is not None:
             args += [flag, str(kw[key])]
@@ -781,9 +786,15 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
               help="Write a PNG of decode tokens/s against batch size (needs matplotlib: brisk[bench]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16"]),
+              help="brisk's KV cache: auto = the model dtype (float32 for every row but f16), bfloat16 = 16-bit "
+                   "like llama.cpp's default f16 cache, which llama.cpp keeps either way.")
+@click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
+              help="brisk's activations on the q8_0 / q4_1 rows (see `brisk generate --help`); int8 is what "
+                   "llama.cpp does for both.")
 def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
-            json_path: str | None) -> None:
+            json_path: str | None, kv_cache_dtype: str, quant_activations: str) -> None:
     """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
     prefill, batched decode, with ratios."""
     from rich.table import Table
@@ -820,7 +831,8 @@ def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int
     console = report.stderr_console()
     membw = membw_gbps or measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
-                       log=lambda m: console.print(f"[dim]{m}"))
+                       log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
+                       quant_activations=quant_activations)
     table = Table(title=f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} tokens "
                         f"(tok/s, all sequences), prefill {prefill_len} tokens (s); best of {runs} alternating runs",
                   title_justify="left")

@@ -96,8 +96,11 @@ def _brisk_prefill_seconds(llm, prompt: list[int]) -> float:  # noqa: ANN001
 
 def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], prefill_ids: list[int],
                 batch_sizes: list[int], output_len: int, runs: int, threads: int,
-                log: Callable[[str], None] = print, workdir: Path | None = None) -> list[CompareRow]:
-    """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b shifted copies)."""
+                log: Callable[[str], None] = print, workdir: Path | None = None,
+                kv_cache_dtype: str = "auto", quant_activations: str = "auto") -> list[CompareRow]:
+    """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b shifted copies).
+    `kv_cache_dtype` and `quant_activations` are brisk's (llama.cpp keeps its defaults: an f16 cache, and
+    activations rounded to 8 bits for its quantized dot products)."""
     from brisk.bench.llamacpp import LlamaCppModel, require_llama_cpp
     from brisk.bench.quant import build_checkpoint, decode_rate
     from brisk.engine.llm import LLM
@@ -119,7 +122,8 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                 log(f"{name}: quantizing brisk's {BRISK_LABELS[name]} checkpoint ...")
                 build_checkpoint(setting, Path(brisk_path), str(source))
             llm = LLM(brisk_path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
-                      max_model_len=seq_len, kv_cache_memory=_kv_bytes(max(batch_sizes), seq_len))
+                      max_model_len=seq_len, kv_cache_memory=_kv_bytes(max(batch_sizes), seq_len),
+                      kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations)
             ours, theirs = EngineFigures(), EngineFigures()
             with LlamaCppModel(gguf_path, seq_len, n_seq_max=max(batch_sizes), threads=threads) as lc:
                 decode_rate(llm, prompt_ids, 1, 4)  # warm-up both: kernels built, pages touched

@@ -47,7 +47,9 @@ class CacheConfig:
     kv_cache_memory: int | str = "512MiB"  # budget for the KV pool; sets the number of blocks
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools to force preemption)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "int4" (kvcache/quant.py)
+    # "auto" (the model dtype), "bfloat16" (16-bit K/V under a float32 model, llama.cpp's default f16 cache),
+    # "int8" or "int4" (kvcache/quant.py)
+    kv_cache_dtype: str = "auto"
     num_residual_blocks: int = 16  # int4 only: float16 key buffers of blocks being filled (KIVI's window)
     kv_policy: str = "full"  # "full", "streaming" or "h2o" (kvcache/policy.py)
     kv_budget: int | None = None  # tokens kept per request by an evicting policy (sinks included)
@@ -57,8 +59,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
-            raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in ("bf16", "bfloat16"):
+            self.kv_cache_dtype = "bfloat16"
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8", "int4"):
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16, int8 or int4, got {self.kv_cache_dtype!r}")
         if self.num_residual_blocks < 1:
             raise ValueError(f"num_residual_blocks must be at least 1, got {self.num_residual_blocks}")
         if self.kv_policy not in ("full", "streaming", "h2o"):

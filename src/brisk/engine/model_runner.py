@@ -42,16 +42,11 @@ class ModelRunner:
             self.num_sink_tokens = self.kv_policy.sink_tokens
         c = model.config
         self.kv_caches: list[KVCache]
-        if kv_cache_dtype == "auto":
-            # one tensor per layer: [2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-            self.kv_caches = [
-                torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-                for _ in range(c.num_hidden_layers)
-            ]
-        else:  # int8 / int4: quantized on write, dequantized inside attention (kvcache/quant.py)
-            self.kv_caches = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
-                                                 c.num_key_value_heads, c.head_dim, dtype, device,
-                                                 num_residual_blocks))
+        # per layer a [2 (k, v), num_blocks, block_size, kv_heads, head_dim] tensor of the model dtype ("auto") or
+        # bfloat16 (K/V rounded on write; attention widens them to float32 as it reads); or int8 / int4:
+        # quantized on write, dequantized inside attention (kvcache/quant.py)
+        self.kv_caches = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
+                                        c.num_key_value_heads, c.head_dim, dtype, device, num_residual_blocks)
         self.h2o = self.kv_policy if isinstance(self.kv_policy, H2OPolicy) else None
         self.h2o_scores: dict[str, torch.Tensor] = {}  # req_id -> float32 [cache entries], in cache order
         self.h2o_block_mass: dict[int, torch.Tensor] = {}  # block_id -> its rows' mass (see _h2o_record_block_mass)

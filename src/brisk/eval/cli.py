@@ -40,7 +40,8 @@ def eval_group() -> None:
               help="Score the first N windows of the text (0 = all).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="Weights and activations dtype (the NLL is computed in float32 either way).")
-@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "int4"]),
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
               help="KV cache storage during scoring (auto = the model dtype).")
 @click.option("--kv-block-size", type=int, default=16, show_default=True,
               help="KV block size while scoring (int4: the key group size).")

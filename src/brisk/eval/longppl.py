@@ -91,12 +91,8 @@ def stream_nll(loaded: LoadedModel, ids: list[int], policy: KVPolicy, chunk: int
         num_blocks = -(-n // block_size)
     manager = KVCacheManager(num_blocks, block_size, enable_caching=False, policy=policy)
     caches: list[KVCache]
-    if kv_cache_dtype == "auto":
-        caches = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
-                              device=device) for _ in range(c.num_hidden_layers)]
-    else:
-        caches = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
-                                     c.num_key_value_heads, c.head_dim, loaded.dtype, device, 4))
+    caches = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                            c.head_dim, loaded.dtype, device, 4)
     request = Request("stream", ids, sampling_params=None)
     ids_t = torch.tensor(ids, dtype=torch.long)
     nll = torch.empty(n - 1)

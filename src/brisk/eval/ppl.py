@@ -70,13 +70,10 @@ def sequence_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str 
     n = ids.shape[0]
     num_blocks = (n + block_size - 1) // block_size
     kv: list[KVCache]
-    if kv_cache_dtype == "auto":
-        # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        kv = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
-                          device=device) for _ in range(c.num_hidden_layers)]
-    else:  # quantized on write; attention reads the dequantized rows, the prompt's own included
-        kv = list(make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
-                                 c.num_key_value_heads, c.head_dim, loaded.dtype, device))
+    # per layer [2, num_blocks, block_size, num_kv_heads, head_dim] (auto, bfloat16), or quantized on write:
+    # attention reads the dequantized rows, the prompt's own included
+    kv = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                        c.head_dim, loaded.dtype, device)
     mask = causal_mask(n, n, c.sliding_window).to(device) if c.sliding_window else None
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=positions, prefills=[PrefillSeq(0, n, n, None, mask)])

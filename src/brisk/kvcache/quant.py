@@ -41,7 +41,7 @@ from collections import OrderedDict
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "int4")
 
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -300,15 +300,20 @@ class Int4KVCache(QuantizedKVCache):
 
 def make_kv_caches(kind: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                   num_residual_blocks: int = 16) -> list[QuantizedKVCache]:
-    """One quantized cache per layer (`kind` int8 or int4)."""
+                   num_residual_blocks: int = 16) -> list[torch.Tensor | QuantizedKVCache]:
+    """One cache per layer: `kind` auto (a [2, num_blocks, block_size, kvh, d] tensor of the model dtype),
+    bfloat16 (the same, 16-bit: K/V rounded on write), int8 or int4 (quantized on write)."""
+    if kind in ("auto", "bfloat16"):
+        cache_dtype = torch.bfloat16 if kind == "bfloat16" else dtype
+        return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+                for _ in range(num_layers)]
     if kind == "int8":
         return [Int8KVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
                 for _ in range(num_layers)]
     if kind == "int4":
         return [Int4KVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_residual_blocks)
                 for _ in range(num_layers)]
-    raise ValueError(f"kv cache dtype {kind!r} is not quantized; use int8 or int4")
+    raise ValueError(f"unknown kv cache dtype {kind!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def kv_bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -320,6 +325,8 @@ def kv_bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: 
         per_layer = Int4KVCache.bytes_per_token(num_kv_heads, head_dim, block_size)
     elif kind == "auto":
         per_layer = 2 * num_kv_heads * head_dim * float_bytes
+    elif kind == "bfloat16":
+        per_layer = 2 * num_kv_heads * head_dim * 2
     else:
         raise ValueError(f"unknown kv cache dtype {kind!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
     return per_layer * num_layers

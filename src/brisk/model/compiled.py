@@ -192,7 +192,7 @@ class CompiledModel:
             return False
         decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
         return ((decode_only or meta.query_start_loc is not None) and x.dtype == self.dtype and x.is_cpu
-                and type(kv_caches[0]) is torch.Tensor and kv_caches[0].dtype == self.dtype
+                and type(kv_caches[0]) is torch.Tensor and kv_caches[0].dtype in (self.dtype, torch.bfloat16)
                 and kv_caches[0].is_contiguous())
 
     def _pad(self, t: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -220,8 +220,8 @@ class CompiledModel:
         rows = x.shape[0]
         for i, kv in enumerate(kv_caches):
             k_flat, v_flat = flat_kv(kv)
-            k_flat.index_copy_(0, slots, k[:t])
-            v_flat.index_copy_(0, slots, v[:t])
+            k_flat.index_copy_(0, slots, k[:t].to(k_flat.dtype))
+            v_flat.index_copy_(0, slots, v[:t].to(v_flat.dtype))
             o = torch.zeros((rows, h, d), dtype=x.dtype) if rows > t else torch.empty((t, h, d), dtype=x.dtype)
             if qsl is None:
                 self.decode_attention(o[:t], q[:t], kv, tables, lens, self.scale, window)

@@ -181,7 +181,7 @@ class DecodePlan:
         decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
         return ((decode_only or meta.query_start_loc is not None)
                 and x.dtype == self.dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
-                and kv_caches[0].dtype == self.dtype and kv_caches[0].is_contiguous())
+                and kv_caches[0].dtype in (self.dtype, torch.bfloat16) and kv_caches[0].is_contiguous())
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

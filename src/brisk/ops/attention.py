@@ -174,10 +174,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     """RoPE on the q and k heads of a fused projection output, in place, and k, v into the cache: one C++ pass
     (ops/csrc/fused_ops.cpp `rope_cache`), bit-identical to `apply_rope` + `write_kv`. qkv: [T, (h + 2 kvh) d].
 
-    Returns False, having done nothing, where the kernel does not apply (quantized or evicting caches, dtype
-    mismatch, no kernels): the caller then takes the reference path.
+    A bfloat16 cache under float32 qkv (--kv-cache-dtype bfloat16) gets k, v rounded to nearest even, as
+    write_kv's `.to(kv_cache.dtype)`. Returns False, having done nothing, where the kernel does not apply
+    (quantized or evicting caches, other dtype pairs, no kernels): the caller then takes the reference path.
     """
-    if (meta.evicting or isinstance(kv_cache, QuantizedKVCache) or not qkv.is_cpu or qkv.dtype != kv_cache.dtype
+    if (meta.evicting or isinstance(kv_cache, QuantizedKVCache) or not qkv.is_cpu
+            or (qkv.dtype != kv_cache.dtype and kv_cache.dtype != torch.bfloat16)
             or cos.dtype != torch.float32 or not qkv.is_contiguous()):
         return False
     op = kernels.get_op("rope_cache")
@@ -254,8 +256,8 @@ def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                         slot_mapping: torch.Tensor) -> None:
     """One SDPA per sequence: against this step's k/v when there is no prior context, else the gathered cache.
 
-    A quantized cache is always read back (dequantized), even for a prompt's own tokens, so that a prefill sees
-    the same K/V as every later decode of it."""
+    A quantized cache, or one of another dtype than q (bfloat16 under a float32 model), is always read back,
+    even for a prompt's own tokens, so that a prefill sees the same K/V as every later decode of it."""
     if not prefills:
         return
     num_heads = q.shape[1]
@@ -264,7 +266,7 @@ def _prefills_reference(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     for p in prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
-        if p.context_slots is None and not isinstance(kv_cache, QuantizedKVCache):
+        if p.context_slots is None and not isinstance(kv_cache, QuantizedKVCache) and kv_cache.dtype == q.dtype:
             kp, vp = k[rows], v[rows]  # [q, kvh, d]
         else:
             # no prior context: the context is this step's rows, whose slots are slot_mapping[rows]

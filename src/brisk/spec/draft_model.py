@@ -47,10 +47,11 @@ _SHADOW_PARAMS = SamplingParams(temperature=0, max_tokens=None)
 
 class DraftModelProposer(Proposer):
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", name: str = "draft", draft_cost: float = 0.3) -> None:
+                 device: torch.device | str = "cpu", name: str = "draft", draft_cost: float = 0.3,
+                 kv_cache_dtype: str = "auto") -> None:
         self.name = name
         self.draft_cost = draft_cost
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.vocab_size = model.config.vocab_size
         self._shadows: dict[str, Request] = {}
@@ -271,8 +272,11 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
         model = layer_skip_model(target.model, skip)
         name = "layerskip"
         cost = len(model.model.layers) / len(target.model.model.layers)
+    # a 16-bit target cache is matched (a self-draft then adopts the target's K/V as they are); the draft keeps
+    # a float cache under a quantized one
+    kv_dtype = "bfloat16" if engine.config.cache.kv_cache_dtype == "bfloat16" else "auto"
     proposer = DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype,
-                                  engine.config.device, name=name, draft_cost=cost)
+                                  engine.config.device, name=name, draft_cost=cost, kv_cache_dtype=kv_dtype)
     if config.method == "self":
         proposer.share_target_kv(engine.runner.kv_caches, engine.kv_manager)
     return proposer

@@ -260,8 +260,19 @@ __attribute__((optimize("fp-contract=off"))) void rope_heads(T* x, int64_t heads
   }
 }
 
+// One token's k or v heads into the cache: a copy, or float32 rounded to bfloat16 (nearest even, as
+// `tensor.to(torch.bfloat16)`) for a bfloat16 cache under a float32 model.
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(at::BFloat16* dst, const at::BFloat16* src, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(at::BFloat16));
+}
+inline void store_row(at::BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
 // qkv: [T, (h + 2 kvh) * d] contiguous (q heads, k heads, v heads), rotated in place (q and k);
-// cos, sin: [T, d / 2] float32; kv_cache: [2, num_blocks, block_size, kvh, d] contiguous, qkv's dtype;
+// cos, sin: [T, d / 2] float32; kv_cache: [2, num_blocks, block_size, kvh, d] contiguous, qkv's dtype or
+// bfloat16 under float32 qkv (a 16-bit cache for a float32 model: --kv-cache-dtype bfloat16);
 // slot_mapping: [T] int64, the cache slot of each token (block * block_size + offset).
 void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                 const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -272,10 +283,10 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at
   const int64_t d = kv_cache.size(4), T = qkv.size(0), width = (num_heads + 2 * num_kv_heads) * d;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.is_contiguous(),
               "rope_cache: qkv must be a contiguous [tokens, ", width, "] tensor, got ", qkv.sizes());
-  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() &&
+  TORCH_CHECK((qkv.scalar_type() == kv_cache.scalar_type() || kv_cache.scalar_type() == at::kBFloat16) &&
                   (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
-              "rope_cache: qkv and kv_cache must both be float32 or both bfloat16, got ", qkv.scalar_type(), " and ",
-              kv_cache.scalar_type());
+              "rope_cache: qkv and kv_cache must be float32 / float32, bfloat16 / bfloat16 or float32 / bfloat16, "
+              "got ", qkv.scalar_type(), " and ", kv_cache.scalar_type());
   TORCH_CHECK(d % 2 == 0, "rope_cache: head_dim must be even, got ", d);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
@@ -297,13 +308,15 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at
         auto* r = x + t * width;
         rope_heads(r, num_heads + num_kv_heads, d, cos.data_ptr<float>() + t * (d / 2),
                    sin.data_ptr<float>() + t * (d / 2));
-        std::memcpy(k_cache + slots[t] * row, r + num_heads * d, row * sizeof(*r));
-        std::memcpy(v_cache + slots[t] * row, r + (num_heads + num_kv_heads) * d, row * sizeof(*r));
+        store_row(k_cache + slots[t] * row, r + num_heads * d, row);
+        store_row(v_cache + slots[t] * row, r + (num_heads + num_kv_heads) * d, row);
       }
     });
   };
-  if (qkv.scalar_type() == at::kFloat)
+  if (qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat)
     run(qkv.data_ptr<float>(), kv_cache.data_ptr<float>());
+  else if (qkv.scalar_type() == at::kFloat)
+    run(qkv.data_ptr<float>(), kv_cache.data_ptr<at::BFloat16>());
   else
     run(qkv.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>());
 }
