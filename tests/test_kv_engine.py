@@ -242,3 +242,16 @@ def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
 def test_bad_kv_cache_dtype_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16, int8 or int4"):
         _llm(model_dir, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="h2o' runs with kv_cache_dtype auto only"):
+        _llm(model_dir, kv_cache_dtype="bfloat16", kv_policy="h2o", kv_budget=32)
+
+
+def test_streaming_with_a_bfloat16_cache(model_dir):
+    """StreamingLLM's sink/window path gathers the 16-bit K/V like the kernel does; blocks all come back."""
+    kw = {"kv_policy": "streaming", "kv_budget": 12, "sink_tokens": 2}
+    llm = _llm(model_dir, kv_cache_dtype="bfloat16", **kw)
+    got = _tokens(llm.generate(PROMPTS, GREEDY))
+    _assert_pool_clean(llm)
+    one = [_tokens(_llm(model_dir, kv_cache_dtype="bfloat16", **kw).generate([p], GREEDY))[0] for p in PROMPTS]
+    assert got == one  # batched equals one at a time
+    assert all(len(t) == GREEDY.max_tokens for t in got)

@@ -80,6 +80,10 @@ class CacheConfig:
             if not 0 < self.h2o_recent < self.kv_budget:
                 raise ValueError(f"kv_policy 'h2o' needs 0 < --h2o-recent ({self.h2o_recent}) < --kv-budget "
                                  f"({self.kv_budget}): the budget holds the recent window and the heavy hitters")
+            if self.kv_cache_dtype == "bfloat16":
+                raise ValueError("kv_policy 'h2o' runs with kv_cache_dtype auto only (its score and compaction path "
+                                 "is not built or tested for a 16-bit cache under a float32 model); use "
+                                 "kv_cache_dtype auto with h2o, or kv_policy streaming with bfloat16")
             if self.kv_cache_dtype != "auto":
                 # compaction moves entries between blocks: int4 keys share per-block channel scales (a moved key
                 # would need re-quantizing with its new block), and the H2O score path reads the float cache only
