@@ -7,6 +7,7 @@ with garbage in the padding columns, so reading a wrong block or a padding colum
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -73,6 +74,16 @@ def random_problem(query_lens, context_lens, num_heads, num_kv_heads, dtype, hea
     return q, kv_cache, qsl, tables, torch.tensor(context_lens, dtype=torch.int32)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def assert_matches(got, want, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
@@ -92,6 +103,24 @@ def test_decode_matches_oracle(ops, dtype, heads, window, repeat):
     out = torch.full_like(q, float("nan"))
     ops.paged_decode_attention(out, q, kv_cache, tables, lens, 0.125, window)
     assert_matches(out, oracle(q, kv_cache, qsl, tables, lens, 0.125, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("window", [0, 100, 300])
+@pytest.mark.parametrize("contexts", [[97], [700], [130, 5], [1000, 64]], ids=str)
+def test_split_k_decode_matches_oracle(ops, dtype, heads, window, contexts):
+    """Few long decodes (batch 1-2): each kv head's keys are cut into parts walked by different threads and
+    merged afterwards (flash-decoding); parts of whole 32-key chunks, windows cutting into the first part."""
+    assert torch.get_num_threads() > 1  # the split needs threads to split for
+    q, kv_cache, qsl, tables, lens = random_problem([1] * len(contexts), contexts, *heads, dtype, seed=len(contexts))
+    out = torch.full_like(q, float("nan"))
+    ops.paged_decode_attention(out, q, kv_cache, tables, lens, 0.125, window)
+    assert_matches(out, oracle(q, kv_cache, qsl, tables, lens, 0.125, window), dtype)
+    one = torch.full_like(q, float("nan"))  # one thread: no split at all; the same result up to rounding
+    with torch_threads(1):
+        ops.paged_decode_attention(one, q, kv_cache, tables, lens, 0.125, window)
+    torch.testing.assert_close(out.float(), one.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
