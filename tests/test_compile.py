@@ -106,7 +106,8 @@ def test_generate_cli_with_compile(ops, tiny_folder):
     plain = CliRunner().invoke(main, args)
     compiled = CliRunner().invoke(main, [*args, "--compile"])
     assert plain.exit_code == 0 and compiled.exit_code == 0, compiled.output
-    assert compiled.output.strip() == plain.output.strip()
+    assert compiled.stdout.strip() == plain.stdout.strip()  # the same answer
+    assert "--compile: the decoder's graphs compiled in" in compiled.stderr  # the start-up cost, reported
 
 
 def test_bench_latency_compile_against_eager(ops, tiny_folder, tmp_path):

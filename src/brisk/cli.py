@@ -85,6 +85,14 @@ def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def build_llm(kw: dict[str, Any]):  # noqa: ANN201
+    llm = _build_llm(kw)
+    if kw.get("compile_"):  # the start-up time --compile adds, on stderr (stdout is the answer)
+        click.echo(f"brisk: --compile: the decoder's graphs compiled in {llm.engine.compile_seconds:.1f} s "
+                   "(every shape bucket, at start-up)", err=True)
+    return llm
+
+
+def _build_llm(kw: dict[str, Any]):  # noqa: ANN202
     from brisk.engine.llm import LLM
 
     return LLM(
