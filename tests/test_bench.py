@@ -224,6 +224,22 @@ def test_cli_latency_with_hf_baseline(tiny_dirs: dict, tmp_path: Path, interleav
         doc["brisk"]["decode_tok_s"] / doc["hf"]["decode_tok_s"])
 
 
+def test_cli_latency_with_a_bfloat16_kv_cache(tiny_dirs: dict, tmp_path: Path) -> None:
+    """--kv-cache-dtype reaches the engine (recorded in the JSON); the pool stays within the same budget."""
+    docs = {}
+    for kv in ("auto", "bfloat16"):
+        out = tmp_path / f"{kv}.json"
+        r = _invoke(["latency", "--model", str(tiny_dirs["untied"]), "--input-len", "8", "--output-len", "3",
+                     "--runs", "1", "--warmup", "0", "--membw", "10", "--kv-cache-memory", "4MiB",
+                     "--max-model-len", "64", "--kv-cache-dtype", kv, "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        docs[kv] = json.loads(out.read_text())
+    assert docs["bfloat16"]["params"]["kv_cache_dtype"] == "bfloat16"
+    pools = [docs[kv]["brisk"]["kv_pool_bytes"] for kv in ("auto", "bfloat16")]
+    assert abs(pools[0] - pools[1]) <= 0.01 * pools[0]  # the same budget, spent on 16-bit entries
+    assert len(docs["bfloat16"]["brisk"]["token_ids"]) == 3
+
+
 def test_cli_throughput_with_hf_baseline(tiny_dirs: dict, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     r = _invoke(["throughput", "--model", str(tiny_dirs["tied"]), "--num-prompts", "5",
