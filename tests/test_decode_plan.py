@@ -173,6 +173,16 @@ def test_prepacked_weights_give_the_same_batched_tokens(ops, tiny_folder):
     # auto: only when batches can outgrow the small-M kernel
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB", max_num_seqs=8).engine.num_prepacked == 0
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB").engine.num_prepacked > 0
+    # bfloat16: a float32 packed copy only when asked for ("on"), not under "auto"
+    assert LLM(str(tiny_folder), kv_cache_memory="8MiB", dtype="bfloat16").engine.num_prepacked == 0
+    bf_on = LLM(str(tiny_folder), kv_cache_memory="8MiB", dtype="bfloat16", prepack_weights="on")
+    bf_off = LLM(str(tiny_folder), kv_cache_memory="8MiB", dtype="bfloat16", prepack_weights="off")
+    assert bf_on.engine.num_prepacked > 0
+    c, d = bf_on.generate(prompts, params), bf_off.generate(prompts, params)
+    for x, y in zip(c, d, strict=True):  # the same float32 products; the sums' order may move a bf16 rounding
+        assert x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0]
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        assert all(abs(lp - ly[tok]) < 0.05 for tok, lp in lx.items() if tok in ly)
 
 
 def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):

@@ -77,7 +77,7 @@ def test_prepacked_weights_for_many_rows():
     use_fast_linear(model)
     x_big = torch.randn(3, 7, 96, generator=g)  # 21 rows
     want = [F.linear(x_big, model[0].weight, model[0].bias)]
-    assert lin_mod.prepack_linears(model) == 2  # the bf16 layer gets none
+    assert lin_mod.prepack_linears(model) == 2  # the bf16 layer gets none unless asked
     assert model[2].packed_weight is None and lin_mod.prepack_linears(model) == 0  # idempotent
     got = model[0](x_big)
     assert got.shape == (3, 7, 200)
@@ -109,3 +109,23 @@ def test_dense_gemm_equals_f_linear():
     assert torch.equal(dense_gemm(x, wt), F.linear(x, wt))
     xh = x.bfloat16()
     assert torch.equal(dense_gemm(xh, w.bfloat16()), F.linear(xh, w.bfloat16()))
+
+
+def test_prepacked_bfloat16_weights_equal_the_widened_path(monkeypatch):
+    """A bfloat16 layer's packed copy is its weight widened to float32: > 8 rows give the widened GEMM's result
+    (the same float32 products, rounded once to bf16), <= 8 rows keep the small-M kernel."""
+    import brisk.ops.linear as lin_mod
+
+    monkeypatch.setattr(lin_mod, "native_bf16_gemm", lambda: False)
+    g = torch.Generator().manual_seed(11)
+    model = nn.Sequential(nn.Linear(64, 300).bfloat16())
+    use_fast_linear(model)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    want = lin_mod._widened_linear(x, model[0].weight, model[0].bias)
+    assert lin_mod.prepack_linears(model, bfloat16=True) == 1 and model[0].packed_weight is not None
+    got = model[0](x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)  # at most one bf16 rounding step
+    assert (got == want).float().mean() > 0.97
+    small = x[:3]
+    assert torch.equal(model[0](small), lin_mod.linear(small, model[0].weight, model[0].bias))

@@ -45,7 +45,8 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
         click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
                      help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
-                          "and large batches, twice the weight memory); auto = when --max-num-seqs > 8."),
+                          "and large batches, twice the weight memory); auto = when --max-num-seqs > 8; on = also "
+                          "for bfloat16 models (a float32 copy: no per-GEMM widening on CPUs without bf16 math)."),
         click.option("--quant-activations", default="auto", show_default=True,
                      type=click.Choice(["auto", "float", "int8"]),
                      help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer "

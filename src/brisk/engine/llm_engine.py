@@ -103,7 +103,8 @@ class LLMEngine:
         self.num_prepacked = 0  # linear layers with a oneDNN-packed weight for batched GEMMs
         if config.prepack_weights == "on" or (config.prepack_weights == "auto"
                                               and sched_cfg.max_num_seqs > MAX_SMALL_M):
-            self.num_prepacked = prepack_linears(self.loaded.model)
+            # a bfloat16 model's float32 packed copy only when asked for: four times its weights' bytes
+            self.num_prepacked = prepack_linears(self.loaded.model, bfloat16=config.prepack_weights == "on")
         # quantized linears that round decode activations to int8 (0 unless quant_activations == "int8")
         self.num_int8_activation_layers = set_quant_activations(self.loaded.model, config.quant_activations)
         cache = config.cache
