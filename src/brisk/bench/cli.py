@@ -792,9 +792,12 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
               help="brisk's activations on the q8_0 / q4_1 rows (see `brisk generate --help`); int8 is what "
                    "llama.cpp does for both.")
+@click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
+              help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
+                   "bfloat16 weights.")
 def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
-            json_path: str | None, kv_cache_dtype: str, quant_activations: str) -> None:
+            json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:
     """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
     prefill, batched decode, with ratios."""
     from rich.table import Table
@@ -832,7 +835,7 @@ def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int
     membw = membw_gbps or measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
                        log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
-                       quant_activations=quant_activations)
+                       quant_activations=quant_activations, prepack_weights=prepack_weights)
     table = Table(title=f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} tokens "
                         f"(tok/s, all sequences), prefill {prefill_len} tokens (s); best of {runs} alternating runs",
                   title_justify="left")

@@ -97,7 +97,8 @@ def _brisk_prefill_seconds(llm, prompt: list[int]) -> float:  # noqa: ANN001
 def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], prefill_ids: list[int],
                 batch_sizes: list[int], output_len: int, runs: int, threads: int,
                 log: Callable[[str], None] = print, workdir: Path | None = None,
-                kv_cache_dtype: str = "auto", quant_activations: str = "auto") -> list[CompareRow]:
+                kv_cache_dtype: str = "auto", quant_activations: str = "auto",
+                prepack_weights: str = "auto") -> list[CompareRow]:
     """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b shifted copies).
     `kv_cache_dtype` and `quant_activations` are brisk's (llama.cpp keeps its defaults: an f16 cache, and
     activations rounded to 8 bits for its quantized dot products)."""
@@ -123,7 +124,8 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                 build_checkpoint(setting, Path(brisk_path), str(source))
             llm = LLM(brisk_path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
                       max_model_len=seq_len, kv_cache_memory=_kv_bytes(max(batch_sizes), seq_len),
-                      kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations)
+                      kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
+                      prepack_weights=prepack_weights)
             ours, theirs = EngineFigures(), EngineFigures()
             with LlamaCppModel(gguf_path, seq_len, n_seq_max=max(batch_sizes), threads=threads) as lc:
                 decode_rate(llm, prompt_ids, 1, 4)  # warm-up both: kernels built, pages touched
