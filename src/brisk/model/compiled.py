@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from brisk.model.decode_plan import straight_line_step
+from brisk.model.rope import apply_rope
 from brisk.ops import kernels
-from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, flat_kv
+from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, write_kv
 from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear
 
 if TYPE_CHECKING:
@@ -88,19 +90,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.ops.brisk_compiled.linear(x, w, b)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """model.rope.apply_rope: x [T, heads, d], cos / sin [T, d/2]; pairs (x[i], x[i + d/2])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 def _qkv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
          nh: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = h.shape[0]
     qkv = _linear(h, w, b).view(t, nh + 2 * nkv, -1)
-    qk = _rope(qkv[:, :nh + nkv], cos, sin)  # one rotation for q and k together
+    qk = apply_rope(qkv[:, :nh + nkv], cos, sin)  # one rotation for q and k together
     return qk[:, :nh].contiguous(), qk[:, nh:].contiguous(), qkv[:, nh + nkv:].contiguous()
 
 
@@ -185,15 +179,7 @@ class CompiledModel:
         self.compile_seconds = 0.0
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        """The decode plan's conditions: plain caches of the model dtype, no eviction or score collection."""
-        bt = meta.block_tables
-        if bt is None or meta.evicting or meta.prefills or meta.attn_scores is not None \
-                or meta.attn_row_scores is not None:
-            return False
-        decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
-        return ((decode_only or meta.query_start_loc is not None) and x.dtype == self.dtype and x.is_cpu
-                and type(kv_caches[0]) is torch.Tensor and kv_caches[0].dtype in (self.dtype, torch.bfloat16)
-                and kv_caches[0].is_contiguous())
+        return straight_line_step(x, meta, kv_caches, self.dtype)  # the decode plan's conditions
 
     def _pad(self, t: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
         rows = bucket_rows(t)
@@ -219,9 +205,7 @@ class CompiledModel:
         q, k, v, residual = self.first(x, ln1, wqkv, bqkv, cos, sin, eps, h, kvh)
         rows = x.shape[0]
         for i, kv in enumerate(kv_caches):
-            k_flat, v_flat = flat_kv(kv)
-            k_flat.index_copy_(0, slots, k[:t].to(k_flat.dtype))
-            v_flat.index_copy_(0, slots, v[:t].to(v_flat.dtype))
+            write_kv(kv, k[:t], v[:t], slots)
             o = torch.zeros((rows, h, d), dtype=x.dtype) if rows > t else torch.empty((t, h, d), dtype=x.dtype)
             if qsl is None:
                 self.decode_attention(o[:t], q[:t], kv, tables, lens, self.scale, window)

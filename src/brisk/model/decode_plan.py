@@ -172,16 +172,7 @@ class DecodePlan:
         return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        """Whether this step can run here: plain caches of the model dtype, no eviction, and either decode-only
-        or laid out by query_start_loc (speculative verification, prefill chunks, mixed steps)."""
-        bt = meta.block_tables
-        if bt is None or meta.evicting or meta.prefills or meta.attn_scores is not None \
-                or meta.attn_row_scores is not None:
-            return False
-        decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
-        return ((decode_only or meta.query_start_loc is not None)
-                and x.dtype == self.dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
-                and kv_caches[0].dtype in (self.dtype, torch.bfloat16) and kv_caches[0].is_contiguous())
+        return straight_line_step(x, meta, kv_caches, self.dtype)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +201,20 @@ class DecodePlan:
             hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
             x = layer.down(self.silu_mul(layer.gate_up(hid)))
         return x, residual
+
+
+def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype) -> bool:
+    """Whether a step can skip the module path (the decode plan, --compile's graphs): plain caches of the model
+    dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
+    (speculative verification, prefill chunks, mixed steps)."""
+    bt = meta.block_tables
+    if bt is None or meta.evicting or meta.prefills or meta.attn_scores is not None \
+            or meta.attn_row_scores is not None:
+        return False
+    decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
+    return ((decode_only or meta.query_start_loc is not None)
+            and x.dtype == dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
+            and kv_caches[0].dtype in (dtype, torch.bfloat16) and kv_caches[0].is_contiguous())
 
 
 def _cpp_loop_disabled() -> bool:
