@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import httpx
 import numpy as np
@@ -217,3 +218,25 @@ def test_rss_flat_check():
     assert rss_flat_check(warming, 100.0, 32 * MIB)["verdict"] == "PASS"
     assert rss_flat_check(flat[:3], 100.0, 32 * MIB)["verdict"] == "n/a"
     assert rss_flat_check([], 100.0, 32 * MIB)["verdict"] == "n/a"
+
+
+# ---------------------------------------------------------------------------- the llama.cpp baseline's options
+def test_llamacpp_baseline_options_are_checked_before_any_run(model_dir, monkeypatch, tmp_path):
+    """Without llama-cpp-python the error says how to install it; its options without the baseline, and a
+    quantized checkpoint without a named llama.cpp type, are refused up front rather than after minutes."""
+    from brisk.bench.serve import default_llamacpp_type
+
+    runner = CliRunner()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    result = runner.invoke(main, ["bench", "serve", "--model", model_dir, "--baseline", "llamacpp"])
+    assert result.exit_code != 0 and "pip install" in result.output and "llama-cpp-python" in result.output
+    result = runner.invoke(main, ["bench", "serve", "--model", model_dir, "--llamacpp-type", "q4_1"])
+    assert result.exit_code != 0 and "configure --baseline llamacpp" in result.output
+
+    assert default_llamacpp_type(model_dir, "float32") == "f32"
+    assert default_llamacpp_type(model_dir, "bfloat16") == "f16"
+    quantized = tmp_path / "int4"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({"quantization_config": {"method": "rtn", "bits": 4}}))
+    with pytest.raises(ValueError, match="--llamacpp-type q4_1"):
+        default_llamacpp_type(str(quantized), "float32")

@@ -370,7 +370,7 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
 # ---------------------------------------------------------------------------- serve
 # Flags that configure the server `bench serve` starts; with --url the running server's own settings apply.
 _SERVER_FLAGS = ("dtype", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "threads",
-                 "max_waiting", "prefix_caching")
+                 "max_waiting", "prefix_caching", "prepack_weights", "quant_activations")
 
 
 def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> list[str]:
@@ -405,14 +405,29 @@ def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> l
 @click.option("--server-pid", type=int, default=None, help="With --url: the server's pid, to sample its RSS.")
 @click.option("--rss-tolerance", default="32MiB", show_default=True,
               help="RSS growth after warm-up that the 'RSS flat' check allows.")
-@click.option("--baseline", type=click.Choice(["hf"]), default=None,
-              help="Also run the same prompts through HF transformers generate with static batches; print ratios.")
-@click.option("--hf-batch-size", type=int, default=8, show_default=True, help="Static batch size of the baseline.")
+@click.option("--baseline", "baselines", type=click.Choice(["hf", "llamacpp"]), multiple=True,
+              help="Also run the same prompts through HF transformers generate (hf) and/or llama.cpp (llamacpp, "
+                   "through llama-cpp-python), each in static batches of --hf-batch-size, after the server has "
+                   "stopped; print ratios. llamacpp also measures its decode-only rate at that batch size. "
+                   "Repeatable.")
+@click.option("--hf-batch-size", type=int, default=8, show_default=True,
+              help="Static batch size of the baselines.")
+@click.option("--llamacpp-type", type=click.Choice(["f32", "f16", "q8_0", "q4_1"]), default=None,
+              help="llama.cpp's weights for --baseline llamacpp (default: f32 for --dtype float32, f16 for "
+                   "bfloat16; name it for a quantized checkpoint: q4_1 matches RTN int4 g32 asym).")
+@click.option("--llamacpp-gguf", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="GGUF that --baseline llamacpp retypes to --llamacpp-type (default: --model when it is a GGUF, "
+                   "else the default model's file).")
+@click.option("--prepack-weights", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="The started server's --prepack-weights.")
+@click.option("--quant-activations", type=click.Choice(["auto", "float", "int8"]), default="auto",
+              show_default=True, help="The started server's --quant-activations (quantized models).")
 @_engine_flags
 def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min: int, input_len_max: int,
           output_len: int, max_concurrency: int | None, max_waiting: int, prefix_caching: bool,
-          request_timeout: float, server_pid: int | None, rss_tolerance: str, baseline: str | None,
-          hf_batch_size: int, **kw: Any) -> None:
+          request_timeout: float, server_pid: int | None, rss_tolerance: str, baselines: tuple[str, ...],
+          hf_batch_size: int, llamacpp_type: str | None, llamacpp_gguf: str | None, prepack_weights: str,
+          quant_activations: str, **kw: Any) -> None:
     """Load an OpenAI-compatible server: streamed completions from a separate load-generator process.
 
     Reports request and token throughput, TTFT / TPOT / end-to-end latency percentiles, completed /
@@ -427,6 +442,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
 
     from brisk.bench import serve as sb
     from brisk.bench.hf_baseline import hf_throughput, load_hf_model, require_transformers
+    from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.loadgen import check_local_url, poisson_arrival_times
     from brisk.bench.prompts import sample_prompts
     from brisk.engine.config import parse_size
@@ -445,10 +461,19 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         raise ValueError("--server-pid is for --url; the server bench serve starts is sampled already")
     if output_len < 1:
         raise ValueError(f"--output-len must be at least 1, got {output_len}")
-    if baseline == "hf":
+    if "hf" in baselines:
         require_transformers()  # fail before minutes of benchmarking, not after
-        if hf_batch_size < 1:
-            raise ValueError(f"--hf-batch-size must be at least 1, got {hf_batch_size}")
+    if hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be at least 1, got {hf_batch_size}")
+    lc_source = None
+    if "llamacpp" in baselines:
+        require_llama_cpp()
+        llamacpp_type = llamacpp_type or sb.default_llamacpp_type(kw["model"], kw["dtype"])
+        lc_source = Path(llamacpp_gguf) if llamacpp_gguf else resolve_model(kw["model"])
+        if lc_source.is_dir():
+            lc_source = resolve_model(None)  # a folder has no GGUF: the default model's file, re-typed
+    elif llamacpp_type or llamacpp_gguf:
+        raise ValueError("--llamacpp-type and --llamacpp-gguf configure --baseline llamacpp; add it")
     rss_tolerance_bytes = parse_size(rss_tolerance)
     arrival_times = poisson_arrival_times(num_prompts, request_rate, kw["seed"])
     tok = sb.load_tokenizer(kw["model"])
@@ -460,7 +485,9 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         try:
             if url is None:
                 report.stderr_console().print("starting brisk serve ...")
-                server = ServerProcess(_serve_args(kw, max_waiting, prefix_caching), startup_timeout_s=600,
+                args = _serve_args(kw, max_waiting, prefix_caching)
+                args += ["--prepack-weights", prepack_weights, "--quant-activations", quant_activations]
+                server = ServerProcess(args, startup_timeout_s=600,
                                        log_path=Path(tmp) / "serve.log").start()
                 url, server_pid = server.url, server.proc.pid
             card = sb.server_model_card(url, api_key)
@@ -482,7 +509,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
                 server.stop()
 
     theirs = None
-    if baseline == "hf":
+    if "hf" in baselines:
         _set_threads(kw["threads"])
         model_path = resolve_model(kw["model"])
         report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
@@ -492,6 +519,12 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)
         del hf_model
         gc.collect()
+    lc = None
+    if lc_source is not None:
+        _set_threads(kw["threads"])
+        with tempfile.TemporaryDirectory(prefix="brisk-bench-serve-gguf-") as tmp:
+            lc = sb.llamacpp_baseline(lc_source, llamacpp_type, prompts, output_len, hf_batch_size,
+                                      torch.get_num_threads(), Path(tmp), report.stderr_console().print)
 
     summary = res["summary"]
     lens = [len(p) for p in prompts]
@@ -503,6 +536,10 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     if theirs is not None:
         results["hf"] = {**theirs.summary(), "batch_size": hf_batch_size}
         results["speedup"] = {"output_tok_s": summary["output_tok_s"] / theirs.output_tok_s}
+    if lc is not None:
+        results["llamacpp"] = lc
+        results["speedup_llamacpp"] = {"output_tok_s": summary["output_tok_s"] / lc["output_tok_s"],
+                                       "output_tok_s_vs_decode_only": summary["output_tok_s"] / lc["decode_tok_s"]}
 
     where = (f"started server (max-num-seqs {kw['max_num_seqs']}, max-waiting {max_waiting})" if server is not None
              else f"server at {url}")
@@ -513,9 +550,11 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     console = Console()
     console.print(sb.summary_table(title, res, results.get("hf"), f"transformers (batch {hf_batch_size})"))
     console.print(sb.latency_table(summary))
-    if theirs is not None and not math.isinf(request_rate):
+    if lc is not None:
+        console.print(sb.llamacpp_table(summary, lc))
+    if baselines and not math.isinf(request_rate):
         console.print(f"note: at --request-rate {request_rate:g} the arrivals bound the server's throughput; the "
-                      "ratio to transformers means most at --request-rate inf (saturation)")
+                      "ratios to the baselines mean most at --request-rate inf (saturation)")
     if summary["errors"]:
         console.print("not completed, by kind: " + ", ".join(f"{k} x{v}" for k, v in summary["errors"].items()))
     for line in sb.check_lines(res["checks"]):

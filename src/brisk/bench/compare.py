@@ -64,7 +64,7 @@ class CompareRow:
         return d
 
 
-def _gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None]) -> Path:
+def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None]) -> Path:
     """The llama.cpp file at `gguf_type`: the source itself when it already is, else a re-typed copy."""
     from gguf import GGUFReader, LlamaFileType
 
@@ -117,7 +117,7 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for name in precisions:
             dtype, setting, gguf_type = PRECISIONS[name]
-            gguf_path = _gguf_for(source, gguf_type, Path(tmp), log)
+            gguf_path = gguf_for(source, gguf_type, Path(tmp), log)
             brisk_path = str(gguf_path) if setting is None else str(Path(tmp) / f"brisk-{name}")
             if setting is not None:
                 log(f"{name}: quantizing brisk's {BRISK_LABELS[name]} checkpoint ...")

@@ -6,13 +6,16 @@ measurement starts from an empty KV memory and times only what it names:
 
 - prefill: one prompt decoded in `n_batch`-token chunks, logits for its last token only;
 - decode:  B prompts prefilled (untimed, one sequence id each), then B tokens per `llama_decode`, greedy
-           (argmax of each sequence's logits row), for `output_len` steps; tokens/s = B * steps / time.
+           (argmax of each sequence's logits row), for `output_len` steps; tokens/s = B * steps / time;
+- static batches (`bench serve --baseline llamacpp`): a whole workload, B prompts at a time, prefill and
+           decode both timed, as the transformers baseline runs it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +128,9 @@ class LlamaCppModel:
         self._prefill(prompt, 0)
         return time.perf_counter() - start
 
-    def decode_rate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[int]]:
-        """Greedy decode of len(prompts) sequences together; (decode tok/s, prefill excluded; tokens of seq 0)."""
+    def _generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[int]]:
+        """Prefill `prompts` (one sequence id each, from an empty KV memory), then greedy-decode them together
+        to `output_len` tokens each. Returns (seconds of the decode steps, tokens of sequence 0)."""
         if len(prompts) > self.n_seq_max:
             raise ValueError(f"{len(prompts)} sequences but the context holds {self.n_seq_max}")
         self._clear()
@@ -141,5 +145,25 @@ class LlamaCppModel:
             self._decode([(t, lens[s] + step, s, True) for s, t in enumerate(nxt)])
             nxt = [self._argmax(s) for s in range(len(prompts))]
             out0.append(nxt[0])
-        elapsed = time.perf_counter() - start
+        return time.perf_counter() - start, out0
+
+    def decode_rate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[int]]:
+        """Greedy decode of len(prompts) sequences together; (decode tok/s, prefill excluded; tokens of seq 0)."""
+        elapsed, out0 = self._generate(prompts, output_len)
         return len(prompts) * (output_len - 1) / elapsed, out0
+
+    def static_batches(self, prompts: list[list[int]], output_len: int, batch_size: int,
+                       advance: Callable[[int], None] | None = None) -> tuple[float, int]:
+        """The whole workload in static batches of `batch_size` prompts in the given order, as the HF baseline
+        runs it: each batch's prompts prefilled one after another, then decoded together until every one has
+        `output_len` tokens; the next batch starts when the whole batch is done. Returns (seconds, output
+        tokens); prefill included."""
+        if batch_size > self.n_seq_max:
+            raise ValueError(f"batches of {batch_size} but the context holds {self.n_seq_max} sequences")
+        start = time.perf_counter()
+        for b in range(0, len(prompts), batch_size):
+            batch = prompts[b:b + batch_size]
+            self._generate(batch, output_len)
+            if advance:
+                advance(len(batch))
+        return time.perf_counter() - start, len(prompts) * output_len

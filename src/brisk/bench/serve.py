@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -352,6 +353,57 @@ def run_serve_bench(url: str, prompts: list[list[int]], output_len: int, arrival
     rss = rss_flat_check(rss_samples, elapsed_s, rss_tolerance_bytes)
     return {"summary": summary, "server": server, "rss": rss, "checks": soak_checks(summary, server, rss),
             "samples": samples, "records": records}
+
+
+def default_llamacpp_type(model: str | None, dtype: str) -> str:
+    """The llama.cpp file type that matches the served weights: F32 for float32, F16 for bfloat16. A quantized
+    brisk checkpoint has no single match (RTN int4 g32 asym is Q4_1, int8 per channel is near Q8_0): say so."""
+    from brisk.model.loader import resolve_model
+
+    path = resolve_model(model)
+    config = path / "config.json"
+    if path.is_dir() and config.exists() and "quantization_config" in json.loads(config.read_text()):
+        raise ValueError(f"{path} is a quantized checkpoint: name the llama.cpp type to compare it with, e.g. "
+                         "--llamacpp-type q4_1 for RTN int4 with 32-weight groups and zero points, q8_0 for int8")
+    return "f32" if dtype == "float32" else "f16"
+
+
+def llamacpp_baseline(source: Path, gguf_type: str, prompts: list[list[int]], output_len: int, batch_size: int,
+                      threads: int, workdir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """llama.cpp on the same prompts: the whole workload in static batches of `batch_size` (prefill included:
+    the same-workload figure), then its decode-only rate at `batch_size` sequences (the first prompts of the
+    workload, prefill excluded: the issue's "llama.cpp batch-8 decode rate"). `source` is retyped to
+    `gguf_type` when it is not that type already (as `bench compare` does)."""
+    from brisk.bench.compare import gguf_for
+    from brisk.bench.llamacpp import LlamaCppModel
+    from brisk.bench.throughput import ThroughputResult
+
+    path = gguf_for(source, gguf_type, workdir, log)
+    seq_len = max(len(p) for p in prompts) + output_len + 16
+    with LlamaCppModel(path, seq_len, n_seq_max=batch_size, threads=threads) as lc:
+        lc.decode_rate([prompts[0][:8]], 4)  # untimed warm-up, as the others get
+        with report.progress_bar(f"llama.cpp {gguf_type.upper()}: batches of {batch_size}", len(prompts)) as advance:
+            elapsed, output_tokens = lc.static_batches(prompts, output_len, batch_size, advance)
+        first = [prompts[i % len(prompts)] for i in range(batch_size)]
+        decode_tok_s, _ = lc.decode_rate(first, output_len)
+    result = ThroughputResult(num_prompts=len(prompts), output_len=output_len,
+                              prompt_tokens=sum(len(p) for p in prompts), output_tokens=output_tokens,
+                              elapsed_s=elapsed)
+    return {**result.summary(), "batch_size": batch_size, "gguf_type": gguf_type, "file": path.name,
+            "decode_tok_s": decode_tok_s}
+
+
+def llamacpp_table(summary: dict[str, Any], lc: dict[str, Any]) -> Table:
+    """brisk's server against llama.cpp: the same workload in static batches, and llama.cpp's decode-only rate."""
+    b, t = lc["batch_size"], lc["gguf_type"].upper()
+    rows = [(label, summary[key], lc[key], fmt) for label, key, fmt in (
+        ("wall time (s)", "elapsed_s", ".2f"), ("output tok/s", "output_tok_s", ".1f"),
+        ("total (prompt + output) tok/s", "total_tok_s", ".1f"))]
+    rows.append((f"output tok/s against llama.cpp's batch-{b} decode alone, tok/s", summary["output_tok_s"],
+                 lc["decode_tok_s"], ".1f"))
+    return report.comparison_table(f"against llama.cpp {t} ({lc['file']}): the same prompts in static batches of "
+                                   f"{b} (prefill included); last row: its decode-only rate at {b} sequences",
+                                   rows, f"llama.cpp {t}")
 
 
 def server_model_card(url: str, api_key: str | None = None) -> dict[str, Any]:
