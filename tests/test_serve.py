@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -333,6 +336,28 @@ def test_cors_is_off_by_default(server):
     resp = httpx.options(f"{server.base_url}/completions", timeout=10,
                          headers={"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in resp.headers
+
+
+def test_signals_stop_the_server_cleanly_and_a_taken_port_is_an_error(server, model_dir):
+    """The engine loop runs on the server process's main thread and uvicorn on another (run_server): SIGINT and
+    SIGTERM still end it with code 0 while a stream is open, the stream ends (no hang), and a second server on
+    a port already taken exits with code 1 saying so."""
+    taken = subprocess.run([sys.executable, "-m", "brisk.cli", "serve", "--port", str(server.port), "--model",
+                            model_dir, *ENGINE_ARGS], capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 1 and "address already in use" in taken.stdout + taken.stderr
+    assert server.is_healthy()  # the first server is untouched
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with ServerProcess(["--model", model_dir, *ENGINE_ARGS], startup_timeout_s=90) as srv:
+            with httpx.stream("POST", f"{srv.base_url}/completions", timeout=60,
+                              json={"prompt": "Once upon", "max_tokens": 200, "stream": True,
+                                    "ignore_eos": True}) as resp:
+                lines = resp.iter_lines()
+                next(lines)  # the stream is open and producing
+                srv.proc.send_signal(sig)
+                rest = list(lines)  # ends, one way or another, instead of hanging
+            assert srv.proc.wait(30) == 0, srv.log_tail()
+            assert "Finished server process" in srv.log() and "Traceback" not in srv.log(), srv.log_tail()
+            assert len(rest) < 400
 
 
 @pytest.mark.slow

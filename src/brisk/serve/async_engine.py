@@ -105,23 +105,32 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._running = False  # the loop (`run`) is executing, on whichever thread
+        self.ready = threading.Event()  # start() was called: the outputs' event loop is known
+        self._stopped = threading.Event()
         self._last_publish = 0.0
 
     # ------------------------------------------------------------------ event-loop side
-    def start(self) -> None:
-        """Start the engine thread; call from inside the running event loop that will read the outputs."""
+    def start(self, *, own_thread: bool = True) -> None:
+        """Call from inside the running event loop that will read the outputs. own_thread: start the engine
+        loop on a new thread; else the caller runs `run()` on a thread of its own once `ready` is set
+        (`run_server` uses the main thread: see there)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="brisk-engine", daemon=True)
-        self._thread.start()
+        self._running = True  # from now on requests are admitted; they wait in the FIFO until the loop runs
+        self.ready.set()
+        if own_thread:
+            self._thread = threading.Thread(target=self.run, name="brisk-engine", daemon=True)
+            self._thread.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        """Stop the loop (failing what is in flight) and wait for it, on whichever thread it runs."""
+        if self._running:
             self._commands.put(_STOP)
-            self._thread.join(timeout_s)
+            self._stopped.wait(timeout_s)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running
 
     def open_stream(self, requests: list[EngineRequest], receive: Receive | None = None) -> RequestStream:
         """Admit `requests` (one HTTP request's prompts) and submit them to the engine.
@@ -150,13 +159,33 @@ class AsyncEngine:
             self.metrics.admitted.set(self.num_admitted)
 
     # ------------------------------------------------------------------ engine thread
+    def run(self) -> None:
+        """The engine loop, until shutdown() (or Ctrl-C where it runs on the main thread)."""
+        try:
+            self._run()
+        except BaseException:  # KeyboardInterrupt on the main thread: nobody is left waiting for an answer
+            self._fail_all(EngineError("the server is shutting down"))
+            raise
+        finally:
+            self._running = False
+            self._stopped.set()
+
+    def _next_command(self) -> Any:
+        """Block until a command arrives (no busy-wait), waking every second so that a signal handler on the
+        main thread gets to run soon."""
+        while True:
+            try:
+                return self._commands.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
     def _run(self) -> None:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
                 if idle:
                     self._publish(force=True)
-                commands = [self._commands.get()] if idle else []  # blocks while there is nothing to do
+                commands = [self._next_command()] if idle else []  # blocks while there is nothing to do
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
