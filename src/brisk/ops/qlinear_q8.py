@@ -24,8 +24,9 @@ from brisk.ops.sparse_q8 import quantize_activations_q8
 ACTIVATION_MODES = ("auto", "float", "int8")
 # Up to this many rows the integer-dot kernel runs; beyond, the rounded activations (fake_quantize_activations) go
 # through the float GEMM path of dequantized weights: the same numbers up to float32 summation order, and faster
-# there (default model, 2 threads: the kernel 1.1-1.8x the float path at M = 1..64, 0.74-0.96x at M = 256-512).
-MAX_Q8_ROWS = 64
+# there. Default model, int4 g32, 2 threads, one layer's four linears (ms, kernel / float path): M = 128 8.5 / 11.0,
+# M = 256 16.5 / 18.3, M = 512 34.5 / 32.2 (the float path dequantizes and lets oneDNN reorder the weight per call).
+MAX_Q8_ROWS = 256
 
 
 def covers(pw: PackedWeight) -> bool:
