@@ -255,7 +255,9 @@ async def run_load(spec: LoadSpec, on_event: Callable[[dict[str, Any]], None]) -
     # No client-side pool limit (the schedule and --max-concurrency are the only limits, so the client never
     # queues requests the benchmark meant to be in flight), and trust_env=False: no proxy from the environment
     # ever sees the traffic.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # keepalive_expiry under the server's keep-alive timeout (uvicorn: 5 s): a connection idle for exactly that long
+    # could otherwise be reused as the server closes it, and the request would fail with a ReadError
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     slots = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
 
     async def one(client: httpx.AsyncClient, index: int, t0: float) -> None:
