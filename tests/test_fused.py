@@ -195,21 +195,28 @@ def _rope_inputs(tokens: int, dtype: torch.dtype, h: int = 9, kvh: int = 3, d: i
     return qkv, cos, sin, cache, slots
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_rope_cache_is_bit_identical_to_apply_rope_and_write_kv(ops, dtype, tokens):
+def _rope_cache_case(ops, tokens, dtype, cache_dtype, seed, h=9, kvh=3, d=64):
+    """rope_cache on fresh inputs next to its reference (apply_rope, then write_kv into a copy of the cache).
+    Returns (qkv after the kernel [T, h + 2 kvh, d], qkv before, reference q|k, cache, reference cache, slots)."""
     from brisk.model.rope import apply_rope
     from brisk.ops.attention import write_kv
 
-    h, kvh, d = 9, 3, 64
-    qkv, cos, sin, cache, slots = _rope_inputs(tokens, dtype, h, kvh, d, seed=tokens)
+    qkv, cos, sin, cache, slots = _rope_inputs(tokens, dtype, h, kvh, d, seed=seed)
+    cache = cache.to(cache_dtype)
     view = qkv.view(tokens, h + 2 * kvh, d)
     want_qk = apply_rope(view[:, :h + kvh], cos, sin)
     want_cache = cache.clone()
     write_kv(want_cache, want_qk[:, h:], view[:, h + kvh:], slots)
     got = qkv.clone()
     ops.rope_cache(got, cos, sin, cache, slots, h, kvh)
-    got = got.view(tokens, h + 2 * kvh, d)
+    return got.view(tokens, h + 2 * kvh, d), view, want_qk, cache, want_cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rope_cache_is_bit_identical_to_apply_rope_and_write_kv(ops, dtype, tokens):
+    h, kvh = 9, 3
+    got, view, want_qk, cache, want_cache, _ = _rope_cache_case(ops, tokens, dtype, dtype, seed=tokens)
     assert torch.equal(got[:, :h + kvh], want_qk)  # q and k rotated in place, bit for bit
     assert torch.equal(got[:, h + kvh:], view[:, h + kvh:])  # v untouched
     assert torch.equal(cache, want_cache)  # the same cache slots hold the same rows; no other slot written
@@ -219,19 +226,10 @@ def test_rope_cache_is_bit_identical_to_apply_rope_and_write_kv(ops, dtype, toke
 def test_rope_cache_into_a_bfloat16_cache_rounds_like_write_kv(ops, tokens):
     """float32 qkv, bfloat16 cache (--kv-cache-dtype bfloat16): q and k rotated in float32 in place; the cache
     gets k and v rounded to nearest even, exactly as write_kv's `.to(torch.bfloat16)`."""
-    from brisk.model.rope import apply_rope
-    from brisk.ops.attention import write_kv
-
     h, kvh, d = 9, 3, 64
-    qkv, cos, sin, cache, slots = _rope_inputs(tokens, torch.float32, h, kvh, d, seed=tokens + 7)
-    cache = cache.bfloat16()
-    view = qkv.view(tokens, h + 2 * kvh, d)
-    want_qk = apply_rope(view[:, :h + kvh], cos, sin)
-    want_cache = cache.clone()
-    write_kv(want_cache, want_qk[:, h:], view[:, h + kvh:], slots)
-    got = qkv.clone()
-    ops.rope_cache(got, cos, sin, cache, slots, h, kvh)
-    assert torch.equal(got.view(tokens, h + 2 * kvh, d)[:, :h + kvh], want_qk)
+    got, _, want_qk, cache, want_cache, slots = _rope_cache_case(ops, tokens, torch.float32, torch.bfloat16,
+                                                                 seed=tokens + 7)
+    assert torch.equal(got[:, :h + kvh], want_qk)
     assert torch.equal(cache, want_cache)
     assert not torch.equal(cache[0].view(-1, kvh, d)[slots].float(), want_qk[:, h:])  # it did round
 
