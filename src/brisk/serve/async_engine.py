@@ -171,7 +171,7 @@ class AsyncEngine:
             self._stopped.set()
 
     def _next_command(self) -> Any:
-        """Block until a command arrives (no busy-wait), waking every second so that a signal handler on the
+        """Block until a command arrives (no busy-wait), waking every 0.2 s so that a signal handler on the
         main thread gets to run soon."""
         while True:
             try:
