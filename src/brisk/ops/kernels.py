@@ -6,6 +6,10 @@ caches the shared libraries under `$TORCH_EXTENSIONS_DIR` or `~/.cache/brisk/ext
 `torch.ops.brisk`. Later processes reuse the cached builds in well under a second; torch rebuilds a library
 when its source changes. One file per extension, so a kernel that fails to build costs only its own ops.
 
+Two instruction-set tiers (`kernel_isa()`): "avx2" (AVX2 + FMA + F16C), and on CPUs with AVX-512 F/BW/VL/DQ, VNNI
+and BF16 (AMD Zen 4/5, Intel Sapphire Rapids) "avx512": the same sources with those flags, where linear_small uses
+vdpbf16ps for bfloat16 and quant_q8 vpdpbusd for its int8 dot products. The tier is part of the build's name.
+
 Every kernel has a pure-PyTorch reference path next to it, taken when
 - its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
 - `BRISK_DISABLE_KERNELS=1` is set (read on every call, so tests can flip it);
@@ -15,6 +19,7 @@ Callers ask for an op by name (`get_op`), so a missing one is just "use the refe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -41,13 +46,44 @@ def kernels_disabled() -> bool:
     return os.environ.get("BRISK_DISABLE_KERNELS", "") not in ("", "0")
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return frozenset()
+
+
+# what the avx512 tier compiles for: 512-bit float (F), byte/word (BW) and 256-bit EVEX (VL) forms, int8 dot
+# products (VNNI: vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps), as on AMD Zen 4/5 and Intel Sapphire Rapids
+_AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+
+
 def _isa_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags). Explicit ISA flags rather than -march=native, so a build cached on a shared home
-    directory by a newer CPU cannot crash an older one: the tag is part of the build directory's name."""
+    """(tag, compiler flags) of the kernels' build for this CPU: "avx512" (the AVX2 code plus 512-bit, VNNI and
+    BF16 paths) where the CPU has every flag of _AVX512_FLAGS, "avx2" where torch runs AVX2 or better, else
+    "generic" (no kernels). BRISK_KERNEL_ISA=avx2 asks for the AVX2 build on an AVX-512 CPU (tests and A/B runs).
+    Explicit ISA flags rather than -march=native, so a build cached on a shared home directory by a newer CPU
+    cannot crash an older one: the tag is part of the build directory's name."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    if capability.startswith("AVX"):  # AVX2 or AVX512: the kernels use AVX2 + FMA (+ F16C for conversions)
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    if not capability.startswith("AVX"):
+        return "generic", []
+    wanted = os.environ.get("BRISK_KERNEL_ISA", "").strip().lower()
+    if wanted not in ("", "avx2", "avx512"):
+        raise ValueError(f"BRISK_KERNEL_ISA={wanted!r}: use avx2 or avx512 (or leave it unset for the best this "
+                         "CPU has)")
+    if wanted != "avx2" and capability == "AVX512" and set(_AVX512_FLAGS) <= cpu_flags():
+        return "avx512", _AVX2_FLAGS + list(_AVX512_FLAGS.values())
+    return "avx2", list(_AVX2_FLAGS)
+
+
+def kernel_isa() -> str:
+    """The instruction-set tier brisk's kernels are built for on this machine: avx512, avx2 or generic."""
+    return _isa_flags()[0]
 
 
 def build_directory(name: str, source: Path | None = None) -> Path:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.ops.kernels import get_op
+from brisk.ops.kernels import cpu_flags, get_op
 
 MAX_SMALL_M = 8  # beyond this many rows, a blocked GEMM (oneDNN, else MKL) wins
 # weight rows widened at a time on the bfloat16 large-M path: 2^21 float32 weights (8 MiB) stay in the last-level
@@ -28,11 +28,7 @@ def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), so that MKL's bf16 GEMM is fast.
 
     Without it (this project's AVX2 machine) MKL emulates bf16 GEMM at ~1/5 of its float32 speed."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -86,11 +86,26 @@ struct Q8X {
   const float* xs2 = nullptr;
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The avx512 build (kernels.py): vpdpbusd multiplies 32 u8 x s8 pairs and adds each four products into an int32
+// lane with no int16 step, so nothing can saturate: 8-bit codes are used as they are (c = 0, no recentring and no
+// sign trick) and one instruction replaces maddubs + madd.
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// c, the offset subtracted from the codes before the integer dot (q' = q - c)
+template <int BITS>
+constexpr float code_offset() { return BITS == 8 && !kVnni ? 128.f : 0.f; }
+
 // One block of codes as the unsigned maddubs operand `u`, and (8 bits) the recentred signed codes `sg` whose sign
 // the activations take.
 template <int BITS>
 inline void load_codes(const uint8_t* p, __m256i& u, __m256i& sg) {
-  if constexpr (BITS == 8) {
+  if constexpr (BITS == 8 && kVnni) {
+    u = sg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else if constexpr (BITS == 8) {
     sg = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
     u = _mm256_abs_epi8(sg);  // -128 stays 0x80, which maddubs reads as unsigned 128
   } else {
@@ -105,9 +120,14 @@ inline void load_codes(const uint8_t* p, __m256i& u, __m256i& sg) {
 // 8 int32 partial sums of the block's dot(q', xq) for one activation row.
 template <int BITS>
 inline __m256i block_dot(__m256i u, __m256i sg, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  (void)sg;
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, sg)), ones);
   else return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+#endif
 }
 
 template <int MT>
@@ -122,7 +142,7 @@ template <int BITS, int MT, bool FOLD>
 void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
   constexpr int BPB = 32 * BITS / 8;
-  constexpr float kOffset = BITS == 8 ? 128.f : 0.f;  // c: q' = q - c
+  constexpr float kOffset = code_offset<BITS>();
   __m256 acc[NA][MT], tot[MT];
   for (int m = 0; m < MT; ++m) {
     tot[m] = _mm256_setzero_ps();
@@ -238,7 +258,7 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
   const uint8_t* wp = p.data + n * p.row_bytes;
   const float* sp = p.scales + n * p.ngroups;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t npairs = p.nblocks / 2, bpg = p.blocks_per_group;
   // the weight scales of pair q, for q = 0, 1, 2, ... in order (a counter: no division in the loop)
   const int64_t pairs_per_group = bpg / 2;
@@ -261,11 +281,16 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
     const __m256 sv = next_scales(q);
     for (int m = 0; m < MT; ++m) {
       const int8_t* xm = x.xq2 + m * x.K + q * 64;
-      const __m256i s16 = _mm256_add_epi16(
-          _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
-          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32))));
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
+      const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
+                                          ones);
+#endif
       const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x.xs2 + m * x.nblocks * 4 + q * 8), sv);
-      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), xs, a[m]);
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xs, a[m]);
     }
   };
   int64_t q = 0;
