@@ -129,3 +129,32 @@ def test_prepacked_bfloat16_weights_equal_the_widened_path(monkeypatch):
     assert (got == want).float().mean() > 0.97
     small = x[:3]
     assert torch.equal(model[0](small), lin_mod.linear(small, model[0].weight, model[0].bias))
+
+
+@pytest.mark.parametrize("rows", [9, 17, 100, 129, 300, 513, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_gemms_run_at_bucketed_row_counts(rows, dtype):
+    """Many-row GEMMs pad x with zero rows to a bucket (oneDNN keeps state per shape it never frees) and return
+    exactly the rows asked for, with F.linear's values."""
+    from brisk.ops.linear import gemm_rows, prepack_weight
+
+    padded = gemm_rows(rows)
+    assert rows <= padded < rows + (8 if rows <= 128 else 32 if rows <= 512 else 128)
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(2, rows, 64, generator=g)[1], torch.randn(48, 64, generator=g),
+               torch.randn(48, generator=g))
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    want = F.linear(x.double(), w.double(), b.double())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=2**-7)
+    for packed in (None, prepack_weight(w)):
+        got = linear(x, w, b, packed)
+        assert got.shape == (rows, 48) and got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, **tol)
+    # a [B, T, K] input keeps its leading dimensions
+    assert linear(x.view(1, rows, 64), w, b).shape == (1, rows, 48)
+
+
+def test_gemm_row_buckets_are_few():
+    from brisk.ops.linear import gemm_rows
+
+    assert len({gemm_rows(r) for r in range(9, 8193)}) == 15 + 12 + 60
