@@ -372,6 +372,23 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     lo_all = std::max(lo_all, it.key_lo);
     hi_all = std::min(hi_all, it.key_hi);
   }
+#ifdef BRISK_AVX2
+  {  // ask for all of this item's K and V rows into L2 now: the chunks below then find them there instead of
+     // waiting on each row's first touch (the wait on the widening loads was ~3/4 of this function's samples).
+     // 30 layers of a bfloat16 cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 ->
+     // 1.56-1.59 ms; batch 1 unchanged (alternated processes)
+    const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t pos = lo_all; pos < hi_all; ++pos) {
+      const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+      const char* kr = reinterpret_cast<const char*>(k + off);
+      const char* vr = reinterpret_cast<const char*>(v + off);
+      for (int64_t b = 0; b < slice_bytes; b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T1);
+        _mm_prefetch(vr + b, _MM_HINT_T1);
+      }
+    }
+  }
+#endif
   for (int64_t p0 = lo_all; p0 < hi_all;) {
     const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
     const int64_t n = p1 - p0;
