@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -373,21 +374,29 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     hi_all = std::min(hi_all, it.key_hi);
   }
 #ifdef BRISK_AVX2
-  {  // ask for all of this item's K and V rows into L2 now: the chunks below then find them there instead of
-     // waiting on each row's first touch (the wait on the widening loads was ~3/4 of this function's samples).
-     // 30 layers of a bfloat16 cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 ->
-     // 1.56-1.59 ms; batch 1 unchanged (alternated processes)
-    const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
-    for (int64_t pos = lo_all; pos < hi_all; ++pos) {
+  // the K and V rows (this item's kv heads) of positions [a, b) into L1 (to_l1: std::true_type) or L2
+  const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
+  auto prefetch_rows = [&](auto to_l1, int64_t a, int64_t b) __attribute__((always_inline)) {
+    for (int64_t pos = a; pos < b; ++pos) {
       const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
       const char* kr = reinterpret_cast<const char*>(k + off);
       const char* vr = reinterpret_cast<const char*>(v + off);
-      for (int64_t b = 0; b < slice_bytes; b += 64) {
-        _mm_prefetch(kr + b, _MM_HINT_T1);
-        _mm_prefetch(vr + b, _MM_HINT_T1);
+      for (int64_t c = 0; c < slice_bytes; c += 64) {
+        if constexpr (decltype(to_l1)::value) {
+          _mm_prefetch(kr + c, _MM_HINT_T0);
+          _mm_prefetch(vr + c, _MM_HINT_T0);
+        } else {
+          _mm_prefetch(kr + c, _MM_HINT_T1);
+          _mm_prefetch(vr + c, _MM_HINT_T1);
+        }
       }
     }
-  }
+  };
+  // all of this item's rows into L2 now: the chunks below then find them there instead of waiting on each row's
+  // first touch (the wait on the widening loads was ~3/4 of this function's samples). 30 layers of a bfloat16
+  // cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 -> 1.56-1.59 ms; batch 1
+  // unchanged (alternated processes)
+  prefetch_rows(std::false_type{}, lo_all, hi_all);
 #endif
   for (int64_t p0 = lo_all; p0 < hi_all;) {
     const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
@@ -397,20 +406,9 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
       s.offsets[t] = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
     }
 #ifdef BRISK_AVX2
-    {  // ask for the next chunk's rows now: its blocks are unrelated to this one's, so the hardware prefetchers
-       // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
-      const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
-      const int64_t q1 = std::min(hi_all, p1 + kChunk);
-      for (int64_t pos = p1; pos < q1; ++pos) {
-        const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
-        const char* kr = reinterpret_cast<const char*>(k + off);
-        const char* vr = reinterpret_cast<const char*>(v + off);
-        for (int64_t b = 0; b < slice_bytes; b += 64) {
-          _mm_prefetch(kr + b, _MM_HINT_T0);
-          _mm_prefetch(vr + b, _MM_HINT_T0);
-        }
-      }
-    }
+    // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
+    // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
+    prefetch_rows(std::true_type{}, p1, std::min(hi_all, p1 + kChunk));
 #endif
     for (int64_t j = 0; j < it.kv_end - it.kv_begin; ++j) {
       chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
