@@ -293,7 +293,11 @@ class AsyncEngine:
         try:
             self._loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: the server is going down, nobody is listening
-            pass
+            return
+        # Let the event loop's thread take the GIL now: it would otherwise wait for the interpreter's switch
+        # interval (5 ms), and a small model's steps are faster than that, so a whole answer coalesced into one
+        # server-sent event on a fast machine.
+        time.sleep(0)
 
     def _publish(self, force: bool = False) -> None:
         # stats() walks every request's blocks; while busy, refresh the gauges a few times a second only
