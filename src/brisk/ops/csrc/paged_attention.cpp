@@ -373,12 +373,16 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     lo_all = std::max(lo_all, it.key_lo);
     hi_all = std::min(hi_all, it.key_hi);
   }
+  // where position pos of the sequence lives in the cache: block_table[pos / bs] * bs + pos % bs, as an offset
+  auto slot_offset = [&](int64_t pos) __attribute__((always_inline)) {
+    return static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+  };
 #ifdef BRISK_AVX2
   // the K and V rows (this item's kv heads) of positions [a, b) into L1 (to_l1: std::true_type) or L2
   const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
   auto prefetch_rows = [&](auto to_l1, int64_t a, int64_t b) __attribute__((always_inline)) {
     for (int64_t pos = a; pos < b; ++pos) {
-      const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+      const int64_t off = slot_offset(pos);
       const char* kr = reinterpret_cast<const char*>(k + off);
       const char* vr = reinterpret_cast<const char*>(v + off);
       for (int64_t c = 0; c < slice_bytes; c += 64) {
@@ -401,10 +405,7 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
   for (int64_t p0 = lo_all; p0 < hi_all;) {
     const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
     const int64_t n = p1 - p0;
-    for (int64_t t = 0; t < n; ++t) {  // slot of position p = block_table[p / bs] * bs + p % bs
-      const int64_t pos = p0 + t;
-      s.offsets[t] = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
-    }
+    for (int64_t t = 0; t < n; ++t) s.offsets[t] = slot_offset(p0 + t);
 #ifdef BRISK_AVX2
     // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
     // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)

@@ -87,6 +87,7 @@ struct Q8X {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BRISK_Q8_VNNI 1
 // The avx512 build (kernels.py): vpdpbusd multiplies 32 u8 x s8 pairs and adds each four products into an int32
 // lane with no int16 step, so nothing can saturate: 8-bit codes are used as they are (c = 0, no recentring and no
 // sign trick) and one instruction replaces maddubs + madd.
@@ -120,7 +121,7 @@ inline void load_codes(const uint8_t* p, __m256i& u, __m256i& sg) {
 // 8 int32 partial sums of the block's dot(q', xq) for one activation row.
 template <int BITS>
 inline __m256i block_dot(__m256i u, __m256i sg, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef BRISK_Q8_VNNI
   (void)sg;
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
@@ -283,7 +284,7 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
       const int8_t* xm = x.xq2 + m * x.K + q * 64;
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm));
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef BRISK_Q8_VNNI
       const __m256i d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
 #else
       const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
