@@ -132,6 +132,36 @@ def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypat
     _run_both(monkeypatch, make_llm, PROMPTS)
 
 
+@pytest.mark.parametrize("values", ["float32", "int8", "int8-dot", "int4"])
+def test_plan_equals_module_path_pruned(ops, tiny_folder, tmp_path, monkeypatch, values):
+    """Pruned layers (ops.sparse.SparseLinear) in the plan and its C++ loop: float32 values, int8 and int4 codes
+    through sparse_linear, int8 with int8 activations through sparse_q8_linear; the same numbers as the module
+    path, which calls the same kernels."""
+    from test_sparse_linear import write_pruned
+
+    from brisk.bench.quant import build_checkpoint
+    from brisk.ops.sparse import SparseLinear, sparsify_model
+    from brisk.quant.config import LayerQuant
+
+    folder = write_pruned(tiny_folder, tmp_path / "pruned", 0.5)
+    if values != "float32":
+        bits = 4 if values == "int4" else 8
+        out = tmp_path / values
+        build_checkpoint(LayerQuant(bits=bits, group_size=32, sym=True), out, str(folder))
+        folder = out
+
+    def make_llm() -> LLM:
+        llm = LLM(str(folder), kv_cache_memory="8MiB")
+        model = llm.engine.loaded.model
+        if values != "float32":  # quantized layers are converted only when asked (ops.sparse.MIN_SPARSITY)
+            assert sparsify_model(model, {32: None, 8: 0.3, 4: 0.3}, int8_dot=values == "int8-dot") == 8
+        sparse = [m for m in model.modules() if isinstance(m, SparseLinear)]
+        assert len(sparse) == 8 and all(m.int8_dot == (values == "int8-dot") for m in sparse)
+        return llm
+
+    _run_both(monkeypatch, make_llm, PROMPTS)
+
+
 def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
     llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
     model = llm.engine.loaded.model
@@ -193,7 +223,7 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     x = torch.zeros(1, llm.engine.loaded.config.hidden_size)
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches
-    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 44 parameter slots"):
+    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 52 parameter slots"):
         plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv, plan.params[:-1], plan.spec, plan.eps,
                            plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
     with pytest.raises(RuntimeError, match=r"x must be \[T <= 8, hidden\]"):

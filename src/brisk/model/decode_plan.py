@@ -22,8 +22,8 @@ batches) run the same loop with paged_prefill_attention over query_start_loc ins
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
-projections, sparse or other custom linears, hooks); a step takes the module path when its caches are quantized
-or evicting, or attention scores are being collected (H2O).
+projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
+caches are quantized or evicting, or attention scores are being collected (H2O).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 
 _DTYPES = (torch.float32, torch.bfloat16)
 Linear = Callable[[torch.Tensor], torch.Tensor]
-# A linear as ops/csrc/decode_layers.cpp takes it for batches of up to MAX_SMALL_M rows: (kind, five tensor slots,
+# A linear as ops/csrc/decode_layers.cpp takes it for batches of up to MAX_SMALL_M rows: (kind, six tensor slots,
 # bits, group size); kind 0 = float weight (linear_small_m), 1 = int8 activations (quant_linear_q8), 2 = packed codes
-# with float activations (quant_linear_small).
+# with float activations (quant_linear_small), 3 = pruned weight (sparse_linear; "bits" = its value kind 32/8/4),
+# 4 = pruned int8 weight with int8 activations (sparse_q8_linear).
 CppLinear = tuple[int, list[torch.Tensor | None], int, int]
 
 
@@ -74,7 +75,7 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
             return small(x, w, b)
         return linear(x, w, b, module.packed_weight)
 
-    run.cpp = (0, [w, b, None, None, None], 0, 0)  # type: ignore[attr-defined]
+    run.cpp = (0, [w, b, None, None, None, None], 0, 0)  # type: ignore[attr-defined]
     return run
 
 
@@ -99,12 +100,38 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
             return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)
         return quant_linear(x, pw, b, int8_activations=int8)
 
-    run.cpp = ((1, [pw.data, pw.scales, pw.mins, b, None], pw.bits, pw.group_size) if q8 is not None  # type: ignore
-               else (2, [pw.data, pw.scales, pw.mins, pw.codebook, b], pw.bits, pw.group_size))
+    run.cpp = ((1, [pw.data, pw.scales, pw.mins, b, None, None], pw.bits, pw.group_size) if q8 is not None  # type: ignore
+               else (2, [pw.data, pw.scales, pw.mins, pw.codebook, b, None], pw.bits, pw.group_size))
     return run
 
 
-def _resolve_linear(module: nn.Module | None, ops: Any) -> Linear | None:
+def _sparse_linear(module: nn.Module, ops: Any, dtype: torch.dtype) -> Linear | None:
+    """A pruned layer (ops.sparse.SparseLinear): its kernel for up to MAX_SMALL_M rows, as ops.sparse.sparse_linear
+    chooses. The kernels take float32 activations, so only float32 models get it."""
+    from brisk.ops.sparse import MAX_SMALL_M as SPARSE_SMALL_M
+    from brisk.ops.sparse import sparse_linear
+
+    sw, b, int8_dot = module.sparse, module.bias, module.int8_dot
+    op = getattr(ops, "sparse_q8_linear" if int8_dot else "sparse_linear", None)
+    if dtype != torch.float32 or op is None or SPARSE_SMALL_M != MAX_SMALL_M:
+        return None
+    small = op.default
+    bf = None if b is None else b.float()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_SMALL_M:
+            return sparse_linear(x, sw, b, int8_dot=int8_dot)
+        if int8_dot:
+            return small(x, sw.mask, sw.row_ptr, sw.values, sw.scales, sw.group_size, bf)
+        return small(x, sw.mask, sw.row_ptr, sw.values, sw.scales, sw.mins, sw.kind, sw.group_size, bf)
+
+    run.cpp = ((4, [sw.mask, sw.row_ptr, sw.values, sw.scales, bf, None], 8, sw.group_size) if int8_dot  # type: ignore
+               else (3, [sw.mask, sw.row_ptr, sw.values, sw.scales, sw.mins, bf], sw.kind, sw.group_size))
+    return run
+
+
+def _resolve_linear(module: nn.Module | None, ops: Any, dtype: torch.dtype) -> Linear | None:
+    from brisk.ops.sparse import SparseLinear
     from brisk.quant.layers import QuantLinear
 
     if module is None or module._forward_hooks or module._forward_pre_hooks:
@@ -113,6 +140,8 @@ def _resolve_linear(module: nn.Module | None, ops: Any) -> Linear | None:
         return _fast_linear(module, ops)
     if type(module) is QuantLinear:
         return _quant_linear(module, ops)
+    if type(module) is SparseLinear:
+        return _sparse_linear(module, ops, dtype)
     return None
 
 
@@ -158,7 +187,8 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
                 return None
-            parts = [_resolve_linear(m, ops) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            parts = [_resolve_linear(m, ops, dtype)
+                     for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):
                 return None

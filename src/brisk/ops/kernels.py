@@ -57,9 +57,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 # what the avx512 tier compiles for: 512-bit float (F), byte/word (BW) and 256-bit EVEX (VL) forms, int8 dot
-# products (VNNI: vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps), as on AMD Zen 4/5 and Intel Sapphire Rapids
+# products (VNNI: vpdpbusd), bfloat16 dot products (BF16: vdpbf16ps) and byte expansion (VBMI2: vpexpandb, the
+# sparse int8 kernel), as on AMD Zen 4/5 and Intel Sapphire Rapids
 _AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
+                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16",
+                 "avx512_vbmi2": "-mavx512vbmi2"}
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 

@@ -54,7 +54,7 @@ class SparseWeight:
     in_features: int
     mask: torch.Tensor  # uint8 [N, K / 8]: bit l of byte b <=> column 8 b + l is stored
     row_ptr: torch.Tensor  # int64 [N + 1]: row n's values are entries row_ptr[n] .. row_ptr[n + 1] - 1
-    # float32 [nnz + 8]; int8 values (as uint8) [nnz + 16]; 4-bit codes, two per byte, [nnz / 2 + 8]: padded
+    # float32 [nnz + 8]; int8 values (as uint8) [nnz + 32]; 4-bit codes, two per byte, [nnz / 2 + 8]: padded
     values: torch.Tensor
     scales: torch.Tensor | None = None  # float32 [N, K / G] (kinds 8 and 4)
     mins: torch.Tensor | None = None  # float32 [N, K / G] (kind 4)
@@ -136,7 +136,8 @@ def compress_codes(q: torch.Tensor, keep: torch.Tensor, scales: torch.Tensor, mi
         if v.numel() and (v.min() < -128 or v.max() > 127):
             raise ValueError("8-bit sparse values need q - zero in [-128, 127] (symmetric codes); "
                              "asymmetric 8-bit codes have no sparse kernel")
-        values = torch.cat([v.to(torch.int8), torch.zeros(2 * COLS, dtype=torch.int8)]).view(torch.uint8)
+        # 32 bytes of padding: sparse_q8.cpp's AVX-512 path loads 32 bytes at a time
+        values = torch.cat([v.to(torch.int8), torch.zeros(4 * COLS, dtype=torch.int8)]).view(torch.uint8)
         return SparseWeight(kind=8, out_features=n, in_features=k, mask=mask, row_ptr=row_ptr, values=values,
                             scales=scales, group_size=group_size)
     codes = q[keep].to(torch.uint8)  # [nnz] in row order

@@ -8,11 +8,13 @@
 // speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears
 // switch to GEMMs.
 //
-// Per layer the Python side passes 2 + 4 * 5 optional tensors (the two norm weights, then for each of the fused
-// qkv, o, fused gate/up and down projections five slots) and 4 * 3 ints (kind, bits, group size):
-//   kind 0, float weight:             [weight, bias, -, -, -]               -> linear_small_m
-//   kind 1, 8/4-bit, int8 activations: [data, scales, mins, bias, -]         -> quant_linear_q8
-//   kind 2, packed codes, float act.:  [data, scales, mins, codebook, bias]  -> quant_linear_small
+// Per layer the Python side passes 2 + 4 * 6 optional tensors (the two norm weights, then for each of the fused
+// qkv, o, fused gate/up and down projections six slots) and 4 * 3 ints (kind, bits, group size):
+//   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
+//   kind 1, 8/4-bit, int8 activations:  [data, scales, mins, bias, -, -]                    -> quant_linear_q8
+//   kind 2, packed codes, float act.:   [data, scales, mins, codebook, bias, -]             -> quant_linear_small
+//   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
+//   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -23,7 +25,7 @@
 namespace {
 
 using OptT = std::optional<at::Tensor>;
-constexpr int64_t kSlots = 5;                  // tensor slots per linear
+constexpr int64_t kSlots = 6;                  // tensor slots per linear
 constexpr int64_t kPerLayer = 2 + 4 * kSlots;  // tensors per layer
 constexpr int64_t kInts = 3;                   // ints per linear
 
@@ -63,11 +65,26 @@ struct Ops {
                                                     const at::Tensor&, int64_t, int64_t, const OptT&)>>
       q8;
 
+  // absent where sparse_linear.cpp / sparse_q8.cpp were not built: plans then never pass kinds 3 / 4
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t,
+                                                    const OptT&)>>
+      sparse;
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>>
+      sparse_q8;
+
   Ops() {
-    auto h = c10::Dispatcher::singleton().findSchema({"brisk::quant_linear_q8", ""});
-    if (h.has_value())
+    auto& d = c10::Dispatcher::singleton();
+    if (auto h = d.findSchema({"brisk::quant_linear_q8", ""}); h.has_value())
       q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                int64_t, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
+      sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const OptT&, const OptT&, int64_t, int64_t, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::sparse_q8_linear", ""}); h.has_value())
+      sparse_q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, int64_t, const OptT&)>();
   }
 };
 
@@ -91,9 +108,18 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const c10::List<OptT>& para
     return o.q8->call(x, get(params, base), get(params, base + 1), get(params, base + 2), bits, group,
                       params.get(base + 3));
   }
-  TORCH_CHECK(kind == 2, "decode_layers: unknown linear kind ", kind);
-  return o.quant_small.call(x, get(params, base), get(params, base + 1), params.get(base + 2), params.get(base + 3),
-                            bits, group, params.get(base + 4));
+  if (kind == 2)
+    return o.quant_small.call(x, get(params, base), get(params, base + 1), params.get(base + 2), params.get(base + 3),
+                              bits, group, params.get(base + 4));
+  if (kind == 3) {
+    TORCH_CHECK(o.sparse.has_value(), "decode_layers: sparse_linear is not built");
+    return o.sparse->call(x, get(params, base), get(params, base + 1), get(params, base + 2), params.get(base + 3),
+                          params.get(base + 4), bits, group, params.get(base + 5));
+  }
+  TORCH_CHECK(kind == 4, "decode_layers: unknown linear kind ", kind);
+  TORCH_CHECK(o.sparse_q8.has_value(), "decode_layers: sparse_q8_linear is not built");
+  return o.sparse_q8->call(x, get(params, base), get(params, base + 1), get(params, base + 2), get(params, base + 3),
+                           group, params.get(base + 4));
 }
 
 }  // namespace
