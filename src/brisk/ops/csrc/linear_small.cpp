@@ -16,9 +16,20 @@ namespace {
 using brisk_simd::hsum;
 using brisk_simd::load8;
 
-// software prefetch distance of the 2..8-row kernel (bytes ahead in the weight row stream): 2-4 KiB measured
-// 5-15% faster than none at M = 2..8 on the default model's shapes (same-process A/B, noisy VM)
+// Software prefetch of the weight row stream: distance (bytes ahead) and cache level. On the AVX2 VM (sessions 1-9)
+// 2-4 KiB into L1 measured 5-15% faster than none at M = 2..8. The avx512 build is for the newer machine (Zen 5,
+// about twice the bandwidth, so more bytes in flight), where 8-16 KiB into L2 measured best: float32 M = 8, the
+// default model's decoder shapes, 2 threads: none 19.5 ms, 4 KiB L1 10.4, 8 KiB L2 9.2-9.4, 16 KiB L2 9.1-9.5;
+// M = 1 (no prefetch before) 6.65 -> 6.3 with 16 KiB (standalone copies of these loops, one process).
+#ifdef __AVX512F__
+constexpr int kPrefetchBytes = 8192;
+constexpr int kGemvPrefetchBytes = 16384;  // M = 1
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+#else
 constexpr int kPrefetchBytes = 4096;
+constexpr int kGemvPrefetchBytes = 0;  // M = 1: none (the hardware prefetcher follows one stream well)
+constexpr auto kPrefetchHint = _MM_HINT_T0;
+#endif
 
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
@@ -69,6 +80,9 @@ void gemv_rows(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, fl
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
+      if constexpr (kGemvPrefetchBytes > 0)
+        if (sizeof(W) == 4 || (k & 31) == 0)  // a prefetch per 64 bytes of weights
+          _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kGemvPrefetchBytes, kPrefetchHint);
       a0 = _mm256_fmadd_ps(load8(wr + k), _mm256_loadu_ps(x + k), a0);
       a1 = _mm256_fmadd_ps(load8(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
     }
@@ -90,7 +104,7 @@ void gemm_rows_seq(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1
     for (int m = 0; m < MT; ++m) a[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, kPrefetchHint);
       const __m256 wv = load8(wr + k);
       for (int m = 0; m < MT; ++m) a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[m]);
     }
@@ -162,7 +176,7 @@ void gemm_rows_seq_eo(const at::BFloat16* w, int64_t K, const float* xp, int64_t
     __m256 a[MT];
     for (int m = 0; m < MT; ++m) a[m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, kPrefetchHint);
       __m256 e, o;
       split16(wr + k, e, o);
       for (int m = 0; m < MT; ++m) {
@@ -234,7 +248,7 @@ void rows_bf16_512(const at::BFloat16* w, int64_t K, const at::BFloat16* x, int6
     for (int m = 0; m < MT; ++m) a[m] = b[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= kfull; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, kPrefetchHint);
       const __m512bh w0 = load_bh(wr + k), w1 = load_bh(wr + k + 32);
       for (int m = 0; m < MT; ++m) {
         a[m] = _mm512_dpbf16_ps(a[m], w0, load_bh(x + m * K + k));
