@@ -176,7 +176,7 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
 // 256-bit, because the 512-bit form (64 columns a step) measured slower on the Zen 5 VM: 1.2-1.5 ms against 0.8-0.9
 // ms for 60 decoder matrices of the default model at M = 1, 2 threads.
 template <int MT>
-void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
+inline __attribute__((always_inline)) void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
                   int64_t ldl, const float* bias, float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
   __m256 acc[NA][MT], tot[MT];
@@ -230,8 +230,10 @@ void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const i
   for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]) + (bias ? bias[n] : 0.f);
 }
 
+// noinline: inlined into run_tile_512's switch over MT, GCC kept the row's pointers on the stack (a store-to-load
+// chain through every step, 2x slower)
 template <int MT>
-void rows_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
+__attribute__((noinline)) void rows_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
               int64_t ldl, const float* bias, float* out, int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) row_tile_512<MT>(p, n, xq, ldx, xc, xl, ldl, bias, out, ldo);
 }
