@@ -123,13 +123,7 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
   const uint8_t* mrow = p.mask + n * p.nmask;
   const uint8_t* v = p.values + p.row_ptr[n];
   const float* ws = p.scales + n * p.ngroups;
-  auto step = [&](int64_t j, __m256* a) __attribute__((always_inline)) {
-    uint32_t mm = 0;
-    if (4 * j + 4 <= p.nmask) {
-      std::memcpy(&mm, mrow + 4 * j, 4);
-    } else {  // the row's last step may be partial
-      for (int64_t b = 4 * j; b < p.nmask; ++b) mm |= static_cast<uint32_t>(mrow[b]) << (8 * (b - 4 * j));
-    }
+  auto step = [&](int64_t j, uint32_t mm, __m256* a) __attribute__((always_inline)) {  // mm: 32 mask bits
     const __m256i w = expand(v, mm);
     const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, which maddubs reads as unsigned 128
     for (int m = 0; m < MT; ++m) {
@@ -138,15 +132,28 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
       a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(xs + m * p.nblocks + j), a[m]);
     }
   };
+  auto word = [&](int64_t j) __attribute__((always_inline)) {
+    uint32_t mm;
+    std::memcpy(&mm, mrow + 4 * j, 4);
+    return mm;
+  };
+  // steps whose 4 mask bytes all exist; only a row's last step can be partial (K % 32 != 0), and it is kept out
+  // of the loops: with its byte loop inside them GCC spilled the row's pointers to the stack (1.5-2x slower)
+  const int64_t nfull = p.nmask / 4;
   for (int64_t j0 = 0, g = 0; j0 < p.nblocks; j0 += p.blocks_per_group, ++g) {  // weight groups
-    const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group);
+    const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group), jf = std::min(j1, nfull);
     int64_t j = j0;
     if constexpr (NA == 2)
-      for (; j + 2 <= j1; j += 2) {
-        step(j, acc[0]);
-        step(j + 1, acc[1]);
+      for (; j + 2 <= jf; j += 2) {
+        step(j, word(j), acc[0]);
+        step(j + 1, word(j + 1), acc[1]);
       }
-    for (; j < j1; ++j) step(j, acc[0]);
+    for (; j < jf; ++j) step(j, word(j), acc[0]);
+    if (j < j1) {  // the partial last step: its missing mask bytes are zero
+      uint32_t mm = 0;
+      for (int64_t b = 4 * j; b < p.nmask; ++b) mm |= static_cast<uint32_t>(mrow[b]) << (8 * (b - 4 * j));
+      step(j, mm, acc[0]);
+    }
     const __m256 s = _mm256_broadcast_ss(ws + g);  // end of the group: apply its scale
     for (int m = 0; m < MT; ++m) {
       __m256 t = acc[0][m];
@@ -176,7 +183,7 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
 // 256-bit, because the 512-bit form (64 columns a step) measured slower on the Zen 5 VM: 1.2-1.5 ms against 0.8-0.9
 // ms for 60 decoder matrices of the default model at M = 1, 2 threads.
 template <int MT>
-inline __attribute__((always_inline)) void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
+void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
                   int64_t ldl, const float* bias, float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
   __m256 acc[NA][MT], tot[MT];
@@ -188,13 +195,8 @@ inline __attribute__((always_inline)) void row_tile_512(const Q8& p, int64_t n, 
   const uint8_t* mrow = p.mask + n * p.nmask;
   const uint8_t* v = p.values + p.row_ptr[n];
   const float* ws = p.scales + n * p.ngroups;
-  auto step = [&](int64_t j, __m256* a) __attribute__((always_inline)) {
-    uint32_t mm = 0;
-    if (4 * j + 4 <= p.nmask) {
-      std::memcpy(&mm, mrow + 4 * j, 4);
-    } else {  // the row's last step may be partial: its missing mask bytes are zero
-      for (int64_t b = 4 * j; b < p.nmask; ++b) mm |= static_cast<uint32_t>(mrow[b]) << (8 * (b - 4 * j));
-    }
+  // mm: the step's 32 mask bits
+  auto step = [&](int64_t j, uint32_t mm, __m256* a) __attribute__((always_inline)) {
     // The flip goes first and the expand merges into the flipped zero (0x80), which also avoids the zero-masking
     // form: on Zen 5 that waits for the previous value of its destination register and so chains every step of
     // the row (measured 2.1x slower). The asm keeps the register form: GCC would fold the load into the memory
@@ -210,15 +212,28 @@ inline __attribute__((always_inline)) void row_tile_512(const Q8& p, int64_t n, 
       a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xl + m * ldl + 8 * j), a[m]);
     }
   };
+  auto word = [&](int64_t j) __attribute__((always_inline)) {
+    uint32_t mm;
+    std::memcpy(&mm, mrow + 4 * j, 4);
+    return mm;
+  };
+  // steps whose 4 mask bytes all exist; only a row's last step can be partial (K % 32 != 0), and it is kept out
+  // of the loops: with its byte loop inside them GCC spilled the row's pointers to the stack (1.5-2x slower)
+  const int64_t nfull = p.nmask / 4;
   for (int64_t j0 = 0, g = 0; j0 < p.nblocks; j0 += p.blocks_per_group, ++g) {  // weight groups
-    const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group);
+    const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group), jf = std::min(j1, nfull);
     int64_t j = j0;
     if constexpr (NA == 2)
-      for (; j + 2 <= j1; j += 2) {
-        step(j, acc[0]);
-        step(j + 1, acc[1]);
+      for (; j + 2 <= jf; j += 2) {
+        step(j, word(j), acc[0]);
+        step(j + 1, word(j + 1), acc[1]);
       }
-    for (; j < j1; ++j) step(j, acc[0]);
+    for (; j < jf; ++j) step(j, word(j), acc[0]);
+    if (j < j1) {  // the partial last step: its missing mask bytes are zero
+      uint32_t mm = 0;
+      for (int64_t b = 4 * j; b < p.nmask; ++b) mm |= static_cast<uint32_t>(mrow[b]) << (8 * (b - 4 * j));
+      step(j, mm, acc[0]);
+    }
     const __m256 s = _mm256_broadcast_ss(ws + g);  // end of the group: apply its scale
     for (int m = 0; m < MT; ++m) {
       __m256 t = acc[0][m];
@@ -230,10 +245,8 @@ inline __attribute__((always_inline)) void row_tile_512(const Q8& p, int64_t n, 
   for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]) + (bias ? bias[n] : 0.f);
 }
 
-// noinline: inlined into run_tile_512's switch over MT, GCC kept the row's pointers on the stack (a store-to-load
-// chain through every step, 2x slower)
 template <int MT>
-__attribute__((noinline)) void rows_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
+void rows_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
               int64_t ldl, const float* bias, float* out, int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) row_tile_512<MT>(p, n, xq, ldx, xc, xl, ldl, bias, out, ldo);
 }
