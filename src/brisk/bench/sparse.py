@@ -81,12 +81,12 @@ class SparseRow:
         return {**asdict(self), "weight_gbps": self.gbps}
 
 
-def _engine(loaded):  # noqa: ANN001, ANN202 - LoadedModel -> an object with .engine (what decode_rate takes)
+def _engine(loaded, quant_activations: str = "auto"):  # noqa: ANN001, ANN202 - LoadedModel -> has .engine
     from brisk.engine.config import CacheConfig, EngineConfig
     from brisk.engine.llm_engine import LLMEngine
 
     # a small cache per engine: the report holds about a dozen engines at once
-    config = EngineConfig(model=str(loaded.path), max_model_len=MAX_MODEL_LEN,
+    config = EngineConfig(model=str(loaded.path), max_model_len=MAX_MODEL_LEN, quant_activations=quant_activations,
                           cache=CacheConfig(kv_cache_memory="64MiB", enable_prefix_caching=False))
     return SimpleNamespace(engine=LLMEngine(config, loaded))
 
@@ -144,9 +144,11 @@ def run_sparse_report(model: str | None, quants: list[str], input_len: int, outp
             sparsify_model(loaded.model, FORCE_ALL)
             settings.append((f"{q} 50% sparse", base, loaded, f"{q} 50% dense path"))
             if spec.bits == 8:  # the integer-dot kernel (ops.sparse_q8): x rounded to int8, so no greedy check
+                # its baseline: the dense model with int8 activations too (quant_q8's integer dot products)
+                settings.append((f"{q} int8-act", f"{q} int8-act", load_model(Path(tmp) / f"{q}-dense"), None))
                 loaded = load_model(folder)
                 sparsify_model(loaded.model, FORCE_ALL, int8_dot=True)
-                settings.append((f"{q} 50% sparse int8-dot", base, loaded, None))
+                settings.append((f"{q} 50% sparse int8-dot", f"{q} int8-act", loaded, None))
         return _measure(settings, input_len, output_len, runs, log)
 
 
@@ -157,7 +159,9 @@ def _measure(settings: list[tuple[str, str, Any, str | None]], input_len: int, o
     from brisk.bench.roofline import weight_bytes_per_token
     from brisk.ops.sparse import SparseLinear
 
-    engines = {name: _engine(loaded) for name, _, loaded, _ in settings}
+    # the int8-dot row and its baseline: every quantized layer with int8 activations (the lm_head too)
+    engines = {name: _engine(loaded, "int8" if name.endswith(("int8-act", "int8-dot")) else "auto")
+               for name, _, loaded, _ in settings}
     tok = settings[0][2].tokenizer
     prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
     for name, engine in engines.items():
