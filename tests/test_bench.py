@@ -273,8 +273,8 @@ def test_cli_rejects_lengths_over_max_model_len(tiny_dirs: dict) -> None:
 
 def test_cli_spec_runs_each_method_against_plain(tiny_dirs: dict, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """`brisk bench spec` end to end on a tiny model: every method's greedy output equals plain decoding, and
-    --disable-by-batch-size reaches the engines' speculative configs."""
+    """`brisk bench spec` end to end on a tiny model: every method's greedy output equals plain decoding (in both
+    of the default two rounds), and --disable-by-batch-size reaches the engines' speculative configs."""
     import brisk.spec.bench as spec_bench
 
     configs = []
@@ -299,3 +299,5 @@ def test_cli_spec_runs_each_method_against_plain(tiny_dirs: dict, tmp_path: Path
     bad = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_dirs["untied"]),
                                     "--disable-by-batch-size", "0"])
     assert bad.exit_code != 0 and "positive integer or 'none'" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_dirs["untied"]), "--rounds", "0"])
+    assert bad.exit_code != 0 and "--rounds" in bad.output

@@ -700,12 +700,14 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--disable-by-batch-size", "disable_by", default=None, metavar="N|none",
               help="No drafts while more than N requests run (vLLM's setting; 'none': draft at any batch size). "
                    "Default: the engine's (8).")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Runs of every prompt (group) per method, alternating methods; the fastest counts.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
-         num_speculative_tokens: int, text_path: str | None, disable_by: str | None, threads: int | None,
-         json_path: str | None) -> None:
+         num_speculative_tokens: int, text_path: str | None, disable_by: str | None, rounds: int,
+         threads: int | None, json_path: str | None) -> None:
     """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
     from rich.table import Table
 
@@ -729,7 +731,7 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
     names = [m.strip() for m in methods.split(",") if m.strip()]
     runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
                           [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
-                          progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides)
+                          progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides, rounds=rounds)
     table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
                         f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
     for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):
