@@ -108,38 +108,28 @@ struct Q8 {
   int64_t blocks_per_group;  // 32-column steps per weight group (ngroups == 1: all of them)
 };
 
-// Weight row n against MT activation rows. xq: [MT, nblocks * 32] int8 (row stride ldx); xs: [MT, nblocks].
-// With one or two activation rows the 32-column steps alternate between two accumulator sets (two FMA chains).
-template <int MT>
-void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float* xs, const float* bias, float* out,
-              int64_t ldo) {
+// Weight row n's 32-column steps, group by group: step(j, mm, a) for step j with its 32 mask bits mm, adding into
+// the accumulator set a; with one or two activation rows the full steps alternate between two sets (two FMA chains
+// in flight). At each group's end its scale is applied; then out[m * ldo + n] = the row's sum (+ bias). Only a
+// row's last step can be partial (K % 32 != 0), and it is kept out of the loops: with its byte loop inside them GCC
+// spilled the row's pointers to the stack (1.5-2x slower).
+template <int MT, typename Step>
+inline __attribute__((always_inline)) void row_steps(const Q8& p, int64_t n, Step&& step, const float* bias,
+                                                     float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NA][MT], tot[MT];
   for (int m = 0; m < MT; ++m) {
     tot[m] = _mm256_setzero_ps();
     for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
   }
   const uint8_t* mrow = p.mask + n * p.nmask;
-  const uint8_t* v = p.values + p.row_ptr[n];
   const float* ws = p.scales + n * p.ngroups;
-  auto step = [&](int64_t j, uint32_t mm, __m256* a) __attribute__((always_inline)) {  // mm: 32 mask bits
-    const __m256i w = expand(v, mm);
-    const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, which maddubs reads as unsigned 128
-    for (int m = 0; m < MT; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + j * kBlock));
-      const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);  // [8] int32
-      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(xs + m * p.nblocks + j), a[m]);
-    }
-  };
   auto word = [&](int64_t j) __attribute__((always_inline)) {
     uint32_t mm;
     std::memcpy(&mm, mrow + 4 * j, 4);
     return mm;
   };
-  // steps whose 4 mask bytes all exist; only a row's last step can be partial (K % 32 != 0), and it is kept out
-  // of the loops: with its byte loop inside them GCC spilled the row's pointers to the stack (1.5-2x slower)
-  const int64_t nfull = p.nmask / 4;
+  const int64_t nfull = p.nmask / 4;  // steps whose 4 mask bytes all exist
   for (int64_t j0 = 0, g = 0; j0 < p.nblocks; j0 += p.blocks_per_group, ++g) {  // weight groups
     const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group), jf = std::min(j1, nfull);
     int64_t j = j0;
@@ -165,6 +155,24 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
   for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]) + (bias ? bias[n] : 0.f);
 }
 
+// Weight row n against MT activation rows. xq: [MT, nblocks * 32] int8 (row stride ldx); xs: [MT, nblocks].
+template <int MT>
+void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float* xs, const float* bias, float* out,
+              int64_t ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* v = p.values + p.row_ptr[n];
+  auto step = [&](int64_t j, uint32_t mm, __m256* a) __attribute__((always_inline)) {  // mm: 32 mask bits
+    const __m256i w = expand(v, mm);
+    const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, which maddubs reads as unsigned 128
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + j * kBlock));
+      const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);  // [8] int32
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(xs + m * p.nblocks + j), a[m]);
+    }
+  };
+  row_steps<MT>(p, n, step, bias, out, ldo);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI2__) && \
     defined(__AVX512VNNI__)
 #define BRISK_SPARSE_Q8_512 1
@@ -185,16 +193,8 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
 template <int MT>
 void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const int32_t* xc, const float* xl,
                   int64_t ldl, const float* bias, float* out, int64_t ldo) {
-  constexpr int NA = MT <= 2 ? 2 : 1;
-  __m256 acc[NA][MT], tot[MT];
-  for (int m = 0; m < MT; ++m) {
-    tot[m] = _mm256_setzero_ps();
-    for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
-  }
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const uint8_t* mrow = p.mask + n * p.nmask;
   const uint8_t* v = p.values + p.row_ptr[n];
-  const float* ws = p.scales + n * p.ngroups;
   // mm: the step's 32 mask bits
   auto step = [&](int64_t j, uint32_t mm, __m256* a) __attribute__((always_inline)) {
     // The flip goes first and the expand merges into the flipped zero (0x80), which also avoids the zero-masking
@@ -212,37 +212,7 @@ void row_tile_512(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const i
       a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xl + m * ldl + 8 * j), a[m]);
     }
   };
-  auto word = [&](int64_t j) __attribute__((always_inline)) {
-    uint32_t mm;
-    std::memcpy(&mm, mrow + 4 * j, 4);
-    return mm;
-  };
-  // steps whose 4 mask bytes all exist; only a row's last step can be partial (K % 32 != 0), and it is kept out
-  // of the loops: with its byte loop inside them GCC spilled the row's pointers to the stack (1.5-2x slower)
-  const int64_t nfull = p.nmask / 4;
-  for (int64_t j0 = 0, g = 0; j0 < p.nblocks; j0 += p.blocks_per_group, ++g) {  // weight groups
-    const int64_t j1 = std::min(p.nblocks, j0 + p.blocks_per_group), jf = std::min(j1, nfull);
-    int64_t j = j0;
-    if constexpr (NA == 2)
-      for (; j + 2 <= jf; j += 2) {
-        step(j, word(j), acc[0]);
-        step(j + 1, word(j + 1), acc[1]);
-      }
-    for (; j < jf; ++j) step(j, word(j), acc[0]);
-    if (j < j1) {  // the partial last step: its missing mask bytes are zero
-      uint32_t mm = 0;
-      for (int64_t b = 4 * j; b < p.nmask; ++b) mm |= static_cast<uint32_t>(mrow[b]) << (8 * (b - 4 * j));
-      step(j, mm, acc[0]);
-    }
-    const __m256 s = _mm256_broadcast_ss(ws + g);  // end of the group: apply its scale
-    for (int m = 0; m < MT; ++m) {
-      __m256 t = acc[0][m];
-      if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][m]);
-      tot[m] = _mm256_fmadd_ps(t, s, tot[m]);
-      for (int b = 0; b < NA; ++b) acc[b][m] = _mm256_setzero_ps();
-    }
-  }
-  for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]) + (bias ? bias[n] : 0.f);
+  row_steps<MT>(p, n, step, bias, out, ldo);
 }
 
 template <int MT>
