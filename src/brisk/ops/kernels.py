@@ -8,7 +8,8 @@ when its source changes. One file per extension, so a kernel that fails to build
 
 Two instruction-set tiers (`kernel_isa()`): "avx2" (AVX2 + FMA + F16C), and on CPUs with AVX-512 F/BW/VL/DQ, VNNI
 and BF16 (AMD Zen 4/5, Intel Sapphire Rapids) "avx512": the same sources with those flags, where linear_small uses
-vdpbf16ps for bfloat16 and quant_q8 vpdpbusd for its int8 dot products. The tier is part of the build's name.
+vdpbf16ps for bfloat16, quant_q8 vpdpbusd for its int8 dot products, the sparse kernels vexpandps and (with VBMI2,
+where the CPU has it) vpexpandb, and the GEMV loops prefetch further ahead. The tier is part of the build's name.
 
 Every kernel has a pure-PyTorch reference path next to it, taken when
 - its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
@@ -57,11 +58,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 # what the avx512 tier compiles for: 512-bit float (F), byte/word (BW) and 256-bit EVEX (VL) forms, int8 dot
-# products (VNNI: vpdpbusd), bfloat16 dot products (BF16: vdpbf16ps) and byte expansion (VBMI2: vpexpandb, the
-# sparse int8 kernel), as on AMD Zen 4/5 and Intel Sapphire Rapids
+# products (VNNI: vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps), as on AMD Zen 4/5 and Intel Sapphire
+# Rapids; and where the CPU has it, byte expansion (VBMI2: vpexpandb, the sparse int8 kernel's AVX-512 path;
+# without it, as on Cooper Lake, that kernel keeps its AVX2 loop and the build is tagged avx512nv)
 _AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16",
-                 "avx512_vbmi2": "-mavx512vbmi2"}
+                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
+_AVX512_OPTIONAL = {"avx512_vbmi2": "-mavx512vbmi2"}
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 
@@ -79,13 +81,16 @@ def _isa_flags() -> tuple[str, list[str]]:
         raise ValueError(f"BRISK_KERNEL_ISA={wanted!r}: use avx2 or avx512 (or leave it unset for the best this "
                          "CPU has)")
     if wanted != "avx2" and capability == "AVX512" and set(_AVX512_FLAGS) <= cpu_flags():
-        return "avx512", _AVX2_FLAGS + list(_AVX512_FLAGS.values())
+        if set(_AVX512_OPTIONAL) <= cpu_flags():
+            return "avx512", _AVX2_FLAGS + list(_AVX512_FLAGS.values()) + list(_AVX512_OPTIONAL.values())
+        return "avx512nv", _AVX2_FLAGS + list(_AVX512_FLAGS.values())
     return "avx2", list(_AVX2_FLAGS)
 
 
 def kernel_isa() -> str:
     """The instruction-set tier brisk's kernels are built for on this machine: avx512, avx2 or generic."""
-    return _isa_flags()[0]
+    tag = _isa_flags()[0]
+    return "avx512" if tag.startswith("avx512") else tag
 
 
 def build_directory(name: str, source: Path | None = None) -> Path:
