@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 // POPCNT for the mask bookkeeping (every AVX2 CPU has it; the build flags only name AVX2/FMA/F16C)
 #pragma GCC push_options
@@ -336,24 +337,27 @@ at::Tensor sparse_q8_linear(const at::Tensor& x, const at::Tensor& mask, const a
   p.nblocks = (K + kBlock - 1) / kBlock;
   p.ngroups = ngroups;
   p.blocks_per_group = ngroups == 1 ? p.nblocks : group_size / kBlock;
-  // xq: [M, nblocks * 32] int8, xs: [M, nblocks] float32, computed once and shared by all N rows
-  auto xq = at::empty({M, p.nblocks * kBlock}, x.options().dtype(at::kChar));
-  auto xs = at::empty({M, p.nblocks}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, p.nblocks, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
-  const int8_t* q = xq.data_ptr<int8_t>();
-  const float* s = xs.data_ptr<float>();
+  // xq: [M, nblocks * 32] int8, xs: [M, nblocks] float32 (and the AVX-512 path's xc, xl: [M, nblocks * 8] int32 /
+  // float32), computed once and shared by all N rows, in a per-thread scratch buffer that only grows: at decode the
+  // op runs ~120 times a step, and four tensor allocations a call were a measurable share of its ~10-50 us
+  const int64_t ldx = p.nblocks * kBlock, ldl = p.nblocks * 8;
+  auto round64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t q_bytes = round64(M * ldx), s_bytes = round64(M * p.nblocks * 4), l_bytes = round64(M * ldl * 4);
+  thread_local std::vector<uint8_t> scratch;
+  const int64_t need = q_bytes + s_bytes + 2 * l_bytes + 64;
+  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* s = reinterpret_cast<float*>(base + q_bytes);
+  quantize_rows(x.data_ptr<float>(), M, K, p.nblocks, q, s);
   float* o = out.data_ptr<float>();
-  const int64_t ldx = p.nblocks * kBlock;
   // grain: rows per task such that a task streams >= ~32 KiB (estimated from the average row)
   const int64_t total = p.row_ptr[N] - p.row_ptr[0] + N * p.nmask;
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, total / N));
 #ifdef BRISK_SPARSE_Q8_512
-  const int64_t ldl = p.nblocks * 8;  // 4-column lanes per row
-  auto xc = at::empty({M, ldl}, x.options().dtype(at::kInt));
-  auto xl = at::empty({M, ldl}, x.options());
-  lane_terms(q, s, M, p.nblocks, xc.data_ptr<int32_t>(), xl.data_ptr<float>());
-  const int32_t* c = xc.data_ptr<int32_t>();
-  const float* l = xl.data_ptr<float>();
+  int32_t* c = reinterpret_cast<int32_t*>(base + q_bytes + s_bytes);  // ldl 4-column lanes per row
+  float* l = reinterpret_cast<float*>(base + q_bytes + s_bytes + l_bytes);
+  lane_terms(q, s, M, p.nblocks, c, l);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kMaxRows)
       run_tile_512(p, n0, n1, q + m * ldx, ldx, c + m * ldl, l + m * ldl, ldl, std::min<int64_t>(kMaxRows, M - m), b,
