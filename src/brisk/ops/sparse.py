@@ -45,7 +45,8 @@ MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator
 # (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50%
 # (/work/notes/sparseq_results.md). On the AVX-512 build (session 11, Zen 5: vexpandps / vpexpandb + vpdpbusd):
 # float32 1.01x / 1.10x / 1.20x / 1.36x / 1.55x at 10-50% (so 30% still holds), int8-dot 0.91-1.11x of the dense
-# int8 kernel at 10-50% and 0.94-1.06x of dense int8 over a whole decode step; 4-bit codes 0.3x.
+# int8 kernel at 10-50% and, over a whole decode step at 50%, 1.14-1.20x dense int8 with float activations and
+# 1.00-1.12x dense int8 with int8 activations; 4-bit codes 0.3x. int8-dot rounds x, so it stays opt-in.
 MIN_SPARSITY: dict[int, float | None] = {32: 0.3, 8: None, 4: None}
 
 
