@@ -33,7 +33,7 @@ from brisk.ops.kernels import get_op
 from brisk.ops.linear import dense_gemm
 
 COLS = 8  # columns per mask byte
-MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator each); beyond, densify + MKL
+MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator each); beyond, densify + GEMM
 # Sparsity from which a layer is converted at load, per value kind (32 = float32 values; 8 = int8 values; 4 = 2- to
 # 4-bit codes); None = never automatically. Measured with `brisk bench sparse --kernels` (M = 1, the default
 # model's shapes, weights far beyond the caches) against linear_small_m and quant_linear_small; the figures and

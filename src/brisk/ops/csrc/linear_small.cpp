@@ -15,21 +15,16 @@ namespace {
 
 using brisk_simd::hsum;
 using brisk_simd::load8;
+using brisk_simd::with_rows;
 
-// Software prefetch of the weight row stream: distance (bytes ahead) and cache level. On the AVX2 VM (sessions 1-9)
-// 2-4 KiB into L1 measured 5-15% faster than none at M = 2..8. The avx512 build is for the newer machine (Zen 5,
-// about twice the bandwidth, so more bytes in flight), where 8-16 KiB into L2 measured best: float32 M = 8, the
-// default model's decoder shapes, 2 threads: none 19.5 ms, 4 KiB L1 10.4, 8 KiB L2 9.2-9.4, 16 KiB L2 9.1-9.5;
-// M = 1 (no prefetch before) 6.65 -> 6.3 with 16 KiB (standalone copies of these loops, one process).
-#ifdef __AVX512F__
-constexpr int kPrefetchBytes = 8192;
-constexpr int kGemvPrefetchBytes = 16384;  // M = 1
-constexpr auto kPrefetchHint = _MM_HINT_T1;
-#else
-constexpr int kPrefetchBytes = 4096;
-constexpr int kGemvPrefetchBytes = 0;  // M = 1: none (the hardware prefetcher follows one stream well)
-constexpr auto kPrefetchHint = _MM_HINT_T0;
-#endif
+// Software prefetch of the weight row stream (simd.h). On the AVX2 VM (sessions 1-9) 2-4 KiB into L1 measured
+// 5-15% faster than none at M = 2..8, and none was best at M = 1 (the hardware prefetcher follows one stream
+// well). On the avx512 build's machine, 8-16 KiB into L2: float32 M = 8, the default model's decoder shapes,
+// 2 threads: none 19.5 ms, 4 KiB L1 10.4, 8 KiB L2 9.2-9.4, 16 KiB L2 9.1-9.5; M = 1 6.65 -> 6.3 with 16 KiB
+// (standalone copies of these loops, one process).
+constexpr int64_t kPrefetchBytes = brisk_simd::stream_distance(4096, 8192);
+constexpr int64_t kGemvPrefetchBytes = brisk_simd::stream_distance(0, 16384);  // M = 1
+constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
@@ -113,20 +108,6 @@ void gemm_rows_seq(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1
       for (int64_t kk = k; kk < K; ++kk) s += to_f(wr[kk]) * x[m * K + kk];
       out[m * ldo + n] = s;
     }
-  }
-}
-
-// f(std::integral_constant<int, M>{}) for M = 2..8 (larger M as 8): one switch for every row-count template
-template <typename F>
-void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -272,8 +253,7 @@ void run_bf16_512(const at::BFloat16* w, const at::BFloat16* x, float* out, int6
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 2));
   auto rows = [&](auto mt, int64_t n0, int64_t n1) { rows_bf16_512<decltype(mt)::value>(w, K, x, n0, n1, out, N); };
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) rows(std::integral_constant<int, 1>{}, n0, n1);
-    else with_rows(M, [&](auto mt) { rows(mt, n0, n1); });
+    with_rows(M, [&](auto mt) { rows(mt, n0, n1); });
   });
 }
 #endif  // AVX-512 F + BW + BF16

@@ -54,17 +54,11 @@ using brisk_simd::hsum;
 using brisk_simd::load8;
 
 constexpr int64_t kBlock = 32;
-// software prefetch distance in the packed codes: at M = 1 the hardware prefetcher alone leaves int8 at ~12 GB/s
-// on a ~15 GB/s box; a prefetch ~1 KiB ahead (a few rows) brings it to ~15 (int4: 10.5 -> 11.8 GB/s)
-// software prefetch of the code stream: 1 KiB into L1 on the AVX2 VM; on the machine of the avx512 build (Zen 5,
-// ~2x the bandwidth) 8 KiB into L2 measured 8-14% faster for int8 codes at M = 1 (int4: within noise)
-#ifdef __AVX512F__
-constexpr int64_t kPrefetchBytes = 8192;
-constexpr auto kPrefetchHint = _MM_HINT_T1;
-#else
-constexpr int64_t kPrefetchBytes = 1024;
-constexpr auto kPrefetchHint = _MM_HINT_T0;
-#endif
+// software prefetch of the code stream (simd.h): on the AVX2 VM the hardware prefetcher alone left int8 at ~12 GB/s
+// of ~15 at M = 1, and 1 KiB ahead into L1 brought it to ~15 (int4: 10.5 -> 11.8 GB/s); on the avx512 build's
+// machine 8 KiB into L2 measured 8-14% faster for int8 codes than 1 KiB into L1 (int4: within noise)
+constexpr int64_t kPrefetchBytes = brisk_simd::stream_distance(1024, 8192);
+constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 
 struct QW {
   const uint8_t* data;   // [N, row_bytes]

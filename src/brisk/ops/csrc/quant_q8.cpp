@@ -59,14 +59,9 @@ constexpr int kMaxTileRows = 4;  // activation rows per tile (a chunk of weight 
 // software prefetch distance in the codes: 4 KiB measured ~5% faster than quant_linear.cpp's 1 KiB on the default
 // model's int4 decode step (same-process A/B, 1 and 2 threads; 2 and 8 KiB in between). On the avx512 build's
 // machine (Zen 5, ~2x the bandwidth) 8 KiB into L2: batch-1 decode of the whole model, int4 g64 283 -> 297 tok/s,
-// int8 235 -> 242 (means of six alternated processes each; 16 KiB no better)
-#ifdef __AVX512F__
-constexpr int64_t kPrefetchBytes = 8192;
-constexpr auto kPrefetchHint = _MM_HINT_T1;
-#else
-constexpr int64_t kPrefetchBytes = 4096;
-constexpr auto kPrefetchHint = _MM_HINT_T0;
-#endif
+// int8 235 -> 242 (means of six alternated processes each; 16 KiB no better). See simd.h.
+constexpr int64_t kPrefetchBytes = brisk_simd::stream_distance(4096, 8192);
+constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 // groups of at most this many blocks fold their scale into each block's (see tile): measured 1.1-1.4x faster for
 // 32- and 64-column groups on the default model's shapes, M = 1..8 (1 thread, in cache and out)
 constexpr int64_t kFoldMaxBlocks = 2;

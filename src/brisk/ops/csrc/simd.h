@@ -7,7 +7,37 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace brisk_simd {
+
+// f(std::integral_constant<int, M>{}) for M = 1..8 (larger M as 8): one switch for every row-count template
+template <typename F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Software prefetch of a weight stream: the cache level, and stream_distance(avx2, avx512) picks each kernel's
+// distance in bytes for its build. The avx512 build is for the newer machine (Zen 5, about twice the bandwidth of
+// the AVX2 VM, so more bytes in flight), where prefetching further ahead into L2 measured best in every GEMV;
+// on the AVX2 VM, L1 at a shorter distance did.
+#ifdef __AVX512F__
+constexpr auto kStreamHint = _MM_HINT_T1;
+constexpr int64_t stream_distance(int64_t /*avx2*/, int64_t avx512) { return avx512; }
+#else
+constexpr auto kStreamHint = _MM_HINT_T0;
+constexpr int64_t stream_distance(int64_t avx2, int64_t /*avx512*/) { return avx2; }
+#endif
 
 // sum of the 8 lanes
 inline float hsum(__m256 v) {

@@ -53,6 +53,7 @@
 namespace {
 
 using brisk_simd::hsum;
+using brisk_simd::with_rows;
 
 constexpr int64_t kCols = 8;           // columns per mask byte
 constexpr int kMaxRows = 8;            // activation rows per pass (one accumulator each)
@@ -105,6 +106,19 @@ inline __m256i load_codes4(const uint8_t* v, int64_t pos) {
   return _mm256_cvtepu8_epi32(e);
 }
 
+#ifdef __AVX512VL__
+// float32 values on AVX-512: vexpandps puts the next popcount(mb) values at v into the lanes whose bit is set and
+// zeros elsewhere, the AVX2 path's permute and AND in one instruction. Written as a merge into a fresh zero
+// register: the zero-masking form waits for the previous value of its destination register on Zen 5, which chains
+// every expand of a row one after another (2x slower). The asm keeps the register form: GCC would fold the load
+// into the memory form, which measured slower. 256-bit: the 512-bit form was no faster on the Zen 5 VM.
+inline __m256 expand_f32(const float* v, uint32_t mb) {
+  __m256 raw = _mm256_loadu_ps(v), zero = _mm256_setzero_ps();
+  asm("" : "+v"(raw), "+v"(zero));
+  return _mm256_mask_expand_ps(zero, static_cast<__mmask8>(mb), raw);
+}
+#endif
+
 // Weights of one mask byte, zeros where the mask is clear; `pos` advances past the consumed entries.
 // s, mn: the block's group scale and min (codes only).
 template <int KIND>
@@ -120,15 +134,9 @@ inline __m256 expand(const uint8_t* v, int64_t& pos, uint32_t mb, __m256 s, __m2
     __m256 w;
     if constexpr (KIND == 32) {
 #ifdef __AVX512VL__
-      // AVX-512: vexpandps puts the next popcount(mb) values into the lanes whose bit is set and zeros elsewhere,
-      // the permute and AND in one instruction. Written as a merge into a fresh zero register: the zero-masking
-      // form waits for the previous value of its destination register on Zen 5, which chains every expand of the
-      // row one after another (2x slower). The register form, because the memory form (GCC folds the load into
-      // it) measured slower. 256-bit: the 512-bit form was no faster on the Zen 5 VM.
-      __m256 raw = _mm256_loadu_ps(reinterpret_cast<const float*>(v) + pos), zero = _mm256_setzero_ps();
-      asm("" : "+v"(raw), "+v"(zero));
+      const __m256 e = expand_f32(reinterpret_cast<const float*>(v) + pos, mb);
       pos += kTables.count[mb];
-      return _mm256_mask_expand_ps(zero, static_cast<__mmask8>(mb), raw);
+      return e;
 #else
       w = _mm256_permutevar8x32_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(v) + pos), perm);
 #endif
@@ -220,10 +228,8 @@ __attribute__((target("popcnt"))) void row_tile_f32_x(const SW& p, int64_t n, co
   const uint8_t* mrow = p.mask + n * p.nblocks;
   const float* v = reinterpret_cast<const float*>(p.values) + p.row_ptr[n];
   auto block = [&](uint32_t mb, const float* xb, __m256* a) __attribute__((always_inline)) {
-    __m256 raw = _mm256_loadu_ps(v), zero = _mm256_setzero_ps();
-    asm("" : "+v"(raw), "+v"(zero));  // register form, merged into a fresh zero (see expand)
+    const __m256 w = expand_f32(v, mb);
     v += _mm_popcnt_u32(mb);
-    const __m256 w = _mm256_mask_expand_ps(zero, static_cast<__mmask8>(mb), raw);
     for (int m = 0; m < MT; ++m) a[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + m * K), a[m]);
   };
   int64_t b = 0;
@@ -256,21 +262,6 @@ void rows(const SW& p, int64_t n0, int64_t n1, const float* x, int64_t K, const 
 }
 
 template <int KIND>
-void run_tile(const SW& p, int64_t n0, int64_t n1, const float* x, int64_t mt, int64_t K, const float* bias,
-              float* out, int64_t ldo) {
-  switch (mt) {
-    case 1: rows<KIND, 1>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 2: rows<KIND, 2>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 3: rows<KIND, 3>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 4: rows<KIND, 4>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 5: rows<KIND, 5>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 6: rows<KIND, 6>(p, n0, n1, x, K, bias, out, ldo); break;
-    case 7: rows<KIND, 7>(p, n0, n1, x, K, bias, out, ldo); break;
-    default: rows<KIND, 8>(p, n0, n1, x, K, bias, out, ldo); break;
-  }
-}
-
-template <int KIND>
 void run(const SW& p, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out) {
   // grain: rows per task such that a task streams >= ~32 KiB (estimated from the average row)
   const int64_t total = stream_bytes<KIND>(p.row_ptr[N] - p.row_ptr[0]) + N * p.nblocks;
@@ -280,7 +271,9 @@ void run(const SW& p, const float* x, int64_t M, int64_t N, int64_t K, const flo
     // more than kMaxRows activation rows: the weights are decoded again per pass (the Python side sends such
     // calls to the densify + GEMM path; this keeps the op correct for any M)
     for (int64_t m = 0; m < M; m += kMaxRows)
-      run_tile<KIND>(p, n0, n1, x + m * K, std::min<int64_t>(kMaxRows, M - m), K, bias, out + m * N, N);
+      with_rows(std::min<int64_t>(kMaxRows, M - m), [&](auto mt) {
+        rows<KIND, decltype(mt)::value>(p, n0, n1, x + m * K, K, bias, out + m * N, N);
+      });
   });
 }
 

@@ -49,6 +49,7 @@ namespace {
 
 using brisk_simd::hsum;
 using brisk_simd::load_block;
+using brisk_simd::with_rows;
 
 constexpr int64_t kCols = 8;    // columns per mask byte
 constexpr int64_t kBlock = 32;  // columns per activation scale and per inner step (4 mask bytes)
@@ -174,6 +175,13 @@ void row_tile(const Q8& p, int64_t n, const int8_t* xq, int64_t ldx, const float
   row_steps<MT>(p, n, step, bias, out, ldo);
 }
 
+// weight rows n0 .. n1 - 1 (each row count MT its own function: GCC allocates the row loop's registers per MT)
+template <int MT>
+void rows(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const float* xs, const float* bias,
+          float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) row_tile<MT>(p, n, xq, ldx, xs, bias, out, ldo);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI2__) && \
     defined(__AVX512VNNI__)
 #define BRISK_SPARSE_Q8_512 1
@@ -222,20 +230,6 @@ void rows_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx
   for (int64_t n = n0; n < n1; ++n) row_tile_512<MT>(p, n, xq, ldx, xc, xl, ldl, bias, out, ldo);
 }
 
-void run_tile_512(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const int32_t* xc,
-                  const float* xl, int64_t ldl, int64_t mt, const float* bias, float* out, int64_t ldo) {
-  switch (mt) {
-    case 1: rows_512<1>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 2: rows_512<2>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 3: rows_512<3>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 4: rows_512<4>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 5: rows_512<5>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 6: rows_512<6>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    case 7: rows_512<7>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-    default: rows_512<8>(p, n0, n1, xq, ldx, xc, xl, ldl, bias, out, ldo); break;
-  }
-}
-
 // Per 4-column lane of the quantized x: xc = -128 * (sum of its 4 int8 values), xl = its block's scale.
 void lane_terms(const int8_t* xq, const float* xs, int64_t M, int64_t nblocks, int32_t* xc, float* xl) {
   const int64_t lanes = nblocks * 8;
@@ -247,26 +241,6 @@ void lane_terms(const int8_t* xq, const float* xs, int64_t M, int64_t nblocks, i
     }
 }
 #endif
-
-template <int MT>
-void rows(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const float* xs, const float* bias,
-          float* out, int64_t ldo) {
-  for (int64_t n = n0; n < n1; ++n) row_tile<MT>(p, n, xq, ldx, xs, bias, out, ldo);
-}
-
-void run_tile(const Q8& p, int64_t n0, int64_t n1, const int8_t* xq, int64_t ldx, const float* xs, int64_t mt,
-              const float* bias, float* out, int64_t ldo) {
-  switch (mt) {
-    case 1: rows<1>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 2: rows<2>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 3: rows<3>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 4: rows<4>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 5: rows<5>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 6: rows<6>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    case 7: rows<7>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-    default: rows<8>(p, n0, n1, xq, ldx, xs, bias, out, ldo); break;
-  }
-}
 
 // x [M, K] float32 -> xq [M, nblocks * 32] int8 (zeros past K), xs [M, nblocks]: per 32 columns
 // xs = amax / 127, xq = round_half_even(x * (127 / amax)) (0 where amax == 0).
@@ -358,17 +332,17 @@ at::Tensor sparse_q8_linear(const at::Tensor& x, const at::Tensor& mask, const a
   int32_t* c = reinterpret_cast<int32_t*>(base + q_bytes + s_bytes);  // ldl 4-column lanes per row
   float* l = reinterpret_cast<float*>(base + q_bytes + s_bytes + l_bytes);
   lane_terms(q, s, M, p.nblocks, c, l);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kMaxRows)
-      run_tile_512(p, n0, n1, q + m * ldx, ldx, c + m * ldl, l + m * ldl, ldl, std::min<int64_t>(kMaxRows, M - m), b,
-                   o + m * N, N);
-  });
-#else
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kMaxRows)
-      run_tile(p, n0, n1, q + m * ldx, ldx, s + m * p.nblocks, std::min<int64_t>(kMaxRows, M - m), b, o + m * N, N);
-  });
 #endif
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kMaxRows)
+      with_rows(std::min<int64_t>(kMaxRows, M - m), [&](auto mt) {
+#ifdef BRISK_SPARSE_Q8_512
+        rows_512<decltype(mt)::value>(p, n0, n1, q + m * ldx, ldx, c + m * ldl, l + m * ldl, ldl, b, o + m * N, N);
+#else
+        rows<decltype(mt)::value>(p, n0, n1, q + m * ldx, ldx, s + m * p.nblocks, b, o + m * N, N);
+#endif
+      });
+  });
   return out;
 }
 
