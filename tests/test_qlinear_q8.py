@@ -48,14 +48,17 @@ SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (37, 64), (5, 96), (
 
 # (N, K, bits, group) with the group dividing K (a 96-wide layer has no 64-element groups)
 CASES = [(n, k, bits, group) for n, k in SHAPES
-         for bits, group in [(8, -1), (8, 32), (8, 64), (4, -1), (4, 32), (4, 64), (4, 96)]
+         for bits, group in [(8, -1), (8, 32), (8, 64), (4, -1), (4, 32), (4, 64), (4, 96), (4, 128), (4, 192)]
          if group == -1 or k % group == 0]
 # 4-bit codes run two blocks at a time where K / 32 is even and a group is one block or an even number (576 per
-# channel, 32, 64); (5, 96) (3 blocks) and group 96 (3 blocks a group) take the one-block path
+# channel, 32, 64, 128, 192); (5, 96) (3 blocks) and group 96 (3 blocks a group) take the one-block path. On the
+# avx512 build two pairs run per 512-bit step: K = 576 (9 pairs) and 192 (3) leave a last pair alone, 64 has no
+# full step; groups of 3 pairs (192, and 576 per channel) straddle steps; batch 1 runs 4 weight rows at a time (N
+# = 37, 5, 101 leave remainders), up to 8 activation rows share a tile (m = 9, 13: a full tile and a remainder).
 
 
 @pytest.mark.parametrize("n,k,bits,group", CASES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 13])
 def test_kernel_equals_reference(ops, n, k, bits, group, m):
     pw = random_packed(n, k, bits, group, sym=bits == 8 and m % 2 == 0, seed=n + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
