@@ -224,8 +224,10 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches
     with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 52 parameter slots"):
-        plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv, plan.params[:-1], plan.spec, plan.eps,
-                           plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
+        torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.eps)
+    with pytest.raises(RuntimeError, match="the weights are for 2 layers, the step passes 1 KV caches"):
+        plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, plan.scale, 0, plan.h,
+                           plan.kvh, plan.d, None, 16)
     with pytest.raises(RuntimeError, match=r"x must be \[T <= 8, hidden\]"):
-        plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.params,
-                           plan.spec, plan.eps, plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
+        plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.weights,
+                           plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)

@@ -162,6 +162,10 @@ class DecodePlan:
         self.prefill_attention = ops.paged_prefill_attention.default
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for batches of up to MAX_SMALL_M rows
         self.decode_layers = getattr(ops, "decode_layers", None)
+        if self.decode_layers is not None:
+            # the overload's C++ entry point: torch's Python wrapper of an op with a torchbind argument (the
+            # DecodeWeights below) walks every argument looking for fake script objects, ~15 us a step
+            self.decode_layers = getattr(self.decode_layers.default, "_op", self.decode_layers.default)
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
         for layer in layers:
@@ -170,6 +174,9 @@ class DecodePlan:
                 self.params += slots
                 self.spec += [kind, bits, group]
         self.eps = [layer.eps for layer in layers]
+        # the C++ loop's copy of params / spec / eps, converted once (not at every step)
+        self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
+            self.params, self.spec, self.eps)
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> DecodePlan | None:
@@ -214,8 +221,8 @@ class DecodePlan:
         # paged_attention makes the same choice of kernel)
         qsl = None if meta.num_decodes == tables.shape[0] == t else meta.query_start_loc
         if self.decode_layers is not None and t <= MAX_SMALL_M and not _cpp_loop_disabled():
-            return self.decode_layers(x, cos, sin, slots, tables, lens, kv_caches, self.params, self.spec, self.eps,
-                                      self.scale, window, h, kvh, d, qsl, PREFILL_Q_TILE)
+            return self.decode_layers(x, cos, sin, slots, tables, lens, kv_caches, self.weights, self.scale, window, h,
+                                      kvh, d, qsl, PREFILL_Q_TILE)
         residual = x
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
