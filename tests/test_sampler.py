@@ -277,6 +277,28 @@ def test_greedy_is_argmax_and_input_logits_are_untouched():
     assert torch.equal(logits32, copy32) and torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 100, 1000, 49152])
+def test_greedy_kernel_equals_torch_argmax_with_ties_infinities_and_nans(monkeypatch, vocab):
+    """greedy_sample's C++ argmax (ops/csrc/fused_ops.cpp argmax_rows) against torch.argmax, and the pure-PyTorch
+    path (BRISK_DISABLE_KERNELS) against both: lowest index among ties, -inf rows, +inf, first NaN."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g), torch.full((vocab,), -math.inf), torch.zeros(vocab),
+            torch.randint(0, 3, (vocab,), generator=g).float()]  # many ties
+    tail = torch.randn(vocab, generator=g)
+    tail[-1] = 100.0  # the maximum in the scalar tail
+    inf = torch.randn(vocab, generator=g)
+    inf[vocab // 2] = math.inf
+    nan = torch.randn(vocab, generator=g)
+    nan[vocab // 3] = math.nan
+    nan[-1] = math.nan
+    logits = torch.stack(rows + [tail, inf, nan])
+    expected = logits.argmax(-1)
+    assert torch.equal(greedy_sample(logits), expected)
+    assert torch.equal(greedy_sample(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].argmax(-1))
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    assert torch.equal(greedy_sample(logits), expected)
+
+
 def test_top_k_1_equals_greedy_and_mixed_batch_greedy_rows_take_penalized_argmax():
     logits = torch.randn(32, 200, generator=torch.Generator().manual_seed(2))
     out = Sampler()(logits, meta_for([SamplingParams(temperature=1.5, top_k=1)] * 32, 200))

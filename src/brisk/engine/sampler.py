@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from brisk.engine.sampling_params import SAMPLING_EPS, SamplingParams
+from brisk.ops.kernels import get_op
 
 if TYPE_CHECKING:
     from brisk.engine.request import Request
@@ -323,7 +324,11 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B] argmax (the lowest id among ties)."""
+    """[B, V] -> [B] argmax (the lowest id among ties; a row with a NaN gives its first NaN, as torch.argmax)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        op = get_op("argmax_rows")  # vectorized; ATen's CPU argmax is ~30 us on a 49k vocabulary
+        if op is not None:
+            return op(logits)
     return logits.argmax(dim=-1)
 
 

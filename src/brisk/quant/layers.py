@@ -71,6 +71,12 @@ class QuantEmbedding(nn.Module):
         scales = self.scales.index_select(0, flat)  # [T, groups]
         if self.spec.scheme == "nf4":
             out = primitives.dequantize_nf4(primitives.unpack(rows, 4, self.embedding_dim), scales, dtype=self.dtype)
+        elif self.spec.bits == 8 and self.qzeros is None:
+            # symmetric 8-bit (the default head/embedding): dequantize's float32 ops, (q - 128) * s, in two in-place
+            # ops instead of six (a decode step looks up one row: ~20 -> ~8 us)
+            t, g = rows.shape[0], scales.shape[1]
+            out = rows.float().view(t, g, -1).sub_(128).mul_(scales.unsqueeze(-1)).view(t, self.embedding_dim)
+            out = out.to(self.dtype)
         else:
             q = primitives.unpack(rows, self.spec.bits, self.embedding_dim)  # [T, H]
             zeros = (torch.full_like(scales, 2 ** (self.spec.bits - 1)) if self.qzeros is None

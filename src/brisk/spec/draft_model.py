@@ -31,7 +31,7 @@ import torch
 from brisk.engine.config import SELF_DRAFT_BITS, SpecConfig
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.request import Request
-from brisk.engine.sampler import SamplingMetadata, random_sample
+from brisk.engine.sampler import SamplingMetadata, greedy_sample, random_sample
 from brisk.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from brisk.engine.scheduler import ScheduledRequest, SchedulerOutput
 from brisk.kvcache.manager import KVCacheManager
@@ -179,7 +179,7 @@ class DraftModelProposer(Proposer):
                                             [r.prompt_token_ids for r in requests], gens, vocab_size=self.vocab_size,
                                             eos_token_ids=[r.eos_token_ids for r in requests], device=logits.device)
         penalized = processed_logits(logits, meta)  # [B, V]
-        tokens = penalized.argmax(dim=-1)
+        tokens = greedy_sample(penalized)
         if not meta.all_greedy:
             q = probs_from_processed(penalized, meta)  # [B, V]
             sampled = random_sample(q.clone(), meta.generators)

@@ -321,7 +321,78 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at
     run(qkv.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>());
 }
 
+namespace {
+
+// Index of the largest value of v[0, n), the lowest index among equal maxima, and of the first NaN if there is one
+// (torch.argmax's answers). Four sets of 8 lanes, each keeping its lane's first maximum (strictly greater
+// replaces), so ties resolve to the lowest index at the end.
+int64_t argmax_row(const float* v, int64_t n) {
+  constexpr int A = 4;
+  __m256 best[A];
+  __m256i at[A], idx[A];
+  for (int a = 0; a < A; ++a) {
+    best[a] = _mm256_set1_ps(-INFINITY);
+    at[a] = _mm256_setzero_si256();
+    idx[a] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * a));
+  }
+  const __m256i step = _mm256_set1_epi32(8 * A);
+  __m256 nan = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 * A <= n; j += 8 * A) {
+    for (int a = 0; a < A; ++a) {
+      const __m256 x = _mm256_loadu_ps(v + j + 8 * a);
+      const __m256 gt = _mm256_cmp_ps(x, best[a], _CMP_GT_OQ);
+      best[a] = _mm256_blendv_ps(best[a], x, gt);
+      at[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at[a]), _mm256_castsi256_ps(idx[a]), gt));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      idx[a] = _mm256_add_epi32(idx[a], step);
+    }
+  }
+  if (_mm256_movemask_ps(nan) != 0)
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(v[i])) return i;
+  float bv = -INFINITY;
+  int64_t bi = 0;
+  alignas(32) float vals[8];
+  alignas(32) int32_t ids[8];
+  for (int a = 0; a < A; ++a) {
+    _mm256_store_ps(vals, best[a]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ids), at[a]);
+    for (int l = 0; l < 8; ++l)
+      if (vals[l] > bv || (vals[l] == bv && ids[l] < bi)) {
+        bv = vals[l];
+        bi = ids[l];
+      }
+  }
+  for (; j < n; ++j) {  // the tail, after every vector lane (higher indices: only strictly greater wins)
+    if (std::isnan(v[j])) return j;
+    if (v[j] > bv) {
+      bv = v[j];
+      bi = j;
+    }
+  }
+  return bi;
+}
+
+}  // namespace
+
+// logits: [B, V] float32 -> [B] int64, torch.argmax(logits, -1) (greedy sampling: ~2 us for the default model's
+// 49,152 logits against ~30 us for ATen's argmax, whose reduction is not vectorized on this CPU).
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "argmax_rows: logits must be float32 [B, V > 0]");
+  TORCH_CHECK(logits.size(1) <= INT32_MAX, "argmax_rows: V must fit int32");
+  const auto x = logits.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) o[b] = argmax_row(p + b * V, V);
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()", &rope_cache);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
