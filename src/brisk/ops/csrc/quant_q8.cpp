@@ -362,11 +362,13 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
     const __m512i lo = _mm512_and_si512(d, low);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
     const __m512 sv = quad_scales(r);
+    const int8_t* xr = x.xq2 + r * (MT * 128);  // the tile layout (pair_x)
+    const float* sr = x.xs2 + r * (MT * 16);
     for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.xq2 + m * x.K + r * 128;
+      const int8_t* xm = xr + m * 128;
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm)),
                                               hi, _mm512_loadu_si512(xm + 64));
-      const __m512 xs = _mm512_mul_ps(_mm512_loadu_ps(x.xs2 + m * x.nblocks * 4 + r * 16), sv);
+      const __m512 xs = _mm512_mul_ps(_mm512_loadu_ps(sr + m * 16), sv);
       a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xs, a[m]);
     }
   };
@@ -383,7 +385,7 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
     if constexpr (NA == 2) t = _mm512_add_ps(t, acc[1][m]);
     tot[m] = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
   }
-  if (npairs % 2) {  // the last pair, 256 bits wide (pair layout)
+  if (npairs % 2) {  // the last pair, 256 bits wide (after the quads in the tile layout)
     const int64_t q = npairs - 1;
     const __m256i low8 = _mm256_set1_epi8(0x0F);
     const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 32));
@@ -392,11 +394,11 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
     const __m256 sv = bpg == 1 ? _mm256_set_m128(_mm_broadcast_ss(sp + 2 * q + 1), _mm_broadcast_ss(sp + 2 * q))
                                : _mm256_broadcast_ss(bpg == 2 ? sp + q : next_scale());
     for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.xq2 + m * x.K + q * 64;
+      const int8_t* xm = x.xq2 + nquads * (MT * 128) + m * 64;
       const __m256i dot = _mm256_dpbusd_epi32(
           _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
           hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32)));
-      const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x.xs2 + m * x.nblocks * 4 + q * 8), sv);
+      const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x.xs2 + nquads * (MT * 16) + m * 8), sv);
       tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs, tot[m]);
     }
   }
@@ -470,7 +472,7 @@ inline void tile4p_512_r4(const Q8W& p, int64_t n, const Q8X& x, const float* bi
   for (int i = 0; i < R; ++i)
     tot[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-  if (npairs % 2) {  // the last pair, 256 bits wide (pair layout)
+  if (npairs % 2) {  // the last pair, 256 bits wide (after the quads in the tile layout)
     const int64_t q = npairs - 1;
     const __m256i low8 = _mm256_set1_epi8(0x0F);
     const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq2 + q * 64));
@@ -604,25 +606,41 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
 // [A lo | B lo], [A hi | B hi], and the scales as [xs_A x 4 | xs_B x 4].
 void pair_x(const int8_t* xq, const float* xs, int64_t M, int64_t K, int8_t* xq2, float* xs2) {
   const int64_t nblocks = K / kBlock, npairs = nblocks / 2;
-  for (int64_t m = 0; m < M; ++m)
+#ifdef BRISK_Q8_ZMM
+  // tile layout (tile4p_512), per tile of activation rows as run_rows cuts them (T rows, the last one fewer): for
+  // each quad r (pairs 2r, 2r+1) the tile's rows one after another, each [lo 2r | lo 2r+1 | hi 2r | hi 2r+1] (128
+  // bytes) with xs2 [pair 2r | pair 2r+1] (16 floats); an odd last pair after the quads, per row [lo | hi] and 8
+  // floats. A tile's loads are then constant offsets from one pointer (8 rows' pointers spilled to the stack).
+  constexpr int64_t T = max_tile_rows<4>();
+  const int64_t nquads = npairs / 2;
+#endif
+  for (int64_t m = 0; m < M; ++m) {
+#ifdef BRISK_Q8_ZMM
+    const int64_t m0 = m / T * T, mt = std::min<int64_t>(T, M - m0), i = m - m0;
+    int8_t* base = xq2 + m0 * K;
+    float* sbase = xs2 + m0 * nblocks * 4;
+#endif
     for (int64_t q = 0; q < npairs; ++q) {
       const int8_t* src = xq + m * K + q * 64;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
 #ifdef BRISK_Q8_ZMM
-      // quad layout (tile4p_512): pairs 2r, 2r+1 as [lo 2r | lo 2r+1 | hi 2r | hi 2r+1]; an odd last pair as above
-      const int64_t in_quad = (q % 2 == 1 || q + 1 < npairs) ? q % 2 : -1;
-      int8_t* dst = xq2 + m * K + (in_quad < 0 ? q * 64 : (q - in_quad) * 64 + in_quad * 32);
-      const int64_t hi_off = in_quad < 0 ? 32 : 64;
+      const int64_t r = q / 2;
+      const bool in_quad = r < nquads;
+      int8_t* dst = in_quad ? base + (r * mt + i) * 128 + (q % 2) * 32 : base + nquads * mt * 128 + i * 64;
+      float* sdst = in_quad ? sbase + (r * mt + i) * 16 + (q % 2) * 8 : sbase + nquads * mt * 16 + i * 8;
+      const int64_t hi_off = in_quad ? 64 : 32;
 #else
       int8_t* dst = xq2 + m * K + q * 64;
+      float* sdst = xs2 + m * nblocks * 4 + q * 8;
       constexpr int64_t hi_off = 32;
 #endif
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(a, b, 0x20));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + hi_off), _mm256_permute2x128_si256(a, b, 0x31));
       const float* sa = xs + m * nblocks + 2 * q;
-      _mm256_storeu_ps(xs2 + m * nblocks * 4 + q * 8, _mm256_set_m128(_mm_set1_ps(sa[1]), _mm_set1_ps(sa[0])));
+      _mm256_storeu_ps(sdst, _mm256_set_m128(_mm_set1_ps(sa[1]), _mm_set1_ps(sa[0])));
     }
+  }
 }
 
 // x [M, K] -> out [M, K] float32: every 32-column block rounded to its int8 grid, xs_b * xq_b (quantize_x's
