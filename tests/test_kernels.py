@@ -137,6 +137,24 @@ def test_prefill_matches_oracle(ops, dtype, heads, window, q_tile):
     assert_matches(out, oracle(q, kv_cache, qsl, tables, lens, 0.125, window), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [8, 40, 80, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (5, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_head_dims_and_group_sizes(ops, dtype, head_dim, heads):
+    """The AVX-512 build takes head_dim % 16 == 0 in 512-bit steps (80: a 64-column pass, then 16; 128: two
+    passes) and three query rows of a GQA group at a time (groups of 3, 4 and 5: threes, then a pair or one);
+    8 and 40 keep the 256-bit code. Decode (split-K and not) and prefill against the oracle."""
+    for query_lens, contexts in [([1], [300]), ([1] * 4, [37, 130, 5, 64]), ([3, 17], [3 + 50, 17])]:
+        q, kv_cache, qsl, tables, lens = random_problem(query_lens, contexts, *heads, dtype, head_dim=head_dim,
+                                                        seed=head_dim)
+        out = torch.full_like(q, float("nan"))
+        if all(n == 1 for n in query_lens):
+            ops.paged_decode_attention(out, q, kv_cache, tables, lens, 0.125, 0)
+        else:
+            ops.paged_prefill_attention(out, q, kv_cache, qsl, tables, lens, 0.125, 0, 16)
+        assert_matches(out, oracle(q, kv_cache, qsl, tables, lens, 0.125, 0), dtype)
+
+
 def test_strided_q_and_out_views(ops):
     """q may be a view into a fused qkv projection, out a slice of a bigger buffer: only d must be contiguous."""
     q, kv_cache, qsl, tables, lens = random_problem([1] * 5, CONTEXTS, 4, 2, torch.float32, seed=2)

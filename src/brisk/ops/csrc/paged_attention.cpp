@@ -40,6 +40,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define BRISK_AVX2 1
+#if defined(__AVX512F__)
+// 512-bit dot products and value accumulation for head_dim % 16 == 0, and a whole GQA group of three query rows
+// sharing every key and value load (32 registers hold its 12 accumulators)
+#define BRISK_AVX512 1
+#endif
 #endif
 
 namespace brisk {
@@ -101,11 +106,75 @@ inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m
 }
 #endif
 
-// scores[r][t] = q[r] . keys[t] for R query rows (1 or 2) and t < n (n <= kChunk); keys[t] point at head_dim
+#ifdef BRISK_AVX512
+inline __m256 fold(__m512 v) {  // 16 lanes -> 8 (pairwise sums of the halves)
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// dot_rows for head_dim % 16 == 0, R = 1..3 query rows, four keys a step (R x 4 accumulators)
+template <int R>
+inline void dot_rows_512(const float* const* q, const float* const* keys, int64_t n, int64_t d,
+                         float* const* scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    const float* k[4];
+    for (int j = 0; j < 4; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      __m512 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k[j] + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q[r] + c);
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_fmadd_ps(qv, kv[j], a[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(scores[r] + t0, hsum4x8(fold(a[r][0]), fold(a[r][1]), fold(a[r][2]), fold(a[r][3])));
+  }
+}
+
+// accumulate_slice for 16-float columns: acc[r][c0 .. c0 + 16W) for R rows sharing each value load
+template <int R, int W>
+inline void accumulate_slice_512(const float* const* p, int64_t n, const float* const* values, int64_t c0,
+                                 const float* alpha, float* const* acc) {
+  __m512 a[R][W];
+  for (int r = 0; r < R; ++r) {
+    const __m512 av = _mm512_set1_ps(alpha[r]);
+    for (int w = 0; w < W; ++w) a[r][w] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * w), av);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pt[R];
+    for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
+    const float* vt = values[t] + c0;
+    for (int w = 0; w < W; ++w) {
+      const __m512 vv = _mm512_loadu_ps(vt + 16 * w);
+      for (int r = 0; r < R; ++r) a[r][w] = _mm512_fmadd_ps(pt[r], vv, a[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc[r] + c0 + 16 * w, a[r][w]);
+}
+#endif
+
+// scores[r][t] = q[r] . keys[t] for R query rows (1 to 3) and t < n (n <= kChunk); keys[t] point at head_dim
 // floats. Two rows share every key load: with 4 keys x 2 rows in 8 accumulators a step is 6 loads for 8 FMAs
 // instead of 9 (the loads, not the FMAs, are the limit). Tail lanes recompute a valid key; scores has room.
 template <int R>
 inline void dot_rows(const float* const* q, const float* const* keys, int64_t n, int64_t d, float* const* scores) {
+#ifdef BRISK_AVX512
+  if (d % 16 == 0) return dot_rows_512<R>(q, keys, n, d, scores);
+#endif
+  if constexpr (R == 3) {  // (the 512-bit path takes three rows at once)
+    dot_rows<2>(q, keys, n, d, scores);
+    return dot_rows<1>(q + 2, keys, n, d, scores + 2);
+  }
 #ifdef BRISK_AVX2
   if constexpr (R == 2) {
     for (int64_t t0 = 0; t0 < n; t0 += 4) {
@@ -226,6 +295,23 @@ inline void accumulate_slice(const float* const* p, int64_t n, const float* cons
 template <int R>
 inline void accumulate_values(const float* const* p, int64_t n, const float* const* values, int64_t d,
                               const float* alpha, float* const* acc) {
+#ifdef BRISK_AVX512
+  if (d % 16 == 0) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {  // up to 4 x 16 columns a pass: R x 4 <= 12 accumulators
+      switch (std::min<int64_t>(4, (d - c0) / 16)) {
+        case 4: accumulate_slice_512<R, 4>(p, n, values, c0, alpha, acc); break;
+        case 3: accumulate_slice_512<R, 3>(p, n, values, c0, alpha, acc); break;
+        case 2: accumulate_slice_512<R, 2>(p, n, values, c0, alpha, acc); break;
+        default: accumulate_slice_512<R, 1>(p, n, values, c0, alpha, acc); break;
+      }
+    }
+    return;
+  }
+#endif
+  if constexpr (R == 3) {
+    accumulate_values<2>(p, n, values, d, alpha, acc);
+    return accumulate_values<1>(p + 2, n, values, d, alpha + 2, acc + 2);
+  }
 #ifdef BRISK_AVX2
   constexpr int kMaxW = R == 1 ? 8 : 4;  // registers per row: R * W accumulators fit in 16 with room to spare
   for (int64_t c0 = 0; c0 < d; c0 += 8 * kMaxW) {
@@ -308,7 +394,7 @@ struct Problem {
 struct Scratch {
   std::vector<float> q, acc, m, l, kbuf, vbuf;
   std::vector<int64_t> live, live_lo, live_hi;  // rows taking part in the current chunk, and their windows
-  float scores[2][kChunk + 8];  // one row pair's scores, then probabilities
+  float scores[3][kChunk + 8];  // up to three rows' scores, then probabilities
   const float* krows[kChunk];
   const float* vrows[kChunk];
   int64_t offsets[kChunk];
@@ -421,7 +507,8 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     for (int64_t j = 0; j < it.kv_end - it.kv_begin; ++j) {
       chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
       chunk_rows(v + j * d, s.offsets, n, d, s.vbuf.data(), s.vrows);
-      // the rows of kv head j that see some of the chunk, two at a time so they share key and value loads
+      // the rows of kv head j that see some of the chunk, three (AVX-512) or two at a time so they share key and
+      // value loads
       int64_t num_live = 0;
       for (int64_t i = 0; i < num_tokens; ++i) {
         const int64_t lo = lo_of(i), hi = hi_of(i);
@@ -434,6 +521,11 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
         }
       }
       int64_t x = 0;
+#ifdef BRISK_AVX512
+      if (d % 16 == 0)
+        for (; x + 2 < num_live; x += 3)
+          attend_chunk<3>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+#endif
       for (; x + 1 < num_live; x += 2) attend_chunk<2>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
       if (x < num_live) attend_chunk<1>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
     }
