@@ -163,6 +163,77 @@ inline void accumulate_slice_512(const float* const* p, int64_t n, const float* 
 }
 #endif
 
+#ifdef BRISK_AVX512
+// bfloat16 cache rows read in place (head_dim % 32 == 0): 32 values a 512-bit load, widened by two operations:
+// the even-indexed values are the low halves of the 32-bit lanes (a shift up), the odd-indexed ones the high
+// halves (a mask). The query rows and accumulators of such an item are kept in that split order, per 32 columns
+// [16 even | 16 odd] (perm_index), so nothing is shuffled in the loops.
+inline int64_t perm_index(int64_t c) { return c / 32 * 32 + (c % 2) * 16 + c % 32 / 2; }
+
+inline void widen_bf16(const c10::BFloat16* src, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(src);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int R>
+inline void dot_rows_bf16(const float* const* q, const c10::BFloat16* const* keys, int64_t n, int64_t d,
+                          float* const* scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    const c10::BFloat16* k[4];
+    for (int j = 0; j < 4; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      __m512 ke[4], ko[4];
+      for (int j = 0; j < 4; ++j) widen_bf16(k[j] + c, ke[j], ko[j]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qe = _mm512_loadu_ps(q[r] + c), qo = _mm512_loadu_ps(q[r] + c + 16);
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_fmadd_ps(qo, ko[j], _mm512_fmadd_ps(qe, ke[j], a[r][j]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(scores[r] + t0, hsum4x8(fold(a[r][0]), fold(a[r][1]), fold(a[r][2]), fold(a[r][3])));
+  }
+}
+
+// acc (split order) [r][c0 .. c0 + 32W) for R rows, bfloat16 value rows
+template <int R, int W>
+inline void accumulate_slice_bf16(const float* const* p, int64_t n, const c10::BFloat16* const* values, int64_t c0,
+                                  const float* alpha, float* const* acc) {
+  __m512 a[R][2 * W];
+  for (int r = 0; r < R; ++r) {
+    const __m512 av = _mm512_set1_ps(alpha[r]);
+    for (int w = 0; w < 2 * W; ++w) a[r][w] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * w), av);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pt[R];
+    for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
+    const c10::BFloat16* vt = values[t] + c0;
+    for (int w = 0; w < W; ++w) {
+      __m512 ve, vo;
+      widen_bf16(vt + 32 * w, ve, vo);
+      for (int r = 0; r < R; ++r) {
+        a[r][2 * w] = _mm512_fmadd_ps(pt[r], ve, a[r][2 * w]);
+        a[r][2 * w + 1] = _mm512_fmadd_ps(pt[r], vo, a[r][2 * w + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < 2 * W; ++w) _mm512_storeu_ps(acc[r] + c0 + 16 * w, a[r][w]);
+}
+
+template <int R>
+inline void accumulate_values_bf16(const float* const* p, int64_t n, const c10::BFloat16* const* values, int64_t d,
+                                   const float* alpha, float* const* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {  // 64 columns a pass: R x 4 <= 12 accumulators
+    if (d - c0 >= 64) accumulate_slice_bf16<R, 2>(p, n, values, c0, alpha, acc);
+    else accumulate_slice_bf16<R, 1>(p, n, values, c0, alpha, acc);
+  }
+}
+#endif
+
 // scores[r][t] = q[r] . keys[t] for R query rows (1 to 3) and t < n (n <= kChunk); keys[t] point at head_dim
 // floats. Two rows share every key load: with 4 keys x 2 rows in 8 accumulators a step is 6 loads for 8 FMAs
 // instead of 9 (the loads, not the FMAs, are the limit). Tail lanes recompute a valid key; scores has room.
@@ -397,15 +468,18 @@ struct Scratch {
   float scores[3][kChunk + 8];  // up to three rows' scores, then probabilities
   const float* krows[kChunk];
   const float* vrows[kChunk];
+  const c10::BFloat16* krows16[kChunk];  // bfloat16 rows read in place (dot_rows_bf16)
+  const c10::BFloat16* vrows16[kChunk];
   int64_t offsets[kChunk];
   Scratch(int64_t max_rows, int64_t d)
       : q(max_rows * d), acc(max_rows * d), m(max_rows), l(max_rows), kbuf(kChunk * d), vbuf(kChunk * d),
         live(max_rows), live_lo(max_rows), live_hi(max_rows) {}
 };
 
-// Rows rows[0 .. R) (query rows sharing a kv head) against the chunk's keys [p0, p1) in s.krows / s.vrows;
-// row i sees positions [lo[i], hi[i]) (causal limit, window) and at least one of them in the chunk.
-template <int R>
+// Rows rows[0 .. R) (query rows sharing a kv head) against the chunk's keys [p0, p1) in s.krows / s.vrows (or, BF16
+// in place: s.krows16 / s.vrows16, the rows' q and acc in split order); row i sees positions [lo[i], hi[i]) (causal
+// limit, window) and at least one of them in the chunk.
+template <int R, bool BF16 = false>
 inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, const int64_t* hi, int64_t n,
                          int64_t d, int64_t p0, int64_t p1) {
   const float* q[R];
@@ -417,7 +491,11 @@ inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, con
     scores[i] = s.scores[i];
     acc[i] = s.acc.data() + rows[i] * d;
   }
-  dot_rows<R>(q, s.krows, n, d, scores);
+#ifdef BRISK_AVX512
+  if constexpr (BF16) dot_rows_bf16<R>(q, s.krows16, n, d, scores);
+  else
+#endif
+    dot_rows<R>(q, s.krows, n, d, scores);
   for (int i = 0; i < R; ++i) {
     if (lo[i] > p0 || hi[i] < p1) {  // the chunk straddles this row's causal limit or window start
       for (int64_t t = 0; t < n; ++t) {
@@ -426,7 +504,11 @@ inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, con
     }
     alpha[i] = softmax_chunk(scores[i], n, s.m[rows[i]], s.l[rows[i]]);
   }
-  accumulate_values<R>(scores, n, s.vrows, d, alpha, acc);
+#ifdef BRISK_AVX512
+  if constexpr (BF16) accumulate_values_bf16<R>(scores, n, s.vrows16, d, alpha, acc);
+  else
+#endif
+    accumulate_values<R>(scores, n, s.vrows, d, alpha, acc);
 }
 
 template <typename cache_t, typename q_t>
@@ -446,12 +528,25 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     head = it.kv_begin * g + r % num_heads;
   };
 
+  // bfloat16 cache rows read in place, q and acc in split order (dot_rows_bf16)
+#ifdef BRISK_AVX512
+  const bool split = std::is_same_v<cache_t, c10::BFloat16> && d % 32 == 0;
+#else
+  constexpr bool split = false;
+#endif
+  auto col = [&](int64_t c) __attribute__((always_inline)) {
+#ifdef BRISK_AVX512
+    return split ? perm_index(c) : c;
+#else
+    return c;
+#endif
+  };
   for (int64_t r = 0; r < num_tokens * num_heads; ++r) {
     int64_t token, head;
     query_row(r, token, head);
     const q_t* src = static_cast<const q_t*>(p.q) + token * p.q_stride_t + head * p.q_stride_h;
     float* dst = s.q.data() + r * d;
-    for (int64_t c = 0; c < d; ++c) dst[c] = to_float(src[c]) * p.scale_log2;
+    for (int64_t c = 0; c < d; ++c) dst[col(c)] = to_float(src[c]) * p.scale_log2;
     std::fill_n(s.acc.data() + r * d, d, 0.0f);
     s.m[r] = kNegInf;
     s.l[r] = 0.0f;
@@ -505,8 +600,17 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     prefetch_rows(std::true_type{}, p1, std::min(hi_all, p1 + kChunk));
 #endif
     for (int64_t j = 0; j < it.kv_end - it.kv_begin; ++j) {
-      chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
-      chunk_rows(v + j * d, s.offsets, n, d, s.vbuf.data(), s.vrows);
+      if (split) {
+        if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+          for (int64_t t = 0; t < n; ++t) {
+            s.krows16[t] = k + j * d + s.offsets[t];
+            s.vrows16[t] = v + j * d + s.offsets[t];
+          }
+        }
+      } else {
+        chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
+        chunk_rows(v + j * d, s.offsets, n, d, s.vbuf.data(), s.vrows);
+      }
       // the rows of kv head j that see some of the chunk, three (AVX-512) or two at a time so they share key and
       // value loads
       int64_t num_live = 0;
@@ -522,6 +626,14 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
       }
       int64_t x = 0;
 #ifdef BRISK_AVX512
+      if (split) {
+        for (; x + 2 < num_live; x += 3)
+          attend_chunk<3, true>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+        for (; x + 1 < num_live; x += 2)
+          attend_chunk<2, true>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+        if (x < num_live) attend_chunk<1, true>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
+        continue;
+      }
       if (d % 16 == 0)
         for (; x + 2 < num_live; x += 3)
           attend_chunk<3>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
@@ -537,7 +649,8 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     for (int64_t r = 0; r < num_heads; ++r, dst += d + 2) {
       dst[0] = s.m[r];
       dst[1] = s.l[r];
-      std::copy_n(s.acc.data() + r * d, d, dst + 2);
+      const float* acc = s.acc.data() + r * d;
+      for (int64_t c = 0; c < d; ++c) dst[2 + c] = acc[col(c)];
     }
     return;
   }
@@ -547,7 +660,7 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     q_t* dst = static_cast<q_t*>(p.out) + token * p.out_stride_t + head * p.out_stride_h;
     const float inv = 1.0f / s.l[r];  // l >= 1: every row sees at least its own position
     const float* acc = s.acc.data() + r * d;
-    for (int64_t c = 0; c < d; ++c) from_float(acc[c] * inv, dst + c);
+    for (int64_t c = 0; c < d; ++c) from_float(acc[col(c)] * inv, dst + c);
   }
 }
 
