@@ -140,27 +140,6 @@ inline void dot_rows_512(const float* const* q, const float* const* keys, int64_
   }
 }
 
-// accumulate_slice for 16-float columns: acc[r][c0 .. c0 + 16W) for R rows sharing each value load
-template <int R, int W>
-inline void accumulate_slice_512(const float* const* p, int64_t n, const float* const* values, int64_t c0,
-                                 const float* alpha, float* const* acc) {
-  __m512 a[R][W];
-  for (int r = 0; r < R; ++r) {
-    const __m512 av = _mm512_set1_ps(alpha[r]);
-    for (int w = 0; w < W; ++w) a[r][w] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * w), av);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 pt[R];
-    for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
-    const float* vt = values[t] + c0;
-    for (int w = 0; w < W; ++w) {
-      const __m512 vv = _mm512_loadu_ps(vt + 16 * w);
-      for (int r = 0; r < R; ++r) a[r][w] = _mm512_fmadd_ps(pt[r], vv, a[r][w]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc[r] + c0 + 16 * w, a[r][w]);
-}
 #endif
 
 #ifdef BRISK_AVX512
@@ -336,28 +315,51 @@ inline float softmax_chunk(float* scores, int64_t n, float& m, float& l) {
 }
 
 #ifdef BRISK_AVX2
-// acc[r][c0 .. c0 + 8W) = alpha[r] * acc[r] + sum_t p[r][t] * values[t][c0 ..) for R rows sharing each value
-// load. The R x W accumulators stay in registers while the n value rows stream past, so the FMAs form R x W
-// independent chains instead of one chain n long.
-template <int R, int W>
+// float vectors of 8 (AVX2) or 16 (AVX-512) lanes, for the kernels written once for both widths
+struct F256 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#ifdef BRISK_AVX512
+struct F512 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#endif
+
+// acc[r][c0 .. c0 + L W) = alpha[r] * acc[r] + sum_t p[r][t] * values[t][c0 ..) for R rows sharing each value
+// load (L = the vector's lanes). The R x W accumulators stay in registers while the n value rows stream past, so
+// the FMAs form R x W independent chains instead of one chain n long.
+template <class F, int R, int W>
 inline void accumulate_slice(const float* const* p, int64_t n, const float* const* values, int64_t c0,
                              const float* alpha, float* const* acc) {
-  __m256 a[R][W];
+  constexpr int L = F::kLanes;
+  typename F::V a[R][W];
   for (int r = 0; r < R; ++r) {
-    const __m256 av = _mm256_set1_ps(alpha[r]);
-    for (int w = 0; w < W; ++w) a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + c0 + 8 * w), av);
+    const auto av = F::set1(alpha[r]);
+    for (int w = 0; w < W; ++w) a[r][w] = F::mul(F::load(acc[r] + c0 + L * w), av);
   }
   for (int64_t t = 0; t < n; ++t) {
-    __m256 pt[R];
-    for (int r = 0; r < R; ++r) pt[r] = _mm256_set1_ps(p[r][t]);
+    typename F::V pt[R];
+    for (int r = 0; r < R; ++r) pt[r] = F::set1(p[r][t]);
     const float* vt = values[t] + c0;
     for (int w = 0; w < W; ++w) {
-      const __m256 vv = _mm256_loadu_ps(vt + 8 * w);
-      for (int r = 0; r < R; ++r) a[r][w] = _mm256_fmadd_ps(pt[r], vv, a[r][w]);
+      const auto vv = F::load(vt + L * w);
+      for (int r = 0; r < R; ++r) a[r][w] = F::fma(pt[r], vv, a[r][w]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[r] + c0 + 8 * w, a[r][w]);
+    for (int w = 0; w < W; ++w) F::store(acc[r] + c0 + L * w, a[r][w]);
   }
 }
 #endif
@@ -370,10 +372,10 @@ inline void accumulate_values(const float* const* p, int64_t n, const float* con
   if (d % 16 == 0) {
     for (int64_t c0 = 0; c0 < d; c0 += 64) {  // up to 4 x 16 columns a pass: R x 4 <= 12 accumulators
       switch (std::min<int64_t>(4, (d - c0) / 16)) {
-        case 4: accumulate_slice_512<R, 4>(p, n, values, c0, alpha, acc); break;
-        case 3: accumulate_slice_512<R, 3>(p, n, values, c0, alpha, acc); break;
-        case 2: accumulate_slice_512<R, 2>(p, n, values, c0, alpha, acc); break;
-        default: accumulate_slice_512<R, 1>(p, n, values, c0, alpha, acc); break;
+        case 4: accumulate_slice<F512, R, 4>(p, n, values, c0, alpha, acc); break;
+        case 3: accumulate_slice<F512, R, 3>(p, n, values, c0, alpha, acc); break;
+        case 2: accumulate_slice<F512, R, 2>(p, n, values, c0, alpha, acc); break;
+        default: accumulate_slice<F512, R, 1>(p, n, values, c0, alpha, acc); break;
       }
     }
     return;
@@ -387,14 +389,14 @@ inline void accumulate_values(const float* const* p, int64_t n, const float* con
   constexpr int kMaxW = R == 1 ? 8 : 4;  // registers per row: R * W accumulators fit in 16 with room to spare
   for (int64_t c0 = 0; c0 < d; c0 += 8 * kMaxW) {
     switch (std::min<int64_t>(kMaxW, (d - c0) / 8)) {
-      case 8: accumulate_slice<R, (kMaxW >= 8 ? 8 : 1)>(p, n, values, c0, alpha, acc); break;
-      case 7: accumulate_slice<R, (kMaxW >= 7 ? 7 : 1)>(p, n, values, c0, alpha, acc); break;
-      case 6: accumulate_slice<R, (kMaxW >= 6 ? 6 : 1)>(p, n, values, c0, alpha, acc); break;
-      case 5: accumulate_slice<R, (kMaxW >= 5 ? 5 : 1)>(p, n, values, c0, alpha, acc); break;
-      case 4: accumulate_slice<R, 4>(p, n, values, c0, alpha, acc); break;
-      case 3: accumulate_slice<R, 3>(p, n, values, c0, alpha, acc); break;
-      case 2: accumulate_slice<R, 2>(p, n, values, c0, alpha, acc); break;
-      default: accumulate_slice<R, 1>(p, n, values, c0, alpha, acc); break;
+      case 8: accumulate_slice<F256, R, (kMaxW >= 8 ? 8 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 7: accumulate_slice<F256, R, (kMaxW >= 7 ? 7 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 6: accumulate_slice<F256, R, (kMaxW >= 6 ? 6 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 5: accumulate_slice<F256, R, (kMaxW >= 5 ? 5 : 1)>(p, n, values, c0, alpha, acc); break;
+      case 4: accumulate_slice<F256, R, 4>(p, n, values, c0, alpha, acc); break;
+      case 3: accumulate_slice<F256, R, 3>(p, n, values, c0, alpha, acc); break;
+      case 2: accumulate_slice<F256, R, 2>(p, n, values, c0, alpha, acc); break;
+      default: accumulate_slice<F256, R, 1>(p, n, values, c0, alpha, acc); break;
     }
   }
 #else
