@@ -17,6 +17,7 @@ from brisk.engine.sampler import (
     apply_temperature,
     apply_top_k_top_p,
     greedy_sample,
+    plain_greedy,
     random_sample,
     token_counts,
 )
@@ -297,6 +298,22 @@ def test_greedy_kernel_equals_torch_argmax_with_ties_infinities_and_nans(monkeyp
     assert torch.equal(greedy_sample(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].argmax(-1))
     monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
     assert torch.equal(greedy_sample(logits), expected)
+
+
+def test_plain_greedy_is_exactly_when_the_sampler_would_return_the_bare_argmax():
+    """The runner skips the metadata for rows plain_greedy accepts; for every other setting the Sampler's answer
+    may differ from the argmax of the raw logits, so each must be refused."""
+    assert plain_greedy(SamplingParams.greedy(), 0)
+    assert plain_greedy(SamplingParams(temperature=0.0, seed=3, min_tokens=2), 2)
+    for params, n in [(SamplingParams(temperature=0.5), 0), (SamplingParams(temperature=0.0, logprobs=2), 0),
+                      (SamplingParams(temperature=0.0, presence_penalty=0.5), 0),
+                      (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0),
+                      (SamplingParams(temperature=0.0, repetition_penalty=1.2), 0),
+                      (SamplingParams(temperature=0.0, min_tokens=2), 1)]:
+        assert not plain_greedy(params, n), params
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))
+    out = Sampler()(logits, meta_for([SamplingParams.greedy()] * 4, 300))
+    assert out.sampled_token_ids == greedy_sample(logits).tolist()
 
 
 def test_top_k_1_equals_greedy_and_mixed_batch_greedy_rows_take_penalized_argmax():

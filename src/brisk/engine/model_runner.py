@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from brisk.engine.request import Request
-from brisk.engine.sampler import Sampler, SamplingMetadata
+from brisk.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_sample, plain_greedy
 from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
 from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
@@ -242,8 +242,11 @@ class ModelRunner:
         logits = logits.float()
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows))
-        meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size, device=logits.device)
-        result = self.sampler(logits, meta_s)
+        if all(plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in reqs):
+            result = SamplerOutput(sampled_token_ids=greedy_sample(logits).tolist())
+        else:
+            meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size, device=logits.device)
+            result = self.sampler(logits, meta_s)
         self.last_timing = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         j = 0
         for s in sampling:
