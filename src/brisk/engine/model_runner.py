@@ -142,13 +142,16 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             num_sink_tokens=self.num_sink_tokens,
             evicting=self.kv_policy.evicts,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            # None when every row is sampled, in order (decode-only steps): no gather before the head
+            logits_indices=(None if logits_rows == list(range(len(input_ids)))
+                            else torch.tensor(logits_rows, dtype=torch.int64)),
             attn_row_scores=([torch.zeros(len(s.token_ids), ctx, device=self.device)
                               for s, ctx in zip(order, context_lens, strict=True)] if self.h2o is not None else None),
         )
         if self.device.type != "cpu":
             for name in ("slot_mapping", "query_start_loc", "block_tables", "context_lens", "logits_indices"):
-                setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
+                if getattr(meta, name) is not None:
+                    setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
         token_context_lens = None
         if self.model.rope is not None and self.model.rope.dynamic_orig_max is not None:
             q_lens = torch.tensor([len(s.token_ids) for s in order])
