@@ -195,6 +195,24 @@ def _rope_inputs(tokens: int, dtype: torch.dtype, h: int = 9, kvh: int = 3, d: i
     return qkv, cos, sin, cache, slots
 
 
+def test_rope_positions_beyond_the_table_are_computed():
+    """cos_sin looks positions up in its table and computes those past its end (a context longer than
+    max_position_embeddings) from the frequencies, in one call with both kinds."""
+    from brisk.model.config import ModelConfig
+    from brisk.model.rope import RotaryEmbedding
+
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                         max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0)
+    rope = RotaryEmbedding(config, 128, "cpu")
+    positions = torch.tensor([0, 127, 128, 1000])
+    cos, sin = rope.cos_sin(positions)
+    freqs = positions.double().unsqueeze(1) * rope.inv_freq.double().unsqueeze(0)
+    torch.testing.assert_close(cos.double(), freqs.cos(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(sin.double(), freqs.sin(), atol=1e-4, rtol=0)
+    assert torch.equal(rope.cos_sin(positions[:2])[0], rope.cos_table[:128][positions[:2]])
+
+
 def _rope_cache_case(ops, tokens, dtype, cache_dtype, seed, h=9, kvh=3, d=64):
     """rope_cache on fresh inputs next to its reference (apply_rope, then write_kv into a copy of the cache).
     Returns (qkv after the kernel [T, h + 2 kvh, d], qkv before, reference q|k, cache, reference cache, slots)."""

@@ -11,6 +11,7 @@ layer and nothing else:
     o = paged_decode_attention(q)           (reads the paged cache in place)
     h = add_rms_norm(linear(o), residual)
     x = linear(silu_mul(linear(h)))
+    h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
 
 For steps of up to 8 rows the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a step, the same
 kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step here; measured
@@ -149,8 +150,9 @@ class DecodePlan:
     """Straight-line decode over a model's layers; build with `DecodePlan.build(model)` (None if not covered)."""
 
     def __init__(self, layers: list[_Layer], num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, ops: Any) -> None:
+                 dtype: torch.dtype, ops: Any, final_norm: torch.Tensor, final_eps: float) -> None:
         self.layers = layers
+        self.final_norm, self.final_eps = final_norm, final_eps
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.dtype = dtype
@@ -176,7 +178,7 @@ class DecodePlan:
         self.eps = [layer.eps for layer in layers]
         # the C++ loop's copy of params / spec / eps, converted once (not at every step)
         self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
-            self.params, self.spec, self.eps)
+            self.params, self.spec, self.eps, final_norm, final_eps)
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> DecodePlan | None:
@@ -206,14 +208,19 @@ class DecodePlan:
         a = model.model.layers[0].self_attn if len(model.model.layers) else None
         if a is None:
             return None
-        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops)
+        final = model.model.norm
+        if final._forward_hooks or final._forward_pre_hooks or final.weight.dtype != dtype:
+            return None
+        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops, final.weight,
+                          final.eps)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
         return straight_line_step(x, meta, kv_caches, self.dtype)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, hidden] embeddings -> (the last layer's MLP output, the residual stream without it)."""
+        """x: [B, hidden] embeddings -> (the final norm's output, the residual stream), as the layers and then
+        the model's final norm (a fused residual add + RMSNorm) give them."""
         t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
         window = meta.sliding_window or 0
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
@@ -237,7 +244,7 @@ class DecodePlan:
                 self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
             hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
             x = layer.down(self.silu_mul(layer.gate_up(hid)))
-        return x, residual
+        return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
 
 
 def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype) -> bool:

@@ -168,10 +168,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         plan = decode_plan_or_none(self) if self.model.layers else None
         if plan is not None and plan.applies(x, meta, kv_caches):  # straight-line kernels, no module calls
-            x, residual = plan.run(x, cos, sin, meta, kv_caches)
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+            return plan.run(x, cos, sin, meta, kv_caches)[0]  # (the final norm included)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
         if residual is None:  # no layers
             return self.model.norm(x)
         x, _ = self.model.norm(x, residual)  # the last residual add, fused into the final norm

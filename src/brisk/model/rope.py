@@ -78,10 +78,11 @@ class RotaryEmbedding:
                 inv = 1.0 / base.unsqueeze(1) ** expo.unsqueeze(0)  # [T, d/2]
                 freqs = positions.float().unsqueeze(1) * inv
                 return freqs.cos(), freqs.sin()
-        if positions.numel() and int(positions.max()) >= self.cos_table.shape[0]:
+        try:  # (no max() and item() a step for the bound: index_select checks it)
+            return self.cos_table.index_select(0, positions), self.sin_table.index_select(0, positions)
+        except IndexError:  # positions beyond the table (a context longer than max_position_embeddings)
             freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
             return freqs.cos(), freqs.sin()
-        return self.cos_table[positions], self.sin_table[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -133,9 +133,11 @@ struct DecodeWeights : torch::CustomClassHolder {
   c10::List<OptT> params;
   std::vector<int64_t> spec;
   std::vector<double> eps;
+  at::Tensor final_norm;  // the model's norm after the last layer
+  double final_eps;
 
-  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e)
-      : params(std::move(p)), spec(std::move(s)), eps(std::move(e)) {
+  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e, at::Tensor fn, double fe)
+      : params(std::move(p)), spec(std::move(s)), eps(std::move(e)), final_norm(std::move(fn)), final_eps(fe) {
     const int64_t num_layers = static_cast<int64_t>(eps.size());
     TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer &&
                     static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts,
@@ -144,8 +146,8 @@ struct DecodeWeights : torch::CustomClassHolder {
   }
 };
 
-// x: [T, hidden] embeddings (T <= 8 rows) -> (the last layer's MLP output, the residual stream without it), exactly
-// as DecodePlan.run. x is the residual stream's storage: add_rms_norm updates it in place. Without query_start a
+// x: [T, hidden] embeddings (T <= 8 rows) -> (the final norm's output, the residual stream), exactly as
+// DecodePlan.run. x is the residual stream's storage: add_rms_norm updates it in place. Without query_start a
 // decode step (one row per sequence, paged_decode_attention); with it, rows of sequence b are
 // [query_start[b], query_start[b + 1]) (speculative verification, short prefill chunks: paged_prefill_attention).
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -183,12 +185,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     cur = linear(o, o.silu_mul.call(linear(o, hid, params, p + 2 + 2 * kSlots, spec, s + 2 * kInts)), params,
                  p + 2 + 3 * kSlots, spec, s + 3 * kInts);
   }
-  return {cur, residual};
+  return {o.add_rms_norm.call(cur, residual, weights->final_norm, weights->final_eps), residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.class_<DecodeWeights>("DecodeWeights")
-      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>>());
+      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double>());
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, float scale, int window, "
         "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile) -> (Tensor, Tensor)",

@@ -391,7 +391,35 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// Rows of a symmetric 8-bit embedding table: qweight [V, H] uint8, scales [V, G] float32 (G groups of H / G),
+// ids [T] int64 -> [T, H] float32, out[t, h] = (q[id, h] - 128) * s[id, h / (H / G)] (QuantEmbedding's float32
+// operations, one op instead of six).
+at::Tensor embedding_q8(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& ids) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "embedding_q8: qweight must be a contiguous uint8 [V, H] tensor");
+  const int64_t V = qweight.size(0), H = qweight.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == V && scales.size(1) > 0 && H % scales.size(1) == 0,
+              "embedding_q8: scales must be a contiguous float32 [V, G] tensor with G dividing H");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "embedding_q8: ids must be int64 [T]");
+  const auto idc = ids.contiguous();
+  const int64_t T = idc.size(0), G = scales.size(1), gs = H / G;
+  auto out = at::empty({T, H}, scales.options());
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = id[t];
+    TORCH_CHECK(r >= 0 && r < V, "embedding_q8: id ", r, " is out of range for a table of ", V, " rows");
+    for (int64_t h = 0; h < H; ++h)
+      o[t * H + h] = (static_cast<float>(q[r * H + h]) - 128.f) * sc[r * G + h / gs];
+  }
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("embedding_q8(Tensor qweight, Tensor scales, Tensor ids) -> Tensor", &embedding_q8);
   m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()", &rope_cache);
