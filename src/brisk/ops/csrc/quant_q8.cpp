@@ -318,9 +318,9 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
 #ifdef BRISK_Q8_ZMM
 // tile4p with 512-bit vectors: a step takes two pairs of blocks (a "quad", 64 bytes of codes, one cache line): one
 // load, two ANDs and a shift give [pair 2r lo | pair 2r+1 lo] and the same for the high nibbles, two vpdpbusd per
-// activation row against xq2 in its quad layout (pair_x), one conversion and one FMA against [xs2 of pair 2r |
+// activation row against xq2 in its tile layout (pair_x), one conversion and one FMA against [xs2 of pair 2r |
 // of pair 2r+1] times the weight scales. About half tile4p's operations per code; an odd last pair runs tile4p's
-// 256-bit step on the pair layout.
+// 256-bit step (its activations after the quads).
 template <int MT>
 void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
