@@ -316,11 +316,65 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
 }
 
 #ifdef BRISK_Q8_ZMM
-// tile4p with 512-bit vectors: a step takes two pairs of blocks (a "quad", 64 bytes of codes, one cache line): one
-// load, two ANDs and a shift give [pair 2r lo | pair 2r+1 lo] and the same for the high nibbles, two vpdpbusd per
-// activation row against xq2 in its tile layout (pair_x), one conversion and one FMA against [xs2 of pair 2r |
-// of pair 2r+1] times the weight scales. About half tile4p's operations per code; an odd last pair runs tile4p's
-// 256-bit step (its activations after the quads).
+// The pieces of tile4p_512 and tile4p_512_r4. A "quad" is two pairs of blocks: 64 bytes of codes, one cache line.
+
+// A weight row's groups in step order: the group of pair q = 0, 1, 2, ... (groups of 2 or more blocks; a counter,
+// no division).
+struct PairGroups {
+  int64_t per_group, g = 0, left;
+  explicit PairGroups(int64_t bpg) : per_group(std::max<int64_t>(1, bpg / 2)), left(per_group) {}
+  int64_t next() {
+    if (left == 0) {
+      ++g;
+      left = per_group;
+    }
+    --left;
+    return g;
+  }
+};
+
+// A quad's codes as [pair 2r lo | pair 2r+1 lo] and the same for the high nibbles.
+inline void unpack_quad(const uint8_t* w, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i d = _mm512_loadu_si512(w);
+  lo = _mm512_and_si512(d, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
+}
+
+// The weight scales of quad r of a row (s: its scales) per lane of the quad's dot products: four consecutive block
+// scales (one-block groups), two group scales (two-block groups), else those of groups ga and gb (PairGroups).
+inline __m512 quad_scales(const float* s, int64_t r, int64_t bpg, int64_t ga, int64_t gb) {
+  if (bpg == 1)
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * r)));
+  if (bpg == 2)
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * r)))));
+  return _mm512_shuffle_f32x4(_mm512_set1_ps(s[ga]), _mm512_set1_ps(s[gb]), 0);
+}
+
+// A row's odd last pair q, 256 bits wide: its int32 dot products against activations xa (low nibbles' elements)
+// and xb (high), and its scales per lane (g: its group, for groups of 2 or more blocks).
+inline __m256i pair_dot(const uint8_t* w, __m256i xa, __m256i xb) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+}
+inline __m256 pair_scales(const float* s, int64_t q, int64_t bpg, int64_t g) {
+  if (bpg == 1) return _mm256_set_m128(_mm_broadcast_ss(s + 2 * q + 1), _mm_broadcast_ss(s + 2 * q));
+  return _mm256_broadcast_ss(bpg == 2 ? s + q : s + g);
+}
+
+inline __m256 fold512(__m512 t) {  // 16 lanes -> 8 (pairwise sums of the halves)
+  return _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+}
+
+// tile4p with 512-bit vectors: a step takes a quad: one load, two ANDs and a shift (unpack_quad), two vpdpbusd per
+// activation row against xq2 in its tile layout (pair_x), one conversion and one FMA against [xs2 of pair 2r | of
+// pair 2r+1] times the weight scales. About half tile4p's operations per code; an odd last pair runs 256 bits wide
+// (its activations after the quads).
 template <int MT>
 void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, int64_t ldo) {
   constexpr int NA = MT <= 2 ? 2 : 1;
@@ -329,39 +383,15 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
     for (int a = 0; a < NA; ++a) acc[a][m] = _mm512_setzero_ps();
   const uint8_t* wp = p.data + n * p.row_bytes;
   const float* sp = p.scales + n * p.ngroups;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t npairs = p.nblocks / 2, nquads = npairs / 2, bpg = p.blocks_per_group;
-  // the weight scale of pair q, for q = 0, 1, 2, ... in order (groups of 2 or more blocks; a counter, no division)
-  const int64_t pairs_per_group = std::max<int64_t>(1, bpg / 2);
-  const float* sg = sp;
-  int64_t left = pairs_per_group;
-  auto next_scale = [&]() __attribute__((always_inline)) {
-    if (left == 0) {
-      ++sg;
-      left = pairs_per_group;
-    }
-    --left;
-    return sg;
-  };
-  // per lane of a quad's dot products, the index of its scale among 4 consecutive block scales (one-block groups)
-  // or 2 consecutive group scales (two-block groups)
-  const __m512i by_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i by_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  auto quad_scales = [&](int64_t r) __attribute__((always_inline)) {
-    if (bpg == 1) return _mm512_permutexvar_ps(by_block, _mm512_castps128_ps512(_mm_loadu_ps(sp + 4 * r)));
-    if (bpg == 2)
-      return _mm512_permutexvar_ps(
-          by_pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sp + 2 * r)))));
-    const float* a = next_scale();
-    const float* b = next_scale();
-    return _mm512_shuffle_f32x4(_mm512_set1_ps(*a), _mm512_set1_ps(*b), 0);
-  };
+  PairGroups groups(bpg);
   auto step = [&](int64_t r, __m512* a) __attribute__((always_inline)) {
     _mm_prefetch(reinterpret_cast<const char*>(wp + r * 64) + kPrefetchBytes, kPrefetchHint);
-    const __m512i d = _mm512_loadu_si512(wp + r * 64);
-    const __m512i lo = _mm512_and_si512(d, low);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
-    const __m512 sv = quad_scales(r);
+    __m512i lo, hi;
+    unpack_quad(wp + r * 64, lo, hi);
+    const int64_t ga = bpg > 2 ? groups.next() : 0;
+    const int64_t gb = bpg > 2 ? groups.next() : 0;
+    const __m512 sv = quad_scales(sp, r, bpg, ga, gb);
     const int8_t* xr = x.xq2 + r * (MT * 128);  // the tile layout (pair_x)
     const float* sr = x.xs2 + r * (MT * 16);
     for (int m = 0; m < MT; ++m) {
@@ -383,21 +413,15 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
   for (int m = 0; m < MT; ++m) {
     __m512 t = acc[0][m];
     if constexpr (NA == 2) t = _mm512_add_ps(t, acc[1][m]);
-    tot[m] = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+    tot[m] = fold512(t);
   }
-  if (npairs % 2) {  // the last pair, 256 bits wide (after the quads in the tile layout)
+  if (npairs % 2) {  // the last pair
     const int64_t q = npairs - 1;
-    const __m256i low8 = _mm256_set1_epi8(0x0F);
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 32));
-    const __m256i lo = _mm256_and_si256(d, low8);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low8);
-    const __m256 sv = bpg == 1 ? _mm256_set_m128(_mm_broadcast_ss(sp + 2 * q + 1), _mm_broadcast_ss(sp + 2 * q))
-                               : _mm256_broadcast_ss(bpg == 2 ? sp + q : next_scale());
+    const __m256 sv = pair_scales(sp, q, bpg, bpg > 2 ? groups.next() : 0);
     for (int m = 0; m < MT; ++m) {
       const int8_t* xm = x.xq2 + nquads * (MT * 128) + m * 64;
-      const __m256i dot = _mm256_dpbusd_epi32(
-          _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
-          hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32)));
+      const __m256i dot = pair_dot(wp + q * 32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32)));
       const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x.xs2 + nquads * (MT * 16) + m * 8), sv);
       tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs, tot[m]);
     }
@@ -416,23 +440,10 @@ inline void tile4p_512_r4(const Q8W& p, int64_t n, const Q8X& x, const float* bi
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* wp = p.data + n * p.row_bytes;
-  const int64_t rb = p.row_bytes;
-  const float* sp = p.scales + n * p.ngroups;
-  const int64_t ng = p.ngroups;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t rb = p.row_bytes, ng = p.ngroups;
+  const float* sp = p.scales + n * ng;
   const int64_t npairs = p.nblocks / 2, nquads = npairs / 2, bpg = p.blocks_per_group;
-  const int64_t pairs_per_group = std::max<int64_t>(1, bpg / 2);
-  int64_t g = 0, left = pairs_per_group;  // the group of the next pair (groups of 2 or more blocks)
-  auto next_group = [&]() __attribute__((always_inline)) {
-    if (left == 0) {
-      ++g;
-      left = pairs_per_group;
-    }
-    --left;
-    return g;
-  };
-  const __m512i by_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i by_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  PairGroups groups(bpg);
   {  // the scales and mins are two more streams: prefetched as far ahead (in rows) as the codes
     const int64_t ahead = (kPrefetchBytes / rb + R) * ng;
     const char* sa = reinterpret_cast<const char*>(sp + ahead);
@@ -446,48 +457,30 @@ inline void tile4p_512_r4(const Q8W& p, int64_t n, const Q8X& x, const float* bi
     const __m512i xl = _mm512_loadu_si512(x.xq2 + r * 128);
     const __m512i xh = _mm512_loadu_si512(x.xq2 + r * 128 + 64);
     const __m512 xs = _mm512_loadu_ps(x.xs2 + r * 16);
-    int64_t ga = 0, gb = 0;
-    if (bpg > 2) {
-      ga = next_group();
-      gb = next_group();
-    }
+    const int64_t ga = bpg > 2 ? groups.next() : 0;
+    const int64_t gb = bpg > 2 ? groups.next() : 0;
     for (int i = 0; i < R; ++i) {
       const uint8_t* w = wp + i * rb + r * 64;
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, kPrefetchHint);
-      const __m512i d = _mm512_loadu_si512(w);
-      const __m512i lo = _mm512_and_si512(d, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
-      const float* s = sp + i * ng;
-      __m512 sv;
-      if (bpg == 1) sv = _mm512_permutexvar_ps(by_block, _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * r)));
-      else if (bpg == 2)
-        sv = _mm512_permutexvar_ps(
-            by_pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * r)))));
-      else sv = _mm512_shuffle_f32x4(_mm512_set1_ps(s[ga]), _mm512_set1_ps(s[gb]), 0);
+      __m512i lo, hi;
+      unpack_quad(w, lo, hi);
+      const __m512 sv = quad_scales(sp + i * ng, r, bpg, ga, gb);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xs, sv), acc[i]);
     }
   }
   __m256 tot[R];
-  for (int i = 0; i < R; ++i)
-    tot[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-  if (npairs % 2) {  // the last pair, 256 bits wide (after the quads in the tile layout)
+  for (int i = 0; i < R; ++i) tot[i] = fold512(acc[i]);
+  if (npairs % 2) {  // the last pair
     const int64_t q = npairs - 1;
-    const __m256i low8 = _mm256_set1_epi8(0x0F);
     const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq2 + q * 64));
     const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq2 + q * 64 + 32));
     const __m256 xs = _mm256_loadu_ps(x.xs2 + q * 8);
-    const int64_t gq = bpg > 2 ? next_group() : 0;
+    const int64_t g = bpg > 2 ? groups.next() : 0;
     for (int i = 0; i < R; ++i) {
-      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + i * rb + q * 32));
-      const __m256i lo = _mm256_and_si256(d, low8);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low8);
-      const float* s = sp + i * ng;
-      const __m256 sv = bpg == 1 ? _mm256_set_m128(_mm_broadcast_ss(s + 2 * q + 1), _mm_broadcast_ss(s + 2 * q))
-                                 : _mm256_broadcast_ss(bpg == 2 ? s + q : s + gq);
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
-      tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xs, sv), tot[i]);
+      const __m256i dot = pair_dot(wp + i * rb + q * 32, xa, xb);
+      tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xs, pair_scales(sp + i * ng, q, bpg, g)),
+                               tot[i]);
     }
   }
   // + sum_g min_g xr_g per row (4-bit codes: c = 0), then the four rows' horizontal sums together
