@@ -24,6 +24,7 @@ from torch.utils import cpp_extension
 
 from brisk.model.loader import load_model
 from brisk.ops import kernels
+from brisk.ops.qlinear_q8 import q8_mins
 from brisk.quant.layers import QuantLinear
 
 CSRC = Path(kernels.__file__).parent / "csrc"
@@ -57,7 +58,7 @@ def main() -> None:
     for name, mod in model.named_modules():
         if type(mod) is QuantLinear and ("layers." in name or args.head):
             pw = mod.packed
-            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, pw.mins, pw.bits,
+            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, q8_mins(pw), pw.bits,
                           pw.group_size))
             nbytes += pw.data.numel() + (pw.scales.numel() + pw.mins.numel()) * 4
     if not calls:

@@ -115,18 +115,22 @@ def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch,
     _run_both(monkeypatch, lambda: LLM(str(tmp_path), kv_cache_memory="8MiB"), PROMPTS)
 
 
-@pytest.mark.parametrize("bits,group", [(8, -1), (4, 32)])
+@pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 32, False), (4, 32, True)])
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group, activations):
+def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group, sym, activations):
     from brisk.bench.quant import build_checkpoint
     from brisk.quant.config import LayerQuant
+    from brisk.quant.layers import QuantLinear
 
     out = tmp_path / f"q{bits}"
-    build_checkpoint(LayerQuant(bits=bits, group_size=group, sym=bits == 8), out, str(tiny_folder))
+    build_checkpoint(LayerQuant(bits=bits, group_size=group, sym=sym), out, str(tiny_folder))
 
     def make_llm() -> LLM:
         llm = LLM(str(out), kv_cache_memory="8MiB", quant_activations=activations)
         assert (llm.engine.num_int8_activation_layers > 0) == (activations == "int8")
+        modules = llm.engine.loaded.model.named_modules()
+        layers = [m for name, m in modules if type(m) is QuantLinear and "layers." in name]
+        assert layers and all(m.packed.symmetric == sym for m in layers)  # symmetric: no mins read (int8 act.)
         return llm
 
     _run_both(monkeypatch, make_llm, PROMPTS)

@@ -60,7 +60,9 @@ CASES = [(n, k, bits, group) for n, k in SHAPES
 @pytest.mark.parametrize("n,k,bits,group", CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 13])
 def test_kernel_equals_reference(ops, n, k, bits, group, m):
-    pw = random_packed(n, k, bits, group, sym=bits == 8 and m % 2 == 0, seed=n + m)
+    # symmetric codes (no mins passed: the kernel derives them from the scales) on every path of both widths
+    pw = random_packed(n, k, bits, group, sym=m % 2 == 0 if bits == 8 else m in (1, 3, 8, 13), seed=n + m)
+    assert pw.symmetric == (Q.q8_mins(pw) is None)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
     ref = Q.quant_q8_reference(x, pw, bias)
@@ -106,6 +108,37 @@ def test_error_against_the_exact_product(ops, bits, group):
     assert sqnr < 80, sqnr  # and x really is rounded (the float-activation kernel: 130-134 dB)
     float_err = quant_linear(x, pw).double() - exact
     assert float_err.pow(2).mean() < err.pow(2).mean()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_symmetric_codes_read_no_mins(ops, bits):
+    # prepack marks symmetric weights (no zero points, or all of them at the middle code) and the kernel then takes
+    # min = -2^(bits-1) * scale from the scales: poisoned mins change nothing; an asymmetric weight reads them
+    sym = random_packed(64, 576, bits, 64, sym=True, seed=12)
+    middle = torch.full_like(sym.scales, float(1 << (bits - 1)))
+    assert sym.symmetric and Q.q8_mins(sym) is None
+    same = prepack(*_checkpoint_of(sym), middle, bits, 64, 576)
+    assert same.symmetric
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(13))
+    for m in (1, 2, 5):
+        want = Q.quant_q8_reference(x[:m], sym)
+        sym.mins.fill_(float("nan"))
+        out = Q.quant_linear_q8(x[:m], sym)
+        sym.mins.copy_(-sym.scales * middle)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    asym = random_packed(64, 576, bits, 64, seed=14)
+    assert not asym.symmetric and Q.q8_mins(asym) is asym.mins
+    asym.mins.fill_(float("nan"))
+    assert Q.quant_linear_q8(x[:1], asym).isnan().all()
+
+
+def _checkpoint_of(pw):
+    """(qweight, scales) in the checkpoint layout of a blocked PackedWeight."""
+    from brisk.ops.qlinear import unpack_codes
+
+    q = unpack_codes(pw)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous() if pw.bits == 4 else q
+    return packed, pw.scales.clone()
 
 
 def test_activation_sums_use_the_rounded_x(ops):

@@ -59,6 +59,9 @@ class PackedWeight:
     mins: torch.Tensor | None  # float32 [N, K / G] = -scale * zero; None in codebook mode
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
+    # every zero point is 2^(bits - 1) (mins = -2^(bits - 1) * scales): the int8-activation kernel then takes the
+    # mins from the scales instead of reading them (qlinear_q8.q8_mins)
+    symmetric: bool = False
 
     def nbytes(self) -> int:
         """Bytes of every tensor this weight holds (codes, scales, mins, codebook)."""
@@ -160,8 +163,9 @@ def prepack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     zeros: [N, K / G] integer-valued in [0, 2^bits - 1], or None for symmetric (zero = 2^(bits - 1))."""
     _check_codes(qweight, scales, bits, group_size, in_features)
     scales = scales.detach().to(torch.float32).contiguous()
+    middle = float(1 << (bits - 1))
     if zeros is None:
-        zeros = torch.full_like(scales, float(1 << (bits - 1)))
+        zeros = torch.full_like(scales, middle)
     else:
         if list(zeros.shape) != list(scales.shape):
             raise ValueError(f"zeros must have the shape of scales {list(scales.shape)}, got {list(zeros.shape)}")
@@ -170,7 +174,9 @@ def prepack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
             raise ValueError(f"zeros must be integers in [0, {(1 << bits) - 1}] for {bits}-bit codes")
     q = _unpack_checkpoint(qweight.detach().cpu(), bits, in_features)
     mins = (-scales * zeros).contiguous()  # w = scale * (q - zero) = scale * q + min
-    return _finish(q, bits, group_size, in_features, qweight.detach(), scales, mins, None)
+    pw = _finish(q, bits, group_size, in_features, qweight.detach(), scales, mins, None)
+    pw.symmetric = bool((zeros == middle).all())
+    return pw
 
 
 def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in_features: int,

@@ -34,6 +34,12 @@ def covers(pw: PackedWeight) -> bool:
     return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and pw.mins is not None
 
 
+def q8_mins(pw: PackedWeight) -> torch.Tensor | None:
+    """The kernel's mins argument: None for symmetric codes (it derives min = -2^(bits-1) * scale from the scales
+    and so reads a stream fewer: ops/csrc/quant_q8.cpp), else the mins."""
+    return None if pw.symmetric else pw.mins
+
+
 def _rounded_sums(xq: torch.Tensor, xs: torch.Tensor, group_size: int) -> torch.Tensor:
     """xq [M, K] int8, xs [M, K / 32] -> xr [M, K / G] float64: sum of the rounded activations per weight group."""
     m, nb = xs.shape
@@ -86,7 +92,7 @@ def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
     op = get_op("quant_linear_q8")
     if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
         if x.numel() <= MAX_Q8_ROWS * x.shape[-1]:
-            return op(x, pw.data, pw.scales, pw.mins, pw.bits, pw.group_size, bias)  # [..., N]
+            return op(x, pw.data, pw.scales, q8_mins(pw), pw.bits, pw.group_size, bias)  # [..., N]
         from brisk.ops.qlinear import quant_linear
 
         return quant_linear(fake_quantize_activations(x), pw, bias).to(x.dtype)

@@ -11,7 +11,7 @@
 // Per layer the Python side gives 2 + 4 * 6 optional tensors (the two norm weights, then for each of the fused
 // qkv, o, fused gate/up and down projections six slots) and 4 * 3 ints (kind, bits, group size):
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
-//   kind 1, 8/4-bit, int8 activations:  [data, scales, mins, bias, -, -]                    -> quant_linear_q8
+//   kind 1, 8/4-bit, int8 activations:  [data, scales, mins (- if symmetric), bias, -, -]   -> quant_linear_q8
 //   kind 2, packed codes, float act.:   [data, scales, mins, codebook, bias, -]             -> quant_linear_small
 //   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
@@ -66,7 +66,7 @@ struct Ops {
                                       int64_t, int64_t, const OptT&)>("brisk::quant_linear_small");
   // absent where quant_q8.cpp was not built (no AVX2): plans then never pass kind 1
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, int64_t, int64_t, const OptT&)>>
+                                                    const OptT&, int64_t, int64_t, const OptT&)>>
       q8;
 
   // absent where sparse_linear.cpp / sparse_q8.cpp were not built: plans then never pass kinds 3 / 4
@@ -81,7 +81,7 @@ struct Ops {
   Ops() {
     auto& d = c10::Dispatcher::singleton();
     if (auto h = d.findSchema({"brisk::quant_linear_q8", ""}); h.has_value())
-      q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+      q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                int64_t, const OptT&)>();
     if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
       sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -109,7 +109,7 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const c10::List<OptT>& para
   if (kind == 0) return o.linear_small.call(x, get(params, base), params.get(base + 1));
   if (kind == 1) {
     TORCH_CHECK(o.q8.has_value(), "decode_layers: quant_linear_q8 is not built");
-    return o.q8->call(x, get(params, base), get(params, base + 1), get(params, base + 2), bits, group,
+    return o.q8->call(x, get(params, base), get(params, base + 1), params.get(base + 2), bits, group,
                       params.get(base + 3));
   }
   if (kind == 2)
