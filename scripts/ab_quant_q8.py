@@ -5,7 +5,7 @@ from memory, alternating the variants pass by pass so that all see the same band
 
 Each variant is compiled (cached by content under /tmp/brisk_ab) with its op library renamed brisk_v0, brisk_v1, ...
 and the same ISA flags as brisk's own build. Outputs are checked against the first variant's before timing.
-Printed: median and best milliseconds per pass and the best pass's GB/s over codes + scales + mins. Python calls
+Printed: median and best milliseconds per pass and the best pass's GB/s over codes and group parameters. Python calls
 each op (~2.4 us a call here), so absolute figures include that; differences between variants do not.
 Typical use: `git show HEAD:src/brisk/ops/csrc/quant_q8.cpp > /tmp/old.cpp` against the working tree's file.
 """
@@ -24,7 +24,6 @@ from torch.utils import cpp_extension
 
 from brisk.model.loader import load_model
 from brisk.ops import kernels
-from brisk.ops.qlinear_q8 import q8_mins
 from brisk.quant.layers import QuantLinear
 
 CSRC = Path(kernels.__file__).parent / "csrc"
@@ -58,9 +57,9 @@ def main() -> None:
     for name, mod in model.named_modules():
         if type(mod) is QuantLinear and ("layers." in name or args.head):
             pw = mod.packed
-            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, q8_mins(pw), pw.bits,
+            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, pw.zeros, pw.bits,
                           pw.group_size))
-            nbytes += pw.data.numel() + (pw.scales.numel() + pw.mins.numel()) * 4
+            nbytes += pw.nbytes()
     if not calls:
         raise SystemExit(f"{args.model}: no quantized linear layers")
     reference = [ops[0](*c, None) for c in calls]

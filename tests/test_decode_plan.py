@@ -130,7 +130,7 @@ def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypat
         assert (llm.engine.num_int8_activation_layers > 0) == (activations == "int8")
         modules = llm.engine.loaded.model.named_modules()
         layers = [m for name, m in modules if type(m) is QuantLinear and "layers." in name]
-        assert layers and all(m.packed.symmetric == sym for m in layers)  # symmetric: no mins read (int8 act.)
+        assert layers and all(m.packed.symmetric == sym for m in layers)  # symmetric: no zero points
         return llm
 
     _run_both(monkeypatch, make_llm, PROMPTS)

@@ -224,8 +224,8 @@ def test_size_of_a_brisk_quantized_checkpoint_and_its_loaded_model(tiny, tmp_pat
     assert on_disk.kinds["mlp"].overhead_bytes_per_param == (2 + 1) / 32  # fp16 scale + uint8 zero
     h = float_model.config.hidden_size
     assert on_disk.kinds["embedding"].overhead_bytes_per_param == 2 / h  # one fp16 scale per row
-    # in memory the kernels keep float32 scales and mins (-scale * zero) per group
-    assert loaded.kinds["mlp"].overhead_bytes_per_param == (4 + 4) / 32
+    # in memory the kernels keep the same float16 scales and uint8 zero points
+    assert loaded.kinds["mlp"].overhead_bytes_per_param == (2 + 1) / 32
 
 
 def test_size_of_a_float_folder_and_of_the_loaded_model(tiny):

@@ -62,7 +62,8 @@ def random_codes(bits: int, group: int, symmetric: bool, seed: int, n: int = N, 
     g = torch.Generator().manual_seed(seed)
     lo = 1 if symmetric else 0  # symmetric codes use the restricted range [1, 2^bits - 1]
     q = torch.randint(lo, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
-    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.001
+    # float16-representable, as a checkpoint stores them (prepack keeps scales as float16)
+    scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.001).half().float()
     zeros = None if symmetric else torch.randint(0, 1 << bits, (n, k // group), generator=g)
     z = torch.full_like(scales, float(1 << (bits - 1))) if zeros is None else zeros.double()
     w = (q.double().view(n, k // group, group) - z[..., None].double()) * scales[..., None].double()
@@ -113,7 +114,9 @@ def test_layout_round_trip_and_dequantize(bits):
     assert torch.equal(unpack_codes(pw), q)  # the runtime layout is a permutation of the codes, nothing lost
     # scale * q + min is scale * (q - zero) up to float32 rounding
     torch.testing.assert_close(dequantize_packed(pw).double(), w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
-    assert pw.nbytes() == N * K * bits // 8 + 2 * scales.numel() * 4
+    # float16 scales and uint8 zero points: 3 bytes a group
+    assert pw.scales.dtype == torch.float16 and pw.zeros.dtype == torch.uint8
+    assert pw.nbytes() == N * K * bits // 8 + scales.numel() * 3
 
 
 def test_kernel_direct_call_is_deterministic_and_handles_leading_dims(ops):
@@ -123,9 +126,9 @@ def test_kernel_direct_call_is_deterministic_and_handles_leading_dims(ops):
     out = quant_linear(x, pw)  # 6 rows: kernel path
     assert out.shape == (2, 3, N)
     assert_matches(out, F.linear(x.double(), w))
-    direct = ops.quant_linear_small(x, pw.data, pw.scales, pw.mins, None, 4, 32, None)
+    direct = ops.quant_linear_small(x, pw.data, pw.scales, pw.zeros, None, 4, 32, None)
     assert torch.equal(direct, out)
-    assert torch.equal(ops.quant_linear_small(x, pw.data, pw.scales, pw.mins, None, 4, 32, None), direct)
+    assert torch.equal(ops.quant_linear_small(x, pw.data, pw.scales, pw.zeros, None, 4, 32, None), direct)
     empty = quant_linear(torch.randn(0, K), pw)
     assert empty.shape == (0, N)
 
@@ -156,7 +159,7 @@ def test_nf4_codebook_mode(ops, monkeypatch):
     assert table[-1] == 1
     g = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    absmax = torch.rand(N, K // 64, generator=g) + 0.1
+    absmax = (torch.rand(N, K // 64, generator=g) + 0.1).half().float()  # float16, as checkpoints store it
     pw = prepack_nf4(pack_checkpoint(q, 4), absmax, 64, K)
     w = table[q.long()] * absmax.double().repeat_interleave(64, dim=1)  # absmax[n, g] * NF4[q]
     torch.testing.assert_close(dequantize_packed(pw).double(), w, rtol=1e-6, atol=1e-7)

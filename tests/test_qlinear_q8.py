@@ -62,7 +62,7 @@ CASES = [(n, k, bits, group) for n, k in SHAPES
 def test_kernel_equals_reference(ops, n, k, bits, group, m):
     # symmetric codes (no mins passed: the kernel derives them from the scales) on every path of both widths
     pw = random_packed(n, k, bits, group, sym=m % 2 == 0 if bits == 8 else m in (1, 3, 8, 13), seed=n + m)
-    assert pw.symmetric == (Q.q8_mins(pw) is None)
+    assert pw.symmetric == (pw.zeros is None)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
     ref = Q.quant_q8_reference(x, pw, bias)
@@ -111,25 +111,24 @@ def test_error_against_the_exact_product(ops, bits, group):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_symmetric_codes_read_no_mins(ops, bits):
-    # prepack marks symmetric weights (no zero points, or all of them at the middle code) and the kernel then takes
-    # min = -2^(bits-1) * scale from the scales: poisoned mins change nothing; an asymmetric weight reads them
+def test_group_parameters(ops, bits):
+    # float16 scales and uint8 zero points (none when symmetric: no zero points given, or all at the middle code);
+    # the kernel's min = -scale * zero equals the float32 mins the reference uses, with or without zero points
     sym = random_packed(64, 576, bits, 64, sym=True, seed=12)
-    middle = torch.full_like(sym.scales, float(1 << (bits - 1)))
-    assert sym.symmetric and Q.q8_mins(sym) is None
-    same = prepack(*_checkpoint_of(sym), middle, bits, 64, 576)
-    assert same.symmetric
-    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(13))
-    for m in (1, 2, 5):
-        want = Q.quant_q8_reference(x[:m], sym)
-        sym.mins.fill_(float("nan"))
-        out = Q.quant_linear_q8(x[:m], sym)
-        sym.mins.copy_(-sym.scales * middle)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert sym.scales.dtype == torch.float16 and sym.zeros is None and sym.symmetric
+    middle = torch.full(sym.scales.shape, 1 << (bits - 1))
+    assert prepack(*_checkpoint_of(sym), middle, bits, 64, 576).zeros is None
     asym = random_packed(64, 576, bits, 64, seed=14)
-    assert not asym.symmetric and Q.q8_mins(asym) is asym.mins
-    asym.mins.fill_(float("nan"))
-    assert Q.quant_linear_q8(x[:1], asym).isnan().all()
+    assert asym.zeros.dtype == torch.uint8 and not asym.symmetric
+    torch.testing.assert_close(asym.mins, -asym.scales.float() * asym.zeros.float(), rtol=0, atol=0)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(13))
+    for pw in (sym, asym):
+        for m in (1, 2, 5):
+            want = Q.quant_q8_reference(x[:m], pw)
+            out = Q.quant_linear_q8(x[:m], pw)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="float16"):
+        prepack(_checkpoint_of(sym)[0], torch.full(sym.scales.shape, 1e6), None, bits, 64, 576)
 
 
 def _checkpoint_of(pw):
@@ -145,7 +144,7 @@ def test_activation_sums_use_the_rounded_x(ops):
     # a large min term (zero point 255) against a small dot: the kernel's result is the product of the ROUNDED x
     # with W_hat, so it matches fake-quantized x times the dequantized weight, min term included
     pw = random_packed(16, 128, 8, 32, seed=8)
-    pw.mins.copy_(-pw.scales * 255)
+    pw.zeros.fill_(255)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9)) + 2
     want = Q.fake_quantize_activations(x).double() @ dequantize_packed(pw).double().T
     torch.testing.assert_close(Q.quant_linear_q8(x, pw).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())

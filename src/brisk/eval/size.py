@@ -45,9 +45,9 @@ from brisk.quant.config import LayerQuant, QuantConfigError
 
 KINDS = ("embedding", "attention", "mlp", "lm_head", "norms", "other")
 # a quantized module's tensors: the checkpoint's (and QuantEmbedding's) qweight / scales / qzeros, and a
-# loaded QuantLinear's runtime buffers (ops/qlinear.py PackedWeight: data, scales, mins, codebook)
+# loaded QuantLinear's runtime buffers (ops/qlinear.py PackedWeight: data, scales, zeros, codebook)
 _PAYLOAD_SUFFIXES = ("qweight", "packed_data")
-_OVERHEAD_SUFFIXES = ("scales", "qzeros", "packed_scales", "packed_mins", "packed_codebook")
+_OVERHEAD_SUFFIXES = ("scales", "qzeros", "packed_scales", "packed_zeros", "packed_codebook")
 
 # checked in order: "attn_norm" is a norm, "output_norm" is not the lm_head
 _KIND_PATTERNS = [

@@ -82,7 +82,7 @@ def _fast_linear(module: FastLinear, ops: Any) -> Linear | None:
 
 def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     from brisk.ops.qlinear import quant_linear
-    from brisk.ops.qlinear_q8 import MAX_Q8_ROWS, covers, q8_mins
+    from brisk.ops.qlinear_q8 import MAX_Q8_ROWS, covers
 
     pw, b = module.packed, module.bias
     if not pw.blocked:
@@ -90,20 +90,19 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
     small = ops.quant_linear_small.default
     int8 = module.quant_activations == "int8"
     q8 = ops.quant_linear_q8.default if int8 and covers(pw) and hasattr(ops, "quant_linear_q8") else None
-    mins = q8_mins(pw)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         # ops.qlinear.quant_linear's choices
         if q8 is not None:
             if x.shape[0] <= MAX_Q8_ROWS:
-                return q8(x, pw.data, pw.scales, mins, pw.bits, pw.group_size, b)
+                return q8(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, b)
             return quant_linear(x, pw, b, int8_activations=True)
         if x.shape[0] <= MAX_SMALL_M:
-            return small(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, b)
+            return small(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, b)
         return quant_linear(x, pw, b, int8_activations=int8)
 
-    run.cpp = ((1, [pw.data, pw.scales, mins, b, None, None], pw.bits, pw.group_size) if q8 is not None  # type: ignore
-               else (2, [pw.data, pw.scales, pw.mins, pw.codebook, b, None], pw.bits, pw.group_size))
+    run.cpp = ((1, [pw.data, pw.scales, pw.zeros, b, None, None], pw.bits, pw.group_size) if q8 is not None  # type: ignore
+               else (2, [pw.data, pw.scales, pw.zeros, pw.codebook, b, None], pw.bits, pw.group_size))
     return run
 
 

@@ -3,12 +3,15 @@
 `prepack` turns a checkpoint's packed codes (the "brisk-packed v1" layout of notes/quant_format.md) into the
 runtime layout of ops/csrc/quant_linear.cpp once, at load time: blocks of 32 elements permuted so that every
 code sits in a fixed bit field of the 32-bit lane that the kernel decodes it into (one AND and one int->float
-conversion per 8 codes), float32 scales, and mins = -scale * zero, so that a weight is w = scale * q + min.
+conversion per 8 codes), with the checkpoint's float16 scales and uint8 zero points (none for symmetric codes), so
+that a weight is w = scale * (q - zero) = scale * q + min. The kernels form min = -scale * zero in float32 (exact:
+an 11-bit significand times an integer below 256): 3 bytes of group parameters instead of 8 for float32 scales and
+mins, the same numbers.
 `quant_linear` then runs
 
 - few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel, which reads each packed weight once per call
   and never materialises float weights. At M = 1 a linear layer is a matrix-vector product bound by memory
-  bandwidth, and 4-bit codes (with their scales and mins) are 1/5 to 1/8 of the float32 bytes;
+  bandwidth, and 4-bit codes (with their scales and zero points) are 1/5 to 1/8 of the float32 bytes;
 - many rows (prefill): dequantize to float32 (in C++, a chunk of rows at a time) and F.linear (MKL).
   Dequantizing costs O(N K) and the GEMM O(M N K), so beyond MAX_SMALL_M rows the decode is a small fraction of
   the call, and MKL's register-blocked GEMM beats a kernel that decodes weights inside its inner loop;
@@ -55,17 +58,28 @@ class PackedWeight:
     out_features: int
     in_features: int
     data: torch.Tensor  # uint8; blocked: [N, K / 32 * 4 * bits] (quant_linear.cpp layout), else [N, K * bits / 8]
-    scales: torch.Tensor  # float32 [N, K / G]
-    mins: torch.Tensor | None  # float32 [N, K / G] = -scale * zero; None in codebook mode
+    scales: torch.Tensor  # float16 [N, K / G] (NF4: per-group absmax)
+    zeros: torch.Tensor | None  # uint8 [N, K / G] zero points; None: symmetric (2^(bits - 1)), or codebook mode
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
-    # every zero point is 2^(bits - 1) (mins = -2^(bits - 1) * scales): the int8-activation kernel then takes the
-    # mins from the scales instead of reading them (qlinear_q8.q8_mins)
-    symmetric: bool = False
+
+    @property
+    def symmetric(self) -> bool:
+        """Affine codes with every zero point at 2^(bits - 1): the kernels take them from the bit width."""
+        return self.codebook is None and self.zeros is None
+
+    @property
+    def mins(self) -> torch.Tensor | None:
+        """float32 [N, K / G] = -scale * zero (w = scale * q + min), None in codebook mode; made on each call, for
+        reference paths (the kernels form them from the scales and zero points)."""
+        if self.codebook is not None:
+            return None
+        zero = float(1 << (self.bits - 1)) if self.zeros is None else self.zeros.float()
+        return -self.scales.float() * zero
 
     def nbytes(self) -> int:
-        """Bytes of every tensor this weight holds (codes, scales, mins, codebook)."""
-        tensors = [self.data, self.scales, self.mins, self.codebook]
+        """Bytes of every tensor this weight holds (codes, scales, zero points, codebook)."""
+        tensors = [self.data, self.scales, self.zeros, self.codebook]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -150,33 +164,38 @@ def _check_codes(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_s
 
 
 def _finish(q: torch.Tensor, bits: int, group_size: int, in_features: int, packed: torch.Tensor,
-            scales: torch.Tensor, mins: torch.Tensor | None, codebook: torch.Tensor | None) -> PackedWeight:
+            scales: torch.Tensor, zeros: torch.Tensor | None, codebook: torch.Tensor | None) -> PackedWeight:
     blocked = group_size % BLOCK == 0  # then in_features % 32 == 0 too
     data = _to_blocked(q, bits) if blocked else packed.contiguous()
     return PackedWeight(bits=bits, group_size=group_size, out_features=q.shape[0], in_features=in_features,
-                        data=data, scales=scales, mins=mins, codebook=codebook, blocked=blocked)
+                        data=data, scales=scales, zeros=zeros, codebook=codebook, blocked=blocked)
 
 
 def prepack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int,
             in_features: int) -> PackedWeight:
-    """Checkpoint codes -> runtime layout. qweight: uint8 [N, K * bits / 8] (brisk-packed v1), scales: [N, K / G],
-    zeros: [N, K / G] integer-valued in [0, 2^bits - 1], or None for symmetric (zero = 2^(bits - 1))."""
+    """Checkpoint codes -> runtime layout. qweight: uint8 [N, K * bits / 8] (brisk-packed v1), scales: [N, K / G]
+    (kept as float16, the checkpoint's dtype; other float dtypes are rounded to it), zeros: [N, K / G]
+    integer-valued in [0, 2^bits - 1], or None for symmetric (zero = 2^(bits - 1)); zeros all at 2^(bits - 1) are
+    symmetric too."""
     _check_codes(qweight, scales, bits, group_size, in_features)
-    scales = scales.detach().to(torch.float32).contiguous()
-    middle = float(1 << (bits - 1))
-    if zeros is None:
-        zeros = torch.full_like(scales, middle)
-    else:
+    scales = _half_scales(scales)
+    if zeros is not None:
         if list(zeros.shape) != list(scales.shape):
             raise ValueError(f"zeros must have the shape of scales {list(scales.shape)}, got {list(zeros.shape)}")
-        zeros = zeros.detach().to(torch.float32)
-        if not bool(((zeros == zeros.round()) & (zeros >= 0) & (zeros <= (1 << bits) - 1)).all()):
+        zf = zeros.detach().to(torch.float32)
+        if not bool(((zf == zf.round()) & (zf >= 0) & (zf <= (1 << bits) - 1)).all()):
             raise ValueError(f"zeros must be integers in [0, {(1 << bits) - 1}] for {bits}-bit codes")
+        zeros = None if bool((zf == (1 << (bits - 1))).all()) else zf.to(torch.uint8).contiguous()
     q = _unpack_checkpoint(qweight.detach().cpu(), bits, in_features)
-    mins = (-scales * zeros).contiguous()  # w = scale * (q - zero) = scale * q + min
-    pw = _finish(q, bits, group_size, in_features, qweight.detach(), scales, mins, None)
-    pw.symmetric = bool((zeros == middle).all())
-    return pw
+    return _finish(q, bits, group_size, in_features, qweight.detach(), scales, zeros, None)
+
+
+def _half_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales as the kernels read them: float16 (finite: a checkpoint's float16 scales always are)."""
+    half = scales.detach().to(torch.float16).contiguous()
+    if not bool(torch.isfinite(half).all()):
+        raise ValueError("scales must be finite and within float16's range (|scale| <= 65504)")
+    return half
 
 
 def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in_features: int,
@@ -188,8 +207,7 @@ def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in
     if codebook.numel() != 16:
         raise ValueError(f"a 4-bit codebook has 16 entries, got {codebook.numel()}")
     q = _unpack_checkpoint(qweight.detach().cpu(), 4, in_features)
-    scales = absmax.detach().to(torch.float32).contiguous()
-    return _finish(q, 4, group_size, in_features, qweight.detach(), scales, None, codebook)
+    return _finish(q, 4, group_size, in_features, qweight.detach(), _half_scales(absmax), None, codebook)
 
 
 def unpack_codes(pw: PackedWeight) -> torch.Tensor:
@@ -203,11 +221,13 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> t
     """Reference dequantization to [N, K]: scale * q + min (affine) or scale * codebook[q], in float32."""
     q = unpack_codes(pw)
     n, k, g = pw.out_features, pw.in_features, pw.group_size
+    scales = pw.scales.float()[..., None]
     if pw.codebook is not None:
-        w = pw.codebook[q.long()].view(n, k // g, g) * pw.scales[..., None]  # [N, K/G, G]
+        w = pw.codebook[q.long()].view(n, k // g, g) * scales  # [N, K/G, G]
     else:
-        assert pw.mins is not None, "an affine PackedWeight carries mins"
-        w = torch.addcmul(pw.mins[..., None], q.view(n, k // g, g).float(), pw.scales[..., None])  # [N, K/G, G]
+        mins = pw.mins
+        assert mins is not None, "affine codes have mins"
+        w = torch.addcmul(mins[..., None], q.view(n, k // g, g).float(), scales)  # [N, K/G, G]
     return w.reshape(n, k).to(dtype)
 
 
@@ -229,7 +249,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         if x.numel() <= MAX_SMALL_M * k:  # few rows (decode): decode the codes inside the kernel
             op = get_op("quant_linear_small")
             if op is not None:
-                return op(x, pw.data, pw.scales, pw.mins, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
+                return op(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
         else:
             op = get_op("quant_dequantize")
             if op is not None:
@@ -256,8 +276,8 @@ def _dequantize_and_multiply(x: torch.Tensor, pw: PackedWeight, bias: torch.Tens
     parts = []
     for n0 in range(0, pw.out_features, rows):
         n1 = min(pw.out_features, n0 + rows)
-        mins = None if pw.mins is None else pw.mins[n0:n1]
-        w = op(pw.data[n0:n1], pw.scales[n0:n1], mins, pw.codebook, pw.bits, pw.group_size, pw.in_features)
+        zeros = None if pw.zeros is None else pw.zeros[n0:n1]
+        w = op(pw.data[n0:n1], pw.scales[n0:n1], zeros, pw.codebook, pw.bits, pw.group_size, pw.in_features)
         parts.append(dense_gemm(xf, w, None if bf is None else bf[n0:n1]))  # [..., n1 - n0]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [..., N]
     return out.to(x.dtype)

@@ -31,13 +31,7 @@ MAX_Q8_ROWS = 256
 
 def covers(pw: PackedWeight) -> bool:
     """Whether the int8-activation kernel takes this weight: 8- or 4-bit affine codes in the blocked layout."""
-    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and pw.mins is not None
-
-
-def q8_mins(pw: PackedWeight) -> torch.Tensor | None:
-    """The kernel's mins argument: None for symmetric codes (it derives min = -2^(bits-1) * scale from the scales
-    and so reads a stream fewer: ops/csrc/quant_q8.cpp), else the mins."""
-    return None if pw.symmetric else pw.mins
+    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None
 
 
 def _rounded_sums(xq: torch.Tensor, xs: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -59,15 +53,16 @@ def quant_q8_reference(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | N
     xqb = xq.view(m, nb, BLOCK).double()  # [M, nb, 32]
     xr = _rounded_sums(xq, xs, g)  # [M, K / G]
     group_of_block = torch.arange(nb) * BLOCK // g  # [nb]
+    mins = pw.mins  # [N, K / G] float32
     parts = []
     for n0 in range(0, n, rows_per_chunk):  # bounds the float64 codes to rows_per_chunk * K
         n1 = min(n, n0 + rows_per_chunk)
-        q = unpack_codes(PackedWeight(pw.bits, g, n1 - n0, k, pw.data[n0:n1], pw.scales[n0:n1], pw.mins[n0:n1],
-                                      None, True)).double().view(n1 - n0, nb, BLOCK)  # [n, nb, 32]
+        q = unpack_codes(PackedWeight(pw.bits, g, n1 - n0, k, pw.data[n0:n1], pw.scales[n0:n1], None, None,
+                                      True)).double().view(n1 - n0, nb, BLOCK)  # [n, nb, 32]
         dots = torch.einsum("mjc,njc->mnj", xqb, q)  # [M, n, nb], exact integers
         scale = pw.scales[n0:n1].double()[:, group_of_block]  # [n, nb]
         out = (dots * xs.double()[:, None, :] * scale[None]).sum(-1)  # [M, n]
-        parts.append(out + xr @ pw.mins[n0:n1].double().T)  # + sum_g min_g xr_g
+        parts.append(out + xr @ mins[n0:n1].double().T)  # + sum_g min_g xr_g
     out = torch.cat(parts, dim=-1)  # [M, N]
     if bias is not None:
         out = out + bias.double()
@@ -92,7 +87,7 @@ def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
     op = get_op("quant_linear_q8")
     if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
         if x.numel() <= MAX_Q8_ROWS * x.shape[-1]:
-            return op(x, pw.data, pw.scales, q8_mins(pw), pw.bits, pw.group_size, bias)  # [..., N]
+            return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
         from brisk.ops.qlinear import quant_linear
 
         return quant_linear(fake_quantize_activations(x), pw, bias).to(x.dtype)

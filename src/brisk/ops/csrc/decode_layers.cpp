@@ -11,8 +11,8 @@
 // Per layer the Python side gives 2 + 4 * 6 optional tensors (the two norm weights, then for each of the fused
 // qkv, o, fused gate/up and down projections six slots) and 4 * 3 ints (kind, bits, group size):
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
-//   kind 1, 8/4-bit, int8 activations:  [data, scales, mins (- if symmetric), bias, -, -]   -> quant_linear_q8
-//   kind 2, packed codes, float act.:   [data, scales, mins, codebook, bias, -]             -> quant_linear_small
+//   kind 1, 8/4-bit, int8 activations:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8
+//   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
 //   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one

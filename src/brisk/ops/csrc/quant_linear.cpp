@@ -6,7 +6,8 @@
 // so the weights are never formed: the inner loop multiplies activations by the codes, s is applied once per
 // (row, group) to the partial dot product (or, for 32-element groups, to the 4 decoded vectors of the block,
 // shared by all activation rows of the tile), and the m term is one short dot(min[n, :], xsum[row, :]) per
-// output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Each weight block is
+// output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Scales are float16 and the
+// mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h's GroupParams). Each weight block is
 // decoded once per tile of up to 4 activation rows, in registers, and a chunk of packed rows stays in L1 while
 // the tiles of a larger M run over it: the weights stream from memory once per call.
 //
@@ -52,6 +53,8 @@ namespace {
 
 using brisk_simd::hsum;
 using brisk_simd::load8;
+using brisk_simd::min_terms;
+using brisk_simd::scale1;
 
 constexpr int64_t kBlock = 32;
 // software prefetch of the code stream (simd.h): on the AVX2 VM the hardware prefetcher alone left int8 at ~12 GB/s
@@ -63,8 +66,9 @@ constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 struct QW {
   const uint8_t* data;   // [N, row_bytes]
   int64_t row_bytes;     // K / 32 * BPB
-  const float* scales;   // [N, ngroups]
-  const float* mins;     // [N, ngroups]; nullptr in codebook mode
+  const at::Half* scales;  // [N, ngroups] float16 (simd.h's GroupParams)
+  const uint8_t* zeros;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric, or codebook mode
+  float zero;              // the symmetric zero point 2^(bits-1)
   int64_t ngroups;
   int64_t blocks_per_group;
   int64_t nblocks;       // K / 32
@@ -171,18 +175,6 @@ inline void decode(const uint8_t* p, bool tail, const QW& qw, __m256 w[4]) {
   }
 }
 
-// a[0:n] . b[0:n] added into the lanes of acc (8 at a time; the masked load of the tail never touches memory
-// past the end)
-inline __m256 dot_into(__m256 acc, const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
-  }
-  return acc;
-}
-
 // Weight row n against MT activation rows. NV independent accumulators per activation row keep at least 6 FMA
 // chains in flight (FMA latency 4, two per cycle) even for one activation row, without spilling registers.
 // SCALED (32-element groups): the decoded codes are multiplied by the block's scale (4 multiplies per block, shared
@@ -201,7 +193,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
   }
   const uint8_t* wp = p.data + n * p.row_bytes;
   const uint8_t* const wend = wp + p.row_bytes;
-  const float* sp = p.scales + n * p.ngroups;
+  const at::Half* sp = p.scales + n * p.ngroups;
   const float* xk = xq;
   // one flat loop over the row's blocks (a nested group/block loop costs a loop setup per group, which is most of
   // the time for 32-element groups); `left` counts down the blocks left in the current group
@@ -211,7 +203,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, kPrefetchHint);
     decode<BITS, LUT>(wp, wp + BPB == wend, p, w);
     if constexpr (SCALED) {  // one group per block
-      const __m256 s = _mm256_broadcast_ss(sp++);
+      const __m256 s = _mm256_cvtph_ps(_mm_set1_epi16(*reinterpret_cast<const int16_t*>(sp++)));
       for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
     }
     for (int m = 0; m < MT; ++m)
@@ -220,7 +212,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     if constexpr (!SCALED) {
       if (--left == 0) {  // end of a group: tot += s * dot(x_g, q_g)
         left = p.blocks_per_group;
-        const __m256 s = _mm256_broadcast_ss(sp++);
+        const __m256 s = _mm256_cvtph_ps(_mm_set1_epi16(*reinterpret_cast<const int16_t*>(sp++)));
         for (int m = 0; m < MT; ++m) {
           __m256 a = acc[m][0];
           for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
@@ -231,15 +223,16 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     }
   }
   for (int m = 0; m < MT; ++m) {
-    __m256 a = tot[m];
     if constexpr (SCALED) {
-      a = acc[m][0];
-      for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
+      tot[m] = acc[m][0];
+      for (int i = 1; i < NV; ++i) tot[m] = _mm256_add_ps(tot[m], acc[m][i]);
     }
-    // + sum_g min_g * sum(x_g)
-    if constexpr (!LUT) a = dot_into(a, p.mins + n * p.ngroups, xsum + m * p.ngroups, p.ngroups);
-    out[m * ldo + n] = hsum(a);
   }
+  // + sum_g min_g * sum(x_g)
+  if constexpr (!LUT)
+    min_terms<MT>(tot, p.scales + n * p.ngroups, p.zeros ? p.zeros + n * p.ngroups : nullptr, p.zero, 0.f, xsum,
+                  p.ngroups, p.ngroups);
+  for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]);
 }
 
 constexpr int kMaxTileRows = 4;
@@ -287,7 +280,7 @@ void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const fl
 
 int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
 
-QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
   TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
@@ -298,17 +291,18 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
   const int64_t ngroups = K / group_size;
   TORCH_CHECK(data.size(1) == K / kBlock * block_bytes(bits), "quant_linear: data has ", data.size(1),
               " bytes per row, expected ", K / kBlock * block_bytes(bits));
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear: scales must be float32 [N, K / G]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear: scales must be float16 [N, K / G]");
   QW p{};
   p.data = data.data_ptr<uint8_t>();
   p.row_bytes = data.size(1);
-  p.scales = scales.data_ptr<float>();
-  p.mins = nullptr;
-  if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "quant_linear: mins must be float32 and shaped like scales");
-    p.mins = mins->data_ptr<float>();
+  p.scales = scales.data_ptr<at::Half>();
+  p.zeros = nullptr;
+  p.zero = static_cast<float>(int64_t{1} << (bits - 1));
+  if (zeros.has_value() && zeros->defined()) {
+    TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
+                "quant_linear: zeros must be uint8 and shaped like scales");
+    p.zeros = zeros->data_ptr<uint8_t>();
   }
   p.ngroups = ngroups;
   p.blocks_per_group = group_size / kBlock;
@@ -317,11 +311,9 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
   if (codebook.has_value() && codebook->defined()) {
     TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
                 codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
-    TORCH_CHECK(p.mins == nullptr, "quant_linear: codebook codes take no mins");
+    TORCH_CHECK(p.zeros == nullptr, "quant_linear: codebook codes take no zero points");
     p.lut_lo = _mm256_loadu_ps(codebook->data_ptr<float>());
     p.lut_hi = _mm256_loadu_ps(codebook->data_ptr<float>() + 8);
-  } else {
-    TORCH_CHECK(p.mins != nullptr, "quant_linear: affine codes need mins (-scale * zero)");
   }
   return p;
 }
@@ -376,17 +368,18 @@ void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
 
 }  // namespace
 
-// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (layout above); scales, mins: [N, K / G]
-// float32 (mins absent in codebook mode); codebook: [16] float32 or absent; bias: [N] or absent.
+// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (layout above); scales: [N, K / G] float16;
+// zeros: [N, K / G] uint8 zero points, absent for symmetric codes (zero 2^(bits-1)) and in codebook mode; codebook:
+// [16] float32 or absent; bias: [N] or absent.
 // Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
 at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                              const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
+                              const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
                               int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear_small: x must be float32 or bfloat16 [..., K]");
   const int64_t K = x.size(-1);
   const int64_t M = K > 0 ? x.numel() / K : 0;
-  QW p = make_qw(data, scales, mins, codebook, bits, group_size, K);
+  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
   const int64_t N = data.size(0);
   const bool lut = codebook.has_value() && codebook->defined();
   const bool has_bias = bias.has_value() && bias->defined();
@@ -430,13 +423,13 @@ at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const
 }
 
 // Dequantize the runtime layout to float32 [N, K] (the large-M path runs F.linear on the result).
-at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                             const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
                             int64_t in_features) {
   const int64_t K = in_features;
-  QW p = make_qw(data, scales, mins, codebook, bits, group_size, K);
+  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
   const int64_t N = data.size(0);
-  auto out = at::empty({N, K}, scales.options());
+  auto out = at::empty({N, K}, scales.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   dispatch(bits, codebook.has_value() && codebook->defined(), [&](auto b, auto l) {
     constexpr int BITS = decltype(b)::value;
@@ -450,8 +443,10 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
         float* orow = o + n * K;
         for (int64_t blk = 0; blk < p.nblocks; ++blk) {
           const int64_t g = blk / p.blocks_per_group;
-          const __m256 s = _mm256_set1_ps(p.scales[n * p.ngroups + g]);
-          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(p.mins[n * p.ngroups + g]);
+          const float sc = scale1(p.scales + n * p.ngroups + g);
+          const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact)
+          const __m256 mn = LUT ? _mm256_setzero_ps()
+                                : _mm256_set1_ps(-sc * (p.zeros ? static_cast<float>(p.zeros[n * p.ngroups + g]) : p.zero));
           __m256 w[4];
           decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
           for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m
@@ -466,9 +461,9 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("quant_linear_small(Tensor x, Tensor data, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
+  m.def("quant_linear_small(Tensor x, Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias) -> Tensor", &quant_linear_small);
-  m.def("quant_dequantize(Tensor data, Tensor scales, Tensor? mins, Tensor? codebook, int bits, int group_size, "
+  m.def("quant_dequantize(Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, int group_size, "
         "int in_features) -> Tensor", &quant_dequantize);
 }
 

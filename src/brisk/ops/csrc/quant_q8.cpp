@@ -17,9 +17,11 @@
 //   out[m, n] = sum_g s_g * sum_{b in g} xs_b * dot(q'_b, xq_b)  +  sum_g (min_g + c * s_g) * xr_g
 //
 // with q' = q - c: c = 128 for 8-bit codes (so that they fit int8; see below), c = 0 for 4-bit codes.
-// Symmetric codes (zero point 2^(bits-1), the op called without mins) take min_g = -2^(bits-1) * s_g from the
-// scales: at batch 1 a weight's mins are a stream of their own (4-bit g64: 10% of the bytes), and not reading them
-// made the default model's 120 decoder linears 1.84 -> 1.70 ms (same-process A/B, medians of 60 passes).
+// The group parameters are float16 scales and uint8 zero points, min_g = -zero_g * s_g (simd.h's GroupParams: the
+// same float32 numbers as float32 scales and mins, 3 bytes a group instead of 8); symmetric codes (no zero points)
+// take zero_g = 2^(bits-1). At batch 1 the group parameters are streams of their own next to the codes: not reading
+// float32 mins for symmetric codes made the default model's 120 decoder linears 1.84 -> 1.70 ms (same-process A/B,
+// medians of 60 passes).
 //
 // Operand ranges. maddubs adds two u8 x s8 products into a saturating int16: 8-bit codes 0..255 against |xq| <= 127
 // could reach 2 * 255 * 127 = 64770 and saturate. So 8-bit codes are recentred (q' = q ^ 0x80 = q - 128, in
@@ -56,6 +58,10 @@ namespace {
 using brisk_simd::hsum;
 using brisk_simd::load8;
 using brisk_simd::load_block;
+using brisk_simd::min_terms;
+using brisk_simd::scale1;
+using brisk_simd::scales8;
+using brisk_simd::zeros8;
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxTileRows = 4;  // activation rows per tile (a chunk of weight rows stays in L1 across tiles)
@@ -72,12 +78,12 @@ constexpr int64_t kFoldMaxBlocks = 2;
 struct Q8W {
   const uint8_t* data;  // [N, row_bytes] blocked codes
   int64_t row_bytes;    // K / 32 * BPB
-  const float* scales;  // [N, ngroups]
-  const float* mins;    // [N, ngroups], or null for symmetric codes: min = -zero * scale
+  const at::Half* scales;  // [N, ngroups] float16
+  const uint8_t* zeros;    // [N, ngroups] zero points (min = -zero * scale), or null for symmetric codes
   int64_t ngroups;
   int64_t blocks_per_group;
   int64_t nblocks;  // K / 32
-  float zero;       // symmetric codes' zero point (2^(bits-1)); unused with mins
+  float zero;       // symmetric codes' zero point (2^(bits-1)); unused with zeros
 };
 
 // The activations as the kernel reads them. xq: [M, K] int8 in the permuted order; xs: [M, nblocks]; xr: [M,
@@ -161,7 +167,7 @@ void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, 
     for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
   }
   const uint8_t* wp = p.data + n * p.row_bytes;
-  const float* sp = p.scales + n * p.ngroups;
+  const at::Half* sp = p.scales + n * p.ngroups;
   auto step = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
     __m256i u, sg;
     _mm_prefetch(reinterpret_cast<const char*>(wp + b * BPB) + kPrefetchBytes, kPrefetchHint);
@@ -173,12 +179,12 @@ void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, 
     }
   };
   if constexpr (FOLD) {
-    const float* sg = sp;
+    const at::Half* sg = sp;
     __m256 s = _mm256_setzero_ps();
     int64_t left = 0;  // blocks left in the current group
     auto fstep = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
       if (left == 0) {
-        s = _mm256_broadcast_ss(sg++);
+        s = _mm256_set1_ps(scale1(sg++));
         left = p.blocks_per_group;
       }
       --left;
@@ -212,7 +218,7 @@ void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, 
           step(b + 1, acc[1]);
         }
       for (; b < b1; ++b) step(b, acc[0]);
-      const __m256 s = _mm256_broadcast_ss(sp + g);  // end of the group: tot += s_g * sum_b xs_b dot_b
+      const __m256 s = _mm256_set1_ps(scale1(sp + g));  // end of the group: tot += s_g * sum_b xs_b dot_b
       for (int m = 0; m < MT; ++m) {
         __m256 t = acc[0][m];
         if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][m]);
@@ -224,33 +230,15 @@ void tile(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out, 
   finish<MT>(p, n, x, tot, kOffset, bias, out, ldo);
 }
 
-// out[m, n] = the row sums tot[m] + sum_g (min_g + c s_g) xr_g (+ bias), 8 groups at a time (the masked loads of the
-// tail never touch memory past the end).
+// out[m, n] = the row sums tot[m] + sum_g (min_g + c s_g) xr_g (+ bias), min_g + c s_g = (c - zero_g) s_g.
 template <int MT>
 inline void finish(const Q8W& p, int64_t n, const Q8X& x, const __m256* tot, float offset, const float* bias,
                    float* out, int64_t ldo) {
-  const float* sp = p.scales + n * p.ngroups;
-  const float* mp = p.mins ? p.mins + n * p.ngroups : nullptr;
-  const __m256 c = _mm256_set1_ps(offset), cz = _mm256_set1_ps(offset - p.zero);
-  // min_g + c s_g, from the mins or (symmetric) as (c - zero) s_g
-  auto group_term = [&](__m256 s, const float* m, const __m256i* mask) __attribute__((always_inline)) {
-    if (!mp) return _mm256_mul_ps(s, cz);
-    return _mm256_fmadd_ps(s, c, mask ? _mm256_maskload_ps(m, *mask) : _mm256_loadu_ps(m));
-  };
-  for (int m = 0; m < MT; ++m) {
-    const float* xr = x.xr + m * x.ngroups;
-    __m256 a = tot[m];
-    int64_t g = 0;
-    for (; g + 8 <= p.ngroups; g += 8)
-      a = _mm256_fmadd_ps(group_term(_mm256_loadu_ps(sp + g), mp + g, nullptr), _mm256_loadu_ps(xr + g), a);
-    if (g < p.ngroups) {
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(p.ngroups - g)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      a = _mm256_fmadd_ps(group_term(_mm256_maskload_ps(sp + g, mask), mp + g, &mask), _mm256_maskload_ps(xr + g, mask),
-                          a);
-    }
-    out[m * ldo + n] = hsum(a) + (bias ? bias[n] : 0.f);
-  }
+  __m256 a[MT];
+  for (int m = 0; m < MT; ++m) a[m] = tot[m];
+  min_terms<MT>(a, p.scales + n * p.ngroups, p.zeros ? p.zeros + n * p.ngroups : nullptr, p.zero, offset, x.xr,
+                x.ngroups, p.ngroups);
+  for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(a[m]) + (bias ? bias[n] : 0.f);
 }
 
 inline bool fold(const Q8W& p) { return p.blocks_per_group <= kFoldMaxBlocks && p.blocks_per_group < p.nblocks; }
@@ -271,22 +259,22 @@ void tile4p(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float* out
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < NA; ++a) acc[a][m] = _mm256_setzero_ps();
   const uint8_t* wp = p.data + n * p.row_bytes;
-  const float* sp = p.scales + n * p.ngroups;
+  const at::Half* sp = p.scales + n * p.ngroups;
   const __m256i low = _mm256_set1_epi8(0x0F);
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t npairs = p.nblocks / 2, bpg = p.blocks_per_group;
   // the weight scales of pair q, for q = 0, 1, 2, ... in order (a counter: no division in the loop)
   const int64_t pairs_per_group = bpg / 2;
-  const float* sg = sp;
+  const at::Half* sg = sp;
   int64_t left = pairs_per_group;
   auto next_scales = [&](int64_t q) __attribute__((always_inline)) {
-    if (bpg == 1) return _mm256_set_m128(_mm_broadcast_ss(sp + 2 * q + 1), _mm_broadcast_ss(sp + 2 * q));
+    if (bpg == 1) return _mm256_set_m128(_mm_set1_ps(scale1(sp + 2 * q + 1)), _mm_set1_ps(scale1(sp + 2 * q)));
     if (left == 0) {
       ++sg;
       left = pairs_per_group;
     }
     --left;
-    return _mm256_broadcast_ss(sg);
+    return _mm256_set1_ps(scale1(sg));
   };
   auto step = [&](int64_t q, __m256* a) __attribute__((always_inline)) {
     _mm_prefetch(reinterpret_cast<const char*>(wp + q * 32) + kPrefetchBytes, kPrefetchHint);
@@ -350,15 +338,18 @@ inline void unpack_quad(const uint8_t* w, __m512i& lo, __m512i& hi) {
 
 // The weight scales of quad r of a row (s: its scales) per lane of the quad's dot products: four consecutive block
 // scales (one-block groups), two group scales (two-block groups), else those of groups ga and gb (PairGroups).
-inline __m512 quad_scales(const float* s, int64_t r, int64_t bpg, int64_t ga, int64_t gb) {
+inline __m512 quad_scales(const at::Half* s, int64_t r, int64_t bpg, int64_t ga, int64_t gb) {
   if (bpg == 1)
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                 _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * r)));
-  if (bpg == 2)
-    return _mm512_permutexvar_ps(
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * r)))));
-  return _mm512_shuffle_f32x4(_mm512_set1_ps(s[ga]), _mm512_set1_ps(s[gb]), 0);
+                                 _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(
+                                     reinterpret_cast<const __m128i*>(s + 4 * r)))));
+  if (bpg == 2) {
+    int32_t two;
+    std::memcpy(&two, s + 2 * r, 4);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
+  }
+  return _mm512_shuffle_f32x4(_mm512_set1_ps(scale1(s + ga)), _mm512_set1_ps(scale1(s + gb)), 0);
 }
 
 // A row's odd last pair q, 256 bits wide: its int32 dot products against activations xa (low nibbles' elements)
@@ -369,9 +360,9 @@ inline __m256i pair_dot(const uint8_t* w, __m256i xa, __m256i xb) {
   const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
 }
-inline __m256 pair_scales(const float* s, int64_t q, int64_t bpg, int64_t g) {
-  if (bpg == 1) return _mm256_set_m128(_mm_broadcast_ss(s + 2 * q + 1), _mm_broadcast_ss(s + 2 * q));
-  return _mm256_broadcast_ss(bpg == 2 ? s + q : s + g);
+inline __m256 pair_scales(const at::Half* s, int64_t q, int64_t bpg, int64_t g) {
+  if (bpg == 1) return _mm256_set_m128(_mm_set1_ps(scale1(s + 2 * q + 1)), _mm_set1_ps(scale1(s + 2 * q)));
+  return _mm256_set1_ps(scale1(bpg == 2 ? s + q : s + g));
 }
 
 inline __m256 fold512(__m512 t) {  // 16 lanes -> 8 (pairwise sums of the halves)
@@ -389,7 +380,7 @@ void tile4p_512(const Q8W& p, int64_t n, const Q8X& x, const float* bias, float*
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < NA; ++a) acc[a][m] = _mm512_setzero_ps();
   const uint8_t* wp = p.data + n * p.row_bytes;
-  const float* sp = p.scales + n * p.ngroups;
+  const at::Half* sp = p.scales + n * p.ngroups;
   const int64_t npairs = p.nblocks / 2, nquads = npairs / 2, bpg = p.blocks_per_group;
   PairGroups groups(bpg);
   auto step = [&](int64_t r, __m512* a) __attribute__((always_inline)) {
@@ -448,17 +439,16 @@ inline void tile4p_512_r4(const Q8W& p, int64_t n, const Q8X& x, const float* bi
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* wp = p.data + n * p.row_bytes;
   const int64_t rb = p.row_bytes, ng = p.ngroups;
-  const float* sp = p.scales + n * ng;
+  const at::Half* sp = p.scales + n * ng;
+  const uint8_t* zp = p.zeros ? p.zeros + n * ng : nullptr;
   const int64_t npairs = p.nblocks / 2, nquads = npairs / 2, bpg = p.blocks_per_group;
   PairGroups groups(bpg);
-  {  // the scales and mins are two more streams: prefetched as far ahead (in rows) as the codes
+  {  // the scales and zero points are two more streams: prefetched as far ahead (in rows) as the codes
     const int64_t ahead = (kPrefetchBytes / rb + R) * ng;
     const char* sa = reinterpret_cast<const char*>(sp + ahead);
-    const char* ma = p.mins ? reinterpret_cast<const char*>(p.mins + n * ng + ahead) : nullptr;
-    for (int64_t off = 0; off < R * ng * 4; off += 64) {
-      _mm_prefetch(sa + off, kPrefetchHint);
-      if (ma) _mm_prefetch(ma + off, kPrefetchHint);
-    }
+    for (int64_t off = 0; off < R * ng * 2; off += 64) _mm_prefetch(sa + off, kPrefetchHint);
+    const char* za = zp ? reinterpret_cast<const char*>(zp + ahead) : nullptr;
+    for (int64_t off = 0; za && off < R * ng; off += 64) _mm_prefetch(za + off, kPrefetchHint);
   }
   for (int64_t r = 0; r < nquads; ++r) {
     const __m512i xl = _mm512_loadu_si512(x.xq2 + r * 128);
@@ -490,19 +480,17 @@ inline void tile4p_512_r4(const Q8W& p, int64_t n, const Q8X& x, const float* bi
                                tot[i]);
     }
   }
-  // + sum_g min_g xr_g per row (4-bit codes: c = 0; symmetric codes: min_g = -zero s_g, so -zero xr_g against the
-  // scales), then the four rows' horizontal sums together
-  const float* mp = p.mins ? p.mins + n * ng : sp;
-  const __m256 xf = _mm256_set1_ps(p.mins ? 1.f : -p.zero);
-  int64_t k = 0;
-  for (; k + 8 <= ng; k += 8) {
-    const __m256 xr = _mm256_mul_ps(_mm256_loadu_ps(x.xr + k), xf);
-    for (int i = 0; i < R; ++i) tot[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mp + i * ng + k), xr, tot[i]);
-  }
-  if (k < ng) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 xr = _mm256_mul_ps(_mm256_maskload_ps(x.xr + k, mask), xf);
-    for (int i = 0; i < R; ++i) tot[i] = _mm256_fmadd_ps(_mm256_maskload_ps(mp + i * ng + k, mask), xr, tot[i]);
+  // + sum_g min_g xr_g per row (4-bit codes: c = 0), min_g = -zero_g s_g, 8 groups of the four rows at a time
+  // (sharing the xr loads: a min_terms call per row made the batch-1 step ~10% slower), then the four rows'
+  // horizontal sums together
+  const __m256 zero = _mm256_set1_ps(p.zero);
+  for (int64_t k = 0; k < ng; k += 8) {
+    const int64_t c = std::min<int64_t>(8, ng - k);
+    const __m256 xr = c == 8 ? _mm256_loadu_ps(x.xr + k) : brisk_simd::load_first(x.xr + k, c);
+    for (int i = 0; i < R; ++i) {
+      const __m256 z = zp ? zeros8(zp + i * ng + k, c) : zero;
+      tot[i] = _mm256_fnmadd_ps(_mm256_mul_ps(scales8(sp + i * ng + k, c), z), xr, tot[i]);
+    }
   }
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(tot[0], tot[1]), _mm256_hadd_ps(tot[2], tot[3]));
   __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // [row n .. n+3]
@@ -685,11 +673,11 @@ at::Tensor fake_quantize_q8(const at::Tensor& x) {
 }
 
 // x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (quant_linear.cpp's blocked layout, 8 or 4
-// bits); scales, mins: [N, K / G] float32 (G a multiple of 32 dividing K), mins absent for symmetric codes (zero
-// point 2^(bits-1): w = scale * (q - 2^(bits-1))); bias: [N] float32 / bfloat16 or absent.
+// bits); scales: [N, K / G] float16 (G a multiple of 32 dividing K); zeros: [N, K / G] uint8 zero points (w = scale *
+// (q - zero)), absent for symmetric codes (zero 2^(bits-1)); bias: [N] float32 / bfloat16 or absent.
 // Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins, int64_t bits, int64_t group_size,
+                           const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                            const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear_q8: x must be float32 or bfloat16 [..., K]");
@@ -701,11 +689,11 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at
               data.size(1) == K / kBlock * 4 * bits,
               "quant_linear_q8: data must be a contiguous uint8 [N, K / 32 * 4 * bits] tensor");
   const int64_t N = data.size(0), ngroups = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear_q8: scales must be float32 [N, K / G]");
-  const bool affine = mins.has_value() && mins->defined();
-  TORCH_CHECK(!affine || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes()),
-              "quant_linear_q8: mins must be float32 and shaped like scales");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear_q8: scales must be float16 [N, K / G]");
+  const bool affine = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(!affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+              "quant_linear_q8: zeros must be uint8 and shaped like scales");
   at::Tensor bf;  // bias as float32
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
@@ -720,8 +708,8 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at
   auto xc = x.contiguous();
   const int64_t nblocks = K / kBlock;
   const bool direct = x.scalar_type() == at::kFloat;  // the kernel writes float32 results in place
-  const Q8W p{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr<float>(),
-              affine ? mins->data_ptr<float>() : nullptr, ngroups, group_size / kBlock, nblocks,
+  const Q8W p{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr<at::Half>(),
+              affine ? zeros->data_ptr<uint8_t>() : nullptr, ngroups, group_size / kBlock, nblocks,
               static_cast<float>(int64_t{1} << (bits - 1))};
   const bool paired = bits == 4 && pairs(p);
   // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result [M, N] unless written in place,
@@ -750,7 +738,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("quant_linear_q8(Tensor x, Tensor data, Tensor scales, Tensor? mins, int bits, int group_size, Tensor? bias) "
+  m.def("quant_linear_q8(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, Tensor? bias) "
         "-> Tensor", &quant_linear_q8);
   m.def("fake_quantize_q8(Tensor x) -> Tensor", &fake_quantize_q8);
 }
