@@ -305,8 +305,14 @@ def make_kv_caches(kind: str, num_layers: int, num_blocks: int, block_size: int,
     bfloat16 (the same, 16-bit: K/V rounded on write), int8 or int4 (quantized on write)."""
     if kind in ("auto", "bfloat16"):
         cache_dtype = torch.bfloat16 if kind == "bfloat16" else dtype
-        return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
-                for _ in range(num_layers)]
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            from brisk.model.hugepages import huge_zeros
+
+            caches = huge_zeros(num_layers, shape, cache_dtype)  # one arena on 2 MiB pages (model/hugepages.py)
+            if caches is not None:
+                return caches
+        return [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(num_layers)]
     if kind == "int8":
         return [Int8KVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
                 for _ in range(num_layers)]

@@ -164,6 +164,10 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
 
         sparsify_model(net)
     use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
+    if torch.device(device).type == "cpu":
+        from brisk.model.hugepages import to_huge_pages
+
+        to_huge_pages(net)  # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 

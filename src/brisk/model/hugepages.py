@@ -1,0 +1,135 @@
+"""Model weights in one arena on transparent huge pages (Linux).
+
+Batch-1 decode streams every weight once per token. On 4 KiB pages that is one TLB entry per 4 KiB of weights, and
+the hardware prefetchers stop at every page boundary; on 2 MiB pages neither happens. Measured on the 2-core Zen 5
+VM (alternated processes, float32 batch-1 decode of the default model): 71.6 / 70.7 / 72.5 -> 75.6 / 79.8 / 81.3
+tok/s with torch's own THP allocation (THP_MEM_ALLOC_ENABLE=1, which covers tensors of 2 MiB and more only); an
+int4 g64 model's small tensors, moved here into one arena, 307.7 -> 320.9 tok/s (medians, one process).
+
+`to_huge_pages` copies a model's parameters and buffers (and the quantized / sparse weights' own fields, which the
+modules mirror as buffers) into one contiguous, 2 MiB-aligned buffer advised MADV_HUGEPAGE, in module order, and
+points every holder at its slice: the same values, the same dtypes and shapes. One arena instead of one region per
+tensor: a region per tensor would round each up to whole huge pages (a 2.2 MiB tensor taking 4 MiB).
+Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_hugepage/enabled` says never, or is
+absent), on other platforms, or when BRISK_HUGE_PAGES=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_ALIGN = 64  # each tensor starts on a cache line
+
+
+def huge_pages_available() -> bool:
+    """Linux with transparent huge pages in `always` or `madvise` mode, and not switched off by BRISK_HUGE_PAGES=0."""
+    if os.environ.get("BRISK_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def _arena(nbytes: int) -> tuple[torch.Tensor, int] | None:
+    """(a uint8 buffer, the offset of its 2 MiB-aligned start) with nbytes from there advised MADV_HUGEPAGE, or
+    None if the kernel refuses. Nothing is touched yet: pages are faulted in, huge, on first write."""
+    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = (buf.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE - buf.data_ptr()
+    span = min((nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, buf.numel() - start)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(span), _MADV_HUGEPAGE) != 0:
+        return None
+    return buf, start
+
+
+def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """`count` zero tensors of one shape in one huge-page arena (the per-layer KV caches: attention reads them
+    through block tables, a TLB miss per 4 KiB page otherwise), or None where huge pages are not available."""
+    if not huge_pages_available() or count == 0:
+        return None
+    each = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    step = (each + _ALIGN - 1) // _ALIGN * _ALIGN
+    arena = _arena(step * count)
+    if arena is None:
+        return None
+    buf, start = arena
+    out = []
+    for i in range(count):
+        t = buf[start + i * step:start + i * step + each].view(dtype).view(shape)
+        t.zero_()
+        out.append(t)
+    return out
+
+
+def _holders(model: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
+    """(owner, attribute, tensor) for every parameter, buffer and packed/sparse weight field, in module order."""
+    out = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                out.append((module, "param:" + name, p))
+        for name, b in module._buffers.items():
+            if b is not None:
+                out.append((module, "buffer:" + name, b))
+        for attr in ("packed", "sparse"):  # QuantLinear.packed / SparseLinear.sparse: their fields mirror buffers
+            holder = getattr(module, attr, None)
+            if dataclasses.is_dataclass(holder):
+                for f in dataclasses.fields(holder):
+                    value = getattr(holder, f.name)
+                    if isinstance(value, torch.Tensor):
+                        out.append((holder, "field:" + f.name, value))
+    return out
+
+
+def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
+    """Move the model's CPU tensors of at least `min_bytes` into one huge-page arena (see the module docstring).
+    Returns the bytes moved (0 when huge pages are not available). Tensors shared by several holders (tied
+    embeddings, a packed weight and the buffer mirroring it) stay shared."""
+    if not huge_pages_available():
+        return 0
+    holders = _holders(model)
+    moved: dict[int, tuple[torch.Tensor, int]] = {}  # id of the original tensor's storage start -> (tensor, offset)
+    total = 0
+    for _, _, t in holders:
+        if t.device.type != "cpu" or t.nbytes < min_bytes or not t.is_contiguous() or t.is_sparse:
+            continue
+        key = t.data_ptr()
+        if key in moved:
+            continue
+        moved[key] = (t, total)
+        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    if total == 0:
+        return 0
+    arena = _arena(total)
+    if arena is None:
+        return 0  # the kernel refused: keep the model as it is
+    buf, start = arena
+    views: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, (t, offset) in moved.items():
+            view = buf[start + offset:start + offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)  # first touch: faults in huge pages
+            views[key] = view
+    for owner, where, t in holders:
+        view = views.get(t.data_ptr()) if t.device.type == "cpu" and t.nbytes >= min_bytes else None
+        if view is None or view.dtype != t.dtype or view.shape != t.shape:
+            continue
+        kind, name = where.split(":", 1)
+        if kind == "param":
+            t.data = view  # the Parameter object stays (optimizers, tying), its storage moves
+        elif kind == "buffer":
+            owner._buffers[name] = view  # type: ignore[attr-defined]
+        else:
+            setattr(owner, name, view)
+    return total

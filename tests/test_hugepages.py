@@ -1,0 +1,58 @@
+"""Weights and KV caches on transparent huge pages (model/hugepages.py): the same values and sharing after the move,
+a model that answers the same, the switch-off, and the KV arena."""
+
+from __future__ import annotations
+
+import torch
+from hf_utils import make_tiny_hf_model
+from test_model import prefill_logits
+
+from brisk.model import hugepages as H
+from brisk.model.loader import load_model
+
+
+def test_to_huge_pages_keeps_values_sharing_and_outputs(tmp_path, monkeypatch):
+    make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
+    monkeypatch.setenv("BRISK_HUGE_PAGES", "0")
+    plain_loaded = load_model(str(tmp_path))
+    plain = plain_loaded.model
+    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
+    loaded = load_model(str(tmp_path))  # load_model moves the weights when huge pages are available
+    model = loaded.model
+    ids = torch.tensor([1, 5, 9, 2, 7, 3, 3, 8])
+    assert torch.equal(prefill_logits(loaded, ids), prefill_logits(plain_loaded, ids))
+    for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    if not H.huge_pages_available():  # e.g. THP off on this kernel: nothing moved, nothing else to check
+        return
+    big = [p for p in model.parameters() if p.nbytes >= 4096]
+    ptrs = sorted(p.data_ptr() for p in big)
+    # one arena: the parameters lie within one contiguous span, in module order
+    span = ptrs[-1] - ptrs[0]
+    assert span < sum(p.nbytes for p in big) + 64 * len(big)
+    # tied embeddings stay one tensor
+    assert model.lm_head.weight is model.model.embed_tokens.weight or (
+        model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr())
+    # moving again is harmless (values unchanged)
+    H.to_huge_pages(model)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_switch_off_and_kv_arena(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    before = [p.data_ptr() for p in model.parameters()]
+    monkeypatch.setenv("BRISK_HUGE_PAGES", "0")
+    assert not H.huge_pages_available()
+    assert H.to_huge_pages(model) == 0 and H.huge_zeros(3, (2, 4), torch.float32) is None
+    assert [p.data_ptr() for p in model.parameters()] == before
+    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
+    if not H.huge_pages_available():
+        return
+    caches = H.huge_zeros(4, (2, 8, 16, 3, 64), torch.bfloat16)  # 4 layers x 96 KiB
+    assert caches is not None and len(caches) == 4
+    assert all(c.shape == (2, 8, 16, 3, 64) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
+    assert all(c.data_ptr() % 64 == 0 for c in caches)
+    assert caches[0].data_ptr() % H.HUGE_PAGE == 0  # the arena starts on a huge page
+    caches[1].fill_(1)  # separate tensors
+    assert not caches[0].any() and not caches[2].any()
