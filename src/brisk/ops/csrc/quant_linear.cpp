@@ -48,13 +48,15 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
 using brisk_simd::hsum;
 using brisk_simd::load8;
-using brisk_simd::min_terms;
 using brisk_simd::scale1;
+using brisk_simd::scales8;
+using brisk_simd::zeros8;
 
 constexpr int64_t kBlock = 32;
 // software prefetch of the code stream (simd.h): on the AVX2 VM the hardware prefetcher alone left int8 at ~12 GB/s
@@ -73,7 +75,27 @@ struct QW {
   int64_t blocks_per_group;
   int64_t nblocks;       // K / 32
   __m256 lut_lo, lut_hi; // codebook entries 0-7 and 8-15 (codebook mode)
+  // a chunk's group parameters as float32 (tile reads these): rows [row0, row0 + chunk rows), made by run() from
+  // scales / zeros, so the block loop reads one float per group (an embedded broadcast) as with float32 scales
+  const float* s32 = nullptr;  // [rows, ngroups]
+  const float* m32 = nullptr;  // [rows, ngroups] = -scale * zero (exact); affine codes only
+  int64_t row0 = 0;
 };
+
+// rows [c, c1)'s scales and mins as float32 into s32 / m32 (m32 only for affine codes)
+inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float* s32, float* m32) {
+  const int64_t n = (c1 - c) * p.ngroups;  // the chunk's rows are consecutive: one run of n groups
+  const at::Half* s = p.scales + c * p.ngroups;
+  const uint8_t* z = p.zeros ? p.zeros + c * p.ngroups : nullptr;
+  const __m256 zv = _mm256_set1_ps(p.zero);
+  for (int64_t g = 0; g < n; g += 8) {
+    const int64_t k = std::min<int64_t>(8, n - g);
+    const __m256 sv = scales8(s + g, k);
+    _mm256_storeu_ps(s32 + g, sv);  // (the buffers have room for a whole last vector)
+    if (affine)
+      _mm256_storeu_ps(m32 + g, _mm256_mul_ps(sv, _mm256_sub_ps(_mm256_setzero_ps(), z ? zeros8(z + g, k) : zv)));
+  }
+}
 
 // Bit offset of element 8 i + l's code within lane l of decoded vector i (after vector 3's pre-shift).
 template <int BITS>
@@ -175,6 +197,18 @@ inline void decode(const uint8_t* p, bool tail, const QW& qw, __m256 w[4]) {
   }
 }
 
+// a[0:n] . b[0:n] added into the lanes of acc (8 at a time; the masked load of the tail never touches memory
+// past the end)
+inline __m256 dot_into(__m256 acc, const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
+  }
+  return acc;
+}
+
 // Weight row n against MT activation rows. NV independent accumulators per activation row keep at least 6 FMA
 // chains in flight (FMA latency 4, two per cycle) even for one activation row, without spilling registers.
 // SCALED (32-element groups): the decoded codes are multiplied by the block's scale (4 multiplies per block, shared
@@ -193,7 +227,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
   }
   const uint8_t* wp = p.data + n * p.row_bytes;
   const uint8_t* const wend = wp + p.row_bytes;
-  const at::Half* sp = p.scales + n * p.ngroups;
+  const float* sp = p.s32 + (n - p.row0) * p.ngroups;
   const float* xk = xq;
   // one flat loop over the row's blocks (a nested group/block loop costs a loop setup per group, which is most of
   // the time for 32-element groups); `left` counts down the blocks left in the current group
@@ -203,7 +237,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, kPrefetchHint);
     decode<BITS, LUT>(wp, wp + BPB == wend, p, w);
     if constexpr (SCALED) {  // one group per block
-      const __m256 s = _mm256_cvtph_ps(_mm_set1_epi16(*reinterpret_cast<const int16_t*>(sp++)));
+      const __m256 s = _mm256_broadcast_ss(sp++);
       for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
     }
     for (int m = 0; m < MT; ++m)
@@ -212,7 +246,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     if constexpr (!SCALED) {
       if (--left == 0) {  // end of a group: tot += s * dot(x_g, q_g)
         left = p.blocks_per_group;
-        const __m256 s = _mm256_cvtph_ps(_mm_set1_epi16(*reinterpret_cast<const int16_t*>(sp++)));
+        const __m256 s = _mm256_broadcast_ss(sp++);
         for (int m = 0; m < MT; ++m) {
           __m256 a = acc[m][0];
           for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
@@ -223,16 +257,15 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     }
   }
   for (int m = 0; m < MT; ++m) {
+    __m256 a = tot[m];
     if constexpr (SCALED) {
-      tot[m] = acc[m][0];
-      for (int i = 1; i < NV; ++i) tot[m] = _mm256_add_ps(tot[m], acc[m][i]);
+      a = acc[m][0];
+      for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
     }
+    // + sum_g min_g * sum(x_g)
+    if constexpr (!LUT) a = dot_into(a, p.m32 + (n - p.row0) * p.ngroups, xsum + m * p.ngroups, p.ngroups);
+    out[m * ldo + n] = hsum(a);
   }
-  // + sum_g min_g * sum(x_g)
-  if constexpr (!LUT)
-    min_terms<MT>(tot, p.scales + n * p.ngroups, p.zeros ? p.zeros + n * p.ngroups : nullptr, p.zero, 0.f, xsum,
-                  p.ngroups, p.ngroups);
-  for (int m = 0; m < MT; ++m) out[m * ldo + n] = hsum(tot[m]);
 }
 
 constexpr int kMaxTileRows = 4;
@@ -270,10 +303,22 @@ void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const fl
   // grain: rows per task such that a task streams >= ~32 KiB of codes
   const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    // this thread's float32 copies of a chunk's group parameters (see QW::s32); they only grow
+    thread_local std::vector<float> s32, m32;
+    const size_t need = static_cast<size_t>(chunk * p.ngroups + 8);
+    if (s32.size() < need) {
+      s32.resize(need);
+      m32.resize(need);
+    }
+    QW pc = p;
+    pc.s32 = s32.data();
+    pc.m32 = m32.data();
     for (int64_t c = n0; c < n1; c += chunk) {
       const int64_t c1 = std::min(n1, c + chunk);
-      if (scaled) run_rows<BITS, LUT, true>(p, c, c1, xq, M, K, xsum, out, N);
-      else run_rows<BITS, LUT, false>(p, c, c1, xq, M, K, xsum, out, N);
+      chunk_params(p, c, c1, !LUT, s32.data(), m32.data());
+      pc.row0 = c;
+      if (scaled) run_rows<BITS, LUT, true>(pc, c, c1, xq, M, K, xsum, out, N);
+      else run_rows<BITS, LUT, false>(pc, c, c1, xq, M, K, xsum, out, N);
     }
   });
 }
