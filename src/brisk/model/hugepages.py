@@ -11,7 +11,8 @@ modules mirror as buffers) into one contiguous, 2 MiB-aligned buffer advised MAD
 points every holder at its slice: the same values, the same dtypes and shapes. One arena instead of one region per
 tensor: a region per tensor would round each up to whole huge pages (a 2.2 MiB tensor taking 4 MiB).
 Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_hugepage/enabled` says never, or is
-absent), on other platforms, or when BRISK_HUGE_PAGES=0.
+absent), on other platforms, when BRISK_HUGE_PAGES=0, or when the weights exceed half of the available memory (the
+copy holds them twice for a moment).
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[t
     return out
 
 
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 0 if unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _holders(model: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
     """(owner, attribute, tensor) for every parameter, buffer and packed/sparse weight field, in module order."""
     out = []
@@ -109,8 +121,8 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
             continue
         moved[key] = (t, total)
         total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    if total == 0:
-        return 0
+    if total == 0 or total > _available_bytes() // 2:
+        return 0  # (the copy briefly holds the weights twice: not where that could run the machine out of memory)
     arena = _arena(total)
     if arena is None:
         return 0  # the kernel refused: keep the model as it is
