@@ -221,6 +221,10 @@ def self_draft_model(engine: LLMEngine, bits: int, group_size: int = 64) -> Llam
     fuse_projections(net)
     use_fast_linear(net)
     set_quant_activations(net, "int8")
+    if torch.device(engine.config.device).type == "cpu":
+        from brisk.model.hugepages import to_huge_pages
+
+        to_huge_pages(net)  # as load_model does for the target (model/hugepages.py)
     return net
 
 
