@@ -515,8 +515,23 @@ inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, con
     accumulate_values<R>(scores, n, s.vrows, d, alpha, acc);
 }
 
+// The key positions [lo, hi) an item walks: all its query tokens' windows, or its split-K share.
+inline void item_keys(const Problem& p, const WorkItem& it, int64_t& lo, int64_t& hi) {
+  const int64_t ctx = p.context_lens[it.seq];
+  const int64_t q_len = p.query_start[it.seq + 1] - p.query_start[it.seq];
+  hi = ctx - q_len + it.q_end;  // the last query token's causal limit
+  lo = p.window > 0 ? std::max<int64_t>(0, ctx - q_len + it.q_begin + 1 - p.window) : 0;
+  if (it.part >= 0) {
+    lo = std::max(lo, it.key_lo);
+    hi = std::min(hi, it.key_hi);
+  }
+}
+
+// `ahead`: the item this thread runs next, or null: its K and V rows are prefetched into L2 a slice per chunk of
+// this one, so that their fetch (latency-bound: rows scattered by the block table) overlaps this item's arithmetic.
+// `prefetched`: this item's own rows were so requested (no up-front prefetch of them).
 template <typename cache_t, typename q_t>
-void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
+void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkItem* ahead, bool prefetched) {
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
   const int64_t ctx = p.context_lens[it.seq];
   const int64_t row0 = p.query_start[it.seq];
@@ -592,7 +607,13 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
   // first touch (the wait on the widening loads was ~3/4 of this function's samples). 30 layers of a bfloat16
   // cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 -> 1.56-1.59 ms; batch 1
   // unchanged (alternated processes)
-  prefetch_rows(std::false_type{}, lo_all, hi_all);
+  if (!prefetched) prefetch_rows(std::false_type{}, lo_all, hi_all);
+  int64_t ahead_lo = 0, ahead_hi = 0, ahead_per_chunk = 0, chunk_index = 0;
+  if (ahead != nullptr) {
+    item_keys(p, *ahead, ahead_lo, ahead_hi);
+    const int64_t chunks = (hi_all - lo_all + kChunk - 1) / kChunk;
+    if (chunks > 0 && ahead_hi > ahead_lo) ahead_per_chunk = (ahead_hi - ahead_lo + chunks - 1) / chunks;
+  }
 #endif
   for (int64_t p0 = lo_all; p0 < hi_all;) {
     const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
@@ -602,6 +623,23 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s) {
     // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
     // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
     prefetch_rows(std::true_type{}, p1, std::min(hi_all, p1 + kChunk));
+    if (ahead_per_chunk > 0) {  // the next item's share for this chunk, into L2
+      const int64_t a0 = ahead_lo + chunk_index * ahead_per_chunk, a1 = std::min(ahead_hi, a0 + ahead_per_chunk);
+      const int32_t* at = p.block_tables + ahead->seq * p.max_blocks;
+      const cache_t* ak = static_cast<const cache_t*>(p.k) + ahead->kv_begin * d;
+      const cache_t* av = static_cast<const cache_t*>(p.v) + ahead->kv_begin * d;
+      const int64_t ab = (ahead->kv_end - ahead->kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
+      for (int64_t pos = a0; pos < a1; ++pos) {
+        const int64_t off = static_cast<int64_t>(at[pos / bs]) * block_stride + (pos % bs) * token_stride;
+        const char* kr = reinterpret_cast<const char*>(ak + off);
+        const char* vr = reinterpret_cast<const char*>(av + off);
+        for (int64_t c = 0; c < ab; c += 64) {
+          _mm_prefetch(kr + c, _MM_HINT_T1);
+          _mm_prefetch(vr + c, _MM_HINT_T1);
+        }
+      }
+    }
+    ++chunk_index;
 #endif
     for (int64_t j = 0; j < it.kv_end - it.kv_begin; ++j) {
       if (split) {
@@ -718,7 +756,14 @@ void run(const Problem& p, std::vector<WorkItem>& items, int64_t max_rows, const
       cached = std::make_unique<Scratch>(max_rows, p.head_dim);
     Scratch& s = *cached;
     for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t i = next++; i < num_items; i = next++) attend_item<cache_t, q_t>(p, items[i], s);
+      // each thread takes its next item one ahead of time, to fetch its rows during the current one
+      bool prefetched = false;
+      for (int64_t i = next++; i < num_items;) {
+        const int64_t j = next++;
+        attend_item<cache_t, q_t>(p, items[i], s, j < num_items ? &items[j] : nullptr, prefetched);
+        prefetched = j < num_items;
+        i = j;
+      }
     }
   });
   for (const SplitGroup& g : groups) merge_parts<q_t>(p, g.item, g.first, g.count);
