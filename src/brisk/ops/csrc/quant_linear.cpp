@@ -6,10 +6,10 @@
 // so the weights are never formed: the inner loop multiplies activations by the codes, s is applied once per
 // (row, group) to the partial dot product (or, for 32-element groups, to the 4 decoded vectors of the block,
 // shared by all activation rows of the tile), and the m term is one short dot(min[n, :], xsum[row, :]) per
-// output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Scales are float16 and the
-// mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h's GroupParams). Each weight block is
-// decoded once per tile of up to 4 activation rows, in registers, and a chunk of packed rows stays in L1 while
-// the tiles of a larger M run over it: the weights stream from memory once per call.
+// output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Scales are float16 and
+// the mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h, "Group parameters"). Each
+// weight block is decoded once per tile of up to 4 activation rows, in registers, and a chunk of packed rows stays
+// in L1 while the tiles of a larger M run over it: the weights stream from memory once per call.
 //
 // Layout (made by brisk.ops.qlinear.prepack, not the checkpoint layout): each row is cut into blocks of 32
 // elements, one block in 32 * bits / 8 bytes. The decoder turns a block into 4 vectors of 8 float lanes; lane l of
@@ -68,7 +68,7 @@ constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 struct QW {
   const uint8_t* data;   // [N, row_bytes]
   int64_t row_bytes;     // K / 32 * BPB
-  const at::Half* scales;  // [N, ngroups] float16 (simd.h's GroupParams)
+  const at::Half* scales;  // [N, ngroups] float16 (simd.h, "Group parameters")
   const uint8_t* zeros;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric, or codebook mode
   float zero;              // the symmetric zero point 2^(bits-1)
   int64_t ngroups;
@@ -490,8 +490,8 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
           const int64_t g = blk / p.blocks_per_group;
           const float sc = scale1(p.scales + n * p.ngroups + g);
           const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact)
-          const __m256 mn = LUT ? _mm256_setzero_ps()
-                                : _mm256_set1_ps(-sc * (p.zeros ? static_cast<float>(p.zeros[n * p.ngroups + g]) : p.zero));
+          const float zero = p.zeros ? static_cast<float>(p.zeros[n * p.ngroups + g]) : p.zero;
+          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(-sc * zero);
           __m256 w[4];
           decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
           for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m

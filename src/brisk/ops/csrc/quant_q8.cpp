@@ -17,11 +17,12 @@
 //   out[m, n] = sum_g s_g * sum_{b in g} xs_b * dot(q'_b, xq_b)  +  sum_g (min_g + c * s_g) * xr_g
 //
 // with q' = q - c: c = 128 for 8-bit codes (so that they fit int8; see below), c = 0 for 4-bit codes.
-// The group parameters are float16 scales and uint8 zero points, min_g = -zero_g * s_g (simd.h's GroupParams: the
-// same float32 numbers as float32 scales and mins, 3 bytes a group instead of 8); symmetric codes (no zero points)
-// take zero_g = 2^(bits-1). At batch 1 the group parameters are streams of their own next to the codes: not reading
-// float32 mins for symmetric codes made the default model's 120 decoder linears 1.84 -> 1.70 ms (same-process A/B,
-// medians of 60 passes).
+// The group parameters are float16 scales and uint8 zero points, min_g = -zero_g * s_g (simd.h, "Group
+// parameters": the same float32 numbers as float32 scales and mins, 3 bytes a group instead of 8); symmetric codes
+// (no zero points) take zero_g = 2^(bits-1). At batch 1 the group parameters are streams of their own next to the
+// codes: not reading float32 mins for symmetric codes made the default model's 120 decoder linears 1.84 -> 1.70 ms
+// (same-process A/B, medians of 60 passes); float16 scales + uint8 zero points instead of float32 scales + mins
+// then made the asymmetric ones 1.94 -> 1.82 ms.
 //
 // Operand ranges. maddubs adds two u8 x s8 products into a saturating int16: 8-bit codes 0..255 against |xq| <= 127
 // could reach 2 * 255 * 127 = 64770 and saturate. So 8-bit codes are recentred (q' = q ^ 0x80 = q - 128, in
@@ -692,8 +693,9 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
               scales.size(0) == N && scales.size(1) == ngroups, "quant_linear_q8: scales must be float16 [N, K / G]");
   const bool affine = zeros.has_value() && zeros->defined();
-  TORCH_CHECK(!affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
-              "quant_linear_q8: zeros must be uint8 and shaped like scales");
+  TORCH_CHECK(
+      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+      "quant_linear_q8: zeros must be uint8 and shaped like scales");
   at::Tensor bf;  // bias as float32
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),

@@ -72,35 +72,32 @@ inline float load_block(const T* src, __m256 f[4]) {
   return _mm_cvtss_f32(h);
 }
 
-// A quantized weight's group parameters as the quantized-linear kernels read them: float16 scales (as the
-// checkpoint stores them) and uint8 zero points, or none for symmetric codes (zero = 2^(bits-1)). The float32 min of
-// the affine form w = scale * q + min is min = -scale * zero, exact in float32 (an 11-bit significand times an
-// integer below 256), so these give the same numbers as float32 scales and mins, in 3 bytes a group instead of 8.
-struct GroupParams {
-  const at::Half* scales;  // [N, ngroups]
-  const uint8_t* zeros;    // [N, ngroups], or null: every zero point is `zero`
-  float zero;
-};
+// Group parameters. The quantized-linear kernels read a weight's float16 scales (as the checkpoint stores them) and
+// uint8 zero points, or none for symmetric codes (zero = 2^(bits-1)). The float32 min of the affine form
+// w = scale * q + min is min = -scale * zero, exact in float32 (an 11-bit significand times an integer below 256),
+// so these give the same numbers as float32 scales and mins, in 3 bytes a group instead of 8.
 
-inline __attribute__((always_inline)) float scale1(const at::Half* s) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(s)); }
+#define BRISK_INLINE inline __attribute__((always_inline))
+
+BRISK_INLINE float scale1(const at::Half* s) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(s)); }
 // n <= 8 float16 / uint8 values as float32 lanes (lanes from n on are 0), never reading past the n-th value. The
 // tail is not assembled in a stack buffer: a wide load of narrow stores misses store forwarding (~15 cycles), and
 // with a row's 9 groups (576 / 64) that stall per row made the int4 kernel 1.35x slower.
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __attribute__((always_inline)) __m256 scales8(const at::Half* s, int64_t n = 8) {
+BRISK_INLINE __m256 scales8(const at::Half* s, int64_t n = 8) {
   return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), s));
 }
-inline __attribute__((always_inline)) __m256 zeros8(const uint8_t* z, int64_t n = 8) {
+BRISK_INLINE __m256 zeros8(const uint8_t* z, int64_t n = 8) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), z)));
 }
 #else
-inline __attribute__((always_inline)) __m256 scales8(const at::Half* s, int64_t n = 8) {
+BRISK_INLINE __m256 scales8(const at::Half* s, int64_t n = 8) {
   if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   float v[8];
   for (int i = 0; i < 8; ++i) v[i] = i < n ? scale1(s + i) : 0.f;
   return _mm256_setr_ps(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
 }
-inline __attribute__((always_inline)) __m256 zeros8(const uint8_t* z, int64_t n = 8) {
+BRISK_INLINE __m256 zeros8(const uint8_t* z, int64_t n = 8) {
   if (n == 8) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z))));
   float v[8];
   for (int i = 0; i < 8; ++i) v[i] = i < n ? static_cast<float>(z[i]) : 0.f;
@@ -109,11 +106,12 @@ inline __attribute__((always_inline)) __m256 zeros8(const uint8_t* z, int64_t n 
 #endif
 
 // the first n < 8 floats at x as lanes, zeros above
-inline __attribute__((always_inline)) __m256 load_first(const float* x, int64_t n) {
+BRISK_INLINE __m256 load_first(const float* x, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   return _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), x);
 #else
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i mask =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   return _mm256_maskload_ps(x, mask);
 #endif
 }
@@ -122,8 +120,8 @@ inline __attribute__((always_inline)) __m256 load_first(const float* x, int64_t 
 // zero = -zero, or with a code offset c) of MT activation rows, 8 groups at a time, each group vector formed once
 // for all rows. s, z: one weight row's scales and zero points (z null: `zero` for every group).
 template <int MT>
-inline __attribute__((always_inline)) void min_terms(__m256* acc, const at::Half* s, const uint8_t* z, float zero, float c, const float* x,
-                      int64_t ldx, int64_t n) {
+BRISK_INLINE void min_terms(__m256* acc, const at::Half* s, const uint8_t* z, float zero, float c, const float* x,
+                            int64_t ldx, int64_t n) {
   const __m256 cv = _mm256_set1_ps(c), zv = _mm256_set1_ps(zero);
   int64_t g = 0;
   for (; g + 8 <= n; g += 8) {
@@ -136,5 +134,7 @@ inline __attribute__((always_inline)) void min_terms(__m256* acc, const at::Half
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(mn, load_first(x + m * ldx + g, k), acc[m]);
   }
 }
+
+#undef BRISK_INLINE
 
 }  // namespace brisk_simd
