@@ -56,3 +56,21 @@ def test_switch_off_and_kv_arena(monkeypatch):
     assert caches[0].data_ptr() % H.HUGE_PAGE == 0  # the arena starts on a huge page
     caches[1].fill_(1)  # separate tensors
     assert not caches[0].any() and not caches[2].any()
+
+
+def test_aliasing_views_stay_together(monkeypatch):
+    # two buffers viewing one storage (a slice of the other) are left where they are: moving them apart would
+    # break the aliasing; an ordinary parameter next to them still moves
+    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
+    if not H.huge_pages_available():
+        return
+    module = torch.nn.Linear(64, 64)
+    base = torch.arange(4096, dtype=torch.float32)
+    module.register_buffer("whole", base)
+    module.register_buffer("part", base[1024:2048])
+    weight_ptr = module.weight.data_ptr()
+    assert H.to_huge_pages(module) > 0
+    assert module.weight.data_ptr() != weight_ptr  # moved
+    assert module.whole.data_ptr() == base.data_ptr()  # not moved
+    module.whole[1024] = -1.0
+    assert module.part[0] == -1.0  # still the same storage

@@ -111,10 +111,18 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
     if not huge_pages_available():
         return 0
     holders = _holders(model)
-    moved: dict[int, tuple[torch.Tensor, int]] = {}  # id of the original tensor's storage start -> (tensor, offset)
+    # storages seen through more than one distinct view (aliasing slices) stay where they are: copying the views
+    # apart would break the aliasing (no model here has any; a guard for custom layers)
+    views_of: dict[int, set] = {}
+    for _, _, t in holders:
+        if t.device.type == "cpu" and t.layout == torch.strided:
+            views_of.setdefault(t.untyped_storage().data_ptr(), set()).add((t.data_ptr(), t.shape, t.dtype, t.stride()))
+    moved: dict[int, tuple[torch.Tensor, int]] = {}  # the original tensor's data_ptr -> (tensor, offset in the arena)
     total = 0
     for _, _, t in holders:
-        if t.device.type != "cpu" or t.nbytes < min_bytes or not t.is_contiguous() or t.is_sparse:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.nbytes < min_bytes or not t.is_contiguous():
+            continue
+        if len(views_of[t.untyped_storage().data_ptr()]) > 1:
             continue
         key = t.data_ptr()
         if key in moved:
@@ -134,7 +142,7 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
             view.copy_(t)  # first touch: faults in huge pages
             views[key] = view
     for owner, where, t in holders:
-        view = views.get(t.data_ptr()) if t.device.type == "cpu" and t.nbytes >= min_bytes else None
+        view = views.get(t.data_ptr()) if t.device.type == "cpu" and t.layout == torch.strided else None
         if view is None or view.dtype != t.dtype or view.shape != t.shape:
             continue
         kind, name = where.split(":", 1)
