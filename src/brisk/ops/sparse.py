@@ -160,7 +160,7 @@ def compress_packed(pw) -> SparseWeight | None:  # noqa: ANN001 - brisk.ops.qlin
     exactly 0: then q == zero point (scale * q + min with min = -scale * zero cancels exactly)."""
     from brisk.ops.qlinear import dequantize_packed, unpack_codes
 
-    if pw.codebook is not None or pw.mins is None or pw.group_size % COLS or pw.in_features % COLS:
+    if pw.codebook is not None or pw.group_size % COLS or pw.in_features % COLS:
         return None
     keep = dequantize_packed(pw) != 0  # [N, K]
     try:
@@ -286,7 +286,7 @@ def zero_fraction(module: nn.Module) -> float | None:
         w = module.weight
         return 1.0 - torch.count_nonzero(w).item() / w.numel()
     packed = getattr(module, "packed", None)
-    if packed is not None and packed.codebook is None and packed.mins is not None:
+    if packed is not None and packed.codebook is None:  # affine codes
         from brisk.ops.qlinear import dequantize_packed
 
         w = dequantize_packed(packed)
