@@ -527,6 +527,29 @@ inline void item_keys(const Problem& p, const WorkItem& it, int64_t& lo, int64_t
   }
 }
 
+#ifdef BRISK_AVX2
+// The K and V rows (kv heads [kv_begin, kv_end)) of item `it`'s key positions [a, b) into L1 (_MM_HINT_T0) or L2
+// (_MM_HINT_T1): rows scattered by the block table, which the hardware prefetchers cannot guess.
+template <typename cache_t, _mm_hint HINT>
+inline __attribute__((always_inline)) void prefetch_rows(const Problem& p, const WorkItem& it, int64_t a,
+                                                    int64_t b) {
+  const int64_t d = p.head_dim, bs = p.block_size, token_stride = p.num_kv_heads * d, block_stride = bs * token_stride;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const cache_t* k = static_cast<const cache_t*>(p.k) + it.kv_begin * d;
+  const cache_t* v = static_cast<const cache_t*>(p.v) + it.kv_begin * d;
+  const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t pos = a; pos < b; ++pos) {
+    const int64_t off = static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
+    const char* kr = reinterpret_cast<const char*>(k + off);
+    const char* vr = reinterpret_cast<const char*>(v + off);
+    for (int64_t c = 0; c < slice_bytes; c += 64) {
+      _mm_prefetch(kr + c, HINT);
+      _mm_prefetch(vr + c, HINT);
+    }
+  }
+}
+#endif
+
 // `ahead`: the item this thread runs next, or null: its K and V rows are prefetched into L2 a slice per chunk of
 // this one, so that their fetch (latency-bound: rows scattered by the block table) overlaps this item's arithmetic.
 // `prefetched`: this item's own rows were so requested (no up-front prefetch of them).
@@ -575,39 +598,18 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
   // this item's slice of a token's row: kv heads [kv_begin, kv_end), contiguous in the cache
   const cache_t* k = static_cast<const cache_t*>(p.k) + it.kv_begin * d;
   const cache_t* v = static_cast<const cache_t*>(p.v) + it.kv_begin * d;
-  int64_t lo_all = lo_of(0), hi_all = hi_of(num_tokens - 1);
-  if (it.part >= 0) {  // split-K: this item's share of the keys (a single query token: every row sees them all)
-    lo_all = std::max(lo_all, it.key_lo);
-    hi_all = std::min(hi_all, it.key_hi);
-  }
+  int64_t lo_all, hi_all;  // all its tokens' windows, or (split-K, a single query token) its share of the keys
+  item_keys(p, it, lo_all, hi_all);
   // where position pos of the sequence lives in the cache: block_table[pos / bs] * bs + pos % bs, as an offset
   auto slot_offset = [&](int64_t pos) __attribute__((always_inline)) {
     return static_cast<int64_t>(table[pos / bs]) * block_stride + (pos % bs) * token_stride;
   };
 #ifdef BRISK_AVX2
-  // the K and V rows (this item's kv heads) of positions [a, b) into L1 (to_l1: std::true_type) or L2
-  const int64_t slice_bytes = (it.kv_end - it.kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
-  auto prefetch_rows = [&](auto to_l1, int64_t a, int64_t b) __attribute__((always_inline)) {
-    for (int64_t pos = a; pos < b; ++pos) {
-      const int64_t off = slot_offset(pos);
-      const char* kr = reinterpret_cast<const char*>(k + off);
-      const char* vr = reinterpret_cast<const char*>(v + off);
-      for (int64_t c = 0; c < slice_bytes; c += 64) {
-        if constexpr (decltype(to_l1)::value) {
-          _mm_prefetch(kr + c, _MM_HINT_T0);
-          _mm_prefetch(vr + c, _MM_HINT_T0);
-        } else {
-          _mm_prefetch(kr + c, _MM_HINT_T1);
-          _mm_prefetch(vr + c, _MM_HINT_T1);
-        }
-      }
-    }
-  };
   // all of this item's rows into L2 now: the chunks below then find them there instead of waiting on each row's
   // first touch (the wait on the widening loads was ~3/4 of this function's samples). 30 layers of a bfloat16
   // cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 -> 1.56-1.59 ms; batch 1
   // unchanged (alternated processes)
-  if (!prefetched) prefetch_rows(std::false_type{}, lo_all, hi_all);
+  if (!prefetched) prefetch_rows<cache_t, _MM_HINT_T1>(p, it, lo_all, hi_all);
   int64_t ahead_lo = 0, ahead_hi = 0, ahead_per_chunk = 0, chunk_index = 0;
   if (ahead != nullptr) {
     item_keys(p, *ahead, ahead_lo, ahead_hi);
@@ -622,22 +624,10 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
 #ifdef BRISK_AVX2
     // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
     // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
-    prefetch_rows(std::true_type{}, p1, std::min(hi_all, p1 + kChunk));
+    prefetch_rows<cache_t, _MM_HINT_T0>(p, it, p1, std::min(hi_all, p1 + kChunk));
     if (ahead_per_chunk > 0) {  // the next item's share for this chunk, into L2
-      const int64_t a0 = ahead_lo + chunk_index * ahead_per_chunk, a1 = std::min(ahead_hi, a0 + ahead_per_chunk);
-      const int32_t* at = p.block_tables + ahead->seq * p.max_blocks;
-      const cache_t* ak = static_cast<const cache_t*>(p.k) + ahead->kv_begin * d;
-      const cache_t* av = static_cast<const cache_t*>(p.v) + ahead->kv_begin * d;
-      const int64_t ab = (ahead->kv_end - ahead->kv_begin) * d * static_cast<int64_t>(sizeof(cache_t));
-      for (int64_t pos = a0; pos < a1; ++pos) {
-        const int64_t off = static_cast<int64_t>(at[pos / bs]) * block_stride + (pos % bs) * token_stride;
-        const char* kr = reinterpret_cast<const char*>(ak + off);
-        const char* vr = reinterpret_cast<const char*>(av + off);
-        for (int64_t c = 0; c < ab; c += 64) {
-          _mm_prefetch(kr + c, _MM_HINT_T1);
-          _mm_prefetch(vr + c, _MM_HINT_T1);
-        }
-      }
+      const int64_t a0 = ahead_lo + chunk_index * ahead_per_chunk;
+      prefetch_rows<cache_t, _MM_HINT_T1>(p, *ahead, a0, std::min(ahead_hi, a0 + ahead_per_chunk));
     }
     ++chunk_index;
 #endif
