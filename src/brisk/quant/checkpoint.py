@@ -110,7 +110,7 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
 def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int) -> PackedWeight:
     """One PackedWeight from one or more layers' checkpoint tensors, rows concatenated (load-time fusion)."""
     qweight = torch.cat([p["qweight"] for p in parts])  # [sum(N), K * bits / 8]
-    scales = torch.cat([p["scales"] for p in parts]).float()  # [sum(N), groups]
+    scales = torch.cat([p["scales"] for p in parts])  # [sum(N), groups], float16 as stored (and as prepack keeps)
     group = in_features if spec.group_size == -1 else spec.group_size
     if spec.scheme == "nf4":
         return prepack_nf4(qweight, scales, group, in_features)
