@@ -248,6 +248,11 @@ class _CountRequests:
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_thread: bool = True) -> FastAPI:
     """The ASGI app. The engine loop starts with the app's lifespan and stops with it: on a thread of its own,
     or (engine_thread=False) on the thread that calls `app.state.server.engine.run()` once the lifespan began."""
+    # anyio (>= 4.16) imports its submodules lazily, and two threads resolving them at once can fail: a fresh
+    # server's first streamed response once died with "No module named 'anyio.abc._sockets'" (500) while a thread-
+    # pool worker was importing too. Import its asyncio backend here, on the one thread that builds the app.
+    import anyio._backends._asyncio  # noqa: F401
+
     server = _Server(engine, config or ServerConfig())
 
     @contextlib.asynccontextmanager
