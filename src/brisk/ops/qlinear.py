@@ -62,6 +62,9 @@ class PackedWeight:
     zeros: torch.Tensor | None  # uint8 [N, K / G] zero points; None: symmetric (2^(bits - 1)), or codebook mode
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
+    # True: 4-bit codes, scales and zero points in the row-interleaved layout of ops/csrc/quant_q8t.cpp (tiles of 16
+    # rows), which only the int8-activation kernel reads; set_tiled switches in place (set_quant_activations does)
+    tiled: bool = False
 
     @property
     def symmetric(self) -> bool:
@@ -74,8 +77,17 @@ class PackedWeight:
         reference paths (the kernels form them from the scales and zero points)."""
         if self.codebook is not None:
             return None
-        zero = float(1 << (self.bits - 1)) if self.zeros is None else self.zeros.float()
-        return -self.scales.float() * zero
+        zeros = self.group_zeros()
+        zero = float(1 << (self.bits - 1)) if zeros is None else zeros.float()
+        return -self.group_scales().float() * zero
+
+    def group_scales(self) -> torch.Tensor:
+        """The scales as [N, K / G] in row order, whatever the layout (a copy when tiled)."""
+        return _untile_rows(self.scales) if self.tiled else self.scales
+
+    def group_zeros(self) -> torch.Tensor | None:
+        """The zero points as [N, K / G] in row order (None: symmetric or codebook), whatever the layout."""
+        return _untile_rows(self.zeros) if self.tiled and self.zeros is not None else self.zeros
 
     def nbytes(self) -> int:
         """Bytes of every tensor this weight holds (codes, scales, zero points, codebook)."""
@@ -210,8 +222,77 @@ def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in
     return _finish(q, 4, group_size, in_features, qweight.detach(), _half_scales(absmax), None, codebook)
 
 
+# ---- tiled layout (see the top of ops/csrc/quant_q8t.cpp): 4-bit codes of 16 weight rows interleaved, so that
+# lane r of the int8-activation kernel's vectors is row 16 t + r. Per tile and per 8 columns one 64-byte line, row r's
+# dword holding q[8 c + j] | q[8 c + 4 + j] << 4 in byte j; scales and zero points [tile][group][16] ----
+
+TILE_ROWS = 16
+
+
+def _tile_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> the same values in [N / 16, C, 16] order (shaped [N, C])."""
+    n = t.shape[0]
+    return t.view(n // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2).reshape(n, -1)
+
+
+def _untile_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of _tile_rows."""
+    n = t.shape[0]
+    return t.view(n // TILE_ROWS, -1, TILE_ROWS).transpose(1, 2).reshape(n, -1)
+
+
+def _to_tiled(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] uint8 (N % 16 == 0, K % 8 == 0) -> tiled data [N, K / 2] uint8."""
+    n, k = q.shape
+    q5 = q.view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)  # [t, r, c, h, j]: column 8 c + 4 h + j
+    return (q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n, k // 2)  # [t, c, r, j]
+
+
+def _from_tiled(data: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of _to_tiled: tiled data -> codes [N, K] uint8."""
+    n = data.shape[0]
+    d = data.view(n // TILE_ROWS, in_features // 8, TILE_ROWS, 4).permute(0, 2, 1, 3)  # [t, r, c, j]
+    return torch.stack([d & 0xF, d >> 4], dim=-2).reshape(n, in_features)  # [t, r, c, h, j]
+
+
+def can_tile(pw: PackedWeight) -> bool:
+    """Whether the tiled int8-activation kernel (AVX-512 VNNI builds) can take this weight: 4-bit affine codes in the
+    blocked layout, a multiple of 16 rows, on the CPU."""
+    return (pw.tiled or (pw.blocked and pw.bits == 4 and pw.codebook is None
+                         and pw.out_features % TILE_ROWS == 0 and pw.data.is_cpu)) \
+        and get_op("quant_linear_q8t") is not None
+
+
+def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
+    """Switch a 4-bit weight between the blocked and the tiled layout, in place: the same storages (so views,
+    buffers and huge-page arenas that hold them stay valid) get the permuted bytes. Returns whether it changed."""
+    if pw.tiled == tiled:
+        return False
+    if tiled and not (pw.blocked and pw.bits == 4 and pw.codebook is None and pw.out_features % TILE_ROWS == 0):
+        raise ValueError(f"only 4-bit affine codes in the blocked layout with a multiple of {TILE_ROWS} rows can be "
+                         f"tiled (this weight: {pw.bits}-bit, {pw.out_features} rows)")
+    k = pw.in_features
+    with torch.no_grad():
+        if tiled:
+            data = _to_tiled(_from_blocked(pw.data, 4, k))
+            scales = _tile_rows(pw.scales)
+            zeros = None if pw.zeros is None else _tile_rows(pw.zeros)
+        else:
+            data = _to_blocked(_from_tiled(pw.data, k), 4)
+            scales = _untile_rows(pw.scales)
+            zeros = None if pw.zeros is None else _untile_rows(pw.zeros)
+        pw.data.copy_(data.view_as(pw.data))
+        pw.scales.copy_(scales)
+        if zeros is not None:
+            pw.zeros.copy_(zeros)
+    pw.tiled = tiled
+    return True
+
+
 def unpack_codes(pw: PackedWeight) -> torch.Tensor:
     """The integer codes q [N, K] (uint8) of a packed weight, whatever its layout."""
+    if pw.tiled:
+        return _from_tiled(pw.data, pw.in_features)
     if pw.blocked:
         return _from_blocked(pw.data, pw.bits, pw.in_features)
     return _unpack_checkpoint(pw.data, pw.bits, pw.in_features)
@@ -221,7 +302,7 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> t
     """Reference dequantization to [N, K]: scale * q + min (affine) or scale * codebook[q], in float32."""
     q = unpack_codes(pw)
     n, k, g = pw.out_features, pw.in_features, pw.group_size
-    scales = pw.scales.float()[..., None]
+    scales = pw.group_scales().float()[..., None]
     if pw.codebook is not None:
         w = pw.codebook[q.long()].view(n, k // g, g) * scales  # [N, K/G, G]
     else:
@@ -245,7 +326,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
 
         if qlinear_q8.covers(pw):
             return qlinear_q8.quant_linear_q8(x, pw, bias)
-    if pw.blocked and x.is_cpu and x.dtype in _KERNEL_DTYPES:
+    if pw.blocked and not pw.tiled and x.is_cpu and x.dtype in _KERNEL_DTYPES:
         if x.numel() <= MAX_SMALL_M * k:  # few rows (decode): decode the codes inside the kernel
             op = get_op("quant_linear_small")
             if op is not None:

@@ -54,13 +54,14 @@ def quant_q8_reference(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | N
     xr = _rounded_sums(xq, xs, g)  # [M, K / G]
     group_of_block = torch.arange(nb) * BLOCK // g  # [nb]
     mins = pw.mins  # [N, K / G] float32
+    codes = unpack_codes(pw)  # [N, K] uint8
+    group_scales = pw.group_scales()
     parts = []
     for n0 in range(0, n, rows_per_chunk):  # bounds the float64 codes to rows_per_chunk * K
         n1 = min(n, n0 + rows_per_chunk)
-        q = unpack_codes(PackedWeight(pw.bits, g, n1 - n0, k, pw.data[n0:n1], pw.scales[n0:n1], None, None,
-                                      True)).double().view(n1 - n0, nb, BLOCK)  # [n, nb, 32]
+        q = codes[n0:n1].double().view(n1 - n0, nb, BLOCK)  # [n, nb, 32]
         dots = torch.einsum("mjc,njc->mnj", xqb, q)  # [M, n, nb], exact integers
-        scale = pw.scales[n0:n1].double()[:, group_of_block]  # [n, nb]
+        scale = group_scales[n0:n1].double()[:, group_of_block]  # [n, nb]
         out = (dots * xs.double()[:, None, :] * scale[None]).sum(-1)  # [M, n]
         parts.append(out + xr @ mins[n0:n1].double().T)  # + sum_g min_g xr_g
     out = torch.cat(parts, dim=-1)  # [M, N]
@@ -82,8 +83,15 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 / bfloat16 -> [..., N] in x's dtype, with int8-rounded activations. The caller checks
-    `covers(pw)`. Past MAX_Q8_ROWS rows, or without the kernel (not built, disabled, off the CPU): a float32 product
-    of the rounded x with the dequantized weights."""
+    `covers(pw)`. A tiled weight takes quant_q8t's kernel at any row count (its integer dots outrun the float GEMM
+    path at every M measured); a blocked one past MAX_Q8_ROWS rows, or either without its kernel (not built,
+    disabled, off the CPU): a float32 product of the rounded x with the dequantized weights."""
+    if pw.tiled:
+        op = get_op("quant_linear_q8t")
+        if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+            return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
+        w = dequantize_packed(pw).to(x.device)  # [N, K]
+        return F.linear(fake_quantize_activations(x), w, None if bias is None else bias.float()).to(x.dtype)
     op = get_op("quant_linear_q8")
     if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
         if x.numel() <= MAX_Q8_ROWS * x.shape[-1]:

@@ -164,7 +164,7 @@ def compress_packed(pw) -> SparseWeight | None:  # noqa: ANN001 - brisk.ops.qlin
         return None
     keep = dequantize_packed(pw) != 0  # [N, K]
     try:
-        return compress_codes(unpack_codes(pw), keep, pw.scales.float(), pw.mins, pw.bits, pw.group_size)
+        return compress_codes(unpack_codes(pw), keep, pw.group_scales().float(), pw.mins, pw.bits, pw.group_size)
     except ValueError:  # asymmetric 8-bit codes: no sparse kernel, the layer stays dense
         return None
 

@@ -95,6 +95,7 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     rounding (int4 g64: +0.4% relative perplexity for 1.2-1.3x batch-1 decode here), as in llama.cpp's Q4 x Q8
     dots; an 8-bit layer keeps its +0.02% instead of +0.3%. Returns the number of layers on the int8 path. The
     decode plan reads the same setting."""
+    from brisk.ops.qlinear import can_tile, set_tiled
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
@@ -104,6 +105,9 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
         if type(module) is QuantLinear:
             int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and module.packed.bits <= 4))
             module.quant_activations = "int8" if int8 else "float"
+            # 4-bit codes on the int8 path are retiled in place for quant_q8t's kernel (16 rows interleaved: one
+            # vector op per 64 codes of a row instead of ~3, no horizontal sums), and back for the float path
+            set_tiled(module.packed, int8 and can_tile(module.packed))
             count += int8
     model._quant_activations = mode  # part of the decode plan's cache key
     return count

@@ -15,6 +15,7 @@
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
 //   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
+//   kind 5, tiled 4-bit, int8 act.:     [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 #include <ATen/ATen.h>
@@ -68,6 +69,10 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, int64_t, int64_t, const OptT&)>>
       q8;
+  // absent where quant_q8t.cpp was not built (no AVX-512 VNNI): plans then never pass kind 5
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const OptT&, int64_t, int64_t, const OptT&)>>
+      q8t;
 
   // absent where sparse_linear.cpp / sparse_q8.cpp were not built: plans then never pass kinds 3 / 4
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -83,6 +88,9 @@ struct Ops {
     if (auto h = d.findSchema({"brisk::quant_linear_q8", ""}); h.has_value())
       q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                int64_t, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::quant_linear_q8t", ""}); h.has_value())
+      q8t = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
+                                int64_t, const OptT&)>();
     if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
       sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const OptT&, const OptT&, int64_t, int64_t, const OptT&)>();
@@ -107,10 +115,11 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const c10::List<OptT>& para
                   at::IntArrayRef spec, int64_t s) {
   const int64_t kind = spec[s], bits = spec[s + 1], group = spec[s + 2];
   if (kind == 0) return o.linear_small.call(x, get(params, base), params.get(base + 1));
-  if (kind == 1) {
-    TORCH_CHECK(o.q8.has_value(), "decode_layers: quant_linear_q8 is not built");
-    return o.q8->call(x, get(params, base), get(params, base + 1), params.get(base + 2), bits, group,
-                      params.get(base + 3));
+  if (kind == 1 || kind == 5) {
+    const auto& op = kind == 1 ? o.q8 : o.q8t;
+    TORCH_CHECK(op.has_value(), "decode_layers: ", kind == 1 ? "quant_linear_q8" : "quant_linear_q8t", " is not built");
+    return op->call(x, get(params, base), get(params, base + 1), params.get(base + 2), bits, group,
+                    params.get(base + 3));
   }
   if (kind == 2)
     return o.quant_small.call(x, get(params, base), get(params, base + 1), params.get(base + 2), params.get(base + 3),

@@ -1,0 +1,238 @@
+// 4-bit affine codes in a row-interleaved ("tiled") layout, against int8 activations: the AVX-512 VNNI decode
+// kernel of quantized linears with int8 activations (ops/qlinear_q8.py; the weight is retiled when its layer is set
+// to int8 activations, brisk.quant.layers.set_quant_activations).
+//
+// Why another layout. quant_q8.cpp's blocked layout keeps a weight row's codes together, so a 512-bit dot product
+// holds 16 partial sums of ONE row: every row then ends in a horizontal reduction, its group scales must be
+// spread over lanes by permutes, and its min term is a loop of its own. That is ~12 vector operations per 128 codes,
+// and at batch 1 the kernel ran at ~40 GB/s, its in-cache compute rate, not at the memory's ~60.
+// Here lane r of every vector is weight row 16 t + r of a tile of 16 rows, as in the interleaved ("repacked")
+// formats of llama.cpp and oneDNN: per 8 input columns a tile stores one 64-byte line, row r's dword holding the
+// 8 codes of columns 8 c .. 8 c + 7 as bytes j = q[8 c + j] | q[8 c + 4 + j] << 4 (j = 0..3). One load, two ANDs and
+// a shift give the low and high nibbles, and two vpdpbusd against the 4 activation bytes of columns 8 c .. 8 c + 3
+// and 8 c + 4 .. 8 c + 7, broadcast, add 8 products into each of the 16 rows' int32 sums. Per 32-column activation
+// block one conversion and one FMA (by the 16 rows' group scales times the block's activation scale); per group one
+// FMA for the min term; the 16 results leave in one store. About 3.5 operations per 64 codes of a row.
+//
+// Layout (made by brisk.ops.qlinear.tile_packed from the blocked layout; N a multiple of 16):
+//   data   [N / 16][K / 8][16][4] uint8   (as the tensor [N, K / 2])
+//   scales [N / 16][K / G][16] float16    (as [N, K / G])
+//   zeros  [N / 16][K / G][16] uint8      (as [N, K / G]), or none for symmetric codes (zero 8)
+// Activations, as quant_q8.cpp (and bit for bit brisk.ops.sparse_q8.quantize_activations_q8): per 32 columns
+// xs = max|x| / 127, xq = round_half_even(x * 127 / max|x|), here in their natural order; xr_g = sum_{b in g} xs_b *
+// sum(xq_b). Result per row n: sum_g s_g (sum_{b in g} xs_b dot(q_b, xq_b)) - sum_g zero_g s_g xr_g (+ bias).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 16;       // weight rows per tile (lanes of a 512-bit vector)
+constexpr int kMaxRows = 8;         // activation rows per pass over a tile
+constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance into L2 (as quant_q8.cpp's avx512 build)
+
+struct TW {
+  const uint8_t* data;
+  const at::Half* scales;
+  const uint8_t* zeros;  // null: symmetric (zero 8)
+  int64_t K, ngroups, bpg, nblocks;
+};
+
+struct TX {
+  const int8_t* xq;  // [M, K] natural order
+  const float* xs;   // [M, nblocks]
+  const float* xr;   // [M, ngroups]
+  int64_t K, nblocks, ngroups;
+};
+
+inline int32_t dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Tile t against activation rows 0 .. MT-1 of x: out[m * ldo + 16 t + r] for r < 16.
+template <int MT>
+void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, int64_t ldo) {
+  const uint8_t* w = p.data + t * kTile * (p.K / 2);
+  const at::Half* sp = p.scales + t * kTile * p.ngroups;
+  const uint8_t* zp = p.zeros ? p.zeros + t * kTile * p.ngroups : nullptr;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 tot[MT];
+  for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * kTile)));
+    for (int64_t b = g * p.bpg; b < (g + 1) * p.bpg; ++b) {
+      // MT = 1: low and high nibbles in two chains (8 dependent vpdpbusd a block otherwise)
+      constexpr int NA = MT == 1 ? 2 : 1;
+      __m512i acc[NA][MT];
+      for (int a = 0; a < NA; ++a)
+        for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* wc = w + (b * 4 + c) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T1);
+        const __m512i d = _mm512_loadu_si512(wc);
+        const __m512i lo = _mm512_and_si512(d, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xm = x.xq + m * x.K + b * kBlock + c * 8;
+          acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, _mm512_set1_epi32(dword(xm)));
+          acc[NA - 1][m] = _mm512_dpbusd_epi32(acc[NA - 1][m], hi, _mm512_set1_epi32(dword(xm + 4)));
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        __m512i a = acc[0][m];
+        if constexpr (NA == 2) a = _mm512_add_epi32(a, acc[1][m]);
+        const __m512 s = _mm512_mul_ps(sv, _mm512_set1_ps(x.xs[m * x.nblocks + b]));
+        tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, tot[m]);
+      }
+    }
+    const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kTile))))
+                        : _mm512_set1_ps(8.f);
+    const __m512 mn = _mm512_mul_ps(sv, z);  // -min_g of the 16 rows
+    for (int m = 0; m < MT; ++m) tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xr[m * x.ngroups + g]), tot[m]);
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo + t * kTile, _mm512_add_ps(tot[m], bv));
+}
+
+inline TX rows_from(const TX& x, int64_t m) {
+  return TX{x.xq + m * x.K, x.xs + m * x.nblocks, x.xr + m * x.ngroups, x.K, x.nblocks, x.ngroups};
+}
+
+template <int MT>
+void tiles(const TW& p, int64_t t0, int64_t t1, const TX& x, const float* bias, float* out, int64_t ldo) {
+  for (int64_t t = t0; t < t1; ++t) tile<MT>(p, t, x, bias, out, ldo);
+}
+
+// tiles t0 .. t1-1 against all M rows: per tile, every group of up to 8 activation rows (the tile's codes stay in
+// L1 meanwhile)
+void run(const TW& p, const TX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t m = 0;
+    for (; m + kMaxRows <= M; m += kMaxRows) tile<kMaxRows>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+    switch (M - m) {
+      case 0: break;
+      case 1: tile<1>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      case 2: tile<2>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      case 3: tile<3>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      case 4: tile<4>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      case 5: tile<5>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      case 6: tile<6>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+      default: tile<7>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
+    }
+  }
+}
+
+// x [M, K] -> xq [M, K] int8 (natural order), xs [M, K / 32], xr [M, K / G]: quant_q8.cpp's quantize_x without its
+// permutation (the same float32 operations, so the same numbers).
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
+  const int64_t nblocks = K / kBlock, ngroups = K / G, bpg = G / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float gsum = 0.f;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        const T* src = x + m * K + j * kBlock;
+        const __m512 f0 = load16(src), f1 = load16(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+        const float scale = amax / 127.f;
+        xs[m * nblocks + j] = scale;
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round half to even
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+        gsum += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        int8_t* dst = xq + m * K + j * kBlock;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
+      }
+      xr[m * ngroups + g] = gsum;
+    }
+  }
+}
+
+}  // namespace
+
+// x: [..., K] float32 or bfloat16 (K a multiple of 32); data: uint8 [N, K / 2] in the tiled layout above (N a
+// multiple of 16); scales: float16 [N, K / G] tiled; zeros: uint8 [N, K / G] tiled, or absent (symmetric); bias:
+// float32 / bfloat16 [N] or absent. Returns [..., N] in x's dtype.
+at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_q8t: x must be float32 or bfloat16 [..., K]");
+  TORCH_CHECK(bits == 4, "quant_linear_q8t: the tiled layout holds 4-bit codes");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_linear_q8t: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() && data.size(1) == K / 2 &&
+                  data.size(0) % kTile == 0,
+              "quant_linear_q8t: data must be a contiguous uint8 [N, K / 2] tensor with N a multiple of 16");
+  const int64_t N = data.size(0), ngroups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == ngroups,
+              "quant_linear_q8t: scales must be float16 [N, K / G]");
+  const bool affine = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(
+      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+      "quant_linear_q8t: zeros must be uint8 and shaped like scales");
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                "quant_linear_q8t: bias must be a float32 or bfloat16 [N] tensor");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return out;
+  auto xc = x.contiguous();
+  const int64_t nblocks = K / kBlock;
+  const bool direct = x.scalar_type() == at::kFloat;
+  // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result unless written in place, xq
+  const int64_t words = M * (nblocks + ngroups + (direct ? 0 : N) + K / 4);
+  auto scratch = at::empty({words}, x.options().dtype(at::kFloat));
+  float* xs = scratch.data_ptr<float>();
+  float* xr = xs + M * nblocks;
+  float* acc = direct ? out.data_ptr<float>() : xr + M * ngroups;
+  int8_t* xq = reinterpret_cast<int8_t*>(xr + M * ngroups + (direct ? 0 : M * N));
+  if (xc.scalar_type() == at::kFloat) quantize_x(xc.data_ptr<float>(), M, K, group_size, xq, xs, xr);
+  else quantize_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xr);
+  const TW p{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), affine ? zeros->data_ptr<uint8_t>() : nullptr,
+             K, ngroups, group_size / kBlock, nblocks};
+  const TX xa{xq, xs, xr, K, nblocks, ngroups};
+  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  // grain: tiles per task such that a task streams >= ~32 KiB of codes
+  const int64_t ntiles = N / kTile, grain = std::max<int64_t>(1, (32 * 1024) / (kTile * K / 2));
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) { run(p, xa, M, t0, t1, b, acc, N); });
+  if (!direct) out.copy_(at::from_blob(acc, sizes, x.options().dtype(at::kFloat)));
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("quant_linear_q8t(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, "
+        "Tensor? bias) -> Tensor", &quant_linear_q8t);
+}
+
+#endif  // AVX-512 VNNI

@@ -1,0 +1,134 @@
+"""4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds) against int8 activations: the
+layout switch is exact and in place, the kernel equals the float64 oracle over the default model's shapes and
+every group size, at any row count; set_quant_activations tiles exactly the layers the kernel takes and untiles them
+again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ops_with
+from hf_utils import make_tiny_hf_model
+from test_model import prefill_logits
+from test_qlinear_q8 import random_packed
+from test_quant_checkpoint import quantize_folder
+
+from brisk.model.loader import load_model
+from brisk.ops import qlinear_q8 as Q
+from brisk.ops.kernels import kernel_isa
+from brisk.ops.qlinear import can_tile, dequantize_packed, set_tiled, unpack_codes
+from brisk.quant.config import LayerQuant
+from brisk.quant.layers import QuantLinear, set_quant_activations
+
+
+@pytest.fixture(autouse=True)
+def kernels_enabled(monkeypatch):
+    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if kernel_isa() != "avx512":  # the layout's kernel is built for AVX-512 VNNI only; elsewhere nothing is tiled
+        pytest.skip("quant_q8t is built on AVX-512 VNNI CPUs only")
+    return ops_with("quant_linear_q8t")
+
+
+def tiled(n: int, k: int, group: int, sym: bool = False, seed: int = 0):
+    pw = random_packed(n, k, 4, group, sym=sym, seed=seed)
+    assert set_tiled(pw, True) and pw.tiled
+    return pw
+
+
+# the default model's shapes (N, K) and small ones; N a multiple of 16 (one tile), K / 8 column chunks
+SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (16, 64), (48, 96), (32, 192)]
+CASES = [(n, k, group) for n, k in SHAPES for group in (-1, 32, 64, 96, 192) if group == -1 or k % group == 0]
+
+
+def test_layout_switch_is_exact_and_in_place():
+    pw = random_packed(48, 192, 4, 64, seed=3)
+    before = {f: getattr(pw, f).clone() for f in ("data", "scales", "zeros")}
+    ptrs = {f: getattr(pw, f).data_ptr() for f in before}
+    codes, mins, w = unpack_codes(pw), pw.mins, dequantize_packed(pw)
+    assert set_tiled(pw, True) and not set_tiled(pw, True)  # a second call changes nothing
+    assert {f: getattr(pw, f).data_ptr() for f in before} == ptrs  # the same storages (buffers, huge pages)
+    assert not torch.equal(pw.data, before["data"]) and not torch.equal(pw.scales, before["scales"])
+    # every reader sees the same weight through the tiled layout
+    assert torch.equal(unpack_codes(pw), codes) and torch.equal(pw.mins, mins)
+    assert torch.equal(pw.group_scales(), before["scales"]) and torch.equal(pw.group_zeros(), before["zeros"])
+    assert torch.equal(dequantize_packed(pw), w)
+    # row 16 t + r's codes 8 c .. 8 c + 7 sit in tile t's line c, dword r: q[8 c + j] | q[8 c + 4 + j] << 4
+    t, r, c = 2, 5, 7
+    line = pw.data.view(-1)[(t * (192 // 8) + c) * 64 + r * 4:][:4]
+    q = codes[16 * t + r, 8 * c: 8 * c + 8]
+    assert torch.equal(line, q[:4] | (q[4:] << 4))
+    assert set_tiled(pw, False)
+    assert all(torch.equal(getattr(pw, f), before[f]) for f in before)
+
+
+def test_only_4bit_affine_codes_in_whole_tiles_are_tiled():
+    with pytest.raises(ValueError, match="4-bit affine codes"):
+        set_tiled(random_packed(48, 64, 8, 32), True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        set_tiled(random_packed(40, 64, 4, 32), True)
+
+
+@pytest.mark.parametrize("n,k,group", CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 13])
+def test_kernel_equals_reference(ops, n, k, group, m):
+    pw = tiled(n, k, group, sym=m in (1, 8, 13), seed=n + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
+    ref = Q.quant_q8_reference(x, pw, bias)
+    out = Q.quant_linear_q8(x, pw, bias)
+    # the integer dots are exact; float32 against float64 summation of the K / 32 scaled block sums differs
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bfloat16_activations_and_many_rows(ops):
+    pw = tiled(960, 576, 64, seed=4)
+    x = torch.randn(Q.MAX_Q8_ROWS + 37, 576, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(960, generator=torch.Generator().manual_seed(6))
+    # past MAX_Q8_ROWS the tiled kernel still runs (it outruns the GEMM path): the oracle's numbers
+    ref = Q.quant_q8_reference(x, pw, bias)
+    torch.testing.assert_close(Q.quant_linear_q8(x, pw, bias), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    xb = x[:5].bfloat16()
+    out = Q.quant_linear_q8(xb, pw, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, Q.quant_q8_reference(xb, pw, bias), rtol=1e-2, atol=1e-2)
+
+
+def test_blocked_and_tiled_kernels_agree(ops):
+    pw = random_packed(576, 1536, 4, 64, seed=7)
+    x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(8))
+    blocked = Q.quant_linear_q8(x, pw)
+    set_tiled(pw, True)
+    torch.testing.assert_close(Q.quant_linear_q8(x, pw), blocked, rtol=1e-5, atol=1e-5 * blocked.abs().max().item())
+
+
+def test_no_kernel_takes_the_reference_path(ops, monkeypatch):
+    pw = tiled(48, 96, 32, seed=9)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(10))
+    want = Q.quant_linear_q8(x, pw)
+    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    assert not can_tile(random_packed(48, 96, 4, 32))
+    torch.testing.assert_close(Q.quant_linear_q8(x, pw), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_set_quant_activations_tiles_the_int8_layers(ops, tmp_path):
+    src = tmp_path / "float"
+    make_tiny_hf_model(src, "llama", seed=6)
+    qfolder = quantize_folder(src, tmp_path / "q", LayerQuant(bits=4, group_size=32, sym=False))
+    loaded = load_model(qfolder)
+    layers = [m for m in loaded.model.modules() if type(m) is QuantLinear]
+    four_bit = [m for m in layers if m.packed.bits == 4]
+    assert four_bit and all(m.packed.out_features % 16 == 0 for m in four_bit)
+    ids = torch.tensor([9, 8, 7, 100, 200, 31, 5])
+    want = prefill_logits(loaded, ids)
+    set_quant_activations(loaded.model, "auto")  # int8 activations on the 4-bit layers: tiled; the 8-bit head not
+    assert all(m.packed.tiled == (m.packed.bits == 4) for m in layers)
+    got = prefill_logits(loaded, ids)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 5e-2, rel  # x rounded to int8 (see test_qlinear_q8's tiny-model test)
+    set_quant_activations(loaded.model, "float")
+    assert not any(m.packed.tiled for m in layers)
+    assert torch.equal(prefill_logits(loaded, ids), want)
