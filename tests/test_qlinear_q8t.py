@@ -1,4 +1,4 @@
-"""4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds) against int8 activations: the
+"""8- and 4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds) against int8 activations: the
 layout switch is exact and in place, the kernel equals the float64 oracle over the default model's shapes and
 every group size, at any row count; set_quant_activations tiles exactly the layers the kernel takes and untiles them
 again."""
@@ -33,8 +33,8 @@ def ops():
     return ops_with("quant_linear_q8t")
 
 
-def tiled(n: int, k: int, group: int, sym: bool = False, seed: int = 0):
-    pw = random_packed(n, k, 4, group, sym=sym, seed=seed)
+def tiled(n: int, k: int, group: int, sym: bool = False, seed: int = 0, bits: int = 4):
+    pw = random_packed(n, k, bits, group, sym=sym, seed=seed)
     assert set_tiled(pw, True) and pw.tiled
     return pw
 
@@ -44,8 +44,9 @@ SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (16, 64), (48, 96), 
 CASES = [(n, k, group) for n, k in SHAPES for group in (-1, 32, 64, 96, 192) if group == -1 or k % group == 0]
 
 
-def test_layout_switch_is_exact_and_in_place():
-    pw = random_packed(48, 192, 4, 64, seed=3)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_layout_switch_is_exact_and_in_place(bits):
+    pw = random_packed(48, 192, bits, 64, seed=3)
     before = {f: getattr(pw, f).clone() for f in ("data", "scales", "zeros")}
     ptrs = {f: getattr(pw, f).data_ptr() for f in before}
     codes, mins, w = unpack_codes(pw), pw.mins, dequantize_packed(pw)
@@ -56,26 +57,32 @@ def test_layout_switch_is_exact_and_in_place():
     assert torch.equal(unpack_codes(pw), codes) and torch.equal(pw.mins, mins)
     assert torch.equal(pw.group_scales(), before["scales"]) and torch.equal(pw.group_zeros(), before["zeros"])
     assert torch.equal(dequantize_packed(pw), w)
-    # row 16 t + r's codes 8 c .. 8 c + 7 sit in tile t's line c, dword r: q[8 c + j] | q[8 c + 4 + j] << 4
+    # 4 bits: row 16 t + r's codes 8 c .. 8 c + 7 sit in tile t's line c, dword r: q[8 c + j] | q[8 c + 4 + j] << 4;
+    # 8 bits: codes 4 c .. 4 c + 3 in line c, dword r
     t, r, c = 2, 5, 7
-    line = pw.data.view(-1)[(t * (192 // 8) + c) * 64 + r * 4:][:4]
-    q = codes[16 * t + r, 8 * c: 8 * c + 8]
-    assert torch.equal(line, q[:4] | (q[4:] << 4))
+    per_line = 32 // bits
+    line = pw.data.view(-1)[(t * (192 // per_line) + c) * 64 + r * 4:][:4]
+    q = codes[16 * t + r, per_line * c: per_line * (c + 1)]
+    assert torch.equal(line, q if bits == 8 else q[:4] | (q[4:] << 4))
     assert set_tiled(pw, False)
     assert all(torch.equal(getattr(pw, f), before[f]) for f in before)
 
 
-def test_only_4bit_affine_codes_in_whole_tiles_are_tiled():
+def test_only_8_and_4bit_affine_codes_in_whole_tiles_are_tiled():
+    from brisk.ops.qlinear import prepack
+
+    three = prepack(torch.randint(0, 256, (48, 24), dtype=torch.uint8), torch.rand(48, 2), None, 3, 32, 64)
     with pytest.raises(ValueError, match="4-bit affine codes"):
-        set_tiled(random_packed(48, 64, 8, 32), True)
+        set_tiled(three, True)
     with pytest.raises(ValueError, match="multiple of 16"):
         set_tiled(random_packed(40, 64, 4, 32), True)
 
 
 @pytest.mark.parametrize("n,k,group", CASES)
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 13])
-def test_kernel_equals_reference(ops, n, k, group, m):
-    pw = tiled(n, k, group, sym=m in (1, 8, 13), seed=n + m)
+def test_kernel_equals_reference(ops, n, k, group, bits, m):
+    pw = tiled(n, k, group, sym=m in (1, 8, 13), seed=n + m, bits=bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
     ref = Q.quant_q8_reference(x, pw, bias)
@@ -84,8 +91,9 @@ def test_kernel_equals_reference(ops, n, k, group, m):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_bfloat16_activations_and_many_rows(ops):
-    pw = tiled(960, 576, 64, seed=4)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bfloat16_activations_and_many_rows(ops, bits):
+    pw = tiled(960, 576, 64, seed=4, bits=bits)
     x = torch.randn(Q.MAX_Q8_ROWS + 37, 576, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(960, generator=torch.Generator().manual_seed(6))
     # past MAX_Q8_ROWS the tiled kernel still runs (it outruns the GEMM path): the oracle's numbers
@@ -97,8 +105,9 @@ def test_bfloat16_activations_and_many_rows(ops):
     torch.testing.assert_close(out, Q.quant_q8_reference(xb, pw, bias), rtol=1e-2, atol=1e-2)
 
 
-def test_blocked_and_tiled_kernels_agree(ops):
-    pw = random_packed(576, 1536, 4, 64, seed=7)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_blocked_and_tiled_kernels_agree(ops, bits):
+    pw = random_packed(576, 1536, bits, 64, seed=7)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(8))
     blocked = Q.quant_linear_q8(x, pw)
     set_tiled(pw, True)
@@ -129,6 +138,10 @@ def test_set_quant_activations_tiles_the_int8_layers(ops, tmp_path):
     got = prefill_logits(loaded, ids)
     rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < 5e-2, rel  # x rounded to int8 (see test_qlinear_q8's tiny-model test)
+    set_quant_activations(loaded.model, "int8")  # the 8-bit head too (its vocabulary is a multiple of 16)
+    assert any(m.packed.bits == 8 for m in layers) and all(m.packed.tiled for m in layers)
+    rel = ((prefill_logits(loaded, ids) - want).norm() / want.norm()).item()
+    assert 0 < rel < 5e-2, rel
     set_quant_activations(loaded.model, "float")
     assert not any(m.packed.tiled for m in layers)
     assert torch.equal(prefill_logits(loaded, ids), want)

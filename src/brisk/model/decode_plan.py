@@ -49,7 +49,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 # A linear as ops/csrc/decode_layers.cpp takes it for batches of up to MAX_SMALL_M rows: (kind, six tensor slots,
 # bits, group size); kind 0 = float weight (linear_small_m), 1 = int8 activations (quant_linear_q8), 2 = packed codes
 # with float activations (quant_linear_small), 3 = pruned weight (sparse_linear; "bits" = its value kind 32/8/4),
-# 4 = pruned int8 weight with int8 activations (sparse_q8_linear), 5 = tiled 4-bit codes with int8 activations
+# 4 = pruned int8 weight with int8 activations (sparse_q8_linear), 5 = tiled 8/4-bit codes with int8 activations
 # (quant_linear_q8t).
 CppLinear = tuple[int, list[torch.Tensor | None], int, int]
 

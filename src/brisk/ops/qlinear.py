@@ -62,8 +62,8 @@ class PackedWeight:
     zeros: torch.Tensor | None  # uint8 [N, K / G] zero points; None: symmetric (2^(bits - 1)), or codebook mode
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
-    # True: 4-bit codes, scales and zero points in the row-interleaved layout of ops/csrc/quant_q8t.cpp (tiles of 16
-    # rows), which only the int8-activation kernel reads; set_tiled switches in place (set_quant_activations does)
+    # True: 8/4-bit codes, scales and zero points in the row-interleaved layout of ops/csrc/quant_q8t.cpp (tiles of
+    # 16 rows), which only the int8-activation kernel reads; set_tiled switches in place (set_quant_activations does)
     tiled: bool = False
 
     @property
@@ -222,9 +222,10 @@ def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in
     return _finish(q, 4, group_size, in_features, qweight.detach(), _half_scales(absmax), None, codebook)
 
 
-# ---- tiled layout (see the top of ops/csrc/quant_q8t.cpp): 4-bit codes of 16 weight rows interleaved, so that
-# lane r of the int8-activation kernel's vectors is row 16 t + r. Per tile and per 8 columns one 64-byte line, row r's
-# dword holding q[8 c + j] | q[8 c + 4 + j] << 4 in byte j; scales and zero points [tile][group][16] ----
+# ---- tiled layout (see the top of ops/csrc/quant_q8t.cpp): 8- or 4-bit codes of 16 weight rows interleaved, so
+# that lane r of the int8-activation kernel's vectors is row 16 t + r. Per tile one 64-byte line per 4 columns (8
+# bits: row r's dword = q[4 c .. 4 c + 3]) or per 8 columns (4 bits: byte j of row r's dword = q[8 c + j] |
+# q[8 c + 4 + j] << 4); scales and zero points [tile][group][16] ----
 
 TILE_ROWS = 16
 
@@ -241,50 +242,56 @@ def _untile_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(n // TILE_ROWS, -1, TILE_ROWS).transpose(1, 2).reshape(n, -1)
 
 
-def _to_tiled(q: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [N, K] uint8 (N % 16 == 0, K % 8 == 0) -> tiled data [N, K / 2] uint8."""
+def _to_tiled(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """8- or 4-bit codes [N, K] uint8 (N % 16 == 0, K % 8 == 0) -> tiled data [N, K * bits / 8] uint8."""
     n, k = q.shape
+    if bits == 8:
+        return q.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).transpose(1, 2).reshape(n, k)  # [t, c, r, j]
     q5 = q.view(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)  # [t, r, c, h, j]: column 8 c + 4 h + j
     return (q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n, k // 2)  # [t, c, r, j]
 
 
-def _from_tiled(data: torch.Tensor, in_features: int) -> torch.Tensor:
+def _from_tiled(data: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """Inverse of _to_tiled: tiled data -> codes [N, K] uint8."""
     n = data.shape[0]
+    if bits == 8:
+        return data.view(n // TILE_ROWS, in_features // 4, TILE_ROWS, 4).transpose(1, 2).reshape(n, in_features)
     d = data.view(n // TILE_ROWS, in_features // 8, TILE_ROWS, 4).permute(0, 2, 1, 3)  # [t, r, c, j]
     return torch.stack([d & 0xF, d >> 4], dim=-2).reshape(n, in_features)  # [t, r, c, h, j]
 
 
+def _tileable(pw: PackedWeight) -> bool:
+    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and pw.out_features % TILE_ROWS == 0
+
+
 def can_tile(pw: PackedWeight) -> bool:
-    """Whether the tiled int8-activation kernel (AVX-512 VNNI builds) can take this weight: 4-bit affine codes in the
-    blocked layout, a multiple of 16 rows, on the CPU."""
-    return (pw.tiled or (pw.blocked and pw.bits == 4 and pw.codebook is None
-                         and pw.out_features % TILE_ROWS == 0 and pw.data.is_cpu)) \
-        and get_op("quant_linear_q8t") is not None
+    """Whether the tiled int8-activation kernel (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine codes
+    in the blocked layout, a multiple of 16 rows, on the CPU."""
+    return (pw.tiled or (_tileable(pw) and pw.data.is_cpu)) and get_op("quant_linear_q8t") is not None
 
 
 def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
-    """Switch a 4-bit weight between the blocked and the tiled layout, in place: the same storages (so views,
+    """Switch an 8- or 4-bit weight between the blocked and the tiled layout, in place: the same storages (so views,
     buffers and huge-page arenas that hold them stay valid) get the permuted bytes. Returns whether it changed."""
     if pw.tiled == tiled:
         return False
-    if tiled and not (pw.blocked and pw.bits == 4 and pw.codebook is None and pw.out_features % TILE_ROWS == 0):
-        raise ValueError(f"only 4-bit affine codes in the blocked layout with a multiple of {TILE_ROWS} rows can be "
-                         f"tiled (this weight: {pw.bits}-bit, {pw.out_features} rows)")
-    k = pw.in_features
+    if tiled and not _tileable(pw):
+        raise ValueError(f"only 8- or 4-bit affine codes in the blocked layout with a multiple of {TILE_ROWS} rows "
+                         f"can be tiled (this weight: {pw.bits}-bit, {pw.out_features} rows)")
+    k, bits = pw.in_features, pw.bits
     with torch.no_grad():
         if tiled:
-            data = _to_tiled(_from_blocked(pw.data, 4, k))
+            data = _to_tiled(_from_blocked(pw.data, bits, k), bits)
             scales = _tile_rows(pw.scales)
             zeros = None if pw.zeros is None else _tile_rows(pw.zeros)
         else:
-            data = _to_blocked(_from_tiled(pw.data, k), 4)
+            data = _to_blocked(_from_tiled(pw.data, bits, k), bits)
             scales = _untile_rows(pw.scales)
             zeros = None if pw.zeros is None else _untile_rows(pw.zeros)
-        pw.data.copy_(data.view_as(pw.data))
-        pw.scales.copy_(scales)
-        if zeros is not None:
-            pw.zeros.copy_(zeros)
+        for dst, src in ((pw.data, data.view_as(pw.data)), (pw.scales, scales), (pw.zeros, zeros)):
+            if dst is not None:  # a permutation that is a view of its source (one group a row) is copied first
+                same = src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+                dst.copy_(src.clone() if same else src)
     pw.tiled = tiled
     return True
 
@@ -292,7 +299,7 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
 def unpack_codes(pw: PackedWeight) -> torch.Tensor:
     """The integer codes q [N, K] (uint8) of a packed weight, whatever its layout."""
     if pw.tiled:
-        return _from_tiled(pw.data, pw.in_features)
+        return _from_tiled(pw.data, pw.bits, pw.in_features)
     if pw.blocked:
         return _from_blocked(pw.data, pw.bits, pw.in_features)
     return _unpack_checkpoint(pw.data, pw.bits, pw.in_features)

@@ -105,8 +105,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
         if type(module) is QuantLinear:
             int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and module.packed.bits <= 4))
             module.quant_activations = "int8" if int8 else "float"
-            # 4-bit codes on the int8 path are retiled in place for quant_q8t's kernel (16 rows interleaved: one
-            # vector op per 64 codes of a row instead of ~3, no horizontal sums), and back for the float path
+            # codes on the int8 path are retiled in place for quant_q8t's kernel (16 rows interleaved: lane r of
+            # its vectors is row r, no horizontal sums), and back to the blocked layout for the float path
             set_tiled(module.packed, int8 and can_tile(module.packed))
             count += int8
     model._quant_activations = mode  # part of the decode plan's cache key

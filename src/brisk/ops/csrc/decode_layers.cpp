@@ -15,7 +15,7 @@
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
 //   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
-//   kind 5, tiled 4-bit, int8 act.:     [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
+//   kind 5, tiled 8/4-bit, int8 act.:   [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 #include <ATen/ATen.h>

@@ -1,23 +1,27 @@
-// 4-bit affine codes in a row-interleaved ("tiled") layout, against int8 activations: the AVX-512 VNNI decode
-// kernel of quantized linears with int8 activations (ops/qlinear_q8.py; the weight is retiled when its layer is set
-// to int8 activations, brisk.quant.layers.set_quant_activations).
+// 8- and 4-bit affine codes in a row-interleaved ("tiled") layout, against int8 activations: the AVX-512 VNNI
+// kernel of quantized linears with int8 activations (ops/qlinear_q8.py; a weight is retiled in place when its layer
+// is set to int8 activations, brisk.quant.layers.set_quant_activations, and back when it leaves them).
 //
 // Why another layout. quant_q8.cpp's blocked layout keeps a weight row's codes together, so a 512-bit dot product
 // holds 16 partial sums of ONE row: every row then ends in a horizontal reduction, its group scales must be
 // spread over lanes by permutes, and its min term is a loop of its own. That is ~12 vector operations per 128 codes,
 // and at batch 1 the kernel ran at ~40 GB/s, its in-cache compute rate, not at the memory's ~60.
 // Here lane r of every vector is weight row 16 t + r of a tile of 16 rows, as in the interleaved ("repacked")
-// formats of llama.cpp and oneDNN: per 8 input columns a tile stores one 64-byte line, row r's dword holding the
-// 8 codes of columns 8 c .. 8 c + 7 as bytes j = q[8 c + j] | q[8 c + 4 + j] << 4 (j = 0..3). One load, two ANDs and
-// a shift give the low and high nibbles, and two vpdpbusd against the 4 activation bytes of columns 8 c .. 8 c + 3
-// and 8 c + 4 .. 8 c + 7, broadcast, add 8 products into each of the 16 rows' int32 sums. Per 32-column activation
+// formats of llama.cpp and oneDNN. 4 bits: per 8 input columns a tile stores one 64-byte line, row r's dword holding
+// the 8 codes of columns 8 c .. 8 c + 7 as bytes j = q[8 c + j] | q[8 c + 4 + j] << 4 (j = 0..3); one load, two ANDs
+// and a shift give the low and high nibbles, and two vpdpbusd against the 4 activation bytes of columns 8 c .. 8 c + 3
+// and 8 c + 4 .. 8 c + 7, broadcast, add 8 products into each of the 16 rows' int32 sums. 8 bits: a line per 4
+// columns, row r's dword = q[4 c .. 4 c + 3], one vpdpbusd (codes unsigned as they are). Per 32-column activation
 // block one conversion and one FMA (by the 16 rows' group scales times the block's activation scale); per group one
-// FMA for the min term; the 16 results leave in one store. About 3.5 operations per 64 codes of a row.
+// FMA for the min term; the 16 results leave in one store.
+// Measured (same process, the default model's 120 int4 g64 decoder linears streamed from memory): M = 1 1.44 ms
+// (the blocked kernel: ~1.95), M = 8 2.18 ms (5.17); whole-engine batch-1 decode 329 -> 378 tok/s, batch 8 574 ->
+// 837. Prefill rows too (M = 128 .. 1024: 2.5-3x the float GEMM path), so a tiled weight takes this kernel always.
 //
-// Layout (made by brisk.ops.qlinear.tile_packed from the blocked layout; N a multiple of 16):
-//   data   [N / 16][K / 8][16][4] uint8   (as the tensor [N, K / 2])
-//   scales [N / 16][K / G][16] float16    (as [N, K / G])
-//   zeros  [N / 16][K / G][16] uint8      (as [N, K / G]), or none for symmetric codes (zero 8)
+// Layout (made by brisk.ops.qlinear.set_tiled from the blocked layout; N a multiple of 16):
+//   data   [N / 16][K * bits / 32][16][4] uint8   (as the tensor [N, K * bits / 8])
+//   scales [N / 16][K / G][16] float16            (as [N, K / G])
+//   zeros  [N / 16][K / G][16] uint8              (as [N, K / G]), or none for symmetric codes (zero 2^(bits-1))
 // Activations, as quant_q8.cpp (and bit for bit brisk.ops.sparse_q8.quantize_activations_q8): per 32 columns
 // xs = max|x| / 127, xq = round_half_even(x * 127 / max|x|), here in their natural order; xr_g = sum_{b in g} xs_b *
 // sum(xq_b). Result per row n: sum_g s_g (sum_{b in g} xs_b dot(q_b, xq_b)) - sum_g zero_g s_g xr_g (+ bias).
@@ -28,6 +32,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 
 #include <immintrin.h>
+
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -45,8 +51,9 @@ constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance into L2 
 struct TW {
   const uint8_t* data;
   const at::Half* scales;
-  const uint8_t* zeros;  // null: symmetric (zero 8)
+  const uint8_t* zeros;  // null: symmetric (zero 2^(bits-1))
   int64_t K, ngroups, bpg, nblocks;
+  float zero;  // symmetric codes' zero point
 };
 
 struct TX {
@@ -63,9 +70,9 @@ inline int32_t dword(const int8_t* p) {
 }
 
 // Tile t against activation rows 0 .. MT-1 of x: out[m * ldo + 16 t + r] for r < 16.
-template <int MT>
+template <int BITS, int MT>
 void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, int64_t ldo) {
-  const uint8_t* w = p.data + t * kTile * (p.K / 2);
+  const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
   const at::Half* sp = p.scales + t * kTile * p.ngroups;
   const uint8_t* zp = p.zeros ? p.zeros + t * kTile * p.ngroups : nullptr;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -74,21 +81,33 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
   for (int64_t g = 0; g < p.ngroups; ++g) {
     const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * kTile)));
     for (int64_t b = g * p.bpg; b < (g + 1) * p.bpg; ++b) {
-      // MT = 1: low and high nibbles in two chains (8 dependent vpdpbusd a block otherwise)
+      // MT = 1: two chains (low and high nibbles; even and odd lines) instead of 8 dependent vpdpbusd a block
       constexpr int NA = MT == 1 ? 2 : 1;
       __m512i acc[NA][MT];
       for (int a = 0; a < NA; ++a)
         for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* wc = w + (b * 4 + c) * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T1);
-        const __m512i d = _mm512_loadu_si512(wc);
-        const __m512i lo = _mm512_and_si512(d, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xm = x.xq + m * x.K + b * kBlock + c * 8;
-          acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, _mm512_set1_epi32(dword(xm)));
-          acc[NA - 1][m] = _mm512_dpbusd_epi32(acc[NA - 1][m], hi, _mm512_set1_epi32(dword(xm + 4)));
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* wc = w + (b * 4 + c) * 64;
+          _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T1);
+          const __m512i d = _mm512_loadu_si512(wc);
+          const __m512i lo = _mm512_and_si512(d, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xm = x.xq + m * x.K + b * kBlock + c * 8;
+            acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, _mm512_set1_epi32(dword(xm)));
+            acc[NA - 1][m] = _mm512_dpbusd_epi32(acc[NA - 1][m], hi, _mm512_set1_epi32(dword(xm + 4)));
+          }
+        }
+      } else {  // 8 bits: a line per 4 columns, the codes as they are (vpdpbusd takes them unsigned)
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* wc = w + (b * 8 + c) * 64;
+          _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T1);
+          const __m512i d = _mm512_loadu_si512(wc);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xm = x.xq + m * x.K + b * kBlock + c * 4;
+            acc[c % NA][m] = _mm512_dpbusd_epi32(acc[c % NA][m], d, _mm512_set1_epi32(dword(xm)));
+          }
         }
       }
       for (int m = 0; m < MT; ++m) {
@@ -100,7 +119,7 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
     }
     const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kTile))))
-                        : _mm512_set1_ps(8.f);
+                        : _mm512_set1_ps(p.zero);
     const __m512 mn = _mm512_mul_ps(sv, z);  // -min_g of the 16 rows
     for (int m = 0; m < MT; ++m) tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xr[m * x.ngroups + g]), tot[m]);
   }
@@ -112,27 +131,18 @@ inline TX rows_from(const TX& x, int64_t m) {
   return TX{x.xq + m * x.K, x.xs + m * x.nblocks, x.xr + m * x.ngroups, x.K, x.nblocks, x.ngroups};
 }
 
-template <int MT>
-void tiles(const TW& p, int64_t t0, int64_t t1, const TX& x, const float* bias, float* out, int64_t ldo) {
-  for (int64_t t = t0; t < t1; ++t) tile<MT>(p, t, x, bias, out, ldo);
-}
-
 // tiles t0 .. t1-1 against all M rows: per tile, every group of up to 8 activation rows (the tile's codes stay in
 // L1 meanwhile)
+template <int BITS>
 void run(const TW& p, const TX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
   for (int64_t t = t0; t < t1; ++t) {
     int64_t m = 0;
-    for (; m + kMaxRows <= M; m += kMaxRows) tile<kMaxRows>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
-    switch (M - m) {
-      case 0: break;
-      case 1: tile<1>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      case 2: tile<2>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      case 3: tile<3>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      case 4: tile<4>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      case 5: tile<5>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      case 6: tile<6>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-      default: tile<7>(p, t, rows_from(x, m), bias, out + m * ldo, ldo); break;
-    }
+    for (; m + kMaxRows <= M; m += kMaxRows) tile<BITS, kMaxRows>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+    if (m < M)
+      brisk_simd::with_rows(M - m, [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        if constexpr (MT < kMaxRows) tile<BITS, MT>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+      });
   }
 }
 
@@ -173,7 +183,7 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
 
 }  // namespace
 
-// x: [..., K] float32 or bfloat16 (K a multiple of 32); data: uint8 [N, K / 2] in the tiled layout above (N a
+// x: [..., K] float32 or bfloat16 (K a multiple of 32); data: uint8 [N, K * bits / 8] in the tiled layout above (N a
 // multiple of 16); scales: float16 [N, K / G] tiled; zeros: uint8 [N, K / G] tiled, or absent (symmetric); bias:
 // float32 / bfloat16 [N] or absent. Returns [..., N] in x's dtype.
 at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
@@ -181,13 +191,13 @@ at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const a
                             const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear_q8t: x must be float32 or bfloat16 [..., K]");
-  TORCH_CHECK(bits == 4, "quant_linear_q8t: the tiled layout holds 4-bit codes");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_q8t: bits must be 4 or 8");
   const int64_t K = x.size(-1);
   TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear_q8t: K and group_size must be multiples of 32, and group_size must divide K");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() && data.size(1) == K / 2 &&
-                  data.size(0) % kTile == 0,
-              "quant_linear_q8t: data must be a contiguous uint8 [N, K / 2] tensor with N a multiple of 16");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
+                  data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
+              "quant_linear_q8t: data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
   const int64_t N = data.size(0), ngroups = K / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == N && scales.size(1) == ngroups,
@@ -220,12 +230,15 @@ at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const a
   if (xc.scalar_type() == at::kFloat) quantize_x(xc.data_ptr<float>(), M, K, group_size, xq, xs, xr);
   else quantize_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xr);
   const TW p{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), affine ? zeros->data_ptr<uint8_t>() : nullptr,
-             K, ngroups, group_size / kBlock, nblocks};
+             K, ngroups, group_size / kBlock, nblocks, static_cast<float>(int64_t{1} << (bits - 1))};
   const TX xa{xq, xs, xr, K, nblocks, ngroups};
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   // grain: tiles per task such that a task streams >= ~32 KiB of codes
-  const int64_t ntiles = N / kTile, grain = std::max<int64_t>(1, (32 * 1024) / (kTile * K / 2));
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) { run(p, xa, M, t0, t1, b, acc, N); });
+  const int64_t ntiles = N / kTile, grain = std::max<int64_t>(1, (32 * 1024) / (kTile * K * bits / 8));
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    if (bits == 4) run<4>(p, xa, M, t0, t1, b, acc, N);
+    else run<8>(p, xa, M, t0, t1, b, acc, N);
+  });
   if (!direct) out.copy_(at::from_blob(acc, sizes, x.options().dtype(at::kFloat)));
   return out;
 }
