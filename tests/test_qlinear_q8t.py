@@ -1,7 +1,7 @@
-"""8- and 4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds) against int8 activations: the
-layout switch is exact and in place, the kernel equals the float64 oracle over the default model's shapes and
-every group size, at any row count; set_quant_activations tiles exactly the layers the kernel takes and untiles them
-again."""
+"""8- and 4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds): the layout switch is exact
+and in place; the int8-activation kernel equals the float64 oracle, and the float-activation kernel the float64
+product with the dequantized weight, over the default model's shapes and every group size, at any row count; the
+tiled dequantization is bit-exact; load_model tiles exactly the layers the kernels take."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_quant_checkpoint import quantize_folder
 from brisk.model.loader import load_model
 from brisk.ops import qlinear_q8 as Q
 from brisk.ops.kernels import kernel_isa
-from brisk.ops.qlinear import can_tile, dequantize_packed, set_tiled, unpack_codes
+from brisk.ops.qlinear import MAX_TILED_M, can_tile, dequantize_packed, quant_linear, set_tiled, unpack_codes
 from brisk.quant.config import LayerQuant
 from brisk.quant.layers import QuantLinear, set_quant_activations
 
@@ -123,25 +123,66 @@ def test_no_kernel_takes_the_reference_path(ops, monkeypatch):
     torch.testing.assert_close(Q.quant_linear_q8(x, pw), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_set_quant_activations_tiles_the_int8_layers(ops, tmp_path):
+@pytest.mark.parametrize("n,k,group", CASES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13])
+def test_float_kernel_equals_the_product_with_the_dequantized_weight(ops, n, k, group, bits, m):
+    pw = tiled(n, k, group, sym=m in (1, 8), seed=n + m, bits=bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
+    want = torch.nn.functional.linear(x.double(), dequantize_packed(pw).double(),
+                                      None if bias is None else bias.double())
+    got = quant_linear(x, pw, bias)
+    # float32 sums of codes times x per group, then scaled: a per-channel 8-bit row sums 576 products up to 255 |x|
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_float_path_bfloat16_and_prefill_rows(ops, bits):
+    pw = tiled(576, 1536, 64, seed=11, bits=bits)
+    bias = torch.randn(576, generator=torch.Generator().manual_seed(12))
+    w = dequantize_packed(pw).double()
+    for m in (5, MAX_TILED_M + 9):  # the kernel, then dequantize_t + GEMM
+        x = torch.randn(m, 1536, generator=torch.Generator().manual_seed(m))
+        want = torch.nn.functional.linear(x.double(), w, bias.double())
+        torch.testing.assert_close(quant_linear(x, pw, bias).double(), want, rtol=1e-5,
+                                   atol=2e-6 * want.abs().max().item())
+    xb = torch.randn(3, 1536, generator=torch.Generator().manual_seed(13)).bfloat16()
+    out = quant_linear(xb, pw, bias)
+    assert out.dtype == torch.bfloat16
+    want = torch.nn.functional.linear(xb.double(), w, bias.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tiled_dequantization_is_bit_exact(ops, bits):
+    pw = random_packed(96, 576, bits, 64, seed=14)
+    want = dequantize_packed(pw)
+    set_tiled(pw, True)
+    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 0, 6), want)
+    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 2, 4), want[32:64])
+    with pytest.raises(RuntimeError, match="out of"):
+        ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 5, 7)
+
+
+def test_load_model_tiles_the_layers_the_kernels_take(ops, tmp_path):
     src = tmp_path / "float"
     make_tiny_hf_model(src, "llama", seed=6)
     qfolder = quantize_folder(src, tmp_path / "q", LayerQuant(bits=4, group_size=32, sym=False))
     loaded = load_model(qfolder)
     layers = [m for m in loaded.model.modules() if type(m) is QuantLinear]
-    four_bit = [m for m in layers if m.packed.bits == 4]
-    assert four_bit and all(m.packed.out_features % 16 == 0 for m in four_bit)
+    assert any(m.packed.bits == 8 for m in layers) and all(m.packed.out_features % 16 == 0 for m in layers)
+    assert all(m.packed.tiled for m in layers)  # the 4-bit layers and the 8-bit head
     ids = torch.tensor([9, 8, 7, 100, 200, 31, 5])
     want = prefill_logits(loaded, ids)
-    set_quant_activations(loaded.model, "auto")  # int8 activations on the 4-bit layers: tiled; the 8-bit head not
-    assert all(m.packed.tiled == (m.packed.bits == 4) for m in layers)
-    got = prefill_logits(loaded, ids)
-    rel = ((got - want).norm() / want.norm()).item()
-    assert 0 < rel < 5e-2, rel  # x rounded to int8 (see test_qlinear_q8's tiny-model test)
-    set_quant_activations(loaded.model, "int8")  # the 8-bit head too (its vocabulary is a multiple of 16)
-    assert any(m.packed.bits == 8 for m in layers) and all(m.packed.tiled for m in layers)
+    # the blocked layout (quant_linear_small) gives the same logits up to float32 summation order
+    for m in layers:
+        set_tiled(m.packed, False)
+    blocked = prefill_logits(loaded, ids)
+    torch.testing.assert_close(blocked, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    set_quant_activations(loaded.model, "int8")  # tiles again, and rounds x to int8 at every layer
+    assert all(m.packed.tiled for m in layers)
     rel = ((prefill_logits(loaded, ids) - want).norm() / want.norm()).item()
-    assert 0 < rel < 5e-2, rel
+    assert 0 < rel < 5e-2, rel  # x rounded to int8 (see test_qlinear_q8's tiny-model test)
     set_quant_activations(loaded.model, "float")
-    assert not any(m.packed.tiled for m in layers)
-    assert torch.equal(prefill_logits(loaded, ids), want)
+    assert all(m.packed.tiled for m in layers) and torch.equal(prefill_logits(loaded, ids), want)

@@ -49,8 +49,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 # A linear as ops/csrc/decode_layers.cpp takes it for batches of up to MAX_SMALL_M rows: (kind, six tensor slots,
 # bits, group size); kind 0 = float weight (linear_small_m), 1 = int8 activations (quant_linear_q8), 2 = packed codes
 # with float activations (quant_linear_small), 3 = pruned weight (sparse_linear; "bits" = its value kind 32/8/4),
-# 4 = pruned int8 weight with int8 activations (sparse_q8_linear), 5 = tiled 8/4-bit codes with int8 activations
-# (quant_linear_q8t).
+# 4 = pruned int8 weight with int8 activations (sparse_q8_linear), 5 / 6 = tiled 8/4-bit codes with int8 / float
+# activations (quant_linear_q8t / quant_linear_t).
 CppLinear = tuple[int, list[torch.Tensor | None], int, int]
 
 
@@ -90,16 +90,19 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
         return None
     small = ops.quant_linear_small.default
     int8 = module.quant_activations == "int8"
-    if pw.tiled:  # quant_q8t's layout: its kernel at every row count (ops.qlinear_q8.quant_linear_q8's choice)
-        q8t = getattr(ops, "quant_linear_q8t", None)
-        if not int8 or q8t is None:
+    if pw.tiled:  # quant_q8t.cpp's layout and kernels (ops.qlinear.quant_linear's choices)
+        op = getattr(ops, "quant_linear_q8t" if int8 else "quant_linear_t", None)
+        if op is None:
             return None
-        tiled = q8t.default
+        tiled = op.default
 
         def run_tiled(x: torch.Tensor) -> torch.Tensor:
-            return tiled(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, b)
+            if int8 or x.shape[0] <= MAX_SMALL_M:  # int8 activations: the kernel at every row count
+                return tiled(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, b)
+            return quant_linear(x, pw, b)
 
-        run_tiled.cpp = (5, [pw.data, pw.scales, pw.zeros, b, None, None], pw.bits, pw.group_size)  # type: ignore
+        run_tiled.cpp = (5 if int8 else 6, [pw.data, pw.scales, pw.zeros, b, None, None], pw.bits,  # type: ignore
+                         pw.group_size)
         return run_tiled
     q8 = ops.quant_linear_q8.default if int8 and covers(pw) and hasattr(ops, "quant_linear_q8") else None
 

@@ -163,6 +163,10 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.ops.sparse import sparsify_model
 
         sparsify_model(net)
+    if quantization is not None:
+        from brisk.quant.layers import tile_quantized_layers
+
+        tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the AVX-512 kernels
     use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
     if torch.device(device).type == "cpu":
         from brisk.model.hugepages import to_huge_pages

@@ -95,7 +95,6 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     rounding (int4 g64: +0.3% relative perplexity for 1.67x batch-1 decode here, 3x at batch 8), as in llama.cpp's
     Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. Returns the number of layers on the int8 path. The
     decode plan reads the same setting."""
-    from brisk.ops.qlinear import can_tile, set_tiled
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
@@ -105,9 +104,23 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
         if type(module) is QuantLinear:
             int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and module.packed.bits <= 4))
             module.quant_activations = "int8" if int8 else "float"
-            # codes on the int8 path are retiled in place for quant_q8t's kernel (16 rows interleaved: lane r of
-            # its vectors is row r, no horizontal sums), and back to the blocked layout for the float path
-            set_tiled(module.packed, int8 and can_tile(module.packed))
             count += int8
+    tile_quantized_layers(model)
     model._quant_activations = mode  # part of the decode plan's cache key
     return count
+
+
+def tile_quantized_layers(model: nn.Module) -> int:
+    """Put every 8/4-bit affine QuantLinear of `model` that the tiled kernels take (AVX-512 VNNI builds; 16-row
+    tiles, ops/csrc/quant_q8t.cpp) in the tiled layout, in place: 16 weight rows interleaved so that lane r of the
+    kernels' vectors is row r (no horizontal sums, one scale load per 16 rows), for int8 and float activations
+    alike. Idempotent; load_model and set_quant_activations call it. Returns the number of tiled layers."""
+    from brisk.ops.qlinear import can_tile, set_tiled
+
+    count = 0
+    for module in model.modules():
+        if type(module) is QuantLinear and can_tile(module.packed):
+            set_tiled(module.packed, True)
+            count += 1
+    return count
+

@@ -40,8 +40,11 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
+
+#define BRISK_INLINE_T inline __attribute__((always_inline))
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;       // weight rows per tile (lanes of a 512-bit vector)
@@ -188,71 +191,285 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
   }
 }
 
+// ---- float activations (quant_linear_t): the same tiles, each code widened to float32 ----
+// Column j of a line is byte j (8 bits) or nibble j (4 bits: low nibbles of bytes 0..3, then their high nibbles) of
+// every row's dword: a shift, an AND and a conversion give the 16 rows' codes of that column as floats, and one FMA
+// per activation row (x[col] broadcast) adds them into the group's sums; per group one FMA by the scales and one for
+// the min term (-zero * scale times the group's sum of x). w = s (q - z), so sum_k w_k x_k = s sum_k q_k x_k - s z
+// sum_k x_k, exact in the reals; float32 rounding differs from quant_linear_small's only in the order of sums.
+
+struct FX {
+  const float* x;   // [M, K] float32
+  const float* xg;  // [M, ngroups]: sum of x over each group
+  int64_t K, ngroups;
+};
+
+template <int BITS>
+BRISK_INLINE_T __m512 column(__m512i d, int j) {
+  constexpr int kTop = 32 / BITS - 1;  // the column in the dword's top bits: a shift alone
+  const int shift = BITS == 8 ? 8 * j : j < 4 ? 8 * j : 8 * (j - 4) + 4;
+  const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F);
+  if (j == 0) return _mm512_cvtepi32_ps(_mm512_and_si512(d, mask));
+  if (j == kTop) return _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 32 - BITS));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, shift), mask));
+}
+
+template <int BITS, int MT>
+void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, int64_t ldo) {
+  constexpr int kCols = 32 / BITS;  // columns per 64-byte line
+  constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per activation row
+  const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
+  const at::Half* sp = p.scales + t * kTile * p.ngroups;
+  const uint8_t* zp = p.zeros ? p.zeros + t * kTile * p.ngroups : nullptr;
+  const int64_t group = p.bpg * kBlock, lines = group / kCols;
+  __m512 tot[MT];
+  for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * kTile)));
+    __m512 acc[NA][MT];
+    for (int a = 0; a < NA; ++a)
+      for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < lines; ++l) {
+      const uint8_t* wl = w + (g * lines + l) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(wl) + kPrefetchBytes, kPrefetchHint);
+      const __m512i d = _mm512_loadu_si512(wl);
+      const int64_t c0 = g * group + l * kCols;  // the line's first column
+      for (int j = 0; j < kCols; ++j) {
+        const __m512 v = column<BITS>(d, j);
+        for (int m = 0; m < MT; ++m)
+          acc[j % NA][m] = _mm512_fmadd_ps(v, _mm512_set1_ps(x.x[m * x.K + c0 + j]), acc[j % NA][m]);
+      }
+    }
+    const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kTile))))
+                        : _mm512_set1_ps(p.zero);
+    const __m512 mn = _mm512_mul_ps(sv, z);
+    for (int m = 0; m < MT; ++m) {
+      __m512 a = acc[0][m];
+      for (int k = 1; k < NA; ++k) a = _mm512_add_ps(a, acc[k][m]);
+      tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xg[m * x.ngroups + g]), _mm512_fmadd_ps(a, sv, tot[m]));
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo + t * kTile, _mm512_add_ps(tot[m], bv));
+}
+
+template <int BITS>
+void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t m = 0;
+    auto at_row = [&](int64_t r) { return FX{x.x + r * x.K, x.xg + r * x.ngroups, x.K, x.ngroups}; };
+    for (; m + kMaxRows <= M; m += kMaxRows) tile_f<BITS, kMaxRows>(p, t, at_row(m), bias, out + m * ldo, ldo);
+    if (m < M)
+      brisk_simd::with_rows(M - m, [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        if constexpr (MT < kMaxRows) tile_f<BITS, MT>(p, t, at_row(m), bias, out + m * ldo, ldo);
+      });
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The arguments both ops take, checked: the weight as the kernels read it, the bias as float32, the output.
+struct Call {
+  TW p;
+  at::Tensor bias, out, x;  // bias as float32 (or undefined), out [..., N] in x's dtype, x contiguous
+  int64_t M, N, K, ngroups, grain;
+  std::vector<int64_t> sizes;
+};
+
+Call prepare(const char* name, const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+             const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+             const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), name,
+              ": x must be float32 or bfloat16 [..., K]");
+  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, name,
+              ": K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
+                  data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
+              name, ": data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
+  const int64_t N = data.size(0), ngroups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == ngroups,
+              name, ": scales must be float16 [N, K / G]");
+  const bool affine = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(
+      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+      name, ": zeros must be uint8 and shaped like scales");
+  Call c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                name, ": bias must be a float32 or bfloat16 [N] tensor");
+    c.bias = bias->to(at::kFloat).contiguous();
+  }
+  c.p = TW{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), affine ? zeros->data_ptr<uint8_t>() : nullptr,
+           K, ngroups, group_size / kBlock, K / kBlock, static_cast<float>(int64_t{1} << (bits - 1))};
+  c.M = x.numel() / K;
+  c.N = N;
+  c.K = K;
+  c.ngroups = ngroups;
+  c.sizes = x.sizes().vec();
+  c.sizes.back() = N;
+  c.out = at::empty(c.sizes, x.options());
+  c.x = x.contiguous();
+  // tiles per task such that a task streams >= ~32 KiB of codes
+  c.grain = std::max<int64_t>(1, (32 * 1024) / (kTile * K * bits / 8));
+  return c;
+}
+
 }  // namespace
 
 // x: [..., K] float32 or bfloat16 (K a multiple of 32); data: uint8 [N, K * bits / 8] in the tiled layout above (N a
 // multiple of 16); scales: float16 [N, K / G] tiled; zeros: uint8 [N, K / G] tiled, or absent (symmetric); bias:
-// float32 / bfloat16 [N] or absent. Returns [..., N] in x's dtype.
+// float32 / bfloat16 [N] or absent. Returns [..., N] in x's dtype. x is rounded to int8 per 32 columns.
 at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                             const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "quant_linear_q8t: x must be float32 or bfloat16 [..., K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_q8t: bits must be 4 or 8");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
-              "quant_linear_q8t: K and group_size must be multiples of 32, and group_size must divide K");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
-                  data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
-              "quant_linear_q8t: data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
-  const int64_t N = data.size(0), ngroups = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == ngroups,
-              "quant_linear_q8t: scales must be float16 [N, K / G]");
-  const bool affine = zeros.has_value() && zeros->defined();
-  TORCH_CHECK(
-      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
-      "quant_linear_q8t: zeros must be uint8 and shaped like scales");
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
-                "quant_linear_q8t: bias must be a float32 or bfloat16 [N] tensor");
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t M = x.numel() / K;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty(sizes, x.options());
-  if (M == 0 || N == 0) return out;
-  auto xc = x.contiguous();
-  const int64_t nblocks = K / kBlock;
+  Call c = prepare("quant_linear_q8t", x, data, scales, zeros, bits, group_size, bias);
+  const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups, nblocks = K / kBlock;
+  if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
   // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result unless written in place, xq
   const int64_t words = M * (nblocks + ngroups + (direct ? 0 : N) + K / 4);
   auto scratch = at::empty({words}, x.options().dtype(at::kFloat));
   float* xs = scratch.data_ptr<float>();
   float* xr = xs + M * nblocks;
-  float* acc = direct ? out.data_ptr<float>() : xr + M * ngroups;
+  float* acc = direct ? c.out.data_ptr<float>() : xr + M * ngroups;
   int8_t* xq = reinterpret_cast<int8_t*>(xr + M * ngroups + (direct ? 0 : M * N));
-  if (xc.scalar_type() == at::kFloat) quantize_x(xc.data_ptr<float>(), M, K, group_size, xq, xs, xr);
-  else quantize_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xr);
-  const TW p{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), affine ? zeros->data_ptr<uint8_t>() : nullptr,
-             K, ngroups, group_size / kBlock, nblocks, static_cast<float>(int64_t{1} << (bits - 1))};
+  if (direct) quantize_x(c.x.data_ptr<float>(), M, K, group_size, xq, xs, xr);
+  else quantize_x(c.x.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xr);
   const TX xa{xq, xs, xr, K, nblocks, ngroups};
-  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  // grain: tiles per task such that a task streams >= ~32 KiB of codes
-  const int64_t ntiles = N / kTile, grain = std::max<int64_t>(1, (32 * 1024) / (kTile * K * bits / 8));
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-    if (bits == 4) run<4>(p, xa, M, t0, t1, b, acc, N);
-    else run<8>(p, xa, M, t0, t1, b, acc, N);
+  const float* b = c.bias.defined() ? c.bias.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N / kTile, c.grain, [&](int64_t t0, int64_t t1) {
+    if (bits == 4) run<4>(c.p, xa, M, t0, t1, b, acc, N);
+    else run<8>(c.p, xa, M, t0, t1, b, acc, N);
   });
-  if (!direct) out.copy_(at::from_blob(acc, sizes, x.options().dtype(at::kFloat)));
+  if (!direct) c.out.copy_(at::from_blob(acc, c.sizes, x.options().dtype(at::kFloat)));
+  return c.out;
+}
+
+// The same arguments, x as it is (float32 arithmetic on the codes widened to float32): few rows (decode).
+at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                          const std::optional<at::Tensor>& bias) {
+  Call c = prepare("quant_linear_t", x, data, scales, zeros, bits, group_size, bias);
+  const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups;
+  if (M == 0 || N == 0) return c.out;
+  const bool direct = x.scalar_type() == at::kFloat;
+  // scratch (float32 words): xg [M, ngroups], x as float32 [M, K] unless it is, the float32 result unless in place
+  auto scratch = at::empty({M * (ngroups + (direct ? 0 : K + N))}, x.options().dtype(at::kFloat));
+  float* xg = scratch.data_ptr<float>();
+  const float* xf = direct ? c.x.data_ptr<float>() : xg + M * ngroups;
+  float* acc = direct ? c.out.data_ptr<float>() : xg + M * (ngroups + K);
+  if (!direct) {
+    const at::BFloat16* src = c.x.data_ptr<at::BFloat16>();
+    float* dst = xg + M * ngroups;
+    for (int64_t i = 0; i < M * K; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));  // K % 32 == 0
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ngroups; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16)
+        s = _mm512_add_ps(s, _mm512_loadu_ps(xf + m * K + k));
+      xg[m * ngroups + g] = _mm512_reduce_add_ps(s);
+    }
+  const FX xa{xf, xg, K, ngroups};
+  const float* b = c.bias.defined() ? c.bias.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N / kTile, c.grain, [&](int64_t t0, int64_t t1) {
+    if (bits == 4) run_f<4>(c.p, xa, M, t0, t1, b, acc, N);
+    else run_f<8>(c.p, xa, M, t0, t1, b, acc, N);
+  });
+  if (!direct) c.out.copy_(at::from_blob(acc, c.sizes, x.options().dtype(at::kFloat)));
+  return c.out;
+}
+
+// Rows [16 t0, 16 t1) of a tiled weight as float32 [16 (t1 - t0), K]: w = scale * (q - zero), for the GEMM path of
+// many activation rows (prefill), a chunk of rows at a time.
+at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                              int64_t bits, int64_t group_size, int64_t in_features, int64_t t0, int64_t t1) {
+  const int64_t K = in_features;
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_dequantize_t: bits must be 4 or 8");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_dequantize_t: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
+                  data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
+              "quant_dequantize_t: data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
+  const int64_t N = data.size(0), ngroups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N, ngroups}),
+              "quant_dequantize_t: scales must be float16 [N, K / G]");
+  const bool affine = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(!affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+              "quant_dequantize_t: zeros must be uint8 and shaped like scales");
+  TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= N / kTile, "quant_dequantize_t: tiles [", t0, ", ", t1, ") out of [0, ",
+              N / kTile, ")");
+  auto out = at::empty({(t1 - t0) * kTile, K}, scales.options().dtype(at::kFloat));
+  const uint8_t* d = data.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const uint8_t* zp = affine ? zeros->data_ptr<uint8_t>() : nullptr;
+  const float zero = static_cast<float>(int64_t{1} << (bits - 1));
+  const int64_t tile_bytes = kTile * K * bits / 8;
+  float* o = out.data_ptr<float>();
+  // per 16 columns of a tile: four vectors X0..X3 of bytes (8 bits: four lines; 4 bits: the low and high nibbles of
+  // two), whose 4 x 4 dword transposes (per 128-bit lane) give each row its 16 codes in column order; each row's 16
+  // codes then widen to float32 and take w = q * s + m (m = -s * z: exact, as the reference's form)
+  at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
+    alignas(64) float sv[kTile], mv[kTile];
+    for (int64_t t = a; t < b; ++t) {
+      float* rows = o + (t - t0) * kTile * K;
+      const uint8_t* tile = d + t * tile_bytes;
+      for (int64_t c0 = 0; c0 < K; c0 += 16) {
+        if (c0 % group_size == 0) {  // a new group: its 16 rows' scales and mins
+          const int64_t g = c0 / group_size;
+          const __m512 s = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + (t * ngroups + g) * kTile)));
+          const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(zp + (t * ngroups + g) * kTile))))
+                              : _mm512_set1_ps(zero);
+          _mm512_store_ps(sv, s);
+          _mm512_store_ps(mv, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, z)));
+        }
+        __m512i x[4];
+        if (bits == 8) {
+          for (int i = 0; i < 4; ++i) x[i] = _mm512_loadu_si512(tile + (c0 / 4 + i) * 64);
+        } else {
+          const __m512i low = _mm512_set1_epi8(0x0F);
+          for (int i = 0; i < 2; ++i) {
+            const __m512i l = _mm512_loadu_si512(tile + (c0 / 8 + i) * 64);
+            x[2 * i] = _mm512_and_si512(l, low);
+            x[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+          }
+        }
+        const __m512i p0 = _mm512_unpacklo_epi32(x[0], x[1]), p1 = _mm512_unpackhi_epi32(x[0], x[1]);
+        const __m512i p2 = _mm512_unpacklo_epi32(x[2], x[3]), p3 = _mm512_unpackhi_epi32(x[2], x[3]);
+        const __m512i r4[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
+                               _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
+        for (int i = 0; i < 4; ++i) {    // r4[i], lane k: row 4 k + i
+          for (int k = 0; k < 4; ++k) {
+            const int r = 4 * k + i;
+            const __m128i q = k == 0 ? _mm512_castsi512_si128(r4[i]) : k == 1 ? _mm512_extracti32x4_epi32(r4[i], 1)
+                              : k == 2 ? _mm512_extracti32x4_epi32(r4[i], 2) : _mm512_extracti32x4_epi32(r4[i], 3);
+            const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(sv[r]),
+                                             _mm512_set1_ps(mv[r]));
+            _mm512_storeu_ps(rows + r * K + c0, w);
+          }
+        }
+      }
+    }
+  });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("quant_linear_q8t(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, "
         "Tensor? bias) -> Tensor", &quant_linear_q8t);
+  m.def("quant_linear_t(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, "
+        "Tensor? bias) -> Tensor", &quant_linear_t);
+  m.def("quant_dequantize_t(Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, int in_features, "
+        "int t0, int t1) -> Tensor", &quant_dequantize_t);
 }
 
 #endif  // AVX-512 VNNI
