@@ -6,8 +6,10 @@ code sits in a fixed bit field of the 32-bit lane that the kernel decodes it int
 conversion per 8 codes), with the checkpoint's float16 scales and uint8 zero points (none for symmetric codes), so
 that a weight is w = scale * (q - zero) = scale * q + min. The kernels form min = -scale * zero in float32 (exact:
 an 11-bit significand times an integer below 256): 3 bytes of group parameters instead of 8 for float32 scales and
-mins, the same numbers.
-`quant_linear` then runs
+mins, the same numbers. On AVX-512 builds, load_model then retiles 8/4-bit layers of whole 16-row tiles into the
+row-interleaved layout of ops/csrc/quant_q8t.cpp (`set_tiled`, in place), whose kernels take every row count up
+to MAX_TILED_M (float activations) or all of them (int8 activations); the rest keep the blocked layout, and
+`quant_linear` runs
 
 - few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel, which reads each packed weight once per call
   and never materialises float weights. At M = 1 a linear layer is a matrix-vector product bound by memory
@@ -67,7 +69,7 @@ class PackedWeight:
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
     # True: 8/4-bit codes, scales and zero points in the row-interleaved layout of ops/csrc/quant_q8t.cpp (tiles of
-    # 16 rows), which only the int8-activation kernel reads; set_tiled switches in place (set_quant_activations does)
+    # 16 rows), read by its kernels only; set_tiled switches in place (load_model tiles every layer they take)
     tiled: bool = False
 
     @property

@@ -1,6 +1,8 @@
-// 8- and 4-bit affine codes in a row-interleaved ("tiled") layout, against int8 activations: the AVX-512 VNNI
-// kernel of quantized linears with int8 activations (ops/qlinear_q8.py; a weight is retiled in place when its layer
-// is set to int8 activations, brisk.quant.layers.set_quant_activations, and back when it leaves them).
+// 8- and 4-bit affine codes in a row-interleaved ("tiled") layout, and the AVX-512 (VNNI) kernels that read it:
+// quant_linear_q8t (int8 activations, integer dot products; ops/qlinear_q8.py), quant_linear_t (float activations;
+// ops/qlinear.py) and quant_dequantize_t (prefill rows: dequantize + GEMM). load_model puts every 8/4-bit layer with
+// whole 16-row tiles in this layout, in place (brisk.quant.layers.tile_quantized_layers); the blocked layout of
+// quant_linear.cpp stays for 3/2-bit and NF4 codes, odd row counts and the AVX2 build.
 //
 // Why another layout. quant_q8.cpp's blocked layout keeps a weight row's codes together, so a 512-bit dot product
 // holds 16 partial sums of ONE row: every row then ends in a horizontal reduction, its group scales must be
