@@ -274,6 +274,15 @@ void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const fl
 
 namespace {
 
+// A calling thread's scratch of at least `words` floats, kept across calls: a scratch tensor per call cost ~0.45 us
+// (one layer's four int4 linears at batch 1 in cache, same process: 32.1 -> 30.3 us with int8 activations, 54.8 ->
+// 53.1 with float ones), ~55 us over the 121 linears of a step
+float* scratch(int64_t words) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+  return buffer.data();
+}
+
 // The arguments both ops take, checked: the weight as the kernels read it, the bias as float32, the output.
 struct Call {
   TW p;
@@ -337,8 +346,7 @@ at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const a
   const bool direct = x.scalar_type() == at::kFloat;
   // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result unless written in place, xq
   const int64_t words = M * (nblocks + ngroups + (direct ? 0 : N) + K / 4);
-  auto scratch = at::empty({words}, x.options().dtype(at::kFloat));
-  float* xs = scratch.data_ptr<float>();
+  float* xs = scratch(words);
   float* xr = xs + M * nblocks;
   float* acc = direct ? c.out.data_ptr<float>() : xr + M * ngroups;
   int8_t* xq = reinterpret_cast<int8_t*>(xr + M * ngroups + (direct ? 0 : M * N));
@@ -363,8 +371,7 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
   if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
   // scratch (float32 words): xg [M, ngroups], x as float32 [M, K] unless it is, the float32 result unless in place
-  auto scratch = at::empty({M * (ngroups + (direct ? 0 : K + N))}, x.options().dtype(at::kFloat));
-  float* xg = scratch.data_ptr<float>();
+  float* xg = scratch(M * (ngroups + (direct ? 0 : K + N)));
   const float* xf = direct ? c.x.data_ptr<float>() : xg + M * ngroups;
   float* acc = direct ? c.out.data_ptr<float>() : xg + M * (ngroups + K);
   if (!direct) {
