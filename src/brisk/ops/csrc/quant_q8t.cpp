@@ -276,8 +276,14 @@ namespace {
 
 // A calling thread's scratch of at least `words` floats, kept across calls: a scratch tensor per call cost ~0.45 us
 // (one layer's four int4 linears at batch 1 in cache, same process: 32.1 -> 30.3 us with int8 activations, 54.8 ->
-// 53.1 with float ones), ~55 us over the 121 linears of a step
-float* scratch(int64_t words) {
+// 53.1 with float ones), ~55 us over the 121 linears of a step. Past 1 Mi floats (prefill rows) a tensor held by
+// `big` serves, so that no thread keeps a prefill's scratch for good.
+float* scratch(int64_t words, at::Tensor& big) {
+  constexpr int64_t kKeep = int64_t{1} << 20;
+  if (words > kKeep) {
+    big = at::empty({words}, at::TensorOptions().dtype(at::kFloat));
+    return big.data_ptr<float>();
+  }
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
   return buffer.data();
@@ -346,7 +352,8 @@ at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const a
   const bool direct = x.scalar_type() == at::kFloat;
   // scratch (float32 words): xs [M, nblocks], xr [M, ngroups], the float32 result unless written in place, xq
   const int64_t words = M * (nblocks + ngroups + (direct ? 0 : N) + K / 4);
-  float* xs = scratch(words);
+  at::Tensor big;
+  float* xs = scratch(words, big);
   float* xr = xs + M * nblocks;
   float* acc = direct ? c.out.data_ptr<float>() : xr + M * ngroups;
   int8_t* xq = reinterpret_cast<int8_t*>(xr + M * ngroups + (direct ? 0 : M * N));
@@ -371,7 +378,8 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
   if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
   // scratch (float32 words): xg [M, ngroups], x as float32 [M, K] unless it is, the float32 result unless in place
-  float* xg = scratch(M * (ngroups + (direct ? 0 : K + N)));
+  at::Tensor big;
+  float* xg = scratch(M * (ngroups + (direct ? 0 : K + N)), big);
   const float* xf = direct ? c.x.data_ptr<float>() : xg + M * ngroups;
   float* acc = direct ? c.out.data_ptr<float>() : xg + M * (ngroups + K);
   if (!direct) {
