@@ -229,7 +229,7 @@ def prepack_nf4(qweight: torch.Tensor, absmax: torch.Tensor, group_size: int, in
 
 
 # ---- tiled layout (see the top of ops/csrc/quant_q8t.cpp): 8- or 4-bit codes of 16 weight rows interleaved, so
-# that lane r of the int8-activation kernel's vectors is row 16 t + r. Per tile one 64-byte line per 4 columns (8
+# that lane r of the tiled kernels' vectors is row 16 t + r. Per tile one 64-byte line per 4 columns (8
 # bits: row r's dword = q[4 c .. 4 c + 3]) or per 8 columns (4 bits: byte j of row r's dword = q[8 c + j] |
 # q[8 c + 4 + j] << 4); scales and zero points [tile][group][16] ----
 
@@ -271,8 +271,8 @@ def _tileable(pw: PackedWeight) -> bool:
 
 
 def can_tile(pw: PackedWeight) -> bool:
-    """Whether the tiled int8-activation kernel (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine codes
-    in the blocked layout, a multiple of 16 rows, on the CPU."""
+    """Whether the tiled kernels (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine codes in the blocked
+    layout (or tiled already), a multiple of 16 rows, on the CPU."""
     return (pw.tiled or (_tileable(pw) and pw.data.is_cpu)) and get_op("quant_linear_q8t") is not None
 
 
