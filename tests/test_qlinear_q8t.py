@@ -16,7 +16,15 @@ from test_quant_checkpoint import quantize_folder
 from brisk.model.loader import load_model
 from brisk.ops import qlinear_q8 as Q
 from brisk.ops.kernels import kernel_isa
-from brisk.ops.qlinear import MAX_TILED_M, can_tile, dequantize_packed, quant_linear, set_tiled, unpack_codes
+from brisk.ops.qlinear import (
+    MAX_TILED_M,
+    can_tile,
+    dequantize_packed,
+    prepack_nf4,
+    quant_linear,
+    set_tiled,
+    unpack_codes,
+)
 from brisk.quant.config import LayerQuant
 from brisk.quant.layers import QuantLinear, set_quant_activations
 
@@ -68,7 +76,7 @@ def test_layout_switch_is_exact_and_in_place(bits):
     assert all(torch.equal(getattr(pw, f), before[f]) for f in before)
 
 
-def test_only_8_and_4bit_affine_codes_in_whole_tiles_are_tiled():
+def test_only_8_and_4bit_codes_in_whole_tiles_are_tiled():
     from brisk.ops.qlinear import prepack
 
     three = prepack(torch.randint(0, 256, (48, 24), dtype=torch.uint8), torch.rand(48, 2), None, 3, 32, 64)
@@ -161,10 +169,34 @@ def test_tiled_dequantization_is_bit_exact(ops, bits):
     pw = random_packed(96, 576, bits, 64, seed=14)
     want = dequantize_packed(pw)
     set_tiled(pw, True)
-    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 0, 6), want)
-    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 2, 4), want[32:64])
+    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, None, bits, 64, 576, 0, 6), want)
+    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, None, bits, 64, 576, 2, 4), want[32:64])
     with pytest.raises(RuntimeError, match="out of"):
-        ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, bits, 64, 576, 5, 7)
+        ops.quant_dequantize_t(pw.data, pw.scales, pw.zeros, None, bits, 64, 576, 5, 7)
+
+
+def nf4_packed(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)  # every code 0..15
+    return prepack_nf4(qweight, torch.rand(n, k // group, generator=g) + 0.1, group, k)
+
+
+@pytest.mark.parametrize("n,k,group", [(576, 576, 64), (960, 576, 32), (48, 1536, 64), (16, 192, 192)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, MAX_TILED_M + 3])
+def test_nf4_codes_take_the_float_kernel(ops, n, k, group, m):
+    pw = nf4_packed(n, k, group, seed=n + m)
+    w = dequantize_packed(pw)
+    assert set_tiled(pw, True) and torch.equal(dequantize_packed(pw), w)  # codebook codes tile as 4-bit codes
+    assert torch.equal(ops.quant_dequantize_t(pw.data, pw.scales, None, pw.codebook, 4, group, k, 0, n // 16), w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)) if m % 2 else None
+    want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    got = quant_linear(x, pw, bias)  # past MAX_TILED_M rows: dequantize_t + GEMM
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+    # no integer form: int8 activations leave codebook codes on the float path
+    assert not Q.covers(pw) and torch.equal(quant_linear(x, pw, bias, int8_activations=True), got)
+    with pytest.raises(RuntimeError, match="no zero points"):
+        ops.quant_linear_t(x, pw.data, pw.scales, pw.scales.to(torch.uint8), pw.codebook, 4, group, None)
 
 
 def test_load_model_tiles_the_layers_the_kernels_take(ops, tmp_path):

@@ -97,12 +97,14 @@ def _quant_linear(module: nn.Module, ops: Any) -> Linear | None:
         tiled = op.default
 
         def run_tiled(x: torch.Tensor) -> torch.Tensor:
-            if int8 or x.shape[0] <= MAX_SMALL_M:  # int8 activations: the kernel at every row count
+            if int8:  # int8 activations: the kernel at every row count
                 return tiled(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, b)
+            if x.shape[0] <= MAX_SMALL_M:
+                return tiled(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, b)
             return quant_linear(x, pw, b)
 
-        run_tiled.cpp = (5 if int8 else 6, [pw.data, pw.scales, pw.zeros, b, None, None], pw.bits,  # type: ignore
-                         pw.group_size)
+        run_tiled.cpp = ((5, [pw.data, pw.scales, pw.zeros, b, None, None], pw.bits, pw.group_size) if int8  # type: ignore
+                         else (6, [pw.data, pw.scales, pw.zeros, pw.codebook, b, None], pw.bits, pw.group_size))
         return run_tiled
     q8 = ops.quant_linear_q8.default if int8 and covers(pw) and hasattr(ops, "quant_linear_q8") else None
 

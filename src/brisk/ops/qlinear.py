@@ -6,10 +6,10 @@ code sits in a fixed bit field of the 32-bit lane that the kernel decodes it int
 conversion per 8 codes), with the checkpoint's float16 scales and uint8 zero points (none for symmetric codes), so
 that a weight is w = scale * (q - zero) = scale * q + min. The kernels form min = -scale * zero in float32 (exact:
 an 11-bit significand times an integer below 256): 3 bytes of group parameters instead of 8 for float32 scales and
-mins, the same numbers. On AVX-512 builds, load_model then retiles 8/4-bit layers of whole 16-row tiles into the
-row-interleaved layout of ops/csrc/quant_q8t.cpp (`set_tiled`, in place), whose kernels take every row count up
-to MAX_TILED_M (float activations) or all of them (int8 activations); the rest keep the blocked layout, and
-`quant_linear` runs
+mins, the same numbers. On AVX-512 builds, load_model then retiles 8/4-bit layers (affine, or NF4) of whole
+16-row tiles into the row-interleaved layout of ops/csrc/quant_q8t.cpp (`set_tiled`, in place), whose kernels
+take every row count up to MAX_TILED_M (float activations) or all of them (int8 activations); the rest keep the
+blocked layout, and `quant_linear` runs
 
 - few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel, which reads each packed weight once per call
   and never materialises float weights. At M = 1 a linear layer is a matrix-vector product bound by memory
@@ -267,12 +267,15 @@ def _from_tiled(data: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
 
 
 def _tileable(pw: PackedWeight) -> bool:
-    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and pw.out_features % TILE_ROWS == 0
+    """8- or 4-bit affine codes, or 4-bit codebook (NF4) codes, in the blocked layout, in whole 16-row tiles."""
+    codes = pw.bits in (8, 4) if pw.codebook is None else pw.bits == 4
+    return pw.blocked and codes and pw.out_features % TILE_ROWS == 0
 
 
 def can_tile(pw: PackedWeight) -> bool:
-    """Whether the tiled kernels (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine codes in the blocked
-    layout (or tiled already), a multiple of 16 rows, on the CPU."""
+    """Whether the tiled kernels (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine or 4-bit codebook
+    codes in the blocked layout (or tiled already), a multiple of 16 rows, on the CPU. (Codebook codes have no
+    integer form: they take the float-activation kernel only.)"""
     return (pw.tiled or (_tileable(pw) and pw.data.is_cpu)) and get_op("quant_linear_q8t") is not None
 
 
@@ -282,8 +285,9 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
     if pw.tiled == tiled:
         return False
     if tiled and not _tileable(pw):
-        raise ValueError(f"only 8- or 4-bit affine codes in the blocked layout with a multiple of {TILE_ROWS} rows "
-                         f"can be tiled (this weight: {pw.bits}-bit, {pw.out_features} rows)")
+        raise ValueError(f"only 8- or 4-bit affine codes and 4-bit codebook codes in the blocked layout with a "
+                         f"multiple of {TILE_ROWS} rows can be tiled (this weight: {pw.bits}-bit, "
+                         f"{pw.out_features} rows)")
     k, bits = pw.in_features, pw.bits
     with torch.no_grad():
         if tiled:
@@ -343,7 +347,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         if x.numel() <= MAX_TILED_M * k:  # few rows (decode): quant_q8t.cpp's float-activation kernel
             op = get_op("quant_linear_t")
             if op is not None:
-                return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
+                return op(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
         else:
             op = get_op("quant_dequantize_t")
             if op is not None:
@@ -382,8 +386,8 @@ def _dequantize_and_multiply(x: torch.Tensor, pw: PackedWeight, bias: torch.Tens
     for n0 in range(0, pw.out_features, rows):
         n1 = min(pw.out_features, n0 + rows)
         if pw.tiled:
-            w = op(pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, pw.in_features, n0 // TILE_ROWS,
-                   n1 // TILE_ROWS)
+            w = op(pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, pw.in_features,
+                   n0 // TILE_ROWS, n1 // TILE_ROWS)
             parts.append(dense_gemm(xf, w, None if bf is None else bf[n0:n1]))
             continue
         zeros = None if pw.zeros is None else pw.zeros[n0:n1]

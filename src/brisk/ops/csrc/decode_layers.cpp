@@ -16,7 +16,7 @@
 //   kind 3, pruned (bits = value kind): [mask, row_ptr, values, scales, mins, bias]         -> sparse_linear
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
 //   kind 5, tiled 8/4-bit, int8 act.:   [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
-//   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_t
+//   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 #include <ATen/ATen.h>
@@ -75,7 +75,7 @@ struct Ops {
                                                     const OptT&, int64_t, int64_t, const OptT&)>>
       q8t;
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const OptT&, int64_t, int64_t, const OptT&)>>
+                                                    const OptT&, const OptT&, int64_t, int64_t, const OptT&)>>
       tiled_f;
 
   // absent where sparse_linear.cpp / sparse_q8.cpp were not built: plans then never pass kinds 3 / 4
@@ -96,8 +96,8 @@ struct Ops {
       q8t = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                 int64_t, const OptT&)>();
     if (auto h = d.findSchema({"brisk::quant_linear_t", ""}); h.has_value())
-      tiled_f = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
-                                    int64_t, const OptT&)>();
+      tiled_f = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&,
+                                    const OptT&, int64_t, int64_t, const OptT&)>();
     if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
       sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const OptT&, const OptT&, int64_t, int64_t, const OptT&)>();
@@ -126,11 +126,16 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const Params& params, int64
                   at::IntArrayRef spec, int64_t s) {
   const int64_t kind = spec[s], bits = spec[s + 1], group = spec[s + 2];
   if (kind == 0) return o.linear_small.call(x, get(params, base), params[base + 1]);
-  if (kind == 1 || kind == 5 || kind == 6) {
-    const auto& op = kind == 1 ? o.q8 : kind == 5 ? o.q8t : o.tiled_f;
+  if (kind == 1 || kind == 5) {
+    const auto& op = kind == 1 ? o.q8 : o.q8t;
     TORCH_CHECK(op.has_value(), "decode_layers: the kernel of linear kind ", kind, " is not built");
     return op->call(x, get(params, base), get(params, base + 1), params[base + 2], bits, group,
                     params[base + 3]);
+  }
+  if (kind == 6) {
+    TORCH_CHECK(o.tiled_f.has_value(), "decode_layers: quant_linear_t is not built");
+    return o.tiled_f->call(x, get(params, base), get(params, base + 1), params[base + 2], params[base + 3], bits,
+                           group, params[base + 4]);
   }
   if (kind == 2)
     return o.quant_small.call(x, get(params, base), get(params, base + 1), params[base + 2], params[base + 3],
