@@ -92,9 +92,9 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     """Set how the quantized linears of `model` treat activations: "float" (decode the codes to float), "int8"
     (round x to int8 per 32 columns and use integer dot products, ops/qlinear_q8.py; 8/4-bit affine codes only), or
     "auto": int8 on layers of 4 bits, float on 8-bit ones. At 4 bits the weight rounding dwarfs the activation
-    rounding (int4 g64: +0.3% relative perplexity for 1.16x batch-1 decode here, 1.6x at batch 8), as in llama.cpp's
-    Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. Returns the number of layers on the int8 path. The
-    decode plan reads the same setting."""
+    rounding (int4 g64: +0.3% relative perplexity for 1.6x batch-8 decode here, batch 1 about equal), as in
+    llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. Returns the number of layers on the
+    int8 path. The decode plan reads the same setting."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
