@@ -49,6 +49,16 @@ def server(model_dir):
 
 
 @pytest.fixture(scope="module")
+def long_server(model_dir):
+    """The same model with a 4,096-token context: a request long enough to be still running after a metrics read."""
+    proc = ServerProcess(["--model", model_dir, "--served-model-name", MODEL, "--max-model-len", "4096",
+                          "--kv-cache-memory", "8MiB"], startup_timeout_s=90)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory="8MiB")
 
@@ -245,12 +255,14 @@ def test_32_concurrent_streams_equal_offline_and_free_every_block(server, llm):
     assert after["brisk_time_to_first_token_seconds_count"] - before["brisk_time_to_first_token_seconds_count"] == 32
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    """The tiny model streams all 230 tokens in ~0.1 s whether or not the client reads them, so the metrics are read
-    as soon as the first token arrives, and the attempt repeated (up to 3 times) if the request had already
-    finished by then."""
+def test_disconnect_mid_stream_aborts_and_frees_blocks(long_server):
+    """The tiny model streams whether or not the client reads (230 tokens took ~0.1 s, and a CI run once finished
+    them before the first metrics read three times in a row), so the request asks for 4,000 tokens (~2 s) on a
+    server with a long context; the metrics are read as soon as the first token arrives, and the attempt repeated
+    (up to 3 times) if the request had already finished by then."""
+    server = long_server
     before = scrape(server)["brisk_requests_aborted_total"]
-    body = {"model": MODEL, "prompt": PROMPTS[10], "max_tokens": 230, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": PROMPTS[10], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     for _ in range(3):
         with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30) as resp:
@@ -264,19 +276,21 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         wait_for_metric(server, "brisk_kv_blocks_in_use", lambda v: v == 0)  # it ran to its end: no abort
     else:
         pytest.fail("the streamed request had always finished before the first metrics read (3 tries)")
-    # the context exit closed the connection long before 230 tokens
+    # the context exit closed the connection long before 4,000 tokens
     metrics = wait_for_metric(server, "brisk_requests_aborted_total", lambda v: v == before + 1)
     metrics = wait_for_metric(server, "brisk_kv_blocks_in_use", lambda v: v == 0)
     assert metrics["brisk_num_requests_running"] == 0 and metrics["brisk_num_sequences_admitted"] == 0
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server):
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(long_server):
     """The client sends a non-streamed request and hangs up once it runs. A raw socket, closed as soon as the
-    metrics show the request running: a client-side read timeout would race the tiny model, which can answer
-    all 4 x 230 tokens in well under a second."""
+    metrics show the request running: a client-side read timeout would race the tiny model, which answers 4 x 230
+    tokens in well under a second; so, as for the streamed disconnect, a long request on the long-context server
+    (4 x 2,000 tokens)."""
+    server = long_server
     before = scrape(server)["brisk_requests_aborted_total"]
-    body = {"model": MODEL, "prompt": PROMPTS[11], "max_tokens": 230, "temperature": 0.8, "n": 4,
+    body = {"model": MODEL, "prompt": PROMPTS[11], "max_tokens": 2000, "temperature": 0.8, "n": 4,
             "ignore_eos": True}
     payload = json.dumps(body).encode()
     sock = socket.create_connection((server.host, server.port), timeout=10)
