@@ -343,22 +343,16 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
 
         if qlinear_q8.covers(pw):
             return qlinear_q8.quant_linear_q8(x, pw, bias)
-    if pw.tiled and x.is_cpu and x.dtype in _KERNEL_DTYPES:
-        if x.numel() <= MAX_TILED_M * k:  # few rows (decode): quant_q8t.cpp's float-activation kernel
-            op = get_op("quant_linear_t")
+    if pw.blocked and x.is_cpu and x.dtype in _KERNEL_DTYPES:
+        # the layout's kernels: tiled (quant_q8t.cpp) or blocked (quant_linear.cpp), with the same arguments
+        small, dequantize, max_rows = (("quant_linear_t", "quant_dequantize_t", MAX_TILED_M) if pw.tiled
+                                       else ("quant_linear_small", "quant_dequantize", MAX_SMALL_M))
+        if x.numel() <= max_rows * k:  # few rows (decode): decode the codes inside the kernel
+            op = get_op(small)
             if op is not None:
                 return op(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
         else:
-            op = get_op("quant_dequantize_t")
-            if op is not None:
-                return _dequantize_and_multiply(x, pw, bias, op)
-    if pw.blocked and not pw.tiled and x.is_cpu and x.dtype in _KERNEL_DTYPES:
-        if x.numel() <= MAX_SMALL_M * k:  # few rows (decode): decode the codes inside the kernel
-            op = get_op("quant_linear_small")
-            if op is not None:
-                return op(x, pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, bias)  # [..., N]
-        else:
-            op = get_op("quant_dequantize")
+            op = get_op(dequantize)
             if op is not None:
                 return _dequantize_and_multiply(x, pw, bias, op)
     # reference path: float32 weights and accumulation, like the kernel
