@@ -76,6 +76,13 @@ def test_layout_switch_is_exact_and_in_place(bits):
     assert all(torch.equal(getattr(pw, f), before[f]) for f in before)
 
 
+def test_weights_made_in_inference_mode_are_tiled_outside_it():
+    with torch.inference_mode():
+        pw = random_packed(48, 64, 4, 32, seed=5)
+    codes = unpack_codes(pw)
+    assert set_tiled(pw, True) and torch.equal(unpack_codes(pw), codes)
+
+
 def test_only_8_and_4bit_codes_in_whole_tiles_are_tiled():
     from brisk.ops.qlinear import prepack
 

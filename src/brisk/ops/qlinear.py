@@ -289,7 +289,8 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
                          f"multiple of {TILE_ROWS} rows can be tiled (this weight: {pw.bits}-bit, "
                          f"{pw.out_features} rows)")
     k, bits = pw.in_features, pw.bits
-    with torch.no_grad():
+    # inference mode: weights made under it (inference tensors) take in-place writes only there, and others do too
+    with torch.inference_mode():
         if tiled:
             data = _to_tiled(_from_blocked(pw.data, bits, k), bits)
             scales = _tile_rows(pw.scales)
