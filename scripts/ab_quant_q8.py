@@ -1,7 +1,11 @@
-"""Same-process A/B of quant_q8.cpp variants: every decoder linear of a quantized model, in decode order, streamed
-from memory, alternating the variants pass by pass so that all see the same bandwidth phase.
+"""Same-process A/B of quant_q8.cpp or quant_q8t.cpp variants: every decoder linear of a quantized model, in decode
+order, streamed from memory, alternating the variants pass by pass so that all see the same bandwidth phase.
 
     python scripts/ab_quant_q8.py MODEL_DIR OLD.cpp NEW.cpp [...] [--rows 1] [--passes 60] [--head]
+        [--op quant_linear_q8 | quant_linear_q8t | quant_linear_t]
+
+--op names the op the variants define (default quant_linear_q8, the blocked int8-activation kernel); the layers are
+put in the layout it reads (load_model tiles them for quant_q8t.cpp's ops; quant_linear_q8 gets them back blocked).
 
 Each variant is compiled (cached by content under /tmp/brisk_ab) with its op library renamed brisk_v0, brisk_v1, ...
 and the same ISA flags as brisk's own build. Outputs are checked against the first variant's before timing.
@@ -24,12 +28,13 @@ from torch.utils import cpp_extension
 
 from brisk.model.loader import load_model
 from brisk.ops import kernels
+from brisk.ops.qlinear import set_tiled
 from brisk.quant.layers import QuantLinear
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 
 
-def build_variant(path: Path, index: int):  # noqa: ANN201
+def build_variant(path: Path, index: int, op: str):  # noqa: ANN201
     src = path.read_text().replace("TORCH_LIBRARY_FRAGMENT(brisk,", f"TORCH_LIBRARY_FRAGMENT(brisk_v{index},")
     digest = hashlib.sha256(src.encode()).hexdigest()[:12]
     directory = Path("/tmp/brisk_ab") / digest
@@ -40,7 +45,7 @@ def build_variant(path: Path, index: int):  # noqa: ANN201
     _, isa = kernels._isa_flags()
     cpp_extension.load(name=source.stem, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *isa],
                        extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False)
-    return getattr(torch.ops, f"brisk_v{index}").quant_linear_q8.default
+    return getattr(getattr(torch.ops, f"brisk_v{index}"), op).default
 
 
 def main() -> None:
@@ -50,14 +55,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="activation rows M (the decode batch)")
     ap.add_argument("--passes", type=int, default=60)
     ap.add_argument("--head", action="store_true", help="include the lm_head")
+    ap.add_argument("--op", default="quant_linear_q8",
+                    choices=["quant_linear_q8", "quant_linear_q8t", "quant_linear_t"])
     args = ap.parse_args()
-    ops = [build_variant(p, i) for i, p in enumerate(args.variants)]
+    ops = [build_variant(p, i, args.op) for i, p in enumerate(args.variants)]
     model = load_model(args.model).model
     calls, nbytes = [], 0
     for name, mod in model.named_modules():
         if type(mod) is QuantLinear and ("layers." in name or args.head):
             pw = mod.packed
-            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, pw.zeros, pw.bits,
+            set_tiled(pw, args.op != "quant_linear_q8")  # the layout the op reads
+            codebook = (pw.codebook,) if args.op == "quant_linear_t" else ()  # its extra argument
+            calls.append((torch.randn(args.rows, pw.in_features), pw.data, pw.scales, pw.zeros, *codebook, pw.bits,
                           pw.group_size))
             nbytes += pw.nbytes()
     if not calls:
