@@ -19,9 +19,10 @@
 // columns, row r's dword = q[4 c .. 4 c + 3], one vpdpbusd (codes unsigned as they are). Per 32-column activation
 // block one conversion and one FMA (by the 16 rows' group scales times the block's activation scale); per group one
 // FMA for the min term; the 16 results leave in one store.
-// Measured (same process, the default model's 120 int4 g64 decoder linears streamed from memory): M = 1 1.44 ms
-// (the blocked kernel: ~1.95), M = 8 2.18 ms (5.17); whole-engine batch-1 decode 329 -> 378 tok/s, batch 8 574 ->
-// 837. Prefill rows too (M = 128 .. 1024: 2.5-3x the float GEMM path), so a tiled weight takes this kernel always.
+// Measured with int8 activations (same process, the default model's 120 int4 g64 decoder linears streamed from
+// memory): M = 1 1.44 ms (the blocked kernel: ~1.95), M = 8 2.18 ms (5.17); whole-engine batch-1 decode 329 -> 378
+// tok/s, batch 8 574 -> 837. Prefill rows too (M = 128 .. 1024: 2.5-3x the float GEMM path), so with int8
+// activations a tiled weight takes this kernel at every row count. Float activations: see tile_f.
 //
 // Layout (made by brisk.ops.qlinear.set_tiled from the blocked layout; N a multiple of 16):
 //   data   [N / 16][K * bits / 32][16][4] uint8   (as the tensor [N, K * bits / 8])
