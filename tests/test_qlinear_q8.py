@@ -63,8 +63,13 @@ def test_kernel_equals_reference(ops, n, k, bits, group, m):
     # symmetric codes (no mins passed: the kernel derives them from the scales) on every path of both widths
     pw = random_packed(n, k, bits, group, sym=m % 2 == 0 if bits == 8 else m in (1, 3, 8, 13), seed=n + m)
     assert pw.symmetric == (pw.zeros is None)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
+    assert_kernel_matches_oracle(pw, m)
+
+
+def assert_kernel_matches_oracle(pw, m: int) -> None:  # noqa: ANN001 - PackedWeight
+    """quant_linear_q8 on m random rows (bias on odd m) against the float64 oracle."""
+    x = torch.randn(m, pw.in_features, generator=torch.Generator().manual_seed(m)) * 3
+    bias = torch.randn(pw.out_features, generator=torch.Generator().manual_seed(1)) if m % 2 else None
     ref = Q.quant_q8_reference(x, pw, bias)
     out = Q.quant_linear_q8(x, pw, bias)
     # the integer dots are exact in both; what differs is float32 against float64 summation of K / 32 scaled

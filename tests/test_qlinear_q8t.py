@@ -10,7 +10,7 @@ import torch
 from conftest import ops_with
 from hf_utils import make_tiny_hf_model
 from test_model import prefill_logits
-from test_qlinear_q8 import random_packed
+from test_qlinear_q8 import assert_kernel_matches_oracle, random_packed
 from test_quant_checkpoint import quantize_folder
 
 from brisk.model.loader import load_model
@@ -97,13 +97,7 @@ def test_only_8_and_4bit_codes_in_whole_tiles_are_tiled():
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 13])
 def test_kernel_equals_reference(ops, n, k, group, bits, m):
-    pw = tiled(n, k, group, sym=m in (1, 8, 13), seed=n + m, bits=bits)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
-    ref = Q.quant_q8_reference(x, pw, bias)
-    out = Q.quant_linear_q8(x, pw, bias)
-    # the integer dots are exact; float32 against float64 summation of the K / 32 scaled block sums differs
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert_kernel_matches_oracle(tiled(n, k, group, sym=m in (1, 8, 13), seed=n + m, bits=bits), m)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

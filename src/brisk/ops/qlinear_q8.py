@@ -86,15 +86,9 @@ def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
     `covers(pw)`. A tiled weight takes quant_q8t's kernel at any row count (its integer dots outrun the float GEMM
     path at every M measured); a blocked one past MAX_Q8_ROWS rows, or either without its kernel (not built,
     disabled, off the CPU): a float32 product of the rounded x with the dequantized weights."""
-    if pw.tiled:
-        op = get_op("quant_linear_q8t")
-        if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
-            return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
-        w = dequantize_packed(pw).to(x.device)  # [N, K]
-        return F.linear(fake_quantize_activations(x), w, None if bias is None else bias.float()).to(x.dtype)
-    op = get_op("quant_linear_q8")
+    op = get_op("quant_linear_q8t" if pw.tiled else "quant_linear_q8")
     if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
-        if x.numel() <= MAX_Q8_ROWS * x.shape[-1]:
+        if pw.tiled or x.numel() <= MAX_Q8_ROWS * x.shape[-1]:
             return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
         from brisk.ops.qlinear import quant_linear
 

@@ -148,19 +148,25 @@ inline TX rows_from(const TX& x, int64_t m) {
   return TX{x.xq + m * x.K, x.xs + m * x.nblocks, x.xr + m * x.ngroups, x.K, x.nblocks, x.ngroups};
 }
 
-// tiles t0 .. t1-1 against all M rows: per tile, every group of up to 8 activation rows (the tile's codes stay in
-// L1 meanwhile)
-template <int BITS>
-void run(const TW& p, const TX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+// Tiles t0 .. t1-1 against all M activation rows: per tile, every group of up to kMaxRows rows (the tile's codes
+// stay in L1 meanwhile), as f(t, first row, std::integral_constant<int, rows>).
+template <typename F>
+void each_tile_rows(int64_t M, int64_t t0, int64_t t1, F&& f) {
   for (int64_t t = t0; t < t1; ++t) {
     int64_t m = 0;
-    for (; m + kMaxRows <= M; m += kMaxRows) tile<BITS, kMaxRows>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+    for (; m + kMaxRows <= M; m += kMaxRows) f(t, m, std::integral_constant<int, kMaxRows>{});
     if (m < M)
       brisk_simd::with_rows(M - m, [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
-        if constexpr (MT < kMaxRows) tile<BITS, MT>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+        if constexpr (decltype(mt)::value < kMaxRows) f(t, m, mt);
       });
   }
+}
+
+template <int BITS>
+void run(const TW& p, const TX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+  each_tile_rows(M, t0, t1, [&](int64_t t, int64_t m, auto mt) {
+    tile<BITS, decltype(mt)::value>(p, t, rows_from(x, m), bias, out + m * ldo, ldo);
+  });
 }
 
 // x [M, K] -> xq [M, K] int8 (natural order), xs [M, K / 32], xr [M, K / G]: quant_q8.cpp's quantize_x without its
@@ -200,7 +206,8 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
 
 // ---- float activations (quant_linear_t): the same tiles, each code widened to float32 ----
 // Column j of a line is byte j (8 bits) or nibble j (4 bits: low nibbles of bytes 0..3, then their high nibbles) of
-// every row's dword: a shift, an AND and a conversion give the 16 rows' codes of that column as floats, and one FMA
+// every row's dword: a shift, an AND and a conversion (8 bits) or a shift and a 16-entry table lookup (4 bits, see
+// column) give the 16 rows' codes of that column as floats, and one FMA
 // per activation row (x[col] broadcast) adds them into the group's sums; per group one FMA by the scales and one for
 // the min term (-zero * scale times the group's sum of x). w = s (q - z), so sum_k w_k x_k = s sum_k q_k x_k - s z
 // sum_k x_k, exact in the reals; float32 rounding differs from quant_linear_small's only in the order of sums.
@@ -273,16 +280,10 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
 
 template <int BITS, bool LUT>
 void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
-  for (int64_t t = t0; t < t1; ++t) {
-    int64_t m = 0;
-    auto at_row = [&](int64_t r) { return FX{x.x + r * x.K, x.xg + r * x.ngroups, x.K, x.ngroups}; };
-    for (; m + kMaxRows <= M; m += kMaxRows) tile_f<BITS, LUT, kMaxRows>(p, t, at_row(m), bias, out + m * ldo, ldo);
-    if (m < M)
-      brisk_simd::with_rows(M - m, [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
-        if constexpr (MT < kMaxRows) tile_f<BITS, LUT, MT>(p, t, at_row(m), bias, out + m * ldo, ldo);
-      });
-  }
+  each_tile_rows(M, t0, t1, [&](int64_t t, int64_t m, auto mt) {
+    const FX rows{x.x + m * x.K, x.xg + m * x.ngroups, x.K, x.ngroups};
+    tile_f<BITS, LUT, decltype(mt)::value>(p, t, rows, bias, out + m * ldo, ldo);
+  });
 }
 
 }  // namespace
@@ -353,15 +354,15 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& data, cons
   return c;
 }
 
-// A codebook, if given, for `p` (4-bit codes, no zero points); returns whether there is one.
-bool set_codebook(const char* name, TW& p, const std::optional<at::Tensor>& codebook, int64_t bits) {
-  if (!codebook.has_value() || !codebook->defined()) return false;
+// The codebook's values, or null when none is given (affine codes); checked: 16 float32 values, 4-bit codes, no
+// zero points.
+const float* codebook_of(const char* name, const std::optional<at::Tensor>& codebook, int64_t bits, bool zeros) {
+  if (!codebook.has_value() || !codebook->defined()) return nullptr;
   TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
                   codebook->is_contiguous(),
               name, ": a codebook is 16 float32 values, for 4-bit codes");
-  TORCH_CHECK(p.zeros == nullptr, name, ": codebook codes take no zero points");
-  p.codebook = codebook->data_ptr<float>();
-  return true;
+  TORCH_CHECK(!zeros, name, ": codebook codes take no zero points");
+  return codebook->data_ptr<float>();
 }
 
 }  // namespace
@@ -400,7 +401,8 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
                           const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
                           int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
   Call c = prepare("quant_linear_t", x, data, scales, zeros, bits, group_size, bias);
-  const bool lut = set_codebook("quant_linear_t", c.p, codebook, bits);
+  c.p.codebook = codebook_of("quant_linear_t", codebook, bits, c.p.zeros != nullptr);
+  const bool lut = c.p.codebook != nullptr;
   const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups;
   if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
@@ -457,10 +459,9 @@ at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, 
   const at::Half* sp = scales.data_ptr<at::Half>();
   const uint8_t* zp = affine ? zeros->data_ptr<uint8_t>() : nullptr;
   const float zero = static_cast<float>(int64_t{1} << (bits - 1));
-  TW cb{};
-  cb.zeros = zp;
-  const bool lut = set_codebook("quant_dequantize_t", cb, codebook, bits);
-  const __m512 table = lut ? _mm512_loadu_ps(cb.codebook) : _mm512_setzero_ps();
+  const float* lut_values = codebook_of("quant_dequantize_t", codebook, bits, zp != nullptr);
+  const bool lut = lut_values != nullptr;
+  const __m512 table = lut ? _mm512_loadu_ps(lut_values) : _mm512_setzero_ps();
   const int64_t tile_bytes = kTile * K * bits / 8;
   float* o = out.data_ptr<float>();
   // per 16 columns of a tile: four vectors X0..X3 of bytes (8 bits: four lines; 4 bits: the low and high nibbles of
