@@ -13,8 +13,10 @@ import torch
 from rich.console import Console
 
 from brisk.bench import report
+from brisk.bench.ab import ab, ab_kernels
 from brisk.bench.hf_baseline import TransformersMissingError
 from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
+from brisk.bench.profile import profile_command
 from brisk.bench.roofline import achieved_gbps
 from brisk.data import calibration_text_path, evaluation_text_path
 
@@ -37,6 +39,9 @@ def bench() -> None:
     """Measure memory bandwidth, batch-1 latency, offline throughput and a server under load (optionally against
     transformers)."""
 
+
+for _command in (ab, ab_kernels, profile_command):  # same-process A/Bs and a decode-step profile
+    bench.add_command(_command)
 
 def _engine_flags(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
