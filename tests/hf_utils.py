@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# The start of Jane Austen's "Emma" (public domain; Project Gutenberg text, see ../shared/data/README.md),
-# embedded so a fresh clone can build the tiny tokenizer without the shared data folder.
+# The start of Jane Austen's "Emma" (public domain; Project Gutenberg text, see src/brisk/data/README.md),
+# embedded so that building the tiny tokenizer reads no file.
 TRAINING_TEXT = """\
 Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to unite
 some of the best blessings of existence; and had lived nearly twenty-one years in the world with very

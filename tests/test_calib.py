@@ -8,6 +8,7 @@ import pytest
 import torch
 from hf_utils import make_tiny_hf_model
 
+from brisk.data import calibration_text_path
 from brisk.model.loader import load_model
 from brisk.quant.calib import (
     TRUE_SEQUENTIAL,
@@ -20,7 +21,7 @@ from brisk.quant.calib import (
     stages,
 )
 
-TEXT = Path("/work/shared/data/emma.txt")
+TEXT = calibration_text_path()
 
 
 @pytest.fixture(scope="module")

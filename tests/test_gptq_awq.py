@@ -13,6 +13,7 @@ from test_model import prefill_logits
 
 from brisk import LLM, SamplingParams
 from brisk.cli import main
+from brisk.data import calibration_text_path
 from brisk.model.loader import load_model
 from brisk.quant import primitives
 from brisk.quant.awq import (
@@ -31,7 +32,7 @@ from brisk.quant.config import LayerQuant
 from brisk.quant.gptq import GPTQConfig, gptq_quantize_weight
 from brisk.quant.rtn import plan_layers
 
-TEXT = Path("/work/shared/data/emma.txt")
+TEXT = calibration_text_path()
 IDS = torch.tensor([5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 8, 120])
 
 
@@ -202,7 +203,8 @@ def test_calibrated_checkpoint_reloads_and_generates(tiny: Path, tmp_path: Path,
 
 def test_quantize_cli_gptq_and_its_errors(tiny: Path, tmp_path: Path) -> None:
     runner = CliRunner()
-    res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "a"), "--method", "gptq"])
+    res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "a"), "--method", "gptq",
+                               "--calib-text", str(tmp_path / "missing.txt")])
     assert res.exit_code != 0 and "--calib-text" in res.output
     res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "b"), "--method", "awq", "--scheme", "nf4",
                                "--calib-text", str(tiny / "calib.txt")])

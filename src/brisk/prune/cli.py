@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from brisk.data import calibration_text_path
 from brisk.prune.masks import PruneConfigError, check_sparsity, parse_pattern
 
 _CALIB_DEFAULTS = {"num_samples": 32, "seq_len": 512}  # ~16k tokens: a few minutes on 2 cores for SparseGPT
@@ -26,8 +27,9 @@ _CALIB_DEFAULTS = {"num_samples": 32, "seq_len": 512}  # ~16k tokens: a few minu
               help="'unstructured' or N:M semi-structured, e.g. 2:4 or 4:8 (at most N nonzeros in every M).")
 @click.option("--scope", type=click.Choice(["per_layer", "per_row"]), default=None,
               help="magnitude only: one threshold per matrix (default, the papers' baseline) or per output row.")
-@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="UTF-8 calibration text (wanda, sparsegpt, structured), e.g. /work/shared/data/emma.txt.")
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma",
+              help="UTF-8 calibration text (wanda, sparsegpt, structured); never the text you evaluate on.")
 @click.option("--num-samples", type=int, default=_CALIB_DEFAULTS["num_samples"], show_default=True,
               help="Calibration windows.")
 @click.option("--seq-len", type=int, default=_CALIB_DEFAULTS["seq_len"], show_default=True,
@@ -109,6 +111,6 @@ def _check_settings(method: str, sparsity: float, pattern: str, scope: str | Non
                                "pruned folder afterwards run brisk quantize on it")
     if method != "magnitude" and calib_text is None:
         raise PruneConfigError(f"--method {method} needs calibration data: pass --calib-text FILE "
-                               "(e.g. /work/shared/data/emma.txt; never the text you evaluate on)")
+                               "(never the text you evaluate on)")
     return {"method": method, "sparsity": sparsity, "pattern": nm, "scope": scope or "per_layer",
             "bits": int(bits) if bits else None, "drop_head_groups": drop_head_groups, "drop_layers": drop_layers}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from brisk.data import calibration_text_path
 from brisk.quant.config import LayerQuant, QuantizationConfig
 
 if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (fast `brisk --help`)
@@ -35,8 +36,9 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
               help="Embedding and lm_head: 8-bit per channel, or none = keep them in float.")
 @click.option("--skip", multiple=True, metavar="PATTERN",
               help="Keep modules matching this fnmatch pattern in float (repeatable), e.g. 'model.layers.0.*'.")
-@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="gptq/awq: UTF-8 text the calibration samples are drawn from (required for them).")
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma",
+              help="gptq/awq: UTF-8 text the calibration samples are drawn from.")
 @click.option("--num-samples", type=int, default=16, show_default=True,
               help="gptq/awq: calibration samples (random windows of the text).")
 @click.option("--seq-len", type=int, default=256, show_default=True, help="gptq/awq: tokens per sample.")
@@ -72,7 +74,7 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                                    "--method rtn for nf4)")
     if method != "rtn" and calib_text is None:
         raise click.ClickException(f"--method {method} needs calibration data: pass --calib-text FILE (a UTF-8 "
-                                   "text, e.g. ../shared/data/emma.txt)")
+                                   "text, never the one you evaluate on)")
     default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names

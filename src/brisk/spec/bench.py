@@ -1,7 +1,7 @@
 """`brisk bench spec`: speculative decoding against plain decoding, in the same process, on three fixed prompt sets.
 
 Prompt sets (chat-templated, built from real text; fixed, so runs on different days compare):
-  grounded  a passage of a novel (default /work/shared/data/emma.txt, else the bundled excerpt) in the prompt,
+  grounded  a passage of a novel (default: the bundled calibration text, Emma) in the prompt,
             then: quote it / extract sentences / summarise it — the output copies from the input;
   chat      open questions and story continuations seeded by the novel's own sentences;
   code      write a function, or rewrite / document a real function of brisk's own source given in the prompt.
@@ -21,12 +21,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from brisk.data import calibration_text_path
 from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.sampling_params import SamplingParams
 from brisk.model.loader import LoadedModel
 
-DEFAULT_TEXT = Path("/work/shared/data/emma.txt")
 TASKS = [
     "Quote the first three sentences of the passage exactly, word for word.",
     "Extract every sentence of the passage that contains dialogue, exactly as written.",
@@ -71,14 +71,9 @@ def _code_snippets() -> list[str]:
 
 def prompt_sets(num_prompts: int, text_path: Path | None = None) -> dict[str, list[list[dict[str, str]]]]:
     """The three fixed sets of chat conversations; `num_prompts` of each (at most 8)."""
-    if text_path is None:
-        text_path = DEFAULT_TEXT if DEFAULT_TEXT.exists() else None
-    if text_path is None:
-        from brisk.bench.prompts import bench_text
-
-        text = bench_text()
-    else:
-        text = text_path.read_text(encoding="utf-8")
+    # Emma, the calibration text, is the text these prompts have always been cut from (the figures in
+    # BENCHMARKS.md); it only supplies prompts here, nothing is scored on it.
+    text = (text_path or calibration_text_path()).read_text(encoding="utf-8")
     passages = _passages(text, 8)
     grounded = [f"Here is a passage from a novel:\n\n{p}\n\n{TASKS[i % len(TASKS)]}" for i, p in enumerate(passages)]
     openers = [p.split(". ")[0] + "." for p in _passages(text, 4, chars=300)]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from brisk.data import calibration_text_path
+
 
 @click.group("spec")
 def spec_group() -> None:
@@ -14,8 +16,8 @@ def spec_group() -> None:
 
 @spec_group.command("layerskip-search")
 @click.option("--model", "-m", default=None, help="Model (default: SmolLM2-135M-Instruct).")
-@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False),
-              default="/work/shared/data/emma.txt", show_default=True, help="Calibration text.")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma", help="Calibration text.")
 @click.option("--offset", type=int, default=20000, show_default=True, help="Character offset into the text.")
 @click.option("--tokens", type=int, default=192, show_default=True, help="Calibration tokens.")
 @click.option("--max-skip", type=int, default=14, show_default=True, help="Most layers to skip.")

@@ -196,7 +196,7 @@ class DraftModelProposer(Proposer):
 def self_draft_model(engine: LLMEngine, bits: int, group_size: int = 64) -> LlamaForCausalLM:
     """An RTN-quantized copy of the engine's model (INT8 / INT4 / INT2 decoder linears, int8 embedding/head),
     built in memory the way `brisk quantize` + load would: RTN codes, then the packed QuantLinear modules. Its
-    8/4-bit linears take int8 activations (integer dot products, ~1.3x faster drafting here): a draft's numerics
+    8/4-bit linears take int8 activations (integer dot products: faster drafting, see BENCHMARKS.md): a draft's numerics
     only move the acceptance rate, never the output, which verification against the target decides."""
     from brisk.model.fuse import fuse_projections
     from brisk.model.loader import build_model, load_model

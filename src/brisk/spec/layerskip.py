@@ -1,7 +1,7 @@
 """Choosing which layers the layer-skip draft skips (self-speculative decoding, Zhang et al. 2023 "Draft &
 Verify"; LayerSkip, Elhoushi et al. 2024), and where the choice is stored.
 
-The search, on calibration text (default: 192 tokens of /work/shared/data/emma.txt from a fixed offset):
+The search, on calibration text (default: 192 tokens of the bundled calibration text, brisk.data, from a fixed offset):
   1. One teacher-forced forward of the full model gives its greedy token at every position.
   2. Rank: for each layer except the first and the last (both carry most of the model's work in small
      Llamas), skip it alone and measure the *agreement* — the fraction of positions where the skipped
