@@ -57,10 +57,12 @@ def test_runner_calls_the_hooks_once_per_step_in_row_order(model_dir):
     llm = LLM(model_dir, max_model_len=64, kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=False)  # the second run then computes what the first did
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 101, 102]]
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    first_run = llm.generate(prompts, GREEDY)
+    plain = [o.outputs[0].token_ids for o in first_run]
     policy = RecordingPolicy()
     llm.engine.runner.kv_policy = policy
-    recorded = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    recorded_run = llm.generate(prompts, GREEDY)
+    recorded = [o.outputs[0].token_ids for o in recorded_run]
     assert recorded == plain  # hooks that do nothing change nothing
     names = [c[0] for c in policy.calls]
     # per step: on_free, then (no moves or copies here) begin_step before the forward, end_step after it
@@ -77,9 +79,11 @@ def test_runner_calls_the_hooks_once_per_step_in_row_order(model_dir):
     assert [q for _, q in begins[0][1]] == [10, 3] and begins[0][2] == [10, 3]
     assert [q for _, q in begins[1][1]] == [1, 1] and begins[1][2] == [11, 4]
     req_ids = {r for _, seqs, _ in begins for r, _ in seqs}
-    assert len(req_ids) == 2
-    frees = [r for c in policy.calls if c[0] == "on_free" for r in c[1]]
-    assert set(frees) <= req_ids
+    assert req_ids == {o.request_id for o in recorded_run}
+    # a request's end reaches the runner with the next step: the first step frees the first run's requests
+    frees = [c[1] for c in policy.calls if c[0] == "on_free"]
+    assert set(frees[0]) == {o.request_id for o in first_run}
+    assert all(f == [] for f in frees[1:])  # both finish at the last step: freed with the next run
 
 
 def test_runner_reports_copies_to_the_policy(model_dir):
@@ -104,16 +108,17 @@ def test_full_and_streaming_hooks_are_no_ops(policy):
 
 def test_h2o_begin_step_hands_in_one_row_buffer_per_sequence():
     policy = H2OPolicy(budget=6, recent=2)
-    seqs = [ScheduledRequest("a", [7], 5, [0, 1], 1), ScheduledRequest("b", [1, 2, 3], 0, [2], 1)]
+    seqs = [ScheduledRequest("a", [1, 2, 3, 4, 5, 6], 0, [0, 1], 1), ScheduledRequest("b", [1, 2, 3], 0, [2], 1)]
     stats = policy.begin_step(seqs, [6, 3], torch.device("cpu"))
     assert stats is not None and stats.key_mass is None
-    assert [tuple(t.shape) for t in stats.row_mass] == [(1, 6), (3, 3)]
+    assert [tuple(t.shape) for t in stats.row_mass] == [(6, 6), (3, 3)]
     assert all(t.dtype == torch.float32 and not t.any() for t in stats.row_mass)
     # b's 3 entries fit under keep = 5; a's 6 do not: it keeps the 2 recent and the 3 heaviest older entries
-    stats.row_mass[0][0] = torch.tensor([0.5, 0.1, 0.4, 0.3, 0.2, 0.9])
+    stats.row_mass[0][5] = torch.tensor([0.5, 0.1, 0.4, 0.3, 0.2, 0.9])
     assert policy.end_step(seqs, stats, 4) == {"a": [0, 2, 3, 4, 5]}
+    assert policy._scores.scores["a"].tolist() == pytest.approx([0.5, 0.4, 0.3, 0.2, 0.9])
     policy.on_free(["a", "b"])
-    assert policy.begin_step(seqs[:1], [1], torch.device("cpu")) is not None
+    assert policy._scores.scores == {}
 
 
 # ---- AttentionMetadata.for_sequences ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 @dataclass
 class PrefillSeq:
-    """One sequence with q_len > 1 in this step (reference path)."""
+    """One sequence with q_len > 1 in this step, as the reference path runs it (`build_reference_indices`)."""
 
     query_start: int  # first row of this sequence's tokens in the flattened batch
     query_len: int
