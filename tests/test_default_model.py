@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from brisk import SamplingParams
-from brisk.ops.attention import AttentionMetadata, PrefillSeq
+from brisk.ops.attention import AttentionMetadata
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_logits_match_transformers(default_llm, hf_default_model):
     n = len(ids)
     c = loaded.config
     kv = [torch.zeros(2, (n + 15) // 16, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n, None, None)])
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range((n + 15) // 16))], 16)
     with torch.inference_mode():
         got = loaded.model(torch.tensor(ids), torch.arange(n), meta, kv)
         want = hf_default_model(torch.tensor([ids])).logits[0]

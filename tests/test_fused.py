@@ -12,7 +12,7 @@ from hf_utils import make_tiny_hf_model
 from brisk import LLM, SamplingParams
 from brisk.model.loader import load_model
 from brisk.ops import kernels
-from brisk.ops.attention import AttentionMetadata, PrefillSeq
+from brisk.ops.attention import AttentionMetadata
 from brisk.ops.fused import add_rms_norm, rms_norm, rms_norm_reference, silu_mul, silu_mul_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -162,7 +162,7 @@ def test_model_with_kernels_on_and_off(tmp_path, ops, monkeypatch):
 
     def logits_and_tokens() -> tuple[torch.Tensor, list[int]]:
         kv = [torch.zeros(2, 2, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
-        meta = AttentionMetadata(slot_mapping=torch.arange(24), prefills=[PrefillSeq(0, 24, 24, None, None)])
+        meta = AttentionMetadata.for_sequences([24], [24], [[0, 1]], 16)
         with torch.inference_mode():
             logits = loaded.model(ids, torch.arange(24), meta, kv)
         return logits, llm.generate([ids[:8].tolist()], params)[0].outputs[0].token_ids

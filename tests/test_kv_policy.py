@@ -18,7 +18,7 @@ from brisk.kvcache.manager import KVCacheManager
 from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep, make_policy
 from brisk.model.loader import LoadedModel, build_model
 from brisk.model.rope import apply_rope, base_inv_freq
-from brisk.ops.attention import AttentionMetadata, paged_attention, write_kv
+from brisk.ops.attention import AttentionMetadata, AttentionStats, paged_attention, write_kv
 
 
 def tiny_loaded() -> LoadedModel:
@@ -156,15 +156,18 @@ def test_sink_window_attention_equals_the_papers_rerotated_cache():
 
     num_blocks = n // bs + 2
     cache = torch.zeros(2, num_blocks, bs, kvh, d)
-    table = torch.arange(num_blocks)
+    table = list(range(num_blocks))
     write_kv(cache, k, v, pos)  # slots = positions (identity table)
+
+    def cos_sin(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # RoPE of e: [T] -> 2 x [T, d/2]
+        freqs = e.float()[:, None] * inv_freq
+        return freqs.cos(), freqs.sin()
+
     for t in [5, 10, 11, 20, 29]:  # queries before and after eviction starts (t >= S + W)
-        e = max(0, t - window - sinks + 1)
-        meta = AttentionMetadata(slot_mapping=torch.tensor([t]), num_decodes=1, query_start_loc=torch.tensor([0, 1]),
-                                 block_tables=table.unsqueeze(0).int(), context_lens=torch.tensor([t + 1]).int(),
-                                 sliding_window=window, num_sink_tokens=sinks, evicting=True)
-        freqs = torch.tensor([[float(e)]]) * inv_freq  # [1, d/2]
-        meta.sink_cos, meta.sink_sin = freqs.cos(), freqs.sin()
+        meta = AttentionMetadata.for_sequences([1], [t + 1], [table], bs, positions=torch.tensor([t]),
+                                               sliding_window=window, num_sink_tokens=sinks, evicting=True,
+                                               cos_sin=cos_sin)
+        assert meta.slot_mapping.tolist() == [t]
         out = paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache, meta, d**-0.5)
         # the paper: kept tokens in order, pre-RoPE keys rotated by cache position 0..L-1, query at L-1
         kept = [j for j in range(t + 1) if j < sinks or j > t - window]
@@ -255,9 +258,8 @@ def test_attention_scores_hold_one_unit_of_mass_per_head_and_query():
     n = 9
     caches = [torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
     scores = torch.zeros(n)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
-                             block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
-                             context_lens=torch.tensor([n], dtype=torch.int32), evicting=True, attn_scores=[scores])
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(4))], 4, evicting=True,
+                                           stats=AttentionStats(key_mass=[scores]))
     with torch.inference_mode():
         loaded.model(torch.arange(3, 3 + n), torch.arange(n), meta, caches)
     assert torch.allclose(scores.sum(), torch.tensor(float(c.num_hidden_layers * c.num_attention_heads * n)))

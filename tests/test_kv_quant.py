@@ -15,12 +15,7 @@ KVH, D, H = 3, 64, 9  # SmolLM2's attention shape
 
 def _meta_for(block_ids: list[int], start: int, num_new: int, bs: int) -> AttentionMetadata:
     """One sequence computing positions [start, start + num_new) over `block_ids` (a prefill or a decode)."""
-    ctx = start + num_new
-    slots = [block_ids[p // bs] * bs + p % bs for p in range(start, ctx)]
-    table = block_ids[: (ctx + bs - 1) // bs]
-    return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=1 if num_new == 1 else 0,
-                             query_start_loc=torch.tensor([0, num_new]), block_tables=torch.tensor([table]),
-                             context_lens=torch.tensor([ctx], dtype=torch.int32))
+    return AttentionMetadata.for_sequences([num_new], [start + num_new], [block_ids], bs)
 
 
 def _run_stream(cache, q, k, v, bs: int, chunks: list[int]) -> torch.Tensor:

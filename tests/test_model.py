@@ -8,7 +8,7 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.model.loader import load_model
-from brisk.ops.attention import AttentionMetadata, PrefillSeq, causal_mask
+from brisk.ops.attention import AttentionMetadata
 
 CASES = [
     # arch, kv heads (4 query heads: 4 = MHA, 2 = GQA, 1 = MQA), tied embeddings
@@ -28,8 +28,7 @@ def prefill_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
     num_blocks = (n + 15) // 16
     kv = [torch.zeros(2, num_blocks, 16, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype)
           for _ in range(c.num_hidden_layers)]
-    mask = causal_mask(n, n, c.sliding_window) if c.sliding_window else None
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n, None, mask)])
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], 16, sliding_window=c.sliding_window)
     with torch.inference_mode():
         return loaded.model(ids, torch.arange(n), meta, kv).float()
 
@@ -69,7 +68,7 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling):
         # HF rescales by the whole sequence's length; so does brisk (per sequence, via context_lens)
         c = loaded.config
         kv = [torch.zeros(2, 6, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
-        meta = AttentionMetadata(slot_mapping=torch.arange(96), prefills=[PrefillSeq(0, 96, 96, None, None)])
+        meta = AttentionMetadata.for_sequences([96], [96], [list(range(6))], 16)
         with torch.inference_mode():
             got = loaded.model(ids, torch.arange(96), meta, kv, context_lens=torch.full((96,), 96))
     else:

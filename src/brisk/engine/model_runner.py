@@ -1,11 +1,8 @@
 """Turns a SchedulerOutput into one forward pass over the flattened batch, then samples.
 
-H2O (kvcache/policy.py H2OPolicy): the runner keeps each request's accumulated attention mass per cache entry
-(summed over layers, heads and queries, as `brisk eval ppl --long --mode h2o` does), adds this step's into it
-during the forward, and when the cache outgrew the policy's `keep` returns the kept entries (`h2o_keep`) for
-the manager to compact; it performs the compactions' K/V moves at the start of the next step. Scoring needs
-the attention probabilities, which the C++ paged kernels do not return, so under H2O every request takes the
-PyTorch attention path (ops/attention.py `_sink_window_attention`, one sequence at a time).
+The KV policy takes part through its step hooks (kvcache/policy.py `KVPolicy`): it follows the step's K/V moves
+and copies, may hand in statistics buffers for attention to fill (`begin_step`, H2O's attention mass), and after
+the forward names the cache entries each request keeps (`end_step`), which the manager compacts.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_sample, plain_greedy
 from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
+from brisk.kvcache.policy import KVPolicy, StreamingPolicy
 from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
 from brisk.ops.attention import AttentionMetadata, KVCache
@@ -47,9 +44,6 @@ class ModelRunner:
         # quantized on write, dequantized inside attention (kvcache/quant.py)
         self.kv_caches = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
                                         c.num_key_value_heads, c.head_dim, dtype, device, num_residual_blocks)
-        self.h2o = self.kv_policy if isinstance(self.kv_policy, H2OPolicy) else None
-        self.h2o_scores: dict[str, torch.Tensor] = {}  # req_id -> float32 [cache entries], in cache order
-        self.h2o_block_mass: dict[int, torch.Tensor] = {}  # block_id -> its rows' mass (see _h2o_record_block_mass)
         self.sampler = Sampler()
         self.last_timing = (0.0, 0.0, 0.0)  # seconds of the last execute(): prepare, forward, sample
 
@@ -68,9 +62,7 @@ class ModelRunner:
                 kv.copy_blocks(src.tolist(), dst.tolist())
             else:
                 kv[:, dst] = kv[:, src]
-        for s, d in copies:
-            if s in self.h2o_block_mass:
-                self.h2o_block_mass[d] = self.h2o_block_mass[s].clone()
+        self.kv_policy.on_copy_blocks(copies)
 
     def move_kv(self, moves: tuple[list[int], list[int]]) -> None:
         """H2O compactions: every layer's K/V from slot src[i] to slot dst[i]. All sources are read before any
@@ -84,8 +76,7 @@ class ModelRunner:
             assert not isinstance(kv, QuantizedKVCache), "h2o runs on the float cache only (engine/config.py)"
             flat = kv.view(2, kv.shape[1] * kv.shape[2], *kv.shape[3:])  # [2, num_slots, kvh, d]
             flat[:, dst_t] = flat[:, src_t]  # the gather is a copy: sources are read before the scatter
-        for block_id in {d // self.block_size for d in dst}:
-            self.h2o_block_mass.pop(block_id, None)
+        self.kv_policy.on_move_kv(dst, self.block_size)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                         torch.Tensor | None]:
@@ -102,121 +93,47 @@ class ModelRunner:
         """
         bs = self.block_size
         order = batch_order(sched)
-        num_decodes = sum(1 for s in order if len(s.token_ids) == 1)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
+        query_lens: list[int] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
         first_row: dict[str, int] = {}
+        num_rows = 0
         for s in order:
             start, q_len = s.num_computed_tokens, len(s.token_ids)
             cache_start = start if s.cache_len is None else s.cache_len
-            ctx = cache_start + q_len
-            ids = s.block_ids
-            first_row[s.req_id] = query_start_loc[-1]
+            first_row[s.req_id] = num_rows
             input_ids.extend(s.token_ids)
             if q_len == 1:
                 positions.append(start)
-                slots.append(ids[cache_start // bs] * bs + cache_start % bs)
             else:
                 positions.extend(range(start, start + q_len))
-                slots.extend(ids[i // bs] * bs + i % bs for i in range(cache_start, ctx))
-            query_start_loc.append(query_start_loc[-1] + q_len)
-            context_lens.append(ctx)
-            tables.append(ids[: (ctx + bs - 1) // bs])
-        max_blocks = max((len(t) for t in tables), default=0)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+            num_rows += q_len
+            query_lens.append(q_len)
+            context_lens.append(cache_start + q_len)
         # rows whose logits are sampled, in the scheduler's order (execute() pairs them with requests that way);
         # a request with k drafts has its last k + 1 rows verified
         logits_rows = [r for s in sched.scheduled if s.num_samples
                        for r in range(first_row[s.req_id] + len(s.token_ids) - 1 - s.num_draft_tokens,
                                       first_row[s.req_id] + len(s.token_ids))]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            num_decodes=num_decodes,
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
-            block_tables=block_tables,  # [B, max_blocks]
-            context_lens=torch.tensor(context_lens, dtype=torch.int32),  # [B]
-            sliding_window=self.sliding_window,
-            num_sink_tokens=self.num_sink_tokens,
-            evicting=self.kv_policy.evicts,
-            # None when every row is sampled, in order (decode-only steps): no gather before the head
-            logits_indices=(None if logits_rows == list(range(len(input_ids)))
-                            else torch.tensor(logits_rows, dtype=torch.int64)),
-            attn_row_scores=([torch.zeros(len(s.token_ids), ctx, device=self.device)
-                              for s, ctx in zip(order, context_lens, strict=True)] if self.h2o is not None else None),
-        )
-        if self.device.type != "cpu":
-            for name in ("slot_mapping", "query_start_loc", "block_tables", "context_lens", "logits_indices"):
-                if getattr(meta, name) is not None:
-                    setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        meta = AttentionMetadata.for_sequences(
+            query_lens, context_lens, [s.block_ids for s in order], bs, positions=positions_t,
+            sliding_window=self.sliding_window, num_sink_tokens=self.num_sink_tokens,
+            evicting=self.kv_policy.evicts, cos_sin=self.model.rope.cos_sin if self.model.rope is not None else None,
+            stats=self.kv_policy.begin_step(order, context_lens, self.device), logits_indices=logits_rows,
+            device=self.device)
         token_context_lens = None
         if self.model.rope is not None and self.model.rope.dynamic_orig_max is not None:
-            q_lens = torch.tensor([len(s.token_ids) for s in order])
+            q_lens = torch.tensor(query_lens)
             token_context_lens = torch.repeat_interleave(meta.context_lens.long(), q_lens)  # [T]
         ids_t = torch.tensor(input_ids, dtype=torch.int64)
-        return ids_t, torch.tensor(positions, dtype=torch.int64), meta, token_context_lens
-
-    # H2O scores of a prefix-cache hit. A hit request never ran its prefix's queries, yet the scores must hold
-    # their mass, or its kept set (and output) would depend on what happened to be cached. The mass that the
-    # queries of block j give to keys [0, (j + 1) bs) depends only on the tokens up to the block's end (while the
-    # writer had not compacted, cache entry = position), exactly what the block's prefix hash names; so each
-    # block carries it, as h2o_block_mass[block_id] [(j + 1) bs], filled as its rows are computed. A hit's scores
-    # start as the sum over its hit blocks. A block gets new contents when its first row is written (then its mass
-    # restarts), when it is a copy-on-write target (the source's mass is copied) or compacted into (dropped).
-    def _h2o_record_block_mass(self, s: ScheduledRequest, rows: torch.Tensor) -> None:
-        """rows: [q, ctx] this step's mass per query row of an uncompacted request (cache entry = position)."""
-        bs = self.block_size
-        q_len, ctx = rows.shape
-        first = ctx - q_len
-        for j in range(first // bs, -(-ctx // bs)):
-            block_id = s.block_ids[j]
-            lo, hi = max(first, j * bs), min(ctx, (j + 1) * bs)  # rows of this step in block j
-            mass = rows[lo - first:hi - first, :(j + 1) * bs].sum(0)  # [min(ctx, (j + 1) bs)]
-            if lo == j * bs or block_id not in self.h2o_block_mass:
-                self.h2o_block_mass[block_id] = torch.zeros((j + 1) * bs, device=rows.device)
-            self.h2o_block_mass[block_id][:mass.shape[0]] += mass
-
-    def _h2o_choose(self, sched: SchedulerOutput, meta: AttentionMetadata, out: RunnerOutput) -> None:
-        """Add this step's mass to each request's scores; where a cache outgrew `keep`, choose the kept entries (the
-        manager compacts them before the request's next allocation) and keep only their scores. n > 1: the forks
-        start from a copy."""
-        assert self.h2o is not None and meta.attn_row_scores is not None
-        bs = self.block_size
-        order = batch_order(sched)
-        for s, rows in zip(order, meta.attn_row_scores, strict=True):
-            if s.cache_len is None or s.cache_len == s.num_computed_tokens:
-                self._h2o_record_block_mass(s, rows)
-            else:  # a compacted cache: its blocks no longer hold a prefix
-                for j in range(s.cache_len // bs, -(-rows.shape[1] // bs)):
-                    self.h2o_block_mass.pop(s.block_ids[j], None)
-        for s, rows in zip(order, meta.attn_row_scores, strict=True):
-            cache_start = rows.shape[1] - rows.shape[0]
-            scores = rows.sum(0)  # [ctx]
-            prev = self.h2o_scores.get(s.req_id)
-            if prev is not None:
-                assert prev.shape[0] == cache_start, f"{s.req_id}: {prev.shape[0]} scores for {cache_start} entries"
-                scores[:cache_start] += prev
-            else:  # a fresh start; cache_start > 0 is a prefix-cache hit of whole blocks
-                for j in range(cache_start // bs):
-                    mass = self.h2o_block_mass.get(s.block_ids[j])
-                    assert mass is not None, f"{s.req_id} hit block {s.block_ids[j]}, which carries no h2o mass"
-                    scores[:mass.shape[0]] += mass
-            if scores.shape[0] > self.h2o.keep:
-                kept = h2o_keep(scores, self.h2o.recent, self.h2o.keep)
-                out.kept_entries[s.req_id] = kept
-                scores = scores[torch.tensor(kept, device=scores.device)]
-            self.h2o_scores[s.req_id] = scores
-            for k in range(1, s.num_samples):
-                self.h2o_scores[f"{s.req_id}#{k}"] = scores.clone()
+        return ids_t, positions_t, meta, token_context_lens
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
         t0 = time.perf_counter()
-        for req_id in sched.freed_req_ids:
-            self.h2o_scores.pop(req_id, None)
+        self.kv_policy.on_free(sched.freed_req_ids)
         self.move_kv(sched.kv_moves)  # before the copies: a block freed by a compaction may be a copy's target
         self.copy_blocks(sched.block_copies)
         ids, positions, meta, context_lens = self.prepare(sched)
@@ -224,9 +141,7 @@ class ModelRunner:
         logits = self.model(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
         t2 = time.perf_counter()
         self.last_timing = (t1 - t0, t2 - t1, 0.0)
-        out = RunnerOutput()
-        if self.h2o is not None:
-            self._h2o_choose(sched, meta, out)
+        out = RunnerOutput(kept_entries=self.kv_policy.end_step(batch_order(sched), meta.stats, self.block_size))
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
             return out

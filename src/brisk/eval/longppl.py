@@ -45,7 +45,7 @@ from brisk.kvcache.manager import KVCacheManager
 from brisk.kvcache.policy import H2OPolicy, KVPolicy, StreamingPolicy, h2o_keep
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import LoadedModel
-from brisk.ops.attention import AttentionMetadata, KVCache
+from brisk.ops.attention import AttentionMetadata, AttentionStats, KVCache
 
 LONG_MODES = ("full", "streaming", "window", "oracle", "h2o")
 
@@ -106,15 +106,11 @@ def stream_nll(loaded: LoadedModel, ids: list[int], policy: KVPolicy, chunk: int
             copies = manager.allocate_slots(request, num_new)
             assert copies == [], f"the stream's pool of {num_blocks} blocks ran out at position {start}"
             max_held = max(max_held, manager.get_num_blocks("stream"))
-            block_ids = manager.get_block_ids("stream")
             positions = torch.arange(start, start + num_new)
-            table = torch.tensor(block_ids, dtype=torch.long)
-            slots = table[positions // block_size] * block_size + positions % block_size  # [q]
-            meta = AttentionMetadata(
-                slot_mapping=slots, num_decodes=1 if num_new == 1 else 0,
-                query_start_loc=torch.tensor([0, num_new]), block_tables=table.to(torch.int32).unsqueeze(0),
-                context_lens=torch.tensor([start + num_new], dtype=torch.int32), sliding_window=window,
-                num_sink_tokens=sinks, evicting=policy.evicts)
+            meta = AttentionMetadata.for_sequences(
+                [num_new], [start + num_new], [manager.get_block_ids("stream")], block_size, positions=positions,
+                sliding_window=window, num_sink_tokens=sinks, evicting=policy.evicts, cos_sin=model.rope.cos_sin,
+                device=device)
             with torch.inference_mode():
                 logits = model(ids_t[start:start + num_new].to(device), positions.to(device), meta, caches)
             # row i predicts token start + i + 1; the stream's last token predicts nothing
@@ -160,7 +156,7 @@ def h2o_stream_logits(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, ch
     num_blocks = -(-policy.budget // block_size) + 1
     caches = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=loaded.dtype,
                           device=device) for _ in range(c.num_hidden_layers)]
-    table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)  # private, dense: cache index = slot
+    table = list(range(num_blocks))  # private, dense: cache index = slot
     keep = policy.budget - chunk
     ids_t = torch.tensor(ids, dtype=torch.long)
     scores = torch.zeros(0)  # accumulated attention mass per cache entry, in cache order
@@ -169,10 +165,8 @@ def h2o_stream_logits(loaded: LoadedModel, ids: list[int], policy: H2OPolicy, ch
         num_new = min(chunk, n - start)
         ctx = cache_len + num_new
         step_scores = torch.cat([scores, torch.zeros(num_new)])
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(cache_len, ctx), num_decodes=1 if num_new == 1 else 0,
-            query_start_loc=torch.tensor([0, num_new]), block_tables=table,
-            context_lens=torch.tensor([ctx], dtype=torch.int32), evicting=True, attn_scores=[step_scores])
+        meta = AttentionMetadata.for_sequences([num_new], [ctx], [table], block_size, evicting=True,
+                                               stats=AttentionStats(key_mass=[step_scores]), device=device)
         positions = torch.arange(start, start + num_new)  # original positions: RoPE as in the full model
         with torch.inference_mode():
             logits = model(ids_t[start:start + num_new].to(device), positions.to(device), meta, caches)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from brisk.bench.report import progress_bar
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import LoadedModel
-from brisk.ops.attention import AttentionMetadata, KVCache, PrefillSeq, causal_mask
+from brisk.ops.attention import AttentionMetadata, KVCache
 
 _BLOCK_SIZE = 16  # KV block size of the private cache; any size works, the cache is used for one call
 
@@ -74,9 +74,9 @@ def sequence_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str 
     # attention reads the dequantized rows, the prompt's own included
     kv = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                         c.head_dim, loaded.dtype, device)
-    mask = causal_mask(n, n, c.sliding_window).to(device) if c.sliding_window else None
     positions = torch.arange(n, device=device)
-    meta = AttentionMetadata(slot_mapping=positions, prefills=[PrefillSeq(0, n, n, None, mask)])
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], block_size,
+                                           sliding_window=c.sliding_window, device=device)
     # dynamic NTK RoPE rescales by the sequence length; pass it per token, as the engine's runner does
     dynamic = loaded.model.rope is not None and loaded.model.rope.dynamic_orig_max is not None
     context_lens = torch.full((n,), n, device=device) if dynamic else None

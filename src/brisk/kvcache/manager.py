@@ -245,7 +245,7 @@ class KVCacheManager:
 
     def schedule_compaction(self, request: Request, kept: list[int]) -> None:
         """After a step: keep only cache entries `kept` (ascending) of the request, compacted at its next
-        allocation. The runner chose them and already cut its scores to them (engine/model_runner.py)."""
+        allocation. The policy chose them after the step and already cut its scores to them (kvcache/h2o.py)."""
         assert isinstance(self.policy, H2OPolicy), f"compaction under the {self.policy.name} policy"
         assert kept == sorted(set(kept)) and kept[-1] < self.get_num_cache_entries(request), (
             f"bad kept entries for {request.request_id}: {kept[:8]}...")

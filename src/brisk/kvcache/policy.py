@@ -22,13 +22,36 @@ end). Positions (RoPE): see ops/attention.py `_sink_window_attention`: cached ke
 original positions; scores then depend only on cache positions, as in the paper, with no key ever re-rotated.
 
 Window-only (`sink_tokens = 0`) is the same policy without sinks: the contrast the paper shows.
+
+A policy that scores attention (H2O) also takes part in each engine step through hooks the runner calls
+(engine/model_runner.py): `begin_step` hands in the statistics buffers attention should fill, `end_step` reads them
+and names the entries to keep, and `on_move_kv` / `on_copy_blocks` / `on_free` follow the cache's changes. They
+are no-ops for full and streaming. Such a policy holds per-request state: one instance serves one engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from brisk.kvcache.h2o import H2OScores, h2o_keep
+from brisk.ops.metadata import AttentionStats
+
+__all__ = ["H2OPolicy", "KVPolicy", "ScheduledSeq", "StreamingPolicy", "h2o_keep", "make_policy"]
+
+
+class ScheduledSeq(Protocol):
+    """What the step hooks read of a scheduled request (engine/scheduler.py `ScheduledRequest`)."""
+
+    req_id: str
+    token_ids: list[int]  # this step's tokens: one row each
+    num_computed_tokens: int
+    cache_len: int | None  # cache entries before this step when they differ from num_computed_tokens (H2O)
+    block_ids: list[int]
+    num_samples: int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -50,6 +73,29 @@ class KVPolicy:
 
     def evictable_blocks(self, num_computed: int, num_blocks: int, block_size: int) -> range:
         return range(0)
+
+    # ---- step hooks (engine/model_runner.py), in the order the runner calls them ----
+
+    def on_free(self, req_ids: Sequence[str]) -> None:
+        """These requests finished or were preempted: forget what is kept about them."""
+
+    def on_move_kv(self, dst_slots: list[int], block_size: int) -> None:
+        """A compaction moved K/V into these slots (before this step's forward)."""
+
+    def on_copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst now holds a copy of block src, for each (src, dst)."""
+
+    def begin_step(self, seqs: Sequence[ScheduledSeq], context_lens: list[int],
+                   device: torch.device) -> AttentionStats | None:
+        """The statistics this step's attention should collect (seqs in row order, each with its cache entries
+        after the step); None: none, and the forward may take any attention path."""
+        return None
+
+    def end_step(self, seqs: Sequence[ScheduledSeq], stats: AttentionStats | None,
+                 block_size: int) -> dict[str, list[int]]:
+        """After the forward, with the statistics `begin_step` asked for: req_id -> the cache entries it keeps
+        (ascending), for each request the manager should compact."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -110,15 +156,17 @@ class H2OPolicy(KVPolicy):
     included (StreamingLLM's bound); a prefill chunk of C tokens sees at most budget - 1 + C. This is
     `brisk eval ppl --long --mode h2o` (eval/longppl.py) with chunk 1, which cuts to budget - chunk.
 
-    In the engine (kvcache/manager.py `_compact`, engine/model_runner.py): the runner accumulates the scores and
-    picks the kept entries after the forward; the manager compacts the table before the request's next
-    allocation. Compaction writes into blocks, so a destination block that is shared (ref_cnt > 1) or registered
-    in the prefix cache is first replaced by a private one (its contents stay intact for the other holders), and
-    a compacted request registers nothing more in the prefix cache.
+    In the engine (kvcache/h2o.py, kvcache/manager.py `_compact`): the step hooks accumulate the scores and pick
+    the kept entries after the forward; the manager compacts the table before the request's next allocation.
+    Compaction writes into blocks, so a destination block that is shared (ref_cnt > 1) or registered in the
+    prefix cache is first replaced by a private one (its contents stay intact for the other holders), and a
+    compacted request registers nothing more in the prefix cache.
     """
 
     budget: int
     recent: int
+    # the engine's scores per request and block (kvcache/h2o.py), driven by the step hooks below
+    _scores: H2OScores = field(init=False, repr=False, compare=False)
 
     name = "h2o"
 
@@ -128,6 +176,7 @@ class H2OPolicy(KVPolicy):
         if self.budget <= self.recent:
             raise ValueError(f"the h2o KV budget ({self.budget}) must exceed the recent window ({self.recent}): "
                              "the rest of the budget holds the heavy hitters")
+        object.__setattr__(self, "_scores", H2OScores(self.recent, self.keep))  # frozen: the rule; this: state
 
     @property
     def evicts(self) -> bool:
@@ -138,21 +187,23 @@ class H2OPolicy(KVPolicy):
         """Entries left after a compaction: one slot of the budget stays free for the next decode query."""
         return self.budget - 1
 
+    def on_free(self, req_ids: Sequence[str]) -> None:
+        self._scores.free(req_ids)
 
-def h2o_keep(scores: list[float] | torch.Tensor, recent: int, keep: int) -> list[int]:
-    """Indices (ascending) of the `keep` cache entries H2O keeps: the last `recent`, then the highest accumulated
-    `scores` among the others (ties: the older entry). scores: one per cached token, in cache order."""
-    scores = torch.as_tensor(scores, dtype=torch.float64)
-    n = scores.shape[0]
-    if n <= keep:
-        return list(range(n))
-    recent = min(recent, keep)
-    num_heavy = keep - recent
-    older = scores[: n - recent].tolist()
-    # stable sort by descending score: equal scores keep cache order, so the older token wins a tie
-    order = sorted(range(len(older)), key=lambda i: (-older[i], i))
-    heavy = sorted(order[:num_heavy])
-    return heavy + list(range(n - recent, n))
+    def on_move_kv(self, dst_slots: list[int], block_size: int) -> None:
+        self._scores.moved_into(dst_slots, block_size)
+
+    def on_copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._scores.copy_blocks(copies)
+
+    def begin_step(self, seqs: Sequence[ScheduledSeq], context_lens: list[int],
+                   device: torch.device) -> AttentionStats | None:
+        return AttentionStats(row_mass=self._scores.row_buffers(seqs, context_lens, device))
+
+    def end_step(self, seqs: Sequence[ScheduledSeq], stats: AttentionStats | None,
+                 block_size: int) -> dict[str, list[int]]:
+        assert stats is not None and stats.row_mass is not None, "h2o's end_step needs the stats of its begin_step"
+        return self._scores.choose(seqs, stats.row_mass, block_size)
 
 
 def make_policy(name: str, budget: int | None = None, sink_tokens: int = 4, recent: int | None = None) -> KVPolicy:

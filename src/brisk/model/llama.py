@@ -156,11 +156,6 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's output after the final norm: [T, hidden], ready for lm_head."""
         assert self.rope is not None, "call init_rope() after loading weights"
         cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
-        if meta.evicting and meta.num_sink_tokens and meta.sliding_window is not None:
-            # StreamingLLM: each row's evicted count E, by which its query is rotated back for the sink keys
-            # (ops/attention.py _sink_window_attention)
-            evicted = (positions - meta.sliding_window - meta.num_sink_tokens + 1).clamp(min=0)  # [T]
-            meta.sink_cos, meta.sink_sin = self.rope.cos_sin(evicted)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         compiled = getattr(self, "_compiled", None)  # --compile (model/compiled.py)
         if compiled is not None and compiled.applies(x, meta, kv_caches):

@@ -4,10 +4,7 @@ The cache of one layer is `kv_cache: [2, num_blocks, block_size, num_kv_heads, h
 position p of a request lives in physical slot `block_table[p // block_size] * block_size + p % block_size`.
 
 The runner lays the batch out decodes first and describes every sequence once per step (`AttentionMetadata`,
-shared by all layers):
-
-    rows:  | decode 0 | decode 1 | ... | prefill 0 rows ... | prefill 1 rows ... |      T rows in all
-    query_start_loc [B + 1]: first row of each sequence;  block_tables [B, max_blocks];  context_lens [B]
+ops/metadata.py, shared by all layers).
 
 Two ways to run it:
 - the C++ kernel (ops/csrc/paged_attention.cpp) reads every sequence's K/V in place, walking its block table,
@@ -17,118 +14,23 @@ Two ways to run it:
   over a gathered, padded copy of their contexts; prefills run one sequence at a time with a causal mask offset
   by the tokens already in the cache. Its gather indices are derived from the block tables once per step, on
   first use.
-Hand-built metadata (tests, single-sequence tools) may instead list `prefills` with their own slots and masks;
-those always take the reference path.
+Every caller (the runner, evaluation, calibration, tests) builds the metadata with
+`AttentionMetadata.for_sequences`; attention never writes into it. What attention measures for a KV policy (H2O's
+attention mass) goes into a separate output, `AttentionStats`, which the metadata only points at.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from brisk.kvcache.quant import QuantizedKVCache
 from brisk.ops import kernels
+from brisk.ops.metadata import AttentionMetadata, AttentionStats, PrefillSeq, ReferenceIndices, causal_mask
+
+__all__ = ["AttentionMetadata", "AttentionStats", "PrefillSeq", "causal_mask", "paged_attention"]
 
 PREFILL_Q_TILE = 16  # query tokens per kernel work item: 16 x (h / kvh) rows share each K/V row read
-
-
-@dataclass
-class PrefillSeq:
-    """One sequence with q_len > 1 in this step (reference path)."""
-
-    query_start: int  # first row of this sequence's tokens in the flattened batch
-    query_len: int
-    context_len: int  # tokens in cache after this step (num_computed + query_len)
-    # context slots [context_len] to gather, or None when the whole context is this step's tokens (no prior KV)
-    context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [query_len, context_len] bool (True = attend), None = plain causal
-
-
-@dataclass
-class ReferenceIndices:
-    """Gather indices of the reference path, derived from the block tables (once per step)."""
-
-    decode_context_slots: torch.Tensor | None  # [Bd, Lmax] int64 slot of each context position (0-padded)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool: True where a real (attendable) position
-    prefills: list[PrefillSeq]
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs about the batch layout; built once per step by the runner, shared by layers.
-
-    Flattened batch: `| decodes (1 row each) | prefill 0 rows | prefill 1 rows | ... |`, T rows in all.
-    """
-
-    slot_mapping: torch.Tensor  # [T] int64: cache slot receiving each token's K/V
-    num_decodes: int = 0  # the first num_decodes rows are single-token sequences
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int64: rows of sequence b = [qsl[b], qsl[b + 1])
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (padding columns are never read)
-    context_lens: torch.Tensor | None = None  # [B] int32: tokens in the cache including this step's
-    sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
-    # StreamingLLM (kvcache/policy.py): with a window, keys [0, num_sink_tokens) are seen by every query too
-    num_sink_tokens: int = 0
-    # an evicting policy is on: the tables hold -1 for evicted blocks; attention gathers only kept positions
-    evicting: bool = False
-    # [T, d/2] cos / sin of each row's evicted count E (set by the model from positions): the query scores the
-    # sink keys rotated back by E (see _sink_window_attention)
-    sink_cos: torch.Tensor | None = None
-    sink_sin: torch.Tensor | None = None
-    # H2O (eval/longppl.py): per sequence a float32 [context_len] tensor; attention adds each cached key's
-    # probability mass (summed over heads and this step's queries) into it, layer after layer
-    attn_scores: list[torch.Tensor] | None = None
-    # the same per query row (the engine's H2O, engine/model_runner.py): per sequence float32 [query_len, context_len]
-    attn_row_scores: list[torch.Tensor] | None = None
-    # hand-built alternative to the tables (reference path only)
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
-    # speculative verification); None = all rows
-    logits_indices: torch.Tensor | None = None
-    _reference: ReferenceIndices | None = field(default=None, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
-
-    def reference_indices(self, block_size: int) -> ReferenceIndices:
-        """The reference path's gather indices, built by the first layer that needs them and reused by the rest."""
-        if self._reference is None:
-            self._reference = build_reference_indices(self, block_size)
-        return self._reference
-
-
-def build_reference_indices(meta: AttentionMetadata, block_size: int) -> ReferenceIndices:
-    assert meta.block_tables is not None and meta.context_lens is not None and meta.query_start_loc is not None
-    window = meta.sliding_window
-    nd = meta.num_decodes
-    lens = meta.context_lens.long()
-    arange_block = torch.arange(block_size)
-    decode_slots = decode_mask = None
-    if nd:
-        lmax = int(lens[:nd].max())
-        nblocks = (lmax + block_size - 1) // block_size
-        tables = meta.block_tables[:nd, :nblocks].long()  # [Bd, nblocks]
-        decode_slots = (tables.unsqueeze(2) * block_size + arange_block).view(nd, -1)[:, :lmax]  # [Bd, Lmax]
-        key = torch.arange(lmax).unsqueeze(0)  # [1, Lmax]
-        mask = key < lens[:nd].unsqueeze(1)
-        if window is not None:
-            mask &= key >= (lens[:nd] - window).unsqueeze(1)
-        decode_slots = decode_slots.masked_fill(~mask, 0)  # padding -> slot 0, masked out anyway
-        decode_mask = mask[:, None, None, :]  # [Bd, 1, 1, Lmax]
-    prefills = []
-    starts = meta.query_start_loc.tolist()
-    for b in range(nd, len(starts) - 1):
-        q_len, ctx = starts[b + 1] - starts[b], int(lens[b])
-        blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size].long()
-        slots = (blocks.unsqueeze(1) * block_size + arange_block).view(-1)[:ctx]  # [ctx]
-        prior = ctx > q_len
-        needs_mask = prior or window is not None
-        prefills.append(PrefillSeq(query_start=starts[b], query_len=q_len, context_len=ctx,
-                                   context_slots=slots if prior else None,
-                                   mask=causal_mask(q_len, ctx, window) if needs_mask else None))
-    return ReferenceIndices(decode_slots, decode_mask, prefills)
 
 
 KVCache = torch.Tensor | QuantizedKVCache  # float: [2, num_blocks, block_size, kvh, d]; or int8 / int4
@@ -214,23 +116,22 @@ def paged_attention(
     if meta.evicting:
         _sink_window_attention(out, q, kv_cache, meta, scale)
         return out
-    if meta.block_tables is not None:
-        decode_only = meta.num_decodes == meta.block_tables.shape[0]
-        op = None
-        if use_kernels is not False and kernel_supports(q, kv_cache):
-            op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
-        window = meta.sliding_window or 0
-        if op is not None and decode_only:
-            op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)
-        elif op is not None:
-            op(out, q, kv_cache, meta.query_start_loc, meta.block_tables, meta.context_lens, scale, window,
-               PREFILL_Q_TILE)
-        else:
-            ref = meta.reference_indices(cache_block_size(kv_cache))
-            if meta.num_decodes:
-                _decode_reference(out, q, kv_cache, meta.num_decodes, ref, scale)
-            _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale, meta.slot_mapping)
-    _prefills_reference(out, q, k, v, kv_cache, meta.prefills, scale, meta.slot_mapping)
+    assert meta.block_tables is not None, "build the metadata with AttentionMetadata.for_sequences"
+    decode_only = meta.num_decodes == meta.block_tables.shape[0]
+    op = None
+    if use_kernels is not False and kernel_supports(q, kv_cache):
+        op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
+    window = meta.sliding_window or 0
+    if op is not None and decode_only:
+        op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)
+    elif op is not None:
+        op(out, q, kv_cache, meta.query_start_loc, meta.block_tables, meta.context_lens, scale, window,
+           PREFILL_Q_TILE)
+    else:
+        ref = meta.reference_indices(cache_block_size(kv_cache))
+        if meta.num_decodes:
+            _decode_reference(out, q, kv_cache, meta.num_decodes, ref, scale)
+        _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale, meta.slot_mapping)
     return out
 
 
@@ -336,26 +237,13 @@ def _sink_window_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache
         if window is not None:
             mask &= (kp < sinks) | (kp > pos - window)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [kvh, g, q, L]
-        if meta.attn_scores is not None:
-            meta.attn_scores[b][key_pos] += probs.sum(dim=(0, 1, 2))  # [L]: mass each key received
-        if meta.attn_row_scores is not None:
-            meta.attn_row_scores[b][:, key_pos] += probs.sum(dim=(0, 1))  # [q, L]: from each query row
+        stats = meta.stats
+        if stats is not None and stats.key_mass is not None:
+            stats.key_mass[b][key_pos] += probs.sum(dim=(0, 1, 2))  # [L]: mass each key received
+        if stats is not None and stats.row_mass is not None:
+            stats.row_mass[b][:, key_pos] += probs.sum(dim=(0, 1))  # [q, L]: from each query row
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [q, kvh, g, d]
         out[rows] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
-
-
-def causal_mask(query_len: int, context_len: int, sliding_window: int | None = None) -> torch.Tensor:
-    """[query_len, context_len] bool; the queries are the last `query_len` positions of the context.
-
-    query i sits at absolute position  pos_i = context_len - query_len + i  and sees keys j with
-    j <= pos_i  (and  j > pos_i - sliding_window  with a window).
-    """
-    pos = torch.arange(context_len - query_len, context_len).unsqueeze(1)  # [q, 1]
-    key = torch.arange(context_len).unsqueeze(0)  # [1, L]
-    mask = key <= pos
-    if sliding_window is not None:
-        mask &= key > pos - sliding_window
-    return mask
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

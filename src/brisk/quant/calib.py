@@ -55,7 +55,7 @@ from torch import nn
 
 from brisk.model.llama import DecoderLayer, LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
-from brisk.ops.attention import AttentionMetadata, PrefillSeq, causal_mask
+from brisk.ops.attention import AttentionMetadata
 
 # GPTQ's true-sequential order (its LLaMA script): each stage is quantized on inputs recomputed after the
 # stages before it were quantized
@@ -220,17 +220,14 @@ class BlockContext:
         n, seq_len, _ = self.inputs.shape
         config, rope = self.model.config, self.model.rope
         assert rope is not None, "the model's RoPE is not initialised (load it with load_model)"
-        mask = causal_mask(seq_len, seq_len, config.sliding_window) if config.sliding_window else None
         for start in range(0, n, self.batch_size):
             b = min(self.batch_size, n - start)
             positions = torch.arange(seq_len).repeat(b)  # [T]: every sample starts at position 0
             context_lens = torch.full_like(positions, seq_len) if rope.dynamic_orig_max is not None else None
             cos, sin = rope.cos_sin(positions, context_lens)
-            # plain causal prefill of b independent sequences, no prior KV: the reference path attends to
-            # this step's k/v directly; the cache only receives the writes
-            meta = AttentionMetadata(slot_mapping=torch.arange(b * seq_len),
-                                     prefills=[PrefillSeq(i * seq_len, seq_len, seq_len, None, mask)
-                                               for i in range(b)])
+            # plain causal prefill of b independent sequences, no prior KV, one block of seq_len slots each
+            meta = AttentionMetadata.for_sequences([seq_len] * b, [seq_len] * b, [[i] for i in range(b)], seq_len,
+                                                   sliding_window=config.sliding_window)
             kv = torch.empty(2, b, seq_len, config.num_key_value_heads, config.head_dim, dtype=self.inputs.dtype)
             yield _Batch(slice(start, start + b), cos, sin, meta, kv)
 
