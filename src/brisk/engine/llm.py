@@ -7,10 +7,11 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.settings import build_engine_config, llm_signature, settings_doc
+from brisk.model.loader import load_model
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -22,64 +23,16 @@ class LLM:
     >>> llm = LLM()                       # the default model (SmolLM2-135M-Instruct)
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     >>> out[0].outputs[0].text
+
+    Engine settings (keywords; the same as the options of `brisk generate`, `chat`, `serve`, `bench`):
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        kv_cache_memory: int | str = "512MiB",
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int | None = None,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        device: str = "cpu",
-        num_threads: int | None = None,
-        speculative: str | None = None,
-        num_speculative_tokens: int | None = None,
-        speculative_config: dict | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_policy: str = "full",
-        kv_budget: int | None = None,
-        sink_tokens: int = 4,
-        h2o_recent: int | None = None,
-        prepack_weights: str = "auto",
-        quant_activations: str = "auto",
-        compile: bool = False,
-    ) -> None:
-        """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
-        from brisk.engine.config import SpecConfig
-        from brisk.model.loader import load_model
-
-        if speculative is not None and speculative_config is not None:
-            raise ValueError("give either speculative or speculative_config, not both")
-        spec = SpecConfig.parse(speculative if speculative is not None else speculative_config,
-                                num_speculative_tokens)
-
-        dtype_t = EngineConfig(dtype=dtype, prepack_weights=prepack_weights,  # bad values fail here
-                               quant_activations=quant_activations).torch_dtype
-        loaded = load_model(model, dtype=dtype_t, device=device, max_model_len=max_model_len)
-        max_len = max_model_len or min(loaded.config.max_position_embeddings, 2048)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_len)
-        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                max_model_len=max_len, enable_chunked_prefill=enable_chunked_prefill,
-                                policy=scheduling_policy)
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                            kv_policy=kv_policy, kv_budget=kv_budget, sink_tokens=sink_tokens,
-                            h2o_recent=h2o_recent)
-        config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
-                              cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
-                              prepack_weights=prepack_weights, quant_activations=quant_activations,
-                              compile=compile)
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        # The keywords are generated from the config dataclasses' fields (engine/settings.py); see __signature__
+        # below and the list that ends this docstring.
+        config = build_engine_config(model=model, **settings)  # bad values fail here, before the model loads
+        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device,
+                            max_model_len=config.max_model_len)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer
@@ -169,3 +122,10 @@ class LLM:
             if progress:
                 progress.stop()
         return [results[i] for i in ids]
+
+
+# A generated signature rather than one written out: the keywords, their defaults and their documentation are
+# the config fields' (engine/config.py), so LLM and the command line cannot drift apart; help(LLM) and
+# inspect.signature show them all.
+LLM.__init__.__signature__ = llm_signature()  # type: ignore[attr-defined]
+LLM.__doc__ = (LLM.__doc__ or "") + settings_doc() + "\n"

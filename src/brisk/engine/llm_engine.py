@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.engine.config import EngineConfig, SchedulerConfig
+from brisk.engine.config import EngineConfig
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import H2OPolicy, make_policy
-from brisk.kvcache.quant import Int4KVCache, kv_bytes_per_token
+from brisk.kvcache.policy import make_policy
+from brisk.kvcache.sizing import check_kv_pool, check_policy_supports, num_kv_blocks
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
@@ -95,10 +95,9 @@ class LLMEngine:
                                            max_model_len=config.max_model_len)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
-        sched_cfg = config.scheduler or SchedulerConfig(max_model_len=max_model_len)
-        if config.scheduler is None and not sched_cfg.enable_chunked_prefill:
-            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, max_model_len)
+        assert config.scheduler is not None  # EngineConfig fills in the defaults
+        sched_cfg = config.scheduler.resolve(config.max_model_len or min(mc.max_position_embeddings, 2048))
+        assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
         self.max_model_len = sched_cfg.max_model_len
         self.num_prepacked = 0  # linear layers with a oneDNN-packed weight for batched GEMMs
         if config.prepack_weights == "on" or (config.prepack_weights == "auto"
@@ -108,43 +107,13 @@ class LLMEngine:
         # quantized linears that round decode activations to int8 (0 unless quant_activations == "int8")
         self.num_int8_activation_layers = set_quant_activations(self.loaded.model, config.quant_activations)
         cache = config.cache
-        dtype_bytes = torch.finfo(self.loaded.dtype).bits // 8
-        bytes_per_block = int(kv_bytes_per_token(cache.kv_cache_dtype, mc.num_hidden_layers, mc.num_key_value_heads,
-                                                 mc.head_dim, cache.block_size, dtype_bytes) * cache.block_size)
-        pool_bytes = cache.kv_cache_bytes
-        if cache.kv_cache_dtype == "int4":  # the residual key buffers come out of the same budget
-            pool_bytes -= cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
-                mc.num_key_value_heads, mc.head_dim, cache.block_size)
-        num_blocks = cache.num_blocks or max(0, pool_bytes) // bytes_per_block
         policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens, cache.h2o_recent)
-        if policy.evicts:
-            if mc.sliding_window is not None:
-                raise ValueError(f"--kv-policy {cache.kv_policy} cannot be combined with the model's own sliding "
-                                 f"window ({mc.sliding_window}); use --kv-policy full")
-            if self.loaded.model.rope is not None and self.loaded.model.rope.dynamic_orig_max is not None:
-                raise ValueError(f"--kv-policy {cache.kv_policy} needs a static RoPE (keys stay rotated at their "
-                                 "original positions); this model uses dynamic NTK scaling; use --kv-policy full")
-            if isinstance(policy, H2OPolicy):
-                # a request holds at most its kept entries + one step's new tokens, and while it compacts, the
-                # fresh destination blocks besides (kvcache/manager.py _compact)
-                needed = (-(-(policy.keep + sched_cfg.max_num_batched_tokens) // cache.block_size)
-                          + -(-policy.keep // cache.block_size))
-            else:
-                # a request holds at most: the sinks' blocks, the window, one step's new tokens, a partial block
-                # at each end of the window
-                needed = (-(-policy.sink_tokens // cache.block_size)
-                          + -(-(policy.window + sched_cfg.max_num_batched_tokens) // cache.block_size) + 2)
-            if num_blocks < needed:
-                raise ValueError(f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold "
-                                 f"one request under --kv-budget {cache.kv_budget} with "
-                                 f"{sched_cfg.max_num_batched_tokens} tokens per step ({needed} blocks); raise "
-                                 "--kv-cache-memory or lower --kv-budget / --max-num-batched-tokens")
-        elif num_blocks * cache.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} tokens; raise --kv-cache-memory "
-                f"(needs at least {self.max_model_len * bytes_per_block // cache.block_size / 2**20:.0f} MiB) "
-                "or lower --max-model-len")
+        rope = self.loaded.model.rope
+        check_policy_supports(policy, cache.kv_policy, mc.sliding_window,
+                              dynamic_rope=rope is not None and rope.dynamic_orig_max is not None)
+        num_blocks = num_kv_blocks(cache, mc, self.loaded.dtype)
+        check_kv_pool(num_blocks, cache, mc, self.loaded.dtype, policy, sched_cfg.max_num_batched_tokens,
+                      self.max_model_len)
         self.num_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, policy)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
