@@ -28,8 +28,8 @@ from torch.utils import cpp_extension
 
 from brisk.model.loader import load_model
 from brisk.ops import kernels
+from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import set_tiled
-from brisk.quant.layers import QuantLinear
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 

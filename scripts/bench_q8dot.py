@@ -20,9 +20,9 @@ from functools import partial
 import torch
 
 from brisk.ops import kernels
+from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import can_tile, set_tiled
 from brisk.ops.qlinear_q8 import covers
-from brisk.quant.layers import QuantLinear
 
 
 def main() -> None:

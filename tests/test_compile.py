@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from brisk.model.compiled import CompiledModel, CompileError, bucket_rows, compile_model
 from click.testing import CliRunner
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.cli import main
 from brisk.model import compiled as compiled_mod
-from brisk.model.compiled import CompiledModel, CompileError, bucket_rows, compile_model
 
 PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36], [3]]
 

@@ -4,10 +4,10 @@ so logits are bit-identical, for float32, bfloat16 and quantized models; and the
 from __future__ import annotations
 
 import pytest
+from brisk.model.decode_plan import DecodePlan, decode_plan_or_none
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
-from brisk.model.decode_plan import DecodePlan, decode_plan_or_none
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,11 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="torch.compile (inductor) the decoder's dense parts, attention on brisk's paged kernels; "
                           "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on "
                           "this CPU (BENCHMARKS.md); float32 / bfloat16 models only."),
+        click.option("--execution", default="auto", show_default=True,
+                     type=click.Choice(["auto", "modules", "plan", "cpp", "compiled"]),
+                     help="Which path runs the forward: the C++ layer loop (cpp), the decode plan's Python loop "
+                          "(plan), plain modules, or torch.compile (compiled, = --compile); auto = cpp where "
+                          "built."),
         click.option("--speculative", default=None, metavar="METHOD",
                      help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram "
                           "pool), layerskip, draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / "
@@ -87,7 +92,7 @@ def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def build_llm(kw: dict[str, Any]):  # noqa: ANN201
     llm = _build_llm(kw)
-    if kw.get("compile_"):  # the start-up time --compile adds, on stderr (stdout is the answer)
+    if llm.engine.config.compile:  # the start-up time --compile adds, on stderr (stdout is the answer)
         click.echo(f"brisk: --compile: the decoder's graphs compiled in {llm.engine.compile_seconds:.1f} s "
                    "(every shape bucket, at start-up)", err=True)
     return llm
@@ -104,7 +109,8 @@ def _build_llm(kw: dict[str, Any]):  # noqa: ANN202
         speculative=kw.get("speculative"), num_speculative_tokens=kw.get("num_speculative_tokens"),
         kv_cache_dtype=kw["kv_cache_dtype"], kv_policy=kw["kv_policy"], kv_budget=kw["kv_budget"],
         sink_tokens=kw["sink_tokens"], h2o_recent=kw["h2o_recent"], prepack_weights=kw["prepack_weights"],
-        quant_activations=kw.get("quant_activations", "auto"), compile=kw.get("compile_", False))
+        quant_activations=kw.get("quant_activations", "auto"), compile=kw.get("compile_", False),
+        execution=kw.get("execution", "auto"))
 
 
 def build_params(kw: dict[str, Any]) -> SamplingParams:

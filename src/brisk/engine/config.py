@@ -216,9 +216,22 @@ class EngineConfig:
     # every shape bucket is compiled at start-up (~15-20 s for the default model). Off by default: on this CPU it
     # is slower than brisk's own C++ layer loop (BENCHMARKS.md)
     compile: bool = False
+    # which path runs the forward (engine/executor.py): "auto" (the C++ layer loop where built, else the decode
+    # plan, else the modules), "modules", "plan", "cpp" or "compiled" (= compile=True)
+    execution: str = "auto"
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
+        from brisk.engine.executor import EXECUTIONS
+
+        if self.execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
+        if self.compile and self.execution not in ("auto", "compiled"):
+            raise ValueError(f"compile=True is execution='compiled'; it cannot be combined with "
+                             f"execution={self.execution!r}")
+        if self.compile:
+            self.execution = "compiled"
+        self.compile = self.execution == "compiled"
         if self.prepack_weights not in ("auto", "on", "off"):
             raise ValueError(f"prepack_weights must be 'auto', 'on' or 'off', got {self.prepack_weights!r}")
         if self.quant_activations not in ("auto", "float", "int8"):

@@ -52,6 +52,7 @@ class LLM:
         prepack_weights: str = "auto",
         quant_activations: str = "auto",
         compile: bool = False,
+        execution: str = "auto",
     ) -> None:
         """speculative: 'ngram' | 'layerskip' | 'draft:PATH' | 'self:int4' (or speculative_config, vLLM's dict:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}); None = off."""
@@ -79,7 +80,7 @@ class LLM:
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_len,
                               cache=cache, scheduler=sched, num_threads=num_threads, spec=spec,
                               prepack_weights=prepack_weights, quant_activations=quant_activations,
-                              compile=compile)
+                              compile=compile, execution=execution)
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer
