@@ -92,6 +92,7 @@ def speed(path: str, threads: list[int], runs: int, num_tokens: int, batch: int)
         for _ in range(runs):
             for mode in ("float", "int8"):
                 set_quant_activations(model, mode)
+                llm.engine.runner.executor.rebuild()  # the plan holds each layer's kernel as it was
                 c0 = time.thread_time()
                 outs = llm.generate(prompts, params)
                 cpu = (time.thread_time() - c0) / (num_tokens * batch) * 1e3

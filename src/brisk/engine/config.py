@@ -212,7 +212,7 @@ class EngineConfig:
     # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics), or
     # "auto": int8 for layers of 4 bits or fewer (llama.cpp's Q4 x Q8 convention), float for 8-bit layers
     quant_activations: str = "auto"
-    # torch.compile (inductor) of the decoder's dense parts, attention on the paged kernels (model/compiled.py);
+    # torch.compile (inductor) of the decoder's dense parts, attention on the paged kernels (engine/compiled.py);
     # every shape bucket is compiled at start-up (~15-20 s for the default model). Off by default: on this CPU it
     # is slower than brisk's own C++ layer loop (BENCHMARKS.md)
     compile: bool = False
