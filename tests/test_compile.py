@@ -1,4 +1,4 @@
-"""--compile (model/compiled.py): torch.compile graphs of the dense parts against the uncompiled engine.
+"""--compile (engine/compiled.py): torch.compile graphs of the dense parts against the uncompiled engine.
 
 Inductor fuses and reorders float arithmetic, so logits are close, not bit-equal; greedy tokens must be equal.
 Every test here compiles (seconds each on 2 cores, cached on disk by inductor across runs)."""
@@ -15,8 +15,8 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.cli import main
-from brisk.model import compiled as compiled_mod
-from brisk.model.compiled import CompiledModel, CompileError, bucket_rows, compile_model
+from brisk.engine import compiled as compiled_mod
+from brisk.engine.compiled import CompiledModel, CompileError, bucket_rows, compile_model
 
 PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36], [3]]
 
@@ -97,7 +97,7 @@ def test_compile_needs_the_kernels(tiny_folder, monkeypatch):
     monkeypatch.delenv("BRISK_DISABLE_KERNELS")
     with pytest.raises(CompileError, match="C\\+\\+ compiler"):
         compile_model(llm.engine.loaded.model, 12)
-    assert getattr(llm.engine.loaded.model, "_compiled", None) is None  # nothing attached on failure
+    assert llm.engine.runner.executor.path == "cpp"  # the engine's own executor is left as it was
 
 
 def test_generate_cli_with_compile(ops, tiny_folder):

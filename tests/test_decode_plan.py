@@ -1,4 +1,4 @@
-"""The decode fast path (model/decode_plan.py) against the module path: the same kernels with the same inputs,
+"""The decode fast path (engine/decode_plan.py) against the module path: the same kernels with the same inputs,
 so logits are bit-identical, for float32, bfloat16 and quantized models; and the cases it must leave alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
-from brisk.model.decode_plan import DecodePlan, decode_plan_or_none
+from brisk.engine.decode_plan import DecodePlan
 
 
 @pytest.fixture(scope="module")
@@ -25,46 +25,55 @@ def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> lis
 
 
 def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: SamplingParams | None = None):
-    """The plan with its C++ layer loop, the plan with the Python loop, and the module path: the same numbers.
-    Returns the rows of each step the plan ran, and whether it was decode-only."""
+    """execution cpp (the plan with its C++ layer loop), plan (its Python loop) and modules: the same numbers.
+    make_llm(execution=...) builds the engine. Returns the rows of each step the plan ran, and whether it was
+    decode-only."""
     calls = []
-    real_run = DecodePlan.run
+    real_run, real_cpp = DecodePlan.run, DecodePlan.run_cpp
+
+    def record(self, x, meta, loop):
+        if self is targets[-1]:  # the engine's model (a speculative draft model has a plan of its own)
+            calls.append((x.shape[0], meta.num_decodes == meta.block_tables.shape[0] == x.shape[0], loop))
 
     def run(self, x, cos, sin, meta, kv):
-        if self is targets[-1]:  # the engine's model (a speculative draft model has a plan of its own)
-            calls.append((x.shape[0], meta.num_decodes == meta.block_tables.shape[0] == x.shape[0]))
+        record(self, x, meta, "python")
         return real_run(self, x, cos, sin, meta, kv)
 
-    def make() -> LLM:
-        llm = make_llm()
-        targets.append(decode_plan_or_none(llm.engine.loaded.model))
+    def run_cpp(self, x, cos, sin, meta, kv):
+        record(self, x, meta, "cpp")
+        return real_cpp(self, x, cos, sin, meta, kv)
+
+    def make(execution: str) -> LLM:
+        llm = make_llm(execution=execution)
+        assert llm.engine.runner.executor.execution == execution
+        targets.append(llm.engine.runner.executor.plan)
         return llm
 
-    targets: list = []
+    def outputs(llm: LLM) -> list:
+        return _greedy_and_logprobs(llm, prompts) if params is None else _outputs(llm, prompts, params)
 
+    targets: list = []
     monkeypatch.setattr(DecodePlan, "run", run)
-    fast_llm = make()
+    monkeypatch.setattr(DecodePlan, "run_cpp", run_cpp)
+    fast_llm = make("cpp")
     plan = targets[-1]
     assert plan is not None, "the plan should cover this model"
     assert plan.decode_layers is not None, "ops/csrc/decode_layers.cpp should be built"
-    cpp_calls = []
-    real_loop = plan.decode_layers
-    plan.decode_layers = lambda *a: cpp_calls.append(a[-2] is None) or real_loop(*a)
-    fast = _greedy_and_logprobs(fast_llm, prompts) if params is None else _outputs(fast_llm, prompts, params)
+    assert fast_llm.engine.runner.executor.path == "cpp"
+    fast = outputs(fast_llm)
     assert (len(calls) > 0) == plan_steps  # steps ran through the plan (or, here, must not)
-    small = [decode for rows, decode in calls if rows <= 8]
-    assert cpp_calls == small  # steps of <= 8 rows ran the C++ loop, with query_start exactly when not decode-only
-    steps = list(calls)
-    monkeypatch.setenv("BRISK_DISABLE_CPP_LAYER_LOOP", "1")
-    again = _greedy_and_logprobs(make(), prompts) if params is None else _outputs(make(), prompts, params)
+    # steps of <= 8 rows ran the C++ loop, larger ones the Python loop
+    assert all((rows <= 8) == (loop == "cpp") for rows, _, loop in calls)
+    steps = [(rows, decode) for rows, decode, _ in calls]
+    calls.clear()
+    again = outputs(make("plan"))
     assert again == fast  # the plan's Python loop
-    assert len(cpp_calls) == len(small) and len(calls) == 2 * len(steps)
-    monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
-    slow_llm = make()
-    assert decode_plan_or_none(slow_llm.engine.loaded.model) is None
-    before = len(calls)
-    slow = _greedy_and_logprobs(slow_llm, prompts) if params is None else _outputs(slow_llm, prompts, params)
-    assert len(calls) == before
+    assert [(rows, decode) for rows, decode, _ in calls] == steps and all(loop == "python" for *_, loop in calls)
+    calls.clear()
+    slow_llm = make("modules")
+    assert slow_llm.engine.runner.executor.plan is None
+    slow = outputs(slow_llm)
+    assert not calls
     assert fast == slow  # token ids and top-3 logprobs, exactly
     return steps
 
@@ -78,7 +87,8 @@ PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], [3]]
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_equals_module_path(ops, tiny_folder, monkeypatch, dtype):
-    steps = _run_both(monkeypatch, lambda: LLM(str(tiny_folder), dtype=dtype, kv_cache_memory="8MiB"), PROMPTS)
+    steps = _run_both(monkeypatch, lambda **kw: LLM(str(tiny_folder), dtype=dtype, kv_cache_memory="8MiB", **kw),
+                      PROMPTS)
     assert steps[0] == (17, False)  # the three prompts' prefill: 17 rows, the Python loop with prefill attention
     assert all(s == (3, True) for s in steps[1:])  # then decode steps of the three
 
@@ -88,8 +98,8 @@ def test_plan_runs_short_prefills_and_mixed_steps_in_cpp(ops, tiny_folder, monke
     """A 5-token and a 1-token prompt: a 6-row prefill step (C++ loop with query_start); with 4-token prefill
     chunks, steps that mix a decode with a prefill chunk."""
     kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
-    steps = _run_both(monkeypatch, lambda: LLM(str(tiny_folder), kv_cache_memory="8MiB", max_model_len=64, **kw),
-                      [[1, 5, 9, 33, 7], [3]])
+    steps = _run_both(monkeypatch, lambda **ex: LLM(str(tiny_folder), kv_cache_memory="8MiB", max_model_len=64, **kw,
+                                                    **ex), [[1, 5, 9, 33, 7], [3]])
     assert steps[0] == ((6, False) if chunk is None else (4, False))
     assert any(rows <= 8 and not decode for rows, decode in steps)
 
@@ -103,8 +113,8 @@ def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
             "model": str(tmp_path) if method == "draft" else "int8", "disable_by_batch_size": None}
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    steps = _run_both(monkeypatch, lambda: LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=64,
-                                               speculative_config=spec), prompts, params=params)
+    steps = _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=64,
+                                                    speculative_config=spec, **kw), prompts, params=params)
     verify = [rows for rows, decode in steps if not decode and rows <= 8]
     assert len(verify) > 1  # verification steps ran (in C++): each sequence 1 + its drafts rows
 
@@ -112,21 +122,21 @@ def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
 @pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6)])  # q/k/v biases; a sliding window
 def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window):
     make_tiny_hf_model(tmp_path, arch, num_kv_heads=2, sliding_window=window)
-    _run_both(monkeypatch, lambda: LLM(str(tmp_path), kv_cache_memory="8MiB"), PROMPTS)
+    _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", **kw), PROMPTS)
 
 
 @pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 32, False), (4, 32, True)])
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_plan_equals_module_path_quantized(ops, tiny_folder, tmp_path, monkeypatch, bits, group, sym, activations):
     from brisk.bench.quant import build_checkpoint
+    from brisk.ops.layers import QuantLinear
     from brisk.quant.config import LayerQuant
-    from brisk.quant.layers import QuantLinear
 
     out = tmp_path / f"q{bits}"
     build_checkpoint(LayerQuant(bits=bits, group_size=group, sym=sym), out, str(tiny_folder))
 
-    def make_llm() -> LLM:
-        llm = LLM(str(out), kv_cache_memory="8MiB", quant_activations=activations)
+    def make_llm(**kw) -> LLM:
+        llm = LLM(str(out), kv_cache_memory="8MiB", quant_activations=activations, **kw)
         assert (llm.engine.num_int8_activation_layers > 0) == (activations == "int8")
         modules = llm.engine.loaded.model.named_modules()
         layers = [m for name, m in modules if type(m) is QuantLinear and "layers." in name]
@@ -144,7 +154,8 @@ def test_plan_equals_module_path_pruned(ops, tiny_folder, tmp_path, monkeypatch,
     from test_sparse_linear import write_pruned
 
     from brisk.bench.quant import build_checkpoint
-    from brisk.ops.sparse import SparseLinear, sparsify_model
+    from brisk.ops.layers import SparseLinear
+    from brisk.ops.sparse import sparsify_model
     from brisk.quant.config import LayerQuant
 
     folder = write_pruned(tiny_folder, tmp_path / "pruned", 0.5)
@@ -154,11 +165,12 @@ def test_plan_equals_module_path_pruned(ops, tiny_folder, tmp_path, monkeypatch,
         build_checkpoint(LayerQuant(bits=bits, group_size=32, sym=True), out, str(folder))
         folder = out
 
-    def make_llm() -> LLM:
-        llm = LLM(str(folder), kv_cache_memory="8MiB")
+    def make_llm(**kw) -> LLM:
+        llm = LLM(str(folder), kv_cache_memory="8MiB", **kw)
         model = llm.engine.loaded.model
         if values != "float32":  # quantized layers are converted only when asked (ops.sparse.MIN_SPARSITY)
             assert sparsify_model(model, {32: None, 8: 0.3, 4: 0.3}, int8_dot=values == "int8-dot") == 8
+            llm.engine.runner.executor.rebuild()  # the layers were replaced under it
         sparse = [m for m in model.modules() if isinstance(m, SparseLinear)]
         assert len(sparse) == 8 and all(m.int8_dot == (values == "int8-dot") for m in sparse)
         return llm
@@ -169,7 +181,8 @@ def test_plan_equals_module_path_pruned(ops, tiny_folder, tmp_path, monkeypatch,
 def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
     llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
     model = llm.engine.loaded.model
-    plan = decode_plan_or_none(model)
+    executor = llm.engine.runner.executor
+    plan = executor.plan
     assert isinstance(plan, DecodePlan) and len(plan.layers) == len(model.model.layers)
     # a hook on any linear (calibration observers use them) means no plan: the hook must see its inputs
     handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
@@ -177,14 +190,16 @@ def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
     handle.remove()
     # kernels off: no plan, and the module path still answers
     monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
-    assert decode_plan_or_none(model) is None
+    assert DecodePlan.build(model) is None
+    executor.rebuild()
+    assert executor.plan is None and executor.path == "modules"
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_plan_not_used_with_quantized_kv_cache(ops, tiny_folder, monkeypatch):
     """int8 KV caches take the module path (their attention is the reference one): same tokens either way."""
-    make = lambda: LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype="int8")  # noqa: E731
+    make = lambda **kw: LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype="int8", **kw)  # noqa: E731
     _run_both(monkeypatch, make, PROMPTS, plan_steps=False)
 
 
@@ -223,7 +238,7 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     import torch
 
     llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
-    plan = decode_plan_or_none(llm.engine.loaded.model)
+    plan = llm.engine.runner.executor.plan
     x = torch.zeros(1, llm.engine.loaded.config.hidden_size)
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches

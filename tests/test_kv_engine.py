@@ -204,7 +204,7 @@ def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
     """--kv-cache-dtype bfloat16: twice the blocks for the same memory; K/V rounded on write and read back by
     every path alike (the plan's C++ loop, the module path, the reference path without kernels), so those agree
     with each other; against the float32 cache only by the rounding."""
-    from brisk.model.decode_plan import DecodePlan
+    from brisk.engine.decode_plan import DecodePlan
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
 
@@ -216,14 +216,16 @@ def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
 
     plan_steps = []
     real_run = DecodePlan.run
+    real_cpp = DecodePlan.run_cpp
     monkeypatch.setattr(DecodePlan, "run", lambda self, x, *a: plan_steps.append(x.shape[0]) or real_run(self, x, *a))
+    monkeypatch.setattr(DecodePlan, "run_cpp",
+                        lambda self, x, *a: plan_steps.append(x.shape[0]) or real_cpp(self, x, *a))
     f32, want = run()
     bf16, got = run(kv_cache_dtype="bfloat16")
     assert all(c.dtype == torch.bfloat16 for c in bf16.engine.runner.kv_caches)
     assert bf16.engine.num_blocks == 2 * f32.engine.num_blocks  # same kv_cache_memory
     assert len(plan_steps) > 0  # the fast path takes a bf16 cache under a float32 model
-    monkeypatch.setenv("BRISK_DISABLE_DECODE_PLAN", "1")
-    _, modules = run(kv_cache_dtype="bfloat16")
+    _, modules = run(kv_cache_dtype="bfloat16", execution="modules")
     assert modules == got  # the same kernels with the same inputs: bit for bit
     monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
     _, reference = run(kv_cache_dtype="bfloat16")

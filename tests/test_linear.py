@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear, use_fast_linear
+from brisk.ops.layers import FastLinear
+from brisk.ops.linear import MAX_SMALL_M, linear, use_fast_linear
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 12])

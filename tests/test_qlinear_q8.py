@@ -14,9 +14,10 @@ from test_quant_checkpoint import quantize_folder
 
 from brisk.model.loader import load_model
 from brisk.ops import qlinear_q8 as Q
+from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import dequantize_packed, prepack, prepack_nf4, quant_linear
 from brisk.quant.config import LayerQuant
-from brisk.quant.layers import QuantLinear, set_quant_activations
+from brisk.quant.layers import set_quant_activations
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ from test_quant_checkpoint import quantize_folder
 from brisk.model.loader import load_model
 from brisk.ops import qlinear_q8 as Q
 from brisk.ops.kernels import kernel_isa
+from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import (
     MAX_TILED_M,
     can_tile,
@@ -26,7 +27,7 @@ from brisk.ops.qlinear import (
     unpack_codes,
 )
 from brisk.quant.config import LayerQuant
-from brisk.quant.layers import QuantLinear, set_quant_activations
+from brisk.quant.layers import set_quant_activations
 
 
 @pytest.fixture(autouse=True)

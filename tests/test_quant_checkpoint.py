@@ -16,10 +16,11 @@ from test_model import prefill_logits
 from brisk import LLM, SamplingParams
 from brisk.cli import main
 from brisk.model.loader import build_model, load_model
+from brisk.ops.layers import QuantLinear
 from brisk.quant import primitives
 from brisk.quant.checkpoint import save_quantized
 from brisk.quant.config import LayerQuant, QuantConfigError
-from brisk.quant.layers import QuantEmbedding, QuantLinear
+from brisk.quant.layers import QuantEmbedding
 from brisk.quant.rtn import HEAD_DEFAULT, plan_layers, rtn_quantize
 
 IDS = torch.tensor([5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 8, 120])

@@ -14,9 +14,9 @@ from test_quant_checkpoint import _greedy_float, quantize_folder
 from brisk import LLM, SamplingParams
 from brisk.model.loader import load_model
 from brisk.ops import sparse as S
+from brisk.ops.layers import QuantLinear, SparseLinear
 from brisk.ops.qlinear import dequantize_packed, prepack
 from brisk.quant.config import LayerQuant
-from brisk.quant.layers import QuantLinear
 from brisk.quant.rtn import quantize_layer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -146,17 +146,17 @@ def test_sparsify_model_thresholds_and_fused_layers(tmp_path):
     src = tmp_path / "float"
     make_tiny_hf_model(src, "llama", seed=2)
     dense = load_model(src)
-    assert not any(isinstance(m, S.SparseLinear) for m in dense.model.modules())  # nothing sparse, nothing swapped
+    assert not any(isinstance(m, SparseLinear) for m in dense.model.modules())  # nothing sparse, nothing swapped
     loaded = load_model(src, sparse=False)
     layer = loaded.model.model.layers[0]
     layer.mlp.gate_up_proj.weight.copy_(magnitude_prune(layer.mlp.gate_up_proj.weight, 0.5))
     layer.self_attn.o_proj.weight.copy_(magnitude_prune(layer.self_attn.o_proj.weight, 0.1))  # below threshold
     assert S.sparsify_model(loaded.model) == 1
-    assert isinstance(layer.mlp.gate_up_proj, S.SparseLinear) and abs(layer.mlp.gate_up_proj.sparsity - 0.5) < 1e-6
-    assert not isinstance(layer.self_attn.o_proj, S.SparseLinear)
-    assert not isinstance(loaded.model.lm_head, S.SparseLinear)
+    assert isinstance(layer.mlp.gate_up_proj, SparseLinear) and abs(layer.mlp.gate_up_proj.sparsity - 0.5) < 1e-6
+    assert not isinstance(layer.self_attn.o_proj, SparseLinear)
+    assert not isinstance(loaded.model.lm_head, SparseLinear)
     # unfused loads (tools that edit weights by HF name) keep plain layers by default
-    assert not any(isinstance(m, S.SparseLinear) for m in load_model(src, fuse=False).model.modules())
+    assert not any(isinstance(m, SparseLinear) for m in load_model(src, fuse=False).model.modules())
 
 
 def write_pruned(src, out, sparsity: float):
@@ -177,7 +177,7 @@ def test_pruned_model_generates_the_same_greedy_tokens_through_the_sparse_path(o
     make_tiny_hf_model(src, "llama", seed=4)
     pruned = write_pruned(src, tmp_path / "pruned", 0.5)
     llm = LLM(pruned, kv_cache_memory="8MiB")
-    swapped = [m for m in llm.engine.loaded.model.modules() if isinstance(m, S.SparseLinear)]
+    swapped = [m for m in llm.engine.loaded.model.modules() if isinstance(m, SparseLinear)]
     assert len(swapped) == 2 * 4  # per layer: fused qkv, o, fused gate_up, down; the tiny model has 2 layers
     prompt = [5, 17, 99, 3, 250, 41, 7]
     got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -194,7 +194,7 @@ def test_pruned_quantized_model_through_the_sparse_int8_path(ops, tmp_path):
     sparse_q = load_model(qfolder)
     assert S.sparsify_model(sparse_q.model, {32: None, 8: 0.3, 4: 0.3}) == 8
     for a, b in zip(dense_q.model.modules(), sparse_q.model.modules(), strict=True):
-        if isinstance(b, S.SparseLinear):
+        if isinstance(b, SparseLinear):
             assert isinstance(a, QuantLinear)
             torch.testing.assert_close(S.densify(b.sparse), dequantize_packed(a.packed), rtol=1e-6, atol=1e-7)
     prompt = [9, 8, 7, 100, 200, 31]

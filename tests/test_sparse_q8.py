@@ -15,6 +15,7 @@ from test_sparse_linear import packed_layer, random_sparse, write_pruned
 from brisk.model.loader import load_model
 from brisk.ops import sparse as S
 from brisk.ops import sparse_q8 as Q
+from brisk.ops.layers import SparseLinear
 from brisk.ops.qlinear import dequantize_packed
 from brisk.quant.config import LayerQuant
 
@@ -98,7 +99,7 @@ def test_uncovered_groups_and_disabled_kernels_fall_back(ops, monkeypatch):
     assert sw is not None and not Q.covers(sw)
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(S.sparse_linear(x, sw, int8_dot=True), S.sparse_linear(x, sw), rtol=0, atol=0)
-    assert not S.SparseLinear(sw, None, int8_dot=True).int8_dot
+    assert not SparseLinear(sw, None, int8_dot=True).int8_dot
     covered = S.compress_packed(packed_layer(w, LayerQuant(8, -1, True)))
     monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")  # no kernel: the float reference path, whatever was asked
     assert Q.sparse_q8_linear(x, covered) is None
@@ -114,7 +115,7 @@ def test_pruned_int8_checkpoint_through_the_int8_dot_kernel(ops, tmp_path, monke
     dense_q = load_model(qfolder)
     sparse_q = load_model(qfolder)
     assert S.sparsify_model(sparse_q.model, {32: None, 8: 0.3, 4: 0.3}, int8_dot=True) == 8
-    assert all(m.int8_dot for m in sparse_q.model.modules() if isinstance(m, S.SparseLinear))
+    assert all(m.int8_dot for m in sparse_q.model.modules() if isinstance(m, SparseLinear))
     ids = torch.tensor([9, 8, 7, 100, 200, 31, 5])
 
     def decode_logits(loaded):  # every prefix (<= 8 rows) goes through the kernel at each decoder linear

@@ -95,7 +95,7 @@ def test_greedy_batched_equals_plain(model_dir, other_draft_dir, plain, method):
     elif method in ("ngram", "lookahead", "draft:other", "self:int4"):
         assert stats.acceptance_rate < 1.0  # rejections happened, and were rolled back
     if method.startswith("self:"):  # the self draft's 8/4-bit linears take int8 activations; the output did not move
-        from brisk.quant.layers import QuantLinear
+        from brisk.ops.layers import QuantLinear
 
         draft = llm.engine.speculator.proposer.runner.model
         modes = {m.quant_activations for m in draft.modules() if type(m) is QuantLinear}

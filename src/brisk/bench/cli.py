@@ -159,20 +159,24 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs_rss = None
     theirs_bytes = None
     if baseline == "eager":
-        # one engine, its compiled graphs attached or set aside run by run (model/compiled.py)
-        model, compiled = loaded.model, loaded.model._compiled
+        # one engine, its runner switched run by run between the compiled executor and the default one
+        # (engine/executor.py)
+        from brisk.engine.executor import Executor
+
+        runner = llm.engine.runner
+        executors = {"compiled": runner.executor, "eager": Executor(loaded.model, "auto")}
         parts, eager_parts = [], []
         with report.progress_bar(f"alternating compiled / eager: {warmup} warm-up + {runs} runs each",
                                  2 * total) as advance:
             for mode in ("compiled", "eager"):
-                model._compiled = compiled if mode == "compiled" else None
+                runner.executor = executors[mode]
                 if warmup:  # warm-up runs, discarded
                     run_latency(llm, prompt, output_len, 1, warmup - 1, advance)
             for _ in range(runs):
                 for mode, sink in (("compiled", parts), ("eager", eager_parts)):
-                    model._compiled = compiled if mode == "compiled" else None
+                    runner.executor = executors[mode]
                     sink.append(run_latency(llm, prompt, output_len, 1, 0, advance))
-        model._compiled = compiled
+        runner.executor = executors["compiled"]
         ours, theirs = merge_results(parts), merge_results(eager_parts)
         ours_rss, theirs_bytes = report.peak_rss_bytes(), bytes_per_token
     elif baseline == "hf" and interleave:

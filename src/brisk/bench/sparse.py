@@ -157,7 +157,7 @@ def _measure(settings: list[tuple[str, str, Any, str | None]], input_len: int, o
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.bench.quant import decode_rate
     from brisk.bench.roofline import weight_bytes_per_token
-    from brisk.ops.sparse import SparseLinear
+    from brisk.ops.layers import SparseLinear
 
     # the int8-dot row and its baseline: every quantized layer with int8 activations (the lm_head too)
     engines = {name: _engine(loaded, "int8" if name.endswith(("int8-act", "int8-dot")) else "auto")

@@ -312,7 +312,7 @@ class EngineConfig:
         help="Which code runs the forward: auto (the fastest path the model supports), modules (plain PyTorch "
              "modules), plan (the fused decode plan), cpp (the C++ layer loop) or compiled (torch.compile, as "
              "--compile).")
-    # torch.compile (inductor) of the decoder's dense parts, attention on the paged kernels (model/compiled.py);
+    # torch.compile (inductor) of the decoder's dense parts, attention on the paged kernels (engine/compiled.py);
     # every shape bucket is compiled at start-up (~15-20 s for the default model). Off by default: on this CPU it
     # is slower than brisk's own C++ layer loop (BENCHMARKS.md). Kept as an alias of execution="compiled".
     compile: bool = setting(

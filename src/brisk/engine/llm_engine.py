@@ -117,17 +117,16 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, policy)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
+        # built after prepacking and set_quant_activations: its executor resolves the layers' kernels as they are
         self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
-                                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy)
+                                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy,
+                                  execution=config.execution)
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
         self.step_timer = StepTimer()
-        self.compile_seconds = 0.0  # --compile: time spent compiling at start-up
-        if config.compile:
-            from brisk.model.compiled import compile_model
-
-            self.compile_seconds = compile_model(self.loaded.model, sched_cfg.max_num_batched_tokens)
+        # --compile: time spent compiling at start-up (0 for the other executions)
+        self.compile_seconds = self.runner.executor.warm_up(sched_cfg.max_num_batched_tokens)
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator

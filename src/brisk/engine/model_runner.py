@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from brisk.engine.executor import Executor
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_sample, plain_greedy
 from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -24,8 +25,10 @@ from brisk.ops.attention import AttentionMetadata, KVCache
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
-                 num_residual_blocks: int = 16, kv_policy: KVPolicy | None = None) -> None:
+                 num_residual_blocks: int = 16, kv_policy: KVPolicy | None = None, execution: str = "auto") -> None:
         self.model = model
+        # which path runs the forward (engine/executor.py); rebuild it after changing the model's layers
+        self.executor = Executor(model, execution)
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
@@ -138,7 +141,7 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         ids, positions, meta, context_lens = self.prepare(sched)
         t1 = time.perf_counter()
-        logits = self.model(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
+        logits = self.executor(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
         t2 = time.perf_counter()
         self.last_timing = (t1 - t0, t2 - t1, 0.0)
         out = RunnerOutput(kept_entries=self.kv_policy.end_step(batch_order(sched), meta.stats, self.block_size))

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.model.config import ModelConfig
-from brisk.model.decode_plan import decode_plan_or_none
 from brisk.model.rope import RotaryEmbedding, apply_rope
 from brisk.ops.attention import AttentionMetadata, paged_attention, rope_write_kv, write_kv
 from brisk.ops.fused import add_rms_norm, rms_norm, silu_mul
@@ -148,22 +147,25 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
         context_lens: torch.Tensor | None = None,  # [T] per-token sequence length, for dynamic RoPE only
     ) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, positions, meta, kv_caches, context_lens)
-        return self.compute_logits(hidden, meta)
+        """The module path: every layer's modules in order. Faster paths (the decode plan, its C++ loop,
+        torch.compile) run from outside (engine/executor.py) and share the prologue and the head with it."""
+        x, cos, sin = self.prologue(input_ids, positions, meta, context_lens)
+        return self.compute_logits(self.run_layers(x, cos, sin, meta, kv_caches), meta)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      kv_caches: list[torch.Tensor], context_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """The last layer's output after the final norm: [T, hidden], ready for lm_head."""
+    def prologue(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 context_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every execution path does before the first layer: (embeddings [T, hidden], cos, sin [T, d/2]).
+
+        (StreamingLLM's sink rotation is part of the metadata, filled where it is built: ops/metadata.py.)"""
         assert self.rope is not None, "call init_rope() after loading weights"
         cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        compiled = getattr(self, "_compiled", None)  # --compile (model/compiled.py)
-        if compiled is not None and compiled.applies(x, meta, kv_caches):
-            return compiled.run(x, cos, sin, meta, kv_caches)
+        return self.model.embed_tokens(input_ids), cos, sin  # [T, hidden]
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Embeddings [T, hidden] -> the last layer's output after the final norm: [T, hidden], ready for
+        compute_logits."""
         residual = None
-        plan = decode_plan_or_none(self) if self.model.layers else None
-        if plan is not None and plan.applies(x, meta, kv_caches):  # straight-line kernels, no module calls
-            return plan.run(x, cos, sin, meta, kv_caches)[0]  # (the final norm included)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, meta, kv_cache)
         if residual is None:  # no layers
@@ -172,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """hidden: [T, hidden], final-normed (from `hidden_states`) -> logits of the rows that need them."""
+        """hidden: [T, hidden], final-normed (from `run_layers`) -> logits of the rows that need them."""
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [N, hidden]
         return self.lm_head(hidden)  # [N, vocab]

@@ -147,20 +147,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class FastLinear(nn.Linear):
-    """nn.Linear whose forward takes the small-M kernel when it can (same parameters, same state dict), and
-    oneDNN's GEMM on a prepacked copy of the weight for many rows once `prepack_linears` gave it one."""
-
-    packed_weight: torch.Tensor | None = None  # not a parameter or buffer: never saved, rebuilt at load
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
-
-
 def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
     """Give every float32 FastLinear in `model` (and bfloat16 ones when asked: a float32 copy, four times their
     bytes) a oneDNN-packed copy of its weight (see prepack_weight); returns how many got one. Batched decode and
-    prefill then run ~1.2-2x faster, for the weights' memory."""
+    prefill then run ~1.2-2x faster, for the weights' memory. An executor built over the model before must be
+    rebuilt (engine/executor.py): its plan holds each layer's kernel as it was."""
+    from brisk.ops.layers import FastLinear  # the module class sits with the other runtime linears
+
     count = 0
     for module in model.modules():
         if type(module) is FastLinear and module.packed_weight is None and (
@@ -172,6 +165,8 @@ def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
 
 def use_fast_linear(model: nn.Module) -> int:
     """Turn every plain nn.Linear in `model` into a FastLinear in place; returns how many were converted."""
+    from brisk.ops.layers import FastLinear
+
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:

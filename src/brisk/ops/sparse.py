@@ -21,7 +21,6 @@ which the kernel was measured faster than the dense path (MIN_SPARSITY); the den
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -248,37 +247,6 @@ def sparse_linear(x: torch.Tensor, sw: SparseWeight, bias: torch.Tensor | None =
     return F.linear(xf, w, None if bf is None else bf.to(x.device)).to(x.dtype)
 
 
-class SparseLinear(nn.Module):
-    """y = x @ W^T + b from a SparseWeight. Its tensors are buffers, so state_dict() and the roofline's byte count
-    see what is really held and read."""
-
-    def __init__(self, sw: SparseWeight, bias: torch.Tensor | None, label: str = "", int8_dot: bool = False) -> None:
-        super().__init__()
-        self.sparse = sw
-        self.int8_dot = int8_dot and sparse_q8.covers(sw)
-        self.in_features = sw.in_features
-        self.out_features = sw.out_features
-        self.label = label
-        for f in dataclasses.fields(sw):
-            value = getattr(sw, f.name)
-            if isinstance(value, torch.Tensor):
-                self.register_buffer(f"sparse_{f.name}", value)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    @property
-    def sparsity(self) -> float:
-        return 1.0 - self.sparse.nnz / (self.in_features * self.out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_linear(x, self.sparse, self.bias, int8_dot=self.int8_dot)
-
-    def extra_repr(self) -> str:
-        kind = "float32" if self.sparse.kind == 32 else f"int{self.sparse.kind} g{self.sparse.group_size}"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {kind}, "
-                f"sparsity={self.sparsity:.3f}" + (", int8 dot" if self.int8_dot else "")
-                + (f", {self.label}" if self.label else ""))
-
-
 def zero_fraction(module: nn.Module) -> float | None:
     """Fraction of exactly-zero weights of a linear layer (float nn.Linear or quant.layers.QuantLinear), None for
     anything else."""
@@ -295,9 +263,11 @@ def zero_fraction(module: nn.Module) -> float | None:
 
 
 def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | None = None,
-                     int8_dot: bool = False) -> SparseLinear | None:
+                     int8_dot: bool = False) -> nn.Module | None:
     """The SparseLinear for a linear layer whose zero fraction reaches the threshold of its value kind, else None.
     `int8_dot`: int8 layers decode through ops.sparse_q8 (integer dot products, x rounded to int8)."""
+    from brisk.ops.layers import SparseLinear  # the module class sits with the other runtime linears
+
     thresholds = MIN_SPARSITY if min_sparsity is None else min_sparsity
     if getattr(module, "in_features", 1) % COLS:
         return None

@@ -24,10 +24,11 @@ from torch import nn
 from brisk.model.config import ModelConfig
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
+from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import PackedWeight, prepack, prepack_nf4
 from brisk.quant import primitives
 from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
-from brisk.quant.layers import QuantEmbedding, QuantLinear
+from brisk.quant.layers import QuantEmbedding
 
 EMBEDDING = "model.embed_tokens"
 

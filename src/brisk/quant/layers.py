@@ -1,46 +1,19 @@
 """Quantized modules that replace nn.Linear / nn.Embedding in a loaded model (applied from outside the model).
 
-`QuantLinear` computes from the packed weight through `brisk.ops.qlinear.quant_linear` (C++ kernels for decode,
-a reference path otherwise); the float weight is never stored. `QuantEmbedding` keeps the table in the
-checkpoint layout and dequantizes only the rows a step looks up.
+The quantized linear itself (`QuantLinear`) lives with the other runtime linears in ops/layers.py; here are
+`QuantEmbedding`, which keeps the table in the checkpoint layout and dequantizes only the rows a step looks up,
+and the switches applied to a loaded model (activation mode, tiled layout).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import nn
 
 from brisk.ops.kernels import get_op
-from brisk.ops.qlinear import PackedWeight, quant_linear
+from brisk.ops.layers import QuantLinear
 from brisk.quant import primitives
 from brisk.quant.config import LayerQuant
-
-
-class QuantLinear(nn.Module):
-    """y = x @ dequant(W)^T + b, computed from the packed codes. The packed tensors are buffers, so
-    state_dict() and memory accounting see what is really held."""
-
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, spec: LayerQuant) -> None:
-        super().__init__()
-        self.packed = packed
-        self.spec = spec
-        self.in_features = packed.in_features
-        self.out_features = packed.out_features
-        for f in dataclasses.fields(packed):
-            value = getattr(packed, f.name)
-            if isinstance(value, torch.Tensor):
-                self.register_buffer(f"packed_{f.name}", value)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # "int8": decode rows round x to int8 per 32 columns for integer dot products (set_quant_activations)
-        self.quant_activations = "float"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.packed, self.bias, int8_activations=self.quant_activations == "int8")
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}"
 
 
 class QuantEmbedding(nn.Module):
@@ -94,7 +67,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     "auto": int8 on layers of 4 bits, float on 8-bit ones. At 4 bits the weight rounding dwarfs the activation
     rounding (int4 g64: +0.3% relative perplexity for 1.6x batch-8 decode here, batch 1 about equal), as in
     llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. Returns the number of layers on the
-    int8 path. The decode plan reads the same setting."""
+    int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor built over the model
+    before the switch must be rebuilt (engine/executor.py)."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
@@ -106,7 +80,6 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
             module.quant_activations = "int8" if int8 else "float"
             count += int8
     tile_quantized_layers(model)
-    model._quant_activations = mode  # part of the decode plan's cache key
     return count
 
 

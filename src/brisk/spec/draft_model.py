@@ -48,10 +48,10 @@ _SHADOW_PARAMS = SamplingParams(temperature=0, max_tokens=None)
 class DraftModelProposer(Proposer):
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", name: str = "draft", draft_cost: float = 0.3,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", execution: str = "auto") -> None:
         self.name = name
         self.draft_cost = draft_cost
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, kv_cache_dtype, execution=execution)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.vocab_size = model.config.vocab_size
         self._shadows: dict[str, Request] = {}
@@ -155,7 +155,7 @@ class DraftModelProposer(Proposer):
             start = time.perf_counter()
             ids, positions, meta, ctx = self.runner.prepare(sched)
             dev = self.runner.device
-            logits = self.runner.model(ids.to(dev), positions.to(dev), meta, self.runner.kv_caches, ctx)  # [B, V]
+            logits = self.runner.executor(ids.to(dev), positions.to(dev), meta, self.runner.kv_caches, ctx)  # [B, V]
             if max(len(s.token_ids) for s in scheduled) <= 2:
                 # a steady-state draft forward (no catch-up prefill of a new prompt): what adaptive γ should
                 # pay per drafted position
@@ -279,8 +279,11 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
     # a 16-bit target cache is matched (a self-draft then adopts the target's K/V as they are); the draft keeps
     # a float cache under a quantized one
     kv_dtype = "bfloat16" if engine.config.cache.kv_cache_dtype == "bfloat16" else "auto"
+    # the target's execution path, except torch.compile: the draft's graphs would be compiled at start-up too
+    execution = "auto" if engine.config.execution == "compiled" else engine.config.execution
     proposer = DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype,
-                                  engine.config.device, name=name, draft_cost=cost, kv_cache_dtype=kv_dtype)
+                                  engine.config.device, name=name, draft_cost=cost, kv_cache_dtype=kv_dtype,
+                                  execution=execution)
     if config.method == "self":
         proposer.share_target_kv(engine.runner.kv_caches, engine.kv_manager)
     return proposer

@@ -65,7 +65,7 @@ def greedy_tokens(model: LlamaForCausalLM, token_ids: list[int], dtype: torch.dt
     sched = SchedulerOutput([ScheduledRequest("calib", list(token_ids), 0, list(range(num_blocks)), 1)])
     ids, positions, meta, ctx = runner.prepare(sched)
     meta.logits_indices = None  # every row's logits
-    return model(ids, positions, meta, runner.kv_caches, ctx).argmax(dim=-1)
+    return runner.executor(ids, positions, meta, runner.kv_caches, ctx).argmax(dim=-1)
 
 
 @dataclass

@@ -10,7 +10,7 @@ A step's layer loop becomes a chain of compiled graphs with paged attention betw
     last:   residual += o @ Wo; ...; x = down(...); final rms_norm(residual + x) -> hidden
 
 Inductor fuses each graph's norms, residual adds, RoPE and SwiGLU product into generated C++ loops; the weights
-are graph inputs, so every layer reuses one compiled graph per shape. Linears of up to MAX_SMALL_M rows call
+are graph inputs, so every layer reuses one compiled graph per shape. Linears within the float kernel's row limit call
 brisk's small-M GEMV kernel (an opaque op in the graph: inductor's own M=1 matmul reads weights ~1.5x slower
 here); larger ones are inductor's (MKL / oneDNN extern calls).
 
@@ -19,7 +19,9 @@ rows (one static graph each), larger steps (prefill chunks, big batches) run one
 `compile_model` compiles every bucket the engine can reach before the first request and returns the seconds it
 took (reported at start-up and by `brisk bench latency --compile`). The decode plan's C++ layer loop is not used
 while compiled: --compile replaces it for the steps it covers (plain caches of the model dtype, no eviction,
-no H2O scores; the rest take the module path). Whether it pays is measured, not assumed: BENCHMARKS.md.
+no H2O scores; the rest take the module path; engine/executor.py decides). Whether it pays is measured, not
+assumed: BENCHMARKS.md. It lives in engine/ beside the executor that runs it: compilation is applied to the
+plain model from outside, by the engine's settings.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from brisk.model.decode_plan import straight_line_step
+from brisk.engine.decode_plan import straight_line_step
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, write_kv
-from brisk.ops.linear import MAX_SMALL_M, FastLinear, linear
+from brisk.ops.layers import MAX_ROWS, FastLinear, LinearKind
+from brisk.ops.linear import linear
 
 if TYPE_CHECKING:
     from brisk.model.llama import LlamaForCausalLM
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATIC_BUCKETS = (1, 2, 4, 8)  # rows; a step of t <= 8 rows is padded to the next one
+_SMALL_ROWS = MAX_ROWS[LinearKind.FLOAT]  # the float linears' small-row kernel limit (ops/layers.py)
 _fakes_registered = False
 
 
@@ -85,7 +89,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     """ops.linear.linear's choices, as graph nodes: brisk's GEMV kernel up to 8 rows, else ops.linear's GEMM
     (oneDNN; bf16 widened to float32 where the CPU has no bf16 arithmetic) as one opaque call: inductor's own
     bf16 GEMM runs ~5x slower here and its oneDNN lowering does not take a dynamic row count."""
-    if x.shape[0] <= MAX_SMALL_M:  # static at trace time: the small buckets only
+    if x.shape[0] <= _SMALL_ROWS:  # static at trace time: the small buckets only
         return torch.ops.brisk.linear_small_m(x, w, b)
     return torch.ops.brisk_compiled.linear(x, w, b)
 
@@ -244,11 +248,9 @@ class CompiledModel:
         return time.perf_counter() - start
 
 
-def compile_model(model: LlamaForCausalLM, max_tokens: int) -> float:
-    """Attach compiled graphs to `model` (its forward uses them from now on) and compile every shape bucket a
-    step of up to `max_tokens` rows (the scheduler's token budget) can reach. Returns the seconds spent.
-
-    Raises CompileError for what cannot be compiled (quantized / sparse layers, no C++ compiler, no kernels)."""
+def check_can_compile() -> None:
+    """Raise CompileError where --compile cannot run on this machine (no kernels, no C++ compiler); otherwise get
+    dynamo ready for the graphs (the brisk ops' shape functions, room in its cache)."""
     if kernels.get_ops() is None or not hasattr(kernels.get_ops(), "linear_small_m"):
         raise CompileError("--compile needs brisk's C++ kernels, which did not build here (see the warning "
                            "above); run without --compile")
@@ -258,8 +260,15 @@ def compile_model(model: LlamaForCausalLM, max_tokens: int) -> float:
     _register_fakes()
     # 5 buckets x 3 graphs per model shape and dtype; a process may hold several (tests, a draft model)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+
+def compile_model(model: LlamaForCausalLM, max_tokens: int) -> CompiledModel:
+    """The compiled graphs of `model`, with every shape bucket a step of up to `max_tokens` rows (the
+    scheduler's token budget) can reach compiled (`compile_seconds` says how long that took).
+
+    Raises CompileError for what cannot be compiled (quantized / sparse layers, no C++ compiler, no kernels)."""
+    check_can_compile()
     compiled = CompiledModel(model)
-    model._compiled = compiled
     seconds = compiled.warm_up(max_tokens)
     logger.info("--compile: the decoder's graphs compiled in %.1f s", seconds)
-    return seconds
+    return compiled

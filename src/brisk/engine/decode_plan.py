@@ -1,0 +1,202 @@
+"""The decode fast path: the decoder layers of a decode-only step as straight-line calls to the C++ kernels.
+
+At batch-1 decode a layer's arithmetic is a few GEMVs; what else a step costs is Python: ~270 module calls
+(`nn.Module.__call__`), the wrappers' checks for which kernel applies, and ~10 us of dispatch per op. A plan
+resolves all of that once per model: for each layer the kernels and the tensors they take (norm weights, the
+fused q/k/v and gate/up weights, packed codes of quantized layers), so a step is ~10 direct kernel calls per
+layer and nothing else:
+
+    h = add_rms_norm(x, residual)           (rms_norm for layer 0)
+    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache)
+    o = paged_decode_attention(q)           (reads the paged cache in place)
+    h = add_rms_norm(linear(o), residual)
+    x = linear(silu_mul(linear(h)))
+    h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
+
+For steps of up to 8 rows (CPP_MAX_ROWS) the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a
+step, the same kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step
+here; measured 1.1x float32 and 1.1-1.25x int4 batch-1 decode). It calls the very kernels the modules call, with
+the same inputs, so its logits equal the module path's bit for bit (tests/test_decode_plan.py).
+
+Steps with several rows per sequence (speculative verification of γ + 1 positions, prefill chunks, mixed
+batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
+the module path does; verification steps of up to 8 rows thus also run in C++.
+
+A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
+projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
+caches are quantized or evicting, or attention scores are being collected (H2O). Which of these runs a step is
+decided in one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a
+model, chosen by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear
+enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from brisk.ops import kernels
+from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata
+from brisk.ops.layers import RUNTIME_LINEARS, LinearKernel
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from brisk.model.llama import LlamaForCausalLM
+
+_DTYPES = (torch.float32, torch.bfloat16)
+CPP_MAX_ROWS = 8  # ops/csrc/decode_layers.cpp takes steps of at most 8 rows (every linear on its small-row kernel)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    qkv: LinearKernel
+    o: LinearKernel
+    gate_up: LinearKernel
+    down: LinearKernel
+
+    @property
+    def linears(self) -> tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+def _kernel_of(module: nn.Module | None, dtype: torch.dtype) -> LinearKernel | None:
+    """The layer's kernel descriptor (ops/layers.py) where the plan can call it as is: a runtime linear with no
+    hooks (a hook must see its inputs) whose small-row kernel takes this model dtype."""
+    if module is None or type(module) not in RUNTIME_LINEARS or module._forward_hooks or module._forward_pre_hooks:
+        return None
+    kernel = module.kernel()
+    return kernel if dtype in kernel.loop_dtypes else None
+
+
+class DecodePlan:
+    """Straight-line decode over a model's layers; build with `DecodePlan.build(model)` (None if not covered)."""
+
+    def __init__(self, layers: list[_Layer], num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, ops: Any, final_norm: torch.Tensor, final_eps: float) -> None:
+        self.layers = layers
+        self.final_norm, self.final_eps = final_norm, final_eps
+        self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.dtype = dtype
+        self.rms_norm = ops.rms_norm.default
+        self.add_rms_norm = ops.add_rms_norm.default
+        self.silu_mul = ops.silu_mul.default
+        self.rope_cache = ops.rope_cache.default
+        self.attention = ops.paged_decode_attention.default
+        self.prefill_attention = ops.paged_prefill_attention.default
+        # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for steps of up to max_cpp_rows rows
+        self.decode_layers = getattr(ops, "decode_layers", None)
+        if self.decode_layers is not None:
+            # the overload's C++ entry point: torch's Python wrapper of an op with a torchbind argument (the
+            # DecodeWeights below) walks every argument looking for fake script objects, ~15 us a step
+            self.decode_layers = getattr(self.decode_layers.default, "_op", self.decode_layers.default)
+        self.params: list[torch.Tensor | None] = []
+        self.spec: list[int] = []
+        for layer in layers:
+            self.params += [layer.ln1, layer.ln2]
+            for k in layer.linears:
+                self.params += k.slots
+                self.spec += [int(k.kind), k.bits, k.group_size]
+        self.eps = [layer.eps for layer in layers]
+        # the C++ loop calls every linear's small-row kernel, so a step must fit all of them
+        self.max_cpp_rows = min([CPP_MAX_ROWS] + [k.max_rows for layer in layers for k in layer.linears])
+        # the C++ loop's copy of params / spec / eps, converted once (not at every step)
+        self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
+            self.params, self.spec, self.eps, final_norm, final_eps)
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> DecodePlan | None:
+        ops = kernels.get_ops()
+        needed = ("linear_small_m", "rms_norm", "add_rms_norm", "silu_mul", "rope_cache", "paged_decode_attention",
+                  "paged_prefill_attention", "quant_linear_small")
+        if ops is None or not all(hasattr(ops, n) for n in needed):
+            return None
+        config = model.config
+        dtype = model.model.norm.weight.dtype  # the model dtype (a quantized embedding has no float weight)
+        if dtype not in _DTYPES or config.head_dim % 8:
+            return None
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
+                return None
+            parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):
+                return None
+            if norms[0].eps != norms[1].eps:
+                return None
+            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts))
+        a = model.model.layers[0].self_attn if len(model.model.layers) else None
+        if a is None:
+            return None
+        final = model.model.norm
+        if final._forward_hooks or final._forward_pre_hooks or final.weight.dtype != dtype:
+            return None
+        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops, final.weight,
+                          final.eps)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
+        return straight_line_step(x, meta, kv_caches, self.dtype)
+
+    def run_cpp(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` in one C++ call (ops/csrc/decode_layers.cpp), for steps of up to max_cpp_rows rows; the same
+        kernels with the same inputs, so the same numbers bit for bit."""
+        assert self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows, "see cpp_applies"
+        window = meta.sliding_window or 0
+        return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches,
+                                  self.weights, self.scale, window, self.h, self.kvh, self.d,
+                                  _query_start(x, meta), PREFILL_Q_TILE)
+
+    def cpp_applies(self, x: torch.Tensor) -> bool:
+        return self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, hidden] embeddings -> (the final norm's output, the residual stream), as the layers and then
+        the model's final norm (a fused residual add + RMSNorm) give them. The layer loop in Python."""
+        t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
+        window = meta.sliding_window or 0
+        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
+        qsl = _query_start(x, meta)
+        residual = x
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
+                                                                                            layer.eps)
+            qkv = layer.qkv(hid)  # [B, (h + 2 kvh) d]
+            self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
+            q = qkv.view(t, h + 2 * kvh, d)[:, :h]
+            o = torch.empty((t, h, d), dtype=x.dtype)
+            if qsl is None:
+                self.attention(o, q, kv, tables, lens, self.scale, window)
+            else:
+                self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
+            hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
+            x = layer.down(self.silu_mul(layer.gate_up(hid)))
+        return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
+
+
+def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype) -> bool:
+    """Whether a step can skip the module path (the decode plan, --compile's graphs): plain caches of the model
+    dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
+    (speculative verification, prefill chunks, mixed steps)."""
+    bt = meta.block_tables
+    if bt is None or meta.evicting or meta.stats is not None:
+        return False
+    decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
+    return ((decode_only or meta.query_start_loc is not None)
+            and x.dtype == dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
+            and kv_caches[0].dtype in (dtype, torch.bfloat16) and kv_caches[0].is_contiguous())
+
+
+def _query_start(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    """None for a decode-only step (one query row per sequence: paged_decode_attention); else query_start_loc,
+    rows of sequence b = [qsl[b], qsl[b + 1]) (paged_prefill_attention), as ops.attention.paged_attention does."""
+    return None if meta.num_decodes == meta.block_tables.shape[0] == x.shape[0] else meta.query_start_loc
