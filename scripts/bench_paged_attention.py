@@ -10,13 +10,12 @@
    same contexts and the same background load.
 
 Every figure is the best of `repeats` (the median is printed next to it: their gap says how noisy the machine
-was). The reference runs are set by BRISK_DISABLE_KERNELS=1, read at each call.
+was). The reference runs switch the kernels off in-process (kernels.configure(enabled=False)).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -87,15 +86,15 @@ def bench_model(batches: list[int], repeats: int) -> None:
                 r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
             engine.step()
         engine.step()  # warm both paths
-        os.environ["BRISK_DISABLE_KERNELS"] = "1"
+        kernels.configure(enabled=False)
         engine.step()
         on, off = [], []
         for _ in range(repeats):  # alternate, so both see the same contexts and load
-            os.environ.pop("BRISK_DISABLE_KERNELS", None)
+            kernels.configure(enabled=True)
             on.append(timed(engine.step, 1)[0])
-            os.environ["BRISK_DISABLE_KERNELS"] = "1"
+            kernels.configure(enabled=False)
             off.append(timed(engine.step, 1)[0])
-        os.environ.pop("BRISK_DISABLE_KERNELS", None)
+        kernels.configure(enabled=True)
         running = list(engine.scheduler.requests.values())
         assert len(running) == batch, f"only {len(running)} of {batch} requests still running"
         mean_ctx = statistics.mean(r.num_computed_tokens for r in running)
