@@ -113,10 +113,13 @@ def cpuid_features(library: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("tier", tiers_to_check(), ids=lambda t: t.name)
 def test_built_libraries_use_only_checked_instructions(tier):
-    allowed = tier.requires
+    allowed, seen = tier.requires, set()
     for library in built_libraries(tier):
         features = cpuid_features(library)
-        assert {"X64", "AVX"} <= set(features), f"{library.name}: decoded no AVX code"  # (the decode saw code)
+        assert "X64" in features, f"{library.name}: decoded no code"
+        seen |= set(features)
         outside = {name: example for name, example in features.items() if name not in BASELINE
                    and ICED_TO_CPUINFO.get(name, name.lower()) not in allowed}
         assert not outside, f"{library.name} ({tier.name}) uses instructions no CPUID check covers: {outside}"
+    # the decode did see the tier's vector code (quant_q8t alone has none outside the AVX-512 tiers)
+    assert {"AVX2", "FMA", "F16C"} <= seen and (tier.name == "avx2") != ("AVX512F" in seen)

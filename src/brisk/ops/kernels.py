@@ -3,7 +3,7 @@
 `make install` (or `brisk kernels build`) compiles every source for the installing CPU, in parallel over the cores,
 so the first `brisk generate` loads cached libraries in well under a second. Nothing is built when `brisk` is
 imported: the first call that could use a kernel calls `get_ops()`, which builds whatever is not cached yet (a
-kernel source changed since: about 10 CPU seconds a file, logged) under `cache_dir` and loads every library into
+kernel source changed since: about 15 CPU seconds a file, logged) under `cache_dir` and loads every library into
 `torch.ops.brisk`. One file per extension, so a kernel that fails to build costs only its own ops.
 
 The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2" or "generic") is chosen from
