@@ -33,6 +33,19 @@ def default_llm():  # noqa: ANN201
     return LLM(max_model_len=1024, kv_cache_memory="128MiB")
 
 
+@pytest.fixture
+def kernel_settings():  # noqa: ANN201 - kernels.configure
+    """`kernel_settings(enabled=False)` switches brisk's kernels (kernels.configure) for the rest of this test;
+    the settings are restored when it ends. What tests use instead of the BRISK_* variables read at start-up."""
+    import dataclasses
+
+    from brisk.ops import kernels
+
+    saved = kernels.settings
+    yield kernels.configure
+    kernels.configure(**dataclasses.asdict(saved))
+
+
 @pytest.fixture(scope="module")
 def ops():  # noqa: ANN201 - torch.ops.brisk
     """brisk's C++ kernels (torch.ops.brisk). A failed build fails the tests that need them, never skips them.
@@ -46,12 +59,11 @@ def ops():  # noqa: ANN201 - torch.ops.brisk
 
 
 def ops_with(op_name: str):  # noqa: ANN201 - torch.ops.brisk
-    """brisk's C++ kernels with BRISK_DISABLE_KERNELS cleared, failing (never skipping) when `op_name` did not
+    """brisk's C++ kernels, switched on whatever the environment said, failing (never skipping) when `op_name` did not
     build: the module-scoped `ops` fixture of kernel tests that need one particular op."""
     from brisk.ops import kernels
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
+    with kernels.override(enabled=True):
         found = kernels.get_ops()
     if found is None or not hasattr(found, op_name):
         pytest.fail(f"the C++ kernel {op_name} did not build; see the warning logged by brisk.ops.kernels")

@@ -88,13 +88,13 @@ def test_compile_refuses_quantized_layers(ops, tiny_folder, tmp_path):
         _llm(tmp_path / "q8", "float32", True)
 
 
-def test_compile_needs_the_kernels(tiny_folder, monkeypatch):
+def test_compile_needs_the_kernels(kernel_settings, tiny_folder, monkeypatch):
     llm = _llm(tiny_folder, "float32", False)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     with pytest.raises(CompileError, match="C\\+\\+ kernels"):
         compile_model(llm.engine.loaded.model, 12)
     monkeypatch.setattr(compiled_mod.shutil, "which", lambda name: None)
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS")
+    kernel_settings(enabled=True)
     with pytest.raises(CompileError, match="C\\+\\+ compiler"):
         compile_model(llm.engine.loaded.model, 12)
     assert llm.engine.runner.executor.path == "cpp"  # the engine's own executor is left as it was

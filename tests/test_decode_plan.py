@@ -178,7 +178,7 @@ def test_plan_equals_module_path_pruned(ops, tiny_folder, tmp_path, monkeypatch,
     _run_both(monkeypatch, make_llm, PROMPTS)
 
 
-def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
+def test_plan_left_out_where_it_does_not_apply(kernel_settings, ops, tiny_folder):
     llm = LLM(str(tiny_folder), kv_cache_memory="8MiB")
     model = llm.engine.loaded.model
     executor = llm.engine.runner.executor
@@ -189,7 +189,7 @@ def test_plan_left_out_where_it_does_not_apply(ops, tiny_folder, monkeypatch):
     assert DecodePlan.build(model) is None
     handle.remove()
     # kernels off: no plan, and the module path still answers
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert DecodePlan.build(model) is None
     executor.rebuild()
     assert executor.plan is None and executor.path == "modules"

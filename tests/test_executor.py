@@ -81,11 +81,11 @@ def test_compiled_execution_gives_the_same_tokens(ops, tiny_folder, int4_folder)
         _llm(int4_folder, execution="compiled")
 
 
-def test_auto_picks_cpp_where_built_and_modules_without_kernels(ops, tiny_folder, monkeypatch):
+def test_auto_picks_cpp_where_built_and_modules_without_kernels(ops, tiny_folder, kernel_settings):
     llm = _llm(tiny_folder)
     assert llm.engine.config.execution == "auto" and llm.engine.runner.executor.path == "cpp"
     want = _outputs(llm)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     plain = _llm(tiny_folder)
     assert plain.engine.runner.executor.path == "modules" and plain.engine.runner.executor.plan is None
     assert [ids for ids, _ in _outputs(plain)] == [ids for ids, _ in want]  # the reference ops: tokens agree

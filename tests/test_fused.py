@@ -3,8 +3,6 @@ the reference paths against the kernels, and a whole model with the kernels on a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hf_utils import make_tiny_hf_model
@@ -24,12 +22,8 @@ EPS = 1e-5
 @pytest.fixture(scope="module")
 def ops():
     """Build (or load the cached build of) the extension once, whatever the environment says."""
-    saved = os.environ.pop("BRISK_DISABLE_KERNELS", None)
-    try:
+    with kernels.override(enabled=True):
         found = kernels.get_ops()
-    finally:
-        if saved is not None:
-            os.environ["BRISK_DISABLE_KERNELS"] = saved
     if found is None or not hasattr(found, "rms_norm"):
         pytest.fail("the fused C++ kernels did not build; see the warning logged by brisk.ops.kernels")
     return found
@@ -107,8 +101,8 @@ def test_silu_over_the_whole_float_range(ops):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reference_path_equals_kernel_path(ops, monkeypatch, dtype):
-    """The public functions, kernels on, then BRISK_DISABLE_KERNELS=1: same values, same in-place contract."""
+def test_reference_path_equals_kernel_path(kernel_settings, ops, dtype):
+    """The public functions, kernels on, then switched off: same values, same in-place contract."""
     x, residual, w = inputs(5, 100, dtype, seed=11)
     x = x.view(5, 1, 100)  # [..., H]: the wrappers flatten leading dims for the kernel
     residual = residual.view(5, 1, 100)
@@ -121,7 +115,7 @@ def test_reference_path_equals_kernel_path(ops, monkeypatch, dtype):
         return rms_norm(x, w, EPS), normed, r, silu_mul(gate_up)
 
     fast = run()
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert kernels.get_op("rms_norm") is None
     slow = run()
     for got, want in zip(fast, slow, strict=True):
@@ -151,7 +145,7 @@ def test_unsupported_inputs_take_the_reference_path(ops):
         ops.add_rms_norm(x[:2], residual, w, EPS)
 
 
-def test_model_with_kernels_on_and_off(tmp_path, ops, monkeypatch):
+def test_model_with_kernels_on_and_off(kernel_settings, tmp_path, ops):
     """A whole tiny model (intermediate 100: silu_mul's tail) through both paths: close logits, same tokens."""
     make_tiny_hf_model(tmp_path, "llama", intermediate_size=100, seed=6)
     loaded = load_model(tmp_path)
@@ -168,7 +162,7 @@ def test_model_with_kernels_on_and_off(tmp_path, ops, monkeypatch):
         return logits, llm.generate([ids[:8].tolist()], params)[0].outputs[0].token_ids
 
     fast_logits, fast_tokens = logits_and_tokens()
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     slow_logits, slow_tokens = logits_and_tokens()
     assert fast_logits.shape == (24, c.vocab_size)
     # float32 rounding differences through 2 layers (the attention and linear kernels differ as well)

@@ -3,6 +3,7 @@ a model that answers the same, the switch-off, and the KV arena."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hf_utils import make_tiny_hf_model
 from test_model import prefill_logits
@@ -11,12 +12,25 @@ from brisk.model import hugepages as H
 from brisk.model.loader import load_model
 
 
-def test_to_huge_pages_keeps_values_sharing_and_outputs(tmp_path, monkeypatch):
+@pytest.fixture
+def huge_pages():  # noqa: ANN201
+    """Huge pages switched on (whatever BRISK_HUGE_PAGES said at start-up) for the test, the settings restored."""
+    with H.override(enabled=True) as s:
+        yield s
+
+
+def test_settings_read_once_from_the_environment():
+    assert H.HugePageSettings.from_env({"BRISK_HUGE_PAGES": "0"}).enabled is False
+    assert H.HugePageSettings.from_env({"BRISK_HUGE_PAGES": "1"}).enabled is True
+    assert H.HugePageSettings.from_env({}).enabled is True
+
+
+def test_to_huge_pages_keeps_values_sharing_and_outputs(tmp_path, huge_pages):
     make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
-    monkeypatch.setenv("BRISK_HUGE_PAGES", "0")
+    H.configure(enabled=False)
     plain_loaded = load_model(str(tmp_path))
     plain = plain_loaded.model
-    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
+    H.configure(enabled=True)
     loaded = load_model(str(tmp_path))  # load_model moves the weights when huge pages are available
     model = loaded.model
     ids = torch.tensor([1, 5, 9, 2, 7, 3, 3, 8])
@@ -39,14 +53,14 @@ def test_to_huge_pages_keeps_values_sharing_and_outputs(tmp_path, monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_switch_off_and_kv_arena(monkeypatch):
+def test_switch_off_and_kv_arena(huge_pages):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     before = [p.data_ptr() for p in model.parameters()]
-    monkeypatch.setenv("BRISK_HUGE_PAGES", "0")
-    assert not H.huge_pages_available()
-    assert H.to_huge_pages(model) == 0 and H.huge_zeros(3, (2, 4), torch.float32) is None
+    with H.override(enabled=False):
+        assert not H.huge_pages_available()
+        assert H.to_huge_pages(model) == 0 and H.huge_zeros(3, (2, 4), torch.float32) is None
     assert [p.data_ptr() for p in model.parameters()] == before
-    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
+    assert H.settings.enabled  # the block's switch-off ended with it
     if not H.huge_pages_available():
         return
     caches = H.huge_zeros(4, (2, 8, 16, 3, 64), torch.bfloat16)  # 4 layers x 96 KiB
@@ -58,10 +72,9 @@ def test_switch_off_and_kv_arena(monkeypatch):
     assert not caches[0].any() and not caches[2].any()
 
 
-def test_aliasing_views_stay_together(monkeypatch):
+def test_aliasing_views_stay_together(huge_pages):
     # two buffers viewing one storage (a slice of the other) are left where they are: moving them apart would
     # break the aliasing; an ordinary parameter next to them still moves
-    monkeypatch.setenv("BRISK_HUGE_PAGES", "1")
     if not H.huge_pages_available():
         return
     module = torch.nn.Linear(64, 64)

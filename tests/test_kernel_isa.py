@@ -10,34 +10,85 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from brisk.ops import kernels
+from brisk.ops import isa, kernels
 
 TESTS = Path(__file__).parent
 
 
-def test_tier_follows_the_cpu_and_the_environment(monkeypatch):
-    monkeypatch.delenv("BRISK_KERNEL_ISA", raising=False)
-    capability = torch.backends.cpu.get_cpu_capability()
-    best = kernels.kernel_isa()
-    wanted = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
-    if capability == "AVX512" and wanted <= kernels.cpu_flags():
-        assert best == "avx512"
-        tag, flags = kernels._isa_flags()
-        assert "-mavx512vnni" in flags and "-mavx512bf16" in flags and "-mavx2" in flags
-        # VBMI2 (vpexpandb) is used where the CPU has it, and named in the build's tag where it does not
-        assert ("-mavx512vbmi2" in flags) == ("avx512_vbmi2" in kernels.cpu_flags())
-        assert tag == ("avx512" if "avx512_vbmi2" in kernels.cpu_flags() else "avx512nv")
-    elif capability.startswith("AVX"):
-        assert best == "avx2"
-    else:
-        assert best == "generic"
-    monkeypatch.setenv("BRISK_KERNEL_ISA", "avx2")
-    assert kernels.kernel_isa() == ("generic" if best == "generic" else "avx2")
-    monkeypatch.setenv("BRISK_KERNEL_ISA", "avx1024")
+# /proc/cpuinfo flag sets (the ISA-relevant part) of the machines brisk runs on
+_X86_64 = "fpu sse sse2 mmx fxsr cx8 cmov"
+_AVX2_VM = _X86_64 + " pni ssse3 sse4_1 sse4_2 popcnt xsave avx f16c fma avx2 bmi1 bmi2 movbe aes"
+_AVX512_COMMON = " avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni"
+CPUS = {
+    "AMD Zen 4": _AVX2_VM + _AVX512_COMMON + " avx512ifma avx512vbmi avx512_vbmi2 avx512_bf16 avx512_bitalg "
+                 "avx512_vpopcntdq gfni vaes vpclmulqdq sse4a",
+    "AMD Zen 5": _AVX2_VM + _AVX512_COMMON + " avx512ifma avx512vbmi avx512_vbmi2 avx512_bf16 avx512_bitalg "
+                 "avx512_vpopcntdq gfni vaes vpclmulqdq sse4a avx_vnni avx512_vp2intersect",
+    "Intel Sapphire Rapids": _AVX2_VM + _AVX512_COMMON + " avx512ifma avx512vbmi avx512_vbmi2 avx512_bf16 "
+                             "avx512_bitalg avx512_vpopcntdq gfni vaes vpclmulqdq avx_vnni avx512_fp16 amx_bf16 "
+                             "amx_tile amx_int8",
+    "Intel Cooper Lake": _AVX2_VM + _AVX512_COMMON + " avx512_bf16",
+    "Intel Ice Lake server": _AVX2_VM + _AVX512_COMMON + " avx512ifma avx512vbmi avx512_vbmi2 avx512_bitalg gfni",
+    "AVX2-only VM": _AVX2_VM,
+    "AVX only (Sandy Bridge)": _X86_64 + " pni ssse3 sse4_1 sse4_2 popcnt xsave avx",
+    "AVX2 without F16C reported": _AVX2_VM.replace(" f16c", ""),
+}
+EXPECTED = {"AMD Zen 4": "avx512", "AMD Zen 5": "avx512", "Intel Sapphire Rapids": "avx512",
+            "Intel Cooper Lake": "avx512nv", "Intel Ice Lake server": "avx2", "AVX2-only VM": "avx2",
+            "AVX only (Sandy Bridge)": "generic", "AVX2 without F16C reported": "generic"}
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_tier_follows_the_flags_the_cpu_reports(cpu):
+    flags = CPUS[cpu].split()
+    tier = isa.choose_tier(flags)
+    assert tier.name == EXPECTED[cpu]
+    assert tier.requires <= set(flags)  # (what makes it safe: every flag the build needs is reported)
+    assert isa.choose_tier(flags, "avx2").name == ("generic" if tier.name == "generic" else "avx2")
+    # nothing outside the chosen tier's checked flags reaches the build: AMX, VP2INTERSECT, FP16, VBMI are not in
+    # any tier, so a machine that reports them gets the same library as one that does not
+    assert not {f for f in tier.requires if f.startswith("amx") or f in ("avx512_vp2intersect", "avx512_fp16",
+                                                                          "avx512vbmi", "sse4a")}
+
+
+def test_tiers_are_nested_and_every_cflag_is_checked():
+    # each tier's compiler flags name an extension its requires covers (-mavx512vbmi2 -> avx512_vbmi2, not the
+    # different CPUID bit avx512vbmi); what a flag implies is checked by test_kernel_instructions.py, against the
+    # compiler's own macros and the instructions in the built libraries
+    spelled = {"-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mavx512f": "avx512f", "-mavx512bw": "avx512bw",
+               "-mavx512vl": "avx512vl", "-mavx512dq": "avx512dq", "-mavx512vnni": "avx512_vnni",
+               "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2"}
+    for tier in isa.TIERS:
+        assert {spelled[f] for f in tier.cflags} <= tier.requires, tier.name
+    names = [t.name for t in isa.TIERS]
+    for better, worse in zip(isa.TIERS, isa.TIERS[1:], strict=False):
+        assert worse.requires < better.requires and set(worse.cflags) < set(better.cflags), names
+
+
+def test_this_process_follows_this_cpu_and_the_settings():
+    assert kernels.kernel_tier() == isa.running_tier(kernels.settings.isa)
+    if kernels.settings.isa is None and isa.cpu_flags():
+        assert kernels.kernel_tier() == isa.choose_tier(isa.cpu_flags())
+    with kernels.override(isa="avx2"):
+        assert kernels.kernel_isa() in ("avx2", "generic")
+    with pytest.raises(ValueError, match="kernel isa 'avx1024': use avx2 or avx512"):
+        kernels.configure(isa="avx1024")
     with pytest.raises(ValueError, match="BRISK_KERNEL_ISA='avx1024': use avx2 or avx512"):
-        kernels.kernel_isa()
+        kernels.KernelSettings.from_env({"BRISK_KERNEL_ISA": "avx1024"})
+    read = kernels.KernelSettings.from_env({"BRISK_KERNEL_ISA": "AVX2", "BRISK_DISABLE_KERNELS": "1",
+                                            "TORCH_EXTENSIONS_DIR": "/cache/ext"})
+    assert (read.isa, read.enabled, str(read.cache_dir)) == ("avx2", False, "/cache/ext")
+    assert kernels.KernelSettings.from_env({"BRISK_DISABLE_KERNELS": "0"}).enabled
+
+
+def test_build_folder_is_keyed_by_the_exact_flags(tmp_path):
+    source = kernels.kernel_sources()[0]
+    a = kernels.build_directory("x", source, ("-O3", "-mavx2"))
+    b = kernels.build_directory("x", source, ("-O3", "-mavx2", "-mavx512f"))
+    assert a != b and a == kernels.build_directory("x", source, ("-O3", "-mavx2"))
+    paths = {kernels.library_path(source, t) for t in isa.TIERS}
+    assert len(paths) == len(isa.TIERS) and all(t.name in str(kernels.library_path(source, t)) for t in isa.TIERS)
 
 
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import pytest
 import torch
@@ -28,12 +27,8 @@ CONTEXTS = [1, 15, 16, 17, 300]
 @pytest.fixture(scope="session")
 def ops():
     """Build (or load the cached build of) the extension once per test session, whatever the environment says."""
-    saved = os.environ.pop("BRISK_DISABLE_KERNELS", None)
-    try:
+    with kernels.override(enabled=True):
         found = kernels.get_ops()
-    finally:
-        if saved is not None:
-            os.environ["BRISK_DISABLE_KERNELS"] = saved
     if found is None:
         pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
     return found
@@ -205,7 +200,7 @@ def runner_metadata(query_lens, contexts, q, kv_cache, qsl, tables, lens, window
 
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("disable", ["argument", "env"])
-def test_paged_attention_kernel_and_fallback_agree(ops, monkeypatch, window, disable):
+def test_paged_attention_kernel_and_fallback_agree(kernel_settings, ops, window, disable):
     """The layer-facing entry point, on a mixed decode + chunked-prefill batch, through both paths."""
     query_lens, contexts = [1, 1, 1, 5, 40], [300, 1, 17, 5 + 16, 40]
     q, kv_cache, qsl, tables, lens = random_problem(query_lens, contexts, 4, 2, torch.float32, seed=4)
@@ -220,7 +215,7 @@ def test_paged_attention_kernel_and_fallback_agree(ops, monkeypatch, window, dis
     torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
 
     if disable == "env":
-        monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+        kernel_settings(enabled=False)
         assert kernels.get_ops() is None
         slow = paged_attention(q, k_new, v_new, kv_cache, meta, 0.125)
     else:
@@ -232,14 +227,13 @@ def test_paged_attention_kernel_and_fallback_agree(ops, monkeypatch, window, dis
     torch.testing.assert_close(slow, want, atol=1e-5, rtol=1e-5)
 
 
-def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+def test_failed_build_falls_back_with_one_warning(kernel_settings, monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this kernel does not compile\n")
     monkeypatch.setattr(kernels, "_SOURCES", [broken])
     monkeypatch.setitem(kernels._state, "tried", False)
     monkeypatch.setitem(kernels._state, "ops", None)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+    kernel_settings(enabled=True, cache_dir=tmp_path / "ext")
     with caplog.at_level(logging.WARNING, logger="brisk.ops.kernels"):
         assert kernels.get_ops() is None
         assert kernels.get_op("paged_decode_attention") is None  # no second attempt, no second warning
@@ -263,7 +257,7 @@ def mistral_dir(tmp_path_factory):
     return str(path)
 
 
-def test_engine_greedy_tokens_same_with_and_without_kernels(ops, mistral_dir, monkeypatch):
+def test_engine_greedy_tokens_same_with_and_without_kernels(kernel_settings, ops, mistral_dir):
     """Whole engine, sliding window, prefix-cache hits and 16-token chunks interleaved with decodes."""
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 384, (40,), generator=g).tolist()
@@ -276,5 +270,5 @@ def test_engine_greedy_tokens_same_with_and_without_kernels(ops, mistral_dir, mo
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     with_kernels = run()
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert with_kernels == run()

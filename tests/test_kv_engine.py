@@ -200,7 +200,7 @@ def test_h2o_bad_settings(model_dir):
         _llm(model_dir, kv_policy="h2o", kv_budget=8, speculative="ngram")
 
 
-def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
+def test_bfloat16_cache_under_a_float32_model(kernel_settings, model_dir, monkeypatch):
     """--kv-cache-dtype bfloat16: twice the blocks for the same memory; K/V rounded on write and read back by
     every path alike (the plan's C++ loop, the module path, the reference path without kernels), so those agree
     with each other; against the float32 cache only by the rounding."""
@@ -227,7 +227,7 @@ def test_bfloat16_cache_under_a_float32_model(model_dir, monkeypatch):
     assert len(plan_steps) > 0  # the fast path takes a bf16 cache under a float32 model
     _, modules = run(kv_cache_dtype="bfloat16", execution="modules")
     assert modules == got  # the same kernels with the same inputs: bit for bit
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     _, reference = run(kv_cache_dtype="bfloat16")
     for (g_ids, g_lp), (r_ids, r_lp), (w_ids, w_lp) in zip(got, reference, want, strict=True):
         assert g_ids == r_ids

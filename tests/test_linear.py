@@ -40,14 +40,14 @@ def test_bfloat16_weights_accumulate_in_float32(ops, m, n, k, bias):
     torch.testing.assert_close(got32.double(), want, atol=1e-4, rtol=1e-4)
 
 
-def test_fast_linear_module_and_fallback(ops, monkeypatch):
+def test_fast_linear_module_and_fallback(kernel_settings, ops):
     lin = nn.Linear(64, 48)
     x1, x_big = torch.randn(1, 3, 64), torch.randn(MAX_SMALL_M + 4, 64)
     want1, want_big = lin(x1), lin(x_big)
     assert use_fast_linear(nn.Sequential(lin)) == 1 and type(lin) is FastLinear
     torch.testing.assert_close(lin(x1), want1, atol=1e-5, rtol=1e-5)  # [1, 3, 64]: 3 rows, kernel path
     torch.testing.assert_close(lin(x_big), want_big)  # many rows: F.linear
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     torch.testing.assert_close(linear(x1, lin.weight, lin.bias), want1)  # reference path, same values
 
 

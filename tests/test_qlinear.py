@@ -27,15 +27,14 @@ N, K = 40, 192  # N not a multiple of any tile; K = 6 blocks of 32, 3 groups of 
 
 
 @pytest.fixture(autouse=True)
-def kernels_enabled(monkeypatch):
+def kernels_enabled(kernel_settings):
     """Every test starts on the kernel path whatever the environment says; tests flip to the reference path."""
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+    kernel_settings(enabled=True)
 
 
 @pytest.fixture(scope="module")
 def ops():
-    with pytest.MonkeyPatch.context() as mp:  # build (or load) the kernels whatever the environment says
-        mp.delenv("BRISK_DISABLE_KERNELS", raising=False)
+    with kernels.override(enabled=True):  # build (or load) the kernels whatever the environment said
         found = kernels.get_ops()
     if found is None or not hasattr(found, "quant_linear_small"):
         pytest.fail("the quant_linear C++ kernels did not build; see the warning logged by brisk.ops.kernels")
@@ -85,7 +84,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("group", [32, 64, K])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
-def test_quant_linear_equals_dequantize_then_linear(ops, monkeypatch, bits, symmetric, group, m, dtype):
+def test_quant_linear_equals_dequantize_then_linear(kernel_settings, ops, bits, symmetric, group, m, dtype):
     seed = bits * 1000 + group * 10 + m + symmetric
     q, scales, zeros, w = random_codes(bits, group, symmetric, seed)
     pw = prepack(pack_checkpoint(q, bits), scales, zeros, bits, group, K)
@@ -99,7 +98,7 @@ def test_quant_linear_equals_dequantize_then_linear(ops, monkeypatch, bits, symm
     assert got.dtype == dtype and got.shape == (m, N)
     assert_matches(got, want)
 
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")  # read on every call: the pure-PyTorch reference path
+    kernel_settings(enabled=False)  # the pure-PyTorch reference path
     ref = quant_linear(x, pw, bias)
     assert_matches(ref, want)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2.0**-7 if dtype == torch.bfloat16 else 1e-5,
@@ -152,7 +151,7 @@ def test_bfloat16_bias(ops):
     assert_matches(got, F.linear(x.double(), w, bias.double()))
 
 
-def test_nf4_codebook_mode(ops, monkeypatch):
+def test_nf4_codebook_mode(kernel_settings, ops):
     table = torch.tensor(NF4_CODEBOOK, dtype=torch.float64)
     # QLoRA's NF4: 16 sorted levels in [-1, 1] with an exact zero, 7 below it and 8 above
     assert table.numel() == 16 and bool((table.diff() > 0).all()) and table[7] == 0 and table[0] == -1
@@ -166,7 +165,7 @@ def test_nf4_codebook_mode(ops, monkeypatch):
     for m in (1, 5, 40):
         x = torch.randn(m, K, generator=g)
         assert_matches(quant_linear(x, pw), F.linear(x.double(), w))
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert_matches(quant_linear(x, pw), F.linear(x.double(), w))
 
 

@@ -21,8 +21,8 @@ from brisk.quant.layers import set_quant_activations
 
 
 @pytest.fixture(autouse=True)
-def kernels_enabled(monkeypatch):
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+def kernels_enabled(kernel_settings):
+    kernel_settings(enabled=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_activation_sums_use_the_rounded_x(ops):
     torch.testing.assert_close(Q.quant_linear_q8(x, pw).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
-def test_quant_linear_routing(ops, monkeypatch):
+def test_quant_linear_routing(kernel_settings, ops):
     pw = random_packed(33, 96, 4, 32, seed=10)
     x = torch.randn(12, 96, generator=torch.Generator().manual_seed(11))
     # every row count takes the int8 kernel (a row's numbers do not depend on its batch), and differs from the
@@ -170,7 +170,7 @@ def test_quant_linear_routing(ops, monkeypatch):
     assert torch.equal(quant_linear(x[:2], nf4, int8_activations=True), quant_linear(x[:2], nf4))
     # no kernel: the float32 product of the rounded x (the same numbers up to summation order)
     want = Q.quant_linear_q8(x[:3], pw)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     got = quant_linear(x[:3], pw, int8_activations=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     with pytest.raises(ValueError, match="quant_activations"):
@@ -210,7 +210,7 @@ def test_engine_config_validates_the_setting():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quantize_kernel_equals_the_reference_bit_for_bit(ops, monkeypatch, dtype):
+def test_fake_quantize_kernel_equals_the_reference_bit_for_bit(kernel_settings, ops, dtype):
     g = torch.Generator().manual_seed(21)
     x = (torch.randn(37, 192, generator=g) * torch.logspace(-3, 2, 192)).to(dtype)
     x[3, 32:64] = 0  # an all-zero block: scale 0, codes 0
@@ -218,7 +218,7 @@ def test_fake_quantize_kernel_equals_the_reference_bit_for_bit(ops, monkeypatch,
     x[4, 0], x[4, 5] = 0.3671875, 0.18359375  # x * (127 / amax) = 63.5 in float32: a tie, rounded half to even (64)
     got = Q.fake_quantize_activations(x)
     assert got[4, 5] == torch.tensor(64.0) * (torch.tensor(0.3671875) / 127)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     want = Q.fake_quantize_activations(x)
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
 

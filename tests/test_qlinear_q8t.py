@@ -31,8 +31,8 @@ from brisk.quant.layers import set_quant_activations
 
 
 @pytest.fixture(autouse=True)
-def kernels_enabled(monkeypatch):
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+def kernels_enabled(kernel_settings):
+    kernel_settings(enabled=True)
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +126,11 @@ def test_blocked_and_tiled_kernels_agree(ops, bits):
     torch.testing.assert_close(Q.quant_linear_q8(x, pw), blocked, rtol=1e-5, atol=1e-5 * blocked.abs().max().item())
 
 
-def test_no_kernel_takes_the_reference_path(ops, monkeypatch):
+def test_no_kernel_takes_the_reference_path(kernel_settings, ops):
     pw = tiled(48, 96, 32, seed=9)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(10))
     want = Q.quant_linear_q8(x, pw)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert not can_tile(random_packed(48, 96, 4, 32))
     torch.testing.assert_close(Q.quant_linear_q8(x, pw), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

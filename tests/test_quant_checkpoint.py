@@ -248,7 +248,7 @@ def test_default_model_quantized_keeps_its_answers(tmp_path, default_gguf_path):
 
 @pytest.mark.parametrize("group", [-1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_embedding_kernel_equals_the_torch_path(monkeypatch, group, dtype):
+def test_int8_embedding_kernel_equals_the_torch_path(kernel_settings, group, dtype):
     """QuantEmbedding's one-op lookup for symmetric 8-bit tables (ops/csrc/fused_ops.cpp embedding_q8) against its
     pure-PyTorch path, bit for bit, for [T] and [B, T] ids; an id outside the table is refused by both."""
     from brisk.quant import primitives
@@ -258,12 +258,12 @@ def test_int8_embedding_kernel_equals_the_torch_path(monkeypatch, group, dtype):
     emb = QuantEmbedding(q, scale, None, LayerQuant(bits=8, group_size=group, sym=True), 128, dtype)
     ids = torch.tensor([[0, 299, 17], [5, 5, 128]])
     fast = [emb(ids), emb(ids[0])]
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     slow = [emb(ids), emb(ids[0])]
     for a, b in zip(fast, slow, strict=True):
         assert a.dtype == dtype and a.shape == b.shape and torch.equal(a, b)
     with pytest.raises(IndexError):
         emb(torch.tensor([300]))
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS")
+    kernel_settings(enabled=True)
     with pytest.raises(RuntimeError, match="id 300 is out of range for a table of 300 rows"):
         emb(torch.tensor([300]))

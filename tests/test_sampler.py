@@ -279,9 +279,9 @@ def test_greedy_is_argmax_and_input_logits_are_untouched():
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 100, 1000, 49152])
-def test_greedy_kernel_equals_torch_argmax_with_ties_infinities_and_nans(monkeypatch, vocab):
+def test_greedy_kernel_equals_torch_argmax_with_ties_infinities_and_nans(kernel_settings, vocab):
     """greedy_sample's C++ argmax (ops/csrc/fused_ops.cpp argmax_rows) against torch.argmax, and the pure-PyTorch
-    path (BRISK_DISABLE_KERNELS) against both: lowest index among ties, -inf rows, +inf, first NaN."""
+    path (kernels switched off) against both: lowest index among ties, -inf rows, +inf, first NaN."""
     g = torch.Generator().manual_seed(vocab)
     rows = [torch.randn(vocab, generator=g), torch.full((vocab,), -math.inf), torch.zeros(vocab),
             torch.randint(0, 3, (vocab,), generator=g).float()]  # many ties
@@ -296,7 +296,7 @@ def test_greedy_kernel_equals_torch_argmax_with_ties_infinities_and_nans(monkeyp
     expected = logits.argmax(-1)
     assert torch.equal(greedy_sample(logits), expected)
     assert torch.equal(greedy_sample(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].argmax(-1))
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     assert torch.equal(greedy_sample(logits), expected)
 
 

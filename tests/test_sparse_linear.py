@@ -23,8 +23,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
-def kernels_enabled(monkeypatch):
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+def kernels_enabled(kernel_settings):
+    kernel_settings(enabled=True)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_float_kernel_equals_dense_reference(ops, pattern, n, k, m):
     assert torch.equal(S.densify(sw), w)  # the C++ densify of the large-M path is exact
 
 
-def test_leading_dims_bfloat16_and_reference_path(ops, monkeypatch):
+def test_leading_dims_bfloat16_and_reference_path(kernel_settings, ops):
     w = random_sparse(24, 64, "0.5", seed=3)
     sw = S.compress(w)
     x = torch.randn(2, 3, 64)
@@ -100,7 +100,7 @@ def test_leading_dims_bfloat16_and_reference_path(ops, monkeypatch):
     out_b = S.sparse_linear(xb, sw)
     assert out_b.dtype == torch.bfloat16
     torch.testing.assert_close(out_b.float(), F.linear(xb.float(), w), rtol=1e-2, atol=1e-2)
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")
+    kernel_settings(enabled=False)
     torch.testing.assert_close(S.sparse_linear(x, sw), kernel, rtol=1e-5, atol=1e-5)
 
 

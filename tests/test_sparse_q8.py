@@ -21,8 +21,8 @@ from brisk.quant.config import LayerQuant
 
 
 @pytest.fixture(autouse=True)
-def kernels_enabled(monkeypatch):
-    monkeypatch.delenv("BRISK_DISABLE_KERNELS", raising=False)
+def kernels_enabled(kernel_settings):
+    kernel_settings(enabled=True)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_int8_dot_error_against_the_exact_product(ops):
     assert sqnr < 80, sqnr  # and x really is rounded (the float kernel would be ~140 dB)
 
 
-def test_uncovered_groups_and_disabled_kernels_fall_back(ops, monkeypatch):
+def test_uncovered_groups_and_disabled_kernels_fall_back(kernel_settings, ops):
     w = random_sparse(9, 48, "0.5", seed=5)
     sw = S.compress_packed(packed_layer(w, LayerQuant(8, 16, True)))  # 16-column groups: not whole 32-col blocks
     assert sw is not None and not Q.covers(sw)
@@ -101,7 +101,7 @@ def test_uncovered_groups_and_disabled_kernels_fall_back(ops, monkeypatch):
     torch.testing.assert_close(S.sparse_linear(x, sw, int8_dot=True), S.sparse_linear(x, sw), rtol=0, atol=0)
     assert not SparseLinear(sw, None, int8_dot=True).int8_dot
     covered = S.compress_packed(packed_layer(w, LayerQuant(8, -1, True)))
-    monkeypatch.setenv("BRISK_DISABLE_KERNELS", "1")  # no kernel: the float reference path, whatever was asked
+    kernel_settings(enabled=False)  # no kernel: the float reference path, whatever was asked
     assert Q.sparse_q8_linear(x, covered) is None
     exact = x @ S.densify_reference(covered).T
     torch.testing.assert_close(S.sparse_linear(x, covered, int8_dot=True), exact, rtol=1e-5, atol=1e-5)

@@ -11,17 +11,21 @@ modules mirror as buffers) into one contiguous, 2 MiB-aligned buffer advised MAD
 points every holder at its slice: the same values, the same dtypes and shapes. One arena instead of one region per
 tensor: a region per tensor would round each up to whole huge pages (a 2.2 MiB tensor taking 4 MiB).
 Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_hugepage/enabled` says never, or is
-absent), on other platforms, when BRISK_HUGE_PAGES=0, or when the weights exceed half of the available memory (the
-copy holds them twice for a moment).
+absent), on other platforms, when switched off (`settings.enabled`: BRISK_HUGE_PAGES=0 at start-up, or
+`configure(enabled=False)` / `with override(enabled=False):` in-process), or when the weights exceed half of the
+available memory (the copy holds them twice for a moment).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,9 +35,41 @@ _MADV_HUGEPAGE = 14
 _ALIGN = 64  # each tensor starts on a cache line
 
 
+@dataclasses.dataclass(frozen=True)
+class HugePageSettings:
+    """Read once from the environment at import (`from_env`); changed in-process with `configure` / `override`."""
+
+    enabled: bool = True  # False: weights and KV caches stay on ordinary pages (BRISK_HUGE_PAGES=0)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> HugePageSettings:
+        return cls(enabled=env.get("BRISK_HUGE_PAGES", "1") != "0")
+
+
+settings = HugePageSettings.from_env()  # the start-up read of BRISK_HUGE_PAGES
+
+
+def configure(**changes: Any) -> HugePageSettings:
+    """Change the settings in-process (fields of HugePageSettings); returns the previous ones."""
+    global settings
+    previous = settings
+    settings = dataclasses.replace(settings, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[HugePageSettings]:
+    """`configure(**changes)` for the duration of a `with` block, then the settings as they were."""
+    previous = configure(**changes)
+    try:
+        yield settings
+    finally:
+        configure(**dataclasses.asdict(previous))
+
+
 def huge_pages_available() -> bool:
-    """Linux with transparent huge pages in `always` or `madvise` mode, and not switched off by BRISK_HUGE_PAGES=0."""
-    if os.environ.get("BRISK_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    """Linux with transparent huge pages in `always` or `madvise` mode, and not switched off in the settings."""
+    if not settings.enabled or not sys.platform.startswith("linux"):
         return False
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()

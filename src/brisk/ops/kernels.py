@@ -1,150 +1,214 @@
-"""brisk's C++ CPU kernels (every ops/csrc/*.cpp), compiled with torch.utils.cpp_extension on first use.
+"""brisk's C++ CPU kernels (every ops/csrc/*.cpp), compiled with torch.utils.cpp_extension.
 
-Nothing is built when `brisk` is imported: the first call that could use a kernel calls `get_ops()`, which
-compiles each source file as its own small extension (in parallel, about 15-25 s each on 2 cores; logged),
-caches the shared libraries under `$TORCH_EXTENSIONS_DIR` or `~/.cache/brisk/ext`, and loads them into
-`torch.ops.brisk`. Later processes reuse the cached builds in well under a second; torch rebuilds a library
-when its source changes. One file per extension, so a kernel that fails to build costs only its own ops.
+`make install` (or `brisk kernels build`) compiles every source for the installing CPU, in parallel over the cores,
+so the first `brisk generate` loads cached libraries in well under a second. Nothing is built when `brisk` is
+imported: the first call that could use a kernel calls `get_ops()`, which builds whatever is not cached yet (a
+kernel source changed since: about 15 CPU seconds a file, logged) under `cache_dir` and loads every library into
+`torch.ops.brisk`. One file per extension, so a kernel that fails to build costs only its own ops.
 
-Two instruction-set tiers (`kernel_isa()`): "avx2" (AVX2 + FMA + F16C), and on CPUs with AVX-512 F/BW/VL/DQ, VNNI
-and BF16 (AMD Zen 4/5, Intel Sapphire Rapids) "avx512": the same sources with those flags, where linear_small uses
-vdpbf16ps for bfloat16, quant_q8 vpdpbusd for its int8 dot products, the sparse kernels vexpandps and (with VBMI2,
-where the CPU has it) vpexpandb, and the GEMV loops prefetch further ahead. The tier is part of the build's name.
+The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2" or "generic") is chosen from
+/proc/cpuinfo of this machine, and a build's folder is named after the tier and keyed by the exact compiler flags,
+the source (path and content) and the shared headers, python and torch: a cache carried to a machine of another
+CPU model never hands it a library built for flags it does not report.
 
 Every kernel has a pure-PyTorch reference path next to it, taken when
 - its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
-- `BRISK_DISABLE_KERNELS=1` is set (read on every call, so tests can flip it);
+- the kernels are switched off (`settings.enabled`: BRISK_DISABLE_KERNELS=1 at start-up, `configure(enabled=False)`
+  or `with disabled():` in-process);
 - the tensors are not on the CPU, or a dtype / shape the kernel does not cover.
 Callers ask for an op by name (`get_op`), so a missing one is just "use the reference path".
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, running_tier
+
+__all__ = ["KernelSettings", "settings", "configure", "override", "disabled", "get_ops", "get_op", "kernel_isa",
+           "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources"]
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
-_lock = threading.Lock()
+_lock = threading.RLock()  # build_all holds it, and get_ops around its call (one build per process)
 _state: dict[str, Any] = {"tried": False, "ops": None}
 
 
-def kernels_disabled() -> bool:
-    """True when BRISK_DISABLE_KERNELS asks for the pure-PyTorch paths."""
-    return os.environ.get("BRISK_DISABLE_KERNELS", "") not in ("", "0")
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """How brisk uses its kernels. Read once from the environment when this module is imported
+    (`from_env`); change them in-process with `configure` / `override`, never through os.environ."""
+
+    enabled: bool = True  # False: every op takes its PyTorch reference path (BRISK_DISABLE_KERNELS=1)
+    isa: str | None = None  # "avx2" caps the build at the AVX2 tier on an AVX-512 CPU (BRISK_KERNEL_ISA)
+    cache_dir: Path = Path.home() / ".cache" / "brisk" / "ext"  # TORCH_EXTENSIONS_DIR, or $XDG_CACHE_HOME/brisk/ext
+
+    def __post_init__(self) -> None:
+        if self.isa is not None and self.isa not in ISA_CHOICES:
+            raise ValueError(f"kernel isa {self.isa!r}: use {' or '.join(ISA_CHOICES)} (or leave it unset for the "
+                             "best this CPU has)")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> KernelSettings:
+        isa = env.get("BRISK_KERNEL_ISA", "").strip().lower() or None
+        if isa is not None and isa not in ISA_CHOICES:
+            raise ValueError(f"BRISK_KERNEL_ISA={isa!r}: use {' or '.join(ISA_CHOICES)} (or leave it unset for the "
+                             "best this CPU has)")
+        root = env.get("TORCH_EXTENSIONS_DIR")
+        cache = Path(root) if root else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
+        return cls(enabled=env.get("BRISK_DISABLE_KERNELS", "") in ("", "0"), isa=isa, cache_dir=cache)
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+settings = KernelSettings.from_env()  # the start-up read: the only place these environment variables are looked at
+
+
+def configure(**changes: Any) -> KernelSettings:
+    """Change the settings in-process (fields of KernelSettings); returns the previous ones. `enabled` applies to
+    the next call; `isa` and `cache_dir` to a build not made yet: a process builds and loads its kernels once (two
+    tiers' libraries cannot both register the same ops in torch.ops.brisk)."""
+    global settings
+    previous = settings
+    settings = dataclasses.replace(settings, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[KernelSettings]:
+    """`configure(**changes)` for the duration of a `with` block, then the settings as they were."""
+    previous = configure(**changes)
     try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
-    except OSError:
-        return frozenset()
+        yield settings
+    finally:
+        configure(**dataclasses.asdict(previous))
 
 
-# what the avx512 tier compiles for: 512-bit float (F), byte/word (BW) and 256-bit EVEX (VL) forms, int8 dot
-# products (VNNI: vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps), as on AMD Zen 4/5 and Intel Sapphire
-# Rapids; and where the CPU has it, byte expansion (VBMI2: vpexpandb, the sparse int8 kernel's AVX-512 path;
-# without it, as on Cooper Lake, that kernel keeps its AVX2 loop and the build is tagged avx512nv)
-_AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-                 "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
-_AVX512_OPTIONAL = {"avx512_vbmi2": "-mavx512vbmi2"}
-_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+def disabled() -> contextlib.AbstractContextManager[KernelSettings]:
+    """`with kernels.disabled():` every op on its PyTorch reference path for the block."""
+    return override(enabled=False)
 
 
-def _isa_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags) of the kernels' build for this CPU: "avx512" (the AVX2 code plus 512-bit, VNNI and
-    BF16 paths) where the CPU has every flag of _AVX512_FLAGS, "avx2" where torch runs AVX2 or better, else
-    "generic" (no kernels). BRISK_KERNEL_ISA=avx2 asks for the AVX2 build on an AVX-512 CPU (tests and A/B runs).
-    Explicit ISA flags rather than -march=native, so a build cached on a shared home directory by a newer CPU
-    cannot crash an older one: the tag is part of the build directory's name."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    if not capability.startswith("AVX"):
-        return "generic", []
-    wanted = os.environ.get("BRISK_KERNEL_ISA", "").strip().lower()
-    if wanted not in ("", "avx2", "avx512"):
-        raise ValueError(f"BRISK_KERNEL_ISA={wanted!r}: use avx2 or avx512 (or leave it unset for the best this "
-                         "CPU has)")
-    if wanted != "avx2" and capability == "AVX512" and set(_AVX512_FLAGS) <= cpu_flags():
-        if set(_AVX512_OPTIONAL) <= cpu_flags():
-            return "avx512", _AVX2_FLAGS + list(_AVX512_FLAGS.values()) + list(_AVX512_OPTIONAL.values())
-        return "avx512nv", _AVX2_FLAGS + list(_AVX512_FLAGS.values())
-    return "avx2", list(_AVX2_FLAGS)
+def kernels_disabled() -> bool:
+    """True when the settings ask for the pure-PyTorch paths."""
+    return not settings.enabled
+
+
+def kernel_tier() -> Tier:
+    """The tier (ops/isa.py) the kernels are built for in this process: the running CPU's, capped by settings.isa."""
+    return running_tier(settings.isa)
 
 
 def kernel_isa() -> str:
-    """The instruction-set tier brisk's kernels are built for on this machine: avx512, avx2 or generic."""
-    tag = _isa_flags()[0]
-    return "avx512" if tag.startswith("avx512") else tag
+    """The instruction-set family brisk's kernels are built for here: avx512, avx2 or generic."""
+    name = kernel_tier().name
+    return "avx512" if name.startswith("avx512") else name
 
 
-def build_directory(name: str, source: Path | None = None) -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
+def _isa_flags() -> tuple[str, list[str]]:
+    """(tier name, compiler flags) of this process's build."""
+    tier = kernel_tier()
+    return tier.name, list(tier.cflags)
+
+
+# -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the runtime
+# it links (libgomp.so.1) is the one torch already loaded.
+_CFLAGS = ("-O3", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_directory(name: str, source: Path | None = None, cflags: tuple[str, ...] = ()) -> Path:
+    """The cache folder of one build. The build files record the source's path, and torch versions builds by
+    content: two checkouts (or two versions of a kernel) sharing one folder would rebuild each other's library on
+    every switch, hence the key. The shared headers (csrc/*.h) and the exact compiler flags are part of it too."""
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     folder = f"{name}-{py}-torch{torch.__version__.replace('+', '_')}"
     if source is not None:
-        # The build files record the source's path and torch versions builds by content: two checkouts (or
-        # two versions of a kernel) sharing one folder would rebuild each other's library on every switch.
-        # the shared headers (csrc/*.h) are part of every build
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes() + headers).hexdigest()[:12]
-        folder += f"-{key}"
-    return base / folder
+        flags = " ".join(cflags).encode()
+        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes() + headers + b"\0" + flags)
+        folder += f"-{key.hexdigest()[:12]}"
+    return settings.cache_dir / folder
 
 
-def _build(source: Path) -> None:
+def library_path(source: Path, tier: Tier | None = None) -> Path:
+    """Where the shared library of `source` built for `tier` (default: this process's) is cached."""
+    tier = tier or kernel_tier()
+    name = f"brisk_{source.stem}_{tier.name}"
+    return build_directory(name, source, _CFLAGS + tier.cflags) / f"{name}.so"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """One source's build: `built` False when the cached library was loaded, `error` set when it failed."""
+
+    source: str
+    tier: str
+    built: bool
+    seconds: float
+    error: str | None = None
+
+
+def _build(source: Path) -> BuildResult:
     """Compile (or load the cached build of) one source file; its TORCH_LIBRARY_FRAGMENT registers its ops."""
     from torch.utils import cpp_extension
 
-    tag, isa = _isa_flags()
-    name = f"brisk_{source.stem}_{tag}"
-    directory = build_directory(name, source)
-    directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"{name}.so"
+    tier = kernel_tier()
+    library = library_path(source, tier)
+    library.parent.mkdir(parents=True, exist_ok=True)
     before = library.stat().st_mtime if library.exists() else None
     t0 = time.perf_counter()
-    # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP;
-    # the runtime it links (libgomp.so.1) is the one torch already loaded.
-    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *isa],
-                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+    cpp_extension.load(name=library.stem, sources=[str(source)], extra_cflags=[*_CFLAGS, *tier.cflags],
+                       extra_ldflags=list(_LDFLAGS), build_directory=str(library.parent), is_python_module=False,
                        verbose=False)
     elapsed = time.perf_counter() - t0
-    if before is None or library.stat().st_mtime != before:
-        logger.warning("brisk: compiled C++ kernels %s (%s) in %.1f s, cached in %s", source.name, tag, elapsed,
-                       directory)
+    built = before is None or library.stat().st_mtime != before
+    if built:
+        logger.warning("brisk: compiled C++ kernels %s (%s) in %.1f s, cached in %s", source.name, tier.name,
+                       elapsed, library.parent)
     else:
-        logger.info("brisk: loaded cached C++ kernels %s (%s) in %.2f s", source.name, tag, elapsed)
+        logger.info("brisk: loaded cached C++ kernels %s (%s) in %.2f s", source.name, tier.name, elapsed)
+    return BuildResult(source.name, tier.name, built, elapsed)
 
 
-def _try_build(source: Path) -> bool:
+def _try_build(source: Path) -> BuildResult:
+    t0 = time.perf_counter()
     try:
-        _build(source)
-        return True
+        return _build(source)
     # a failed build must never take the engine down: any error here means "use the reference path"
     except Exception as e:  # noqa: BLE001
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         logger.warning("brisk: C++ kernels %s unavailable (%s: %s); using the PyTorch reference path",
                        source.name, type(e).__name__, first)
-        return False
+        return BuildResult(source.name, kernel_tier().name, False, time.perf_counter() - t0, f"{type(e).__name__}: "
+                           f"{first}")
+
+
+def build_all(jobs: int | None = None) -> list[BuildResult]:
+    """Build (or load from the cache) every kernel source for this process's tier, `jobs` at a time (default: one
+    per core; each build is one compiler process) and load them into torch.ops.brisk. What `get_ops` does on
+    first use and `brisk kernels build` at install; safe to call again (the second time everything is cached)."""
+    with _lock:
+        sources = list(_SOURCES)
+        workers = max(1, min(len(sources), jobs or os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(_try_build, sources))
+        _state["ops"] = torch.ops.brisk if any(r.error is None for r in results) else None
+        _state["tried"] = True
+    return results
 
 
 def get_ops() -> Any | None:
@@ -154,11 +218,7 @@ def get_ops() -> Any | None:
     if not _state["tried"]:
         with _lock:
             if not _state["tried"]:
-                sources = list(_SOURCES)
-                with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
-                    built = list(pool.map(_try_build, sources))
-                _state["ops"] = torch.ops.brisk if any(built) else None
-                _state["tried"] = True
+                build_all()
     return _state["ops"]
 
 
@@ -166,3 +226,8 @@ def get_op(name: str) -> Callable[..., Any] | None:
     """The kernel `torch.ops.brisk.<name>`, or None when the reference path must be used."""
     ops = get_ops()
     return getattr(ops, name, None) if ops is not None else None
+
+
+def kernel_sources() -> list[Path]:
+    """The kernel source files (ops/csrc/*.cpp), one extension library each."""
+    return list(_SOURCES)

@@ -6,7 +6,9 @@
 //   rms_norm, float32:  x * r * w                    r = 1 / sqrt(mean(x^2) + eps), all float32
 //   rms_norm, bfloat16: bf16(w * bf16(x * r))        statistics in float32; HF's `weight * normed.to(dtype)`
 //   silu_mul, bfloat16: bf16(bf16(silu(g)) * u)      F.silu(gate) * up in bf16 rounds twice; so does this
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,5 +1,6 @@
 // Small-M linear (decode): out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W float32 or bfloat16, M <= 16.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

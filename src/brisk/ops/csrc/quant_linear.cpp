@@ -33,7 +33,8 @@
 // 24, 4 and 2 bits) and its offsets shrink by as much. Codebook (NF4) codes index a 16-entry table instead: a
 // variable shift brings each code to bit 0, two 8-entry permutes look up both halves of the table, and a blend on
 // bit 3 of the code picks one; the activations are then used as they are.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

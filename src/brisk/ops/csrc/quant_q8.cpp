@@ -39,7 +39,9 @@
 // Both are the same permutation, xperm[4 l + i] = x[8 i + l]: after the packs that narrow four int32 vectors
 // (lanes l of x[8 i .. 8 i + 7]) to bytes, each 128-bit half holds a 4 x 4 byte matrix [i][l] that one in-lane byte
 // shuffle transposes to [l][i].
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -31,7 +31,9 @@
 // Activations, as quant_q8.cpp (and bit for bit brisk.ops.sparse_q8.quantize_activations_q8): per 32 columns
 // xs = max|x| / 127, xq = round_half_even(x * 127 / max|x|), here in their natural order; xr_g = sum_{b in g} xs_b *
 // sum(xq_b). Result per row n: sum_g s_g (sum_{b in g} xs_b dot(q_b, xq_b)) - sum_g zero_g s_g xr_g (+ bias).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

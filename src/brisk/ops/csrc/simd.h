@@ -4,7 +4,8 @@
 // its own helpers of the same name.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>

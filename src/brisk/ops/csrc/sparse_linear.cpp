@@ -34,7 +34,8 @@
 // (linear_small.cpp); int8 and int4 stay slower than quant_linear.cpp's dense kernels, which decode 32 weights with
 // a handful of instructions and already run near the bandwidth limit, so brisk.ops.sparse only converts float32
 // layers automatically.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

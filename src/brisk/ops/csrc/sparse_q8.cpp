@@ -24,7 +24,8 @@
 // float32 accumulation is x's quantization, which brisk.ops.sparse.quantize_activations_q8 reproduces bit for bit
 // (same float32 division and multiply, round half to even), so the kernel equals sparse_q8_reference within
 // float32 summation error.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,0 +1,101 @@
+"""The instruction-set tiers brisk's C++ kernels are built for, and the choice of one from what the running CPU
+reports.
+
+A tier is a fixed set of compiler flags and the /proc/cpuinfo flags that every instruction those compiler flags
+allow needs, including what a flag implies: GCC's -mavx2 also defines __SSE4_2__, __POPCNT__ and __XSAVE__, so the
+avx2 tier requires popcnt, sse4_2 and xsave as well. The compiler never emits an instruction outside the enabled
+extensions, so a CPU that reports every required flag runs every instruction of the tier's build. Linux clears
+a flag in /proc/cpuinfo when the kernel does not enable its register state (XCR0), so these flags already mean
+"usable by this process", except for AMX, whose tile data each process must request with arch_prctl
+(ARCH_REQ_XCOMP_PERM); no tier enables AMX, and tests/test_kernel_instructions.py decodes every build to keep it so.
+
+    tier      compiler flags (beyond x86-64)                      CPUs
+    avx512    avx2 tier + AVX-512 F/BW/VL/DQ, VNNI, BF16, VBMI2   AMD Zen 4/5, Intel Sapphire/Emerald Rapids
+    avx512nv  avx512 without VBMI2                                Intel Cooper Lake
+    avx2      AVX2, FMA, F16C                                     Haswell and later, Zen 1-3, AVX2-only VMs
+    generic   (no kernels: the PyTorch reference paths)           anything else
+
+The tier is chosen per process from /proc/cpuinfo of the running CPU, never from a cached build: a home directory
+(and its build cache) carried from one machine to another gets the tier, and the build, of the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One build of the kernels: its name (part of the build's folder name), the compiler flags, and the
+    /proc/cpuinfo flags a CPU must report to run it."""
+
+    name: str
+    cflags: tuple[str, ...]
+    requires: frozenset[str]
+
+
+# /proc/cpuinfo spells SSE3 "pni". -mavx2 implies (GCC 12) SSE3, SSSE3, SSE4.1/4.2 (with CRC32), POPCNT, AVX and
+# XSAVE; -mfma and -mf16c are separate CPUID bits.
+_AVX2 = Tier("avx2", ("-mavx2", "-mfma", "-mf16c"),
+             frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "xsave", "avx", "avx2", "fma", "f16c"}))
+# 512-bit float (F), byte/word (BW), 256/128-bit EVEX forms (VL), dword/qword (DQ), int8 dot products (VNNI:
+# vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps). VBMI2 (vpexpandb, the sparse int8 kernel's AVX-512 path) is
+# a CPUID bit of its own, distinct from VBMI (vpermb), which no tier enables.
+_AVX512_NV = Tier("avx512nv", _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                                              "-mavx512bf16"),
+                  _AVX2.requires | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
+_AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2",), _AVX512_NV.requires | {"avx512_vbmi2"})
+GENERIC = Tier("generic", (), frozenset())
+
+TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2)  # best first
+ISA_CHOICES = ("avx2", "avx512")  # what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The running CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return frozenset()
+
+
+def choose_tier(flags: Iterable[str], isa: str | None = None) -> Tier:
+    """The best tier whose every required flag is in `flags` (a CPU's /proc/cpuinfo flags); `isa` = "avx2" caps it
+    at the AVX2 build (tests and A/B runs on an AVX-512 CPU). A request never raises the tier above the CPU's."""
+    have = frozenset(flags)
+    for tier in TIERS:
+        if isa == "avx2" and tier.name != "avx2":
+            continue
+        if tier.requires <= have:
+            return tier
+    return GENERIC
+
+
+def running_tier(isa: str | None = None) -> Tier:
+    """The tier for the CPU this process runs on. Where there is no /proc/cpuinfo (not Linux), torch's own CPU
+    detection decides between avx2 and none: AVX-512 builds are only chosen from flags read here."""
+    flags = cpu_flags()
+    if not flags:
+        return _AVX2 if torch.backends.cpu.get_cpu_capability().startswith("AVX") else GENERIC
+    return choose_tier(flags, isa)
+
+
+def explain(flags: Iterable[str], isa: str | None = None) -> list[str]:
+    """One line per tier: chosen, or which required flags the CPU lacks (`brisk kernels info`)."""
+    have, chosen = frozenset(flags), choose_tier(flags, isa)
+    lines = []
+    for tier in TIERS:
+        missing = sorted(tier.requires - have)
+        if tier == chosen:
+            lines.append(f"{tier.name}: chosen (the CPU reports every flag it needs)")
+        elif isa == "avx2" and tier.name != "avx2":
+            lines.append(f"{tier.name}: skipped (isa=avx2 asked for the AVX2 build)")
+        else:
+            lines.append(f"{tier.name}: " + (f"the CPU lacks {', '.join(missing)}" if missing else "available"))
+    return lines

@@ -1,0 +1,82 @@
+"""`brisk kernels build | info`: build the C++ kernels for this CPU ahead of use, and say what runs here."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+
+@click.group("kernels")
+def kernels_group() -> None:
+    """brisk's C++ kernels: build them for this CPU, or show the CPU, the tier chosen and why."""
+
+
+@kernels_group.command("build")
+@click.option("--jobs", "-j", type=int, default=None, help="Sources compiled at once (default: one per core).")
+@click.option("--isa", type=click.Choice(["avx2", "avx512"]), default=None,
+              help="Cap the tier (avx2: the AVX2 build on an AVX-512 CPU); default: the best this CPU reports.")
+def build(jobs: int | None, isa: str | None) -> None:
+    """Compile every kernel source for this CPU (cached ones are only loaded). `make install` runs this, so the
+    first `brisk generate` starts at once; a source changed later is rebuilt on its next use."""
+    from brisk.ops import kernels
+
+    if isa is not None:
+        kernels.configure(isa=isa)
+    tier = kernels.kernel_tier()
+    click.echo(f"tier {tier.name} ({' '.join(tier.cflags) or 'no ISA flags'}), cache {kernels.settings.cache_dir}")
+    t0 = time.perf_counter()
+    results = kernels.build_all(jobs)
+    for r in results:
+        state = "failed" if r.error else ("built" if r.built else "cached")
+        click.echo(f"  {r.source:24s} {r.tier:9s} {state:7s} {r.seconds:6.1f} s" + (f"  {r.error}" if r.error else ""))
+    failed = [r for r in results if r.error]
+    click.echo(f"{len(results) - len(failed)}/{len(results)} kernel files ready in {time.perf_counter() - t0:.1f} s")
+    if failed:  # brisk still runs (the reference paths), but an install should say it did not get its kernels
+        raise SystemExit(1)
+
+
+@kernels_group.command("info")
+@click.option("--load/--no-load", default=True, show_default=True,
+              help="Load (building if needed) the kernels to list the ops they register.")
+def info(load: bool) -> None:
+    """The CPU, the flags the tiers check, the tier chosen and why, and the ops loaded."""
+    from brisk.ops import isa as isa_
+    from brisk.ops import kernels
+
+    flags = isa_.cpu_flags()
+    model = _cpu_model()
+    click.echo(f"cpu: {model}")
+    checked = sorted(set().union(*(t.requires for t in isa_.TIERS)))
+    click.echo("flags checked: " + " ".join(f"{f}{'' if f in flags else '(-)'}" for f in checked))
+    extra = sorted(f for f in flags if f.startswith(("amx", "avx512_vp2intersect", "avx512_fp16", "avx_vnni")))
+    if extra:
+        click.echo("also reported (no tier uses them): " + " ".join(extra))
+    s = kernels.settings
+    click.echo(f"settings: enabled={s.enabled} isa={s.isa or 'best'} cache={s.cache_dir}")
+    for line in isa_.explain(flags, s.isa) if flags else ["no /proc/cpuinfo: torch's CPU detection decides"]:
+        click.echo("  " + line)
+    tier = kernels.kernel_tier()
+    click.echo(f"tier: {tier.name} ({' '.join(tier.cflags) or 'no ISA flags'})")
+    for source in kernels.kernel_sources():
+        library = kernels.library_path(source, tier)
+        click.echo(f"  {source.name:24s} {'cached' if library.exists() else 'not built'}")
+    if not load:
+        return
+    ops = kernels.get_ops()
+    if ops is None:
+        click.echo("ops: none (kernels disabled or not built): every op runs its PyTorch reference path")
+        return
+    import torch
+
+    names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("brisk::"))
+    click.echo(f"ops loaded ({len(names)}): " + " ".join(names))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((x for x in f if x.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.split(":", 1)[1].strip() if ":" in line else "unknown"
