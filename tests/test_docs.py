@@ -17,9 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 # docs/history.md records past runs with the commands of their day; it is checked for paths and numbering only.
 COMMAND_DOCS = [p for p in DOCS if p.name != "history.md"]
-# Subcommands being added to the CLI alongside these docs; skipped (with this reason) only while absent.
-PENDING = {("kernels",): "brisk kernels is documented ahead of its merge"}
-PENDING_OPTIONS = {"--execution": "--execution is documented ahead of its merge"}
 
 
 def _command_lines(path: Path) -> list[tuple[int, str]]:
@@ -70,13 +67,7 @@ def test_documented_command_parses(doc: str, number: int, line: str) -> None:
     if rest in ([], ["..."]) and path:
         return  # a reference to a command by name: it exists
     if isinstance(command, click.Group):
-        for key, reason in PENDING.items():
-            if tuple(rest[: len(key)]) == key:
-                pytest.skip(reason)
         pytest.fail(f"{doc}:{number}: `{line}` names no subcommand of brisk {' '.join(path)}")
-    for option, reason in PENDING_OPTIONS.items():
-        if option in rest and not any(option in p.opts for p in command.params):
-            pytest.skip(reason)
     _without_existence_checks(command)
     try:
         command.make_context(" ".join(["brisk", *path]), rest, resilient_parsing=False)
