@@ -14,8 +14,8 @@ Each step then runs what this table says (the first row that matches it):
     step                                                    modules  plan     cpp       compiled
     model not covered (unfused projections, hooks, a        modules  modules  modules   (refused at build)
       linear with no kernel for the model dtype)
-    quantized or evicting KV cache, H2O scores, hand-built  modules  modules  modules   modules
-      prefills, off the CPU  (decode_plan.straight_line_step)
+    quantized or evicting KV cache, attention statistics    modules  modules  modules   modules
+      collected (H2O), off the CPU  (decode_plan.straight_line_step)
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
 

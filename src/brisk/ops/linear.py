@@ -28,7 +28,7 @@ _WIDEN_CHUNK_WEIGHTS = 1 << 21
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), so that MKL's bf16 GEMM is fast.
 
-    Without it (an AVX2-only CPU, as sessions 1-9 had) MKL emulates bf16 GEMM at ~1/5 of its float32 speed."""
+    Without it (an AVX2-only CPU) MKL emulates bf16 GEMM at ~1/5 of its float32 speed."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 

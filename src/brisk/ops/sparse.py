@@ -34,18 +34,13 @@ from brisk.ops.linear import dense_gemm
 COLS = 8  # columns per mask byte
 MAX_SMALL_M = 8  # activation rows the kernel takes in one pass (one accumulator each); beyond, densify + GEMM
 # Sparsity from which a layer is converted at load, per value kind (32 = float32 values; 8 = int8 values; 4 = 2- to
-# 4-bit codes); None = never automatically. Measured with `brisk bench sparse --kernels` (M = 1, the default
-# model's shapes, weights far beyond the caches) against linear_small_m and quant_linear_small; the figures and
-# conditions are in notes/issue7_sparse_results.md. float32: the kernel is level with the dense GEMV near 20%
-# zeros and 1.4-1.8x faster at 30-50%, so 30% leaves a margin. Codes: the decode (a table lookup, a shuffle and a
-# conversion per 8 weights) costs more than the bytes it saves against brisk's dense int8/int4 kernels, which
+# 4-bit codes); None = never automatically. Chosen from `brisk bench sparse --kernels` (M = 1, the default model's
+# shapes, weights far beyond the caches; figures in BENCHMARKS.md): the float32 kernel is level with the dense GEMV
+# near 20% zeros and faster from 30%, so 30% leaves a margin. For codes, the decode (a table lookup, a shuffle and
+# a conversion per 8 weights) costs more than the bytes it saves against brisk's dense int8/int4 kernels, which
 # already run near the bandwidth limit, so quantized layers stay dense unless asked (`sparsify_model(...,
-# min_sparsity=...)`, as `brisk bench sparse` does to measure them). The integer-dot kernel for int8 values
-# (ops/sparse_q8.py, `int8_dot=True`) did not change that: 0.66-0.70x of dense int8 at 50%
-# (/work/notes/sparseq_results.md). On the AVX-512 build (session 11, Zen 5: vexpandps / vpexpandb + vpdpbusd):
-# float32 1.01x / 1.10x / 1.20x / 1.36x / 1.55x at 10-50% (so 30% still holds), int8-dot 0.91-1.11x of the dense
-# int8 kernel at 10-50% and, over a whole decode step at 50%, 1.14-1.20x dense int8 with float activations and
-# 1.00-1.12x dense int8 with int8 activations; 4-bit codes 0.3x. int8-dot rounds x, so it stays opt-in.
+# min_sparsity=...)`, as `brisk bench sparse` does to measure them); the integer-dot kernel for int8 values
+# (ops/sparse_q8.py, `int8_dot=True`) rounds x, so it stays opt-in.
 MIN_SPARSITY: dict[int, float | None] = {32: 0.3, 8: None, 4: None}
 
 

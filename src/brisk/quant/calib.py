@@ -105,7 +105,7 @@ def load_calibration_ids(tokenizer: Tokenizer, config: CalibConfig) -> torch.Ten
     path = Path(config.calib_text)
     if not path.is_file():
         raise CalibrationError(f"calibration text {path} does not exist; pass --calib-text with a UTF-8 text file "
-                               "(e.g. /work/shared/data/emma.txt)")
+                               "(the default is the bundled calibration text, brisk.data.calibration_text_path())")
     ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
     if len(ids) < config.seq_len:
         raise CalibrationError(f"calibration text {path.name} has {len(ids)} tokens, fewer than one sample of "

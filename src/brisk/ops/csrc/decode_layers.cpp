@@ -2,7 +2,7 @@
 // layer (each ~5-6 us of Python argument handling on this CPU, ~2 ms a step over 30 layers, against ~11 ms of
 // arithmetic at batch 1 for an int4 model).
 //
-// It calls the very kernels brisk.model.decode_plan.DecodePlan.run calls, through the dispatcher (each lives in its
+// It calls the very kernels brisk.engine.decode_plan.DecodePlan.run calls, through the dispatcher (each lives in its
 // own extension library), in the same order with the same arguments, so its results equal the Python loop's bit
 // for bit. Only steps of up to 8 rows come here (every linear then takes its small-M kernel): decode batches, and
 // speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears

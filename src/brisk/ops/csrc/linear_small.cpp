@@ -18,7 +18,7 @@ using brisk_simd::hsum;
 using brisk_simd::load8;
 using brisk_simd::with_rows;
 
-// Software prefetch of the weight row stream (simd.h). On the AVX2 VM (sessions 1-9) 2-4 KiB into L1 measured
+// Software prefetch of the weight row stream (simd.h). On an AVX2-only VM 2-4 KiB into L1 measured
 // 5-15% faster than none at M = 2..8, and none was best at M = 1 (the hardware prefetcher follows one stream
 // well). On the avx512 build's machine, 8-16 KiB into L2: float32 M = 8, the default model's decoder shapes,
 // 2 threads: none 19.5 ms, 4 KiB L1 10.4, 8 KiB L2 9.2-9.4, 16 KiB L2 9.1-9.5; M = 1 6.65 -> 6.3 with 16 KiB
@@ -336,7 +336,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const s
 }
 
 // The schema, then a CPU kernel (not a catch-all): torch.compile traces the op as one opaque call through the
-// shape function model/compiled.py registers (a catch-all kernel would have to be decomposed, which C++ cannot).
+// shape function engine/compiled.py registers (a catch-all kernel would have to be decomposed, which C++ cannot).
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
