@@ -174,7 +174,9 @@ def _set(d: dict, key: str, value) -> None:
 
 
 BROKEN = [
-    ("quant_method gptq", lambda c: _set(c, "quant_method", "gptq"), None, "quant_method 'gptq'"),
+    ("quant_method hqq", lambda c: _set(c, "quant_method", "hqq"), None, "quant_method 'hqq', which brisk does not"),
+    ("brisk tensors under gptq", lambda c: _set(c, "quant_method", "gptq"), None,
+     "checkpoint lacks lm_head.qzeros, which the GPTQ layout needs"),
     ("future version", lambda c: _set(c, "format_version", 9), None, "format_version 9 is not supported"),
     ("unknown method", lambda c: _set(c, "method", "magic"), None, "unknown quantization method 'magic'"),
     ("bad bits", lambda c: c["modules"]["lm_head" if "lm_head" in c["modules"] else "model.embed_tokens"].update(

@@ -196,12 +196,13 @@ def convert_gguf_command(outtype: str, model: str, out: str) -> None:
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
+    from brisk.model.export_cli import export
     from brisk.ops.kernels_cli import kernels_group
     from brisk.prune.cli import prune
     from brisk.quant.cli import quantize
     from brisk.spec.cli import spec_group
 
-    for command in (bench, eval_group, kernels_group, prune, quantize, spec_group):
+    for command in (bench, eval_group, export, kernels_group, prune, quantize, spec_group):
         main.add_command(command)
 
 

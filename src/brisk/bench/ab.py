@@ -140,7 +140,7 @@ def kernel_calls(model: str | None, op: str, rows: int, head: bool) -> tuple[lis
     bytes of codes and group parameters they stream."""
     from brisk.model.loader import load_model
     from brisk.ops.qlinear import set_tiled
-    from brisk.quant.layers import QuantLinear
+    from brisk.ops.layers import QuantLinear
 
     calls, nbytes = [], 0
     for name, mod in load_model(model).model.named_modules():

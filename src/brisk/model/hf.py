@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from brisk.model.config import ModelConfig
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.community import convert_community_checkpoint, read_community_config
 from brisk.quant.config import QuantizationConfig, read_quantization_config
 
 SINGLE_FILE = "model.safetensors"
@@ -41,7 +42,7 @@ class HFCheckpoint:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     generation_config: dict[str, Any] = field(default_factory=dict)
-    quantization: QuantizationConfig | None = None  # set for a folder written by `brisk quantize`
+    quantization: QuantizationConfig | None = None  # set for a folder of `brisk quantize` (or GPTQ / AWQ / c-t)
 
 
 def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
@@ -52,9 +53,12 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCh
         config = ModelConfig.from_hf_dict(config_dict)
     except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type; UnsupportedModelError passes
         raise HFCheckpointError(f"{folder / 'config.json'} has a malformed field: {e}") from e
-    quantization = read_quantization_config(config_dict, str(folder / "config.json"))
+    community = read_community_config(config_dict, str(folder / "config.json"))  # GPTQ, AWQ, compressed-tensors
+    quantization = None if community else read_quantization_config(config_dict, str(folder / "config.json"))
     generation_config = _read_json(folder / "generation_config.json", required=False) or {}
     tensors = load_safetensors_folder(folder, dtype)
+    if community is not None:  # their packed tensors become brisk's, once (quant/community.py)
+        quantization = convert_community_checkpoint(tensors, config, community)
     tokenizer = _load_tokenizer(folder, config, config_dict, generation_config)
     return HFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config,
                         quantization=quantization)
@@ -110,7 +114,7 @@ def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
                 # Convert once here so the model never holds two copies; integer tensors (packed quantized
                 # weights, index buffers) and quantization scales keep their dtype (a float16 scale rounded to
                 # bfloat16 would move every weight of its group).
-                convert = t.is_floating_point() and not name.endswith(".scales")
+                convert = t.is_floating_point() and not name.endswith((".scales", ".weight_scale"))
                 out[name] = t.to(dtype) if convert else t
     except SafetensorError as e:
         raise HFCheckpointError(

@@ -7,6 +7,8 @@ and whose `model.safetensors` holds, for every quantized module X (HF names, bef
     X.scales   float16  [N, K / G]         per-group scale (NF4: per-group absmax)
     X.qzeros   uint8    [N, K / G]         per-group zero point; absent when symmetric (zero = 2^(bits-1))
     X.bias     float                       when the layer has one
+    X.input_order int64 [K]                when the groups are over permuted input columns (GPTQ act-order,
+                                           quant/community.py): the codes' column j is input feature order[j]
 
 and every other tensor as in a float checkpoint. The tokenizer, chat template and generation config travel in
 the same folder, so `brisk generate --model OUT` and `LLM(model=OUT)` need no other flags.
@@ -60,7 +62,7 @@ def save_quantized(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _module_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+def module_shape(config: ModelConfig, name: str) -> tuple[int, int]:
     """(out_features, in_features) of an HF module name of the Llama family."""
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -77,7 +79,7 @@ def _module_shape(config: ModelConfig, name: str) -> tuple[int, int]:
 def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, spec: LayerQuant
                        ) -> dict[str, torch.Tensor]:
     """Pop and check one quantized module's tensors; the error names the tensor and what was expected."""
-    n, k = _module_shape(config, name)
+    n, k = module_shape(config, name)
     groups = spec.groups(k)
     if spec.scheme == "int" and k * spec.bits % 8:
         raise QuantConfigError(f"{name}: {k} {spec.bits}-bit codes do not fill whole bytes")
@@ -105,6 +107,12 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     bias = tensors.pop(f"{name}.bias", None)
     if bias is not None:
         out["bias"] = bias
+    order = tensors.pop(f"{name}.input_order", None)
+    if order is not None:
+        if tuple(order.shape) != (k,) or not torch.equal(order.sort().values, torch.arange(k, dtype=order.dtype)):
+            raise QuantConfigError(f"{name}.input_order must be a permutation of the {k} input features, got "
+                                   f"{str(order.dtype).removeprefix('torch.')} {list(order.shape)}")
+        out["input_order"] = order
     return out
 
 
@@ -120,9 +128,22 @@ def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features:
 
 
 def _quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int,
-                  dtype: torch.dtype) -> QuantLinear:
+                  dtype: torch.dtype) -> nn.Module:
     bias = torch.cat([p["bias"] for p in parts]).to(dtype) if "bias" in parts[0] else None
-    return QuantLinear(_packed(parts, spec, in_features), bias, spec)
+    linear = QuantLinear(_packed(parts, spec, in_features), bias, spec)
+    if "input_order" not in parts[0]:
+        return linear
+    from brisk.quant.community import InputOrderLinear
+
+    return InputOrderLinear(linear, parts[0]["input_order"])
+
+
+def _same_order(parts: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether the parts read their inputs in one order (then their rows can share one fused layer)."""
+    orders = [p.get("input_order") for p in parts]
+    if all(o is None for o in orders):
+        return True
+    return all(o is not None and torch.equal(o, orders[0]) for o in orders)
 
 
 def take_all_quantized(tensors: dict[str, torch.Tensor], config: ModelConfig, qconfig: QuantizationConfig
@@ -153,7 +174,7 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
         for parent, fused_name, names, sub in groups:
             full = [f"{prefix}.{sub}.{n}" for n in names]
             specs = {qconfig.modules.get(f) for f in full}
-            if fuse and len(specs) == 1 and None not in specs:
+            if fuse and len(specs) == 1 and None not in specs and _same_order([layer_parts[f] for f in full]):
                 spec = specs.pop()
                 setattr(parent, fused_name, _quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype))
                 for n in names:

@@ -104,8 +104,9 @@ class QuantizationConfig:
         method = d.get("quant_method")
         if method != QUANT_METHOD:
             raise QuantConfigError(
-                f"{source}: quantization_config has quant_method {method!r}; brisk loads the checkpoints that "
-                "`brisk quantize` writes (quant_method 'brisk'). Quantize the float model with brisk instead: "
+                f"{source}: quantization_config has quant_method {method!r}, which brisk does not read; it reads "
+                "'brisk' (`brisk quantize`), 'gptq' (AutoGPTQ / GPTQModel), 'awq' (AutoAWQ GEMM) and "
+                "'compressed-tensors' (pack-quantized W4A16 / W8A16). Or quantize the float model with brisk: "
                 "brisk quantize --method rtn --bits 4 MODEL OUT")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
