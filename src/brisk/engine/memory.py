@@ -228,7 +228,7 @@ def check_memory(config: EngineConfig, available: int | None = None) -> MemoryEs
     if fits:
         lines.append("Settings that fit:")
         lines += [f"  {flags}   (about {_gib(est.total)})" for flags, est in fits]
-    if not footprint.fixed_bytes:  # a float model: a quantized checkpoint is the other way down
+    if not footprint.fixed_bytes and config.load_format != "dummy":  # a float model: quantizing it is another way
         linear = footprint.float_linear_params
         int4 = footprint.weight_bytes(torch.bfloat16) - linear * 2 + linear * (0.5 + 4 / 64)
         lines.append(f"Or quantize it first (weights about {_gib(int(int4))} at 4 bits): "
@@ -252,6 +252,8 @@ def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: 
         changes = ([f"--dtype {str(dtype).removeprefix('torch.')}"] if dtype else []) \
             + ([f"--prepack-weights {prepack}"] if prepack else [])
         est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack)
+        if prepack and not estimate_memory(config, footprint, dtype=dtype).packed:
+            continue  # no packed copies to drop under this dtype: the same option without the flag
         if shrink_kv:
             # the largest pool that leaves a tenth of the headroom spare, if it still holds one full sequence
             pool = int((available - (est.total - est.kv_pool)) * 0.9) // MiB * MiB
