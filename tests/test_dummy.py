@@ -136,3 +136,28 @@ def test_dummy_load_peak_rss_is_the_weights_plus_one_tensor(tmp_path: Path) -> N
     # the weights once, the largest tensor a second time while it moves onto huge pages, fusion's one layer and
     # the tokenizer within the 192 MiB; a full-model intermediate copy (2x the weights) cannot pass
     assert m["growth"] <= m["weights"] + m["largest"] + 192 * 2**20, m
+
+
+def test_shape_gguf_holds_the_dummy_weights_and_is_cached(tmp_path: Path) -> None:
+    from brisk.bench.shape_gguf import cached_shape_gguf
+    from brisk.model.dummy import random_tensors
+    from brisk.model.gguf import load_gguf
+
+    d = dict(SHAPES["llama-3.2-1b"])
+    d.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    (tmp_path / "tiny").mkdir()
+    config_path = tmp_path / "tiny" / "config.json"
+    config_path.write_text(json.dumps(d))
+    logs: list[str] = []
+    path = cached_shape_gguf(str(config_path), seed=1, folder=tmp_path / "cache", log=logs.append)
+    assert path.name == "tiny.seed1.f16.gguf" and "writing" in logs[-1]
+    ckpt = load_gguf(path)
+    assert ckpt.config.vocab_size == 128256 and ckpt.tokenizer.vocab_size == 128256  # padded token list
+    assert ckpt.tokenizer.decode(ckpt.tokenizer.encode("Hello world")) == "Hello world"
+    ref = random_tensors(shape_config(config_path), torch.float16, seed=1)
+    for name, t in ref.items():  # F16 stored exactly; llama.cpp's Q/K row order undone by brisk's reader
+        assert torch.equal(ckpt.tensors[name], t.float()), name
+    mtime = path.stat().st_mtime_ns
+    assert cached_shape_gguf(str(config_path), seed=1, folder=tmp_path / "cache", log=logs.append) == path
+    assert "cached" in logs[-1] and path.stat().st_mtime_ns == mtime
