@@ -29,7 +29,8 @@ def source(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("outtype", "ttype", "atol"), [("f32", T.F32, 0.0), ("f16", T.F16, 2e-3),
-                                                        ("bf16", T.BF16, 2e-2), ("q8_0", T.Q8_0, 2e-2)])
+                                                        ("bf16", T.BF16, 2e-2), ("q8_0", T.Q8_0, 2e-2),
+                                                        ("q4_1", T.Q4_1, 1e-2)])
 def test_retype_keeps_weights_metadata_and_tokenizer(source, tmp_path, outtype, ttype, atol):
     out = retype_gguf(source, tmp_path / f"tiny-{outtype}.gguf", outtype)
     src_reader, out_reader = GGUFReader(source), GGUFReader(out)
@@ -92,3 +93,19 @@ def test_bench_compare_rejects_bad_options(monkeypatch, source):
     assert result.exit_code == 1 and "unknown precision(s) q5_k" in result.output
     result = runner.invoke(main, ["bench", "compare", "--batch-sizes", "1,x", "--model", str(source)])
     assert result.exit_code == 1 and "--batch-sizes" in result.output
+
+
+def test_bench_compare_checks_every_precision_before_any_work(monkeypatch, source, tmp_path):
+    from brisk.bench.compare import check_precisions
+
+    check_precisions(source, ["f32", "f16", "q8_0", "q4_1"])  # all four can be written from this file
+    with pytest.raises(ValueError, match="unknown precision"):
+        check_precisions(source, ["f16", "q5_k"])
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "compare", "--shape", "llama-9b"])
+    assert result.exit_code == 1 and "unknown shape 'llama-9b'" in result.output
+    result = runner.invoke(main, ["bench", "compare", "--shape", "llama-3.2-1b", "--precisions", "f16,q5_k"])
+    assert result.exit_code == 1 and "unknown precision(s) q5_k" in result.output  # before the file is written
+    result = runner.invoke(main, ["bench", "compare", "--shape", "llama-3.2-1b", "--model", str(source)])
+    assert result.exit_code == 1 and "not both" in result.output

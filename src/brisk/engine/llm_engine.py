@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.engine.config import EngineConfig
+from brisk.engine.memory import check_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.request import Request, RequestStatus
@@ -20,6 +21,16 @@ from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
 from brisk.quant.layers import set_quant_activations
+
+
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, once the configuration is known to fit in memory (engine/memory.py: a CPU
+    configuration that cannot fit stops here, before any weight is read)."""
+    if torch.device(config.device).type == "cpu":
+        check_memory(config)
+    return load_model(config.model, dtype=config.torch_dtype, device=config.device,
+                      max_model_len=config.max_model_len, load_format=config.load_format, shape=config.shape,
+                      seed=config.seed)
 
 
 class PromptTooLongError(ValueError):
@@ -91,8 +102,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=config.device,
-                                           max_model_len=config.max_model_len)
+        self.loaded = loaded or load_engine_model(config)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         assert config.scheduler is not None  # EngineConfig fills in the defaults

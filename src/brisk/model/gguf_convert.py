@@ -1,4 +1,4 @@
-"""Re-type a GGUF file's weights (F32, F16, BF16, Q8_0), keeping its metadata: llama.cpp's `llama-quantize`.
+"""Re-type a GGUF file's weights (F32, F16, BF16, Q8_0, Q4_1), keeping its metadata: llama.cpp's `llama-quantize`.
 
     retype_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-f16.gguf", "f16")
 
@@ -22,6 +22,7 @@ OUT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
 }
 
 
@@ -55,7 +56,7 @@ def retype_gguf(src: str | Path, dst: str | Path, outtype: str) -> Path:
             writer.add_tensor(t.name, np.ascontiguousarray(values))
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(t.name, values.astype(np.float16))
-        else:  # BF16 and Q8_0 are byte arrays; the writer gets the element type to recover the shape
+        else:  # BF16, Q8_0 and Q4_1 are byte arrays; the writer gets the element type to recover the shape
             writer.add_tensor(t.name, quantize(values, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

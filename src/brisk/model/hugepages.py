@@ -171,21 +171,26 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
     if arena is None:
         return 0  # the kernel refused: keep the model as it is
     buf, start = arena
-    views: dict[int, torch.Tensor] = {}
+    holders_of: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
+    for owner, where, t in holders:
+        if t.device.type == "cpu" and t.layout == torch.strided and t.data_ptr() in moved:
+            holders_of.setdefault(t.data_ptr(), []).append((owner, where, t))
+    del holders
     with torch.no_grad():
-        for key, (t, offset) in moved.items():
+        # each tensor's holders move to its copy as soon as it is made, so that its old storage is freed then
+        # (a Parameter keeps its object, so nothing else holds the old storage): the copy holds one tensor twice
+        # at a time, not the whole model
+        for key, (t, offset) in list(moved.items()):
             view = buf[start + offset:start + offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)  # first touch: faults in huge pages
-            views[key] = view
-    for owner, where, t in holders:
-        view = views.get(t.data_ptr()) if t.device.type == "cpu" and t.layout == torch.strided else None
-        if view is None:  # (a moved storage has one view: this holder's tensor has the view's shape and dtype)
-            continue
-        kind, name = where.split(":", 1)
-        if kind == "param":
-            t.data = view  # the Parameter object stays (optimizers, tying), its storage moves
-        elif kind == "buffer":
-            owner._buffers[name] = view  # type: ignore[attr-defined]
-        else:
-            setattr(owner, name, view)
+            del moved[key], t
+            # (a moved storage has one view: each holder's tensor has the view's shape and dtype)
+            for owner, where, held in holders_of.pop(key):
+                kind, name = where.split(":", 1)
+                if kind == "param":
+                    held.data = view  # the Parameter object stays (optimizers, tying), its storage moves
+                elif kind == "buffer":
+                    owner._buffers[name] = view  # type: ignore[attr-defined]
+                else:
+                    setattr(owner, name, view)
     return total

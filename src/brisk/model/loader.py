@@ -76,9 +76,12 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     load_seconds: float
+    dummy_shape: str | None = None  # load_format "dummy": the shape of the random weights (path: the tokenizer's)
 
     @property
     def name(self) -> str:
+        if self.dummy_shape is not None:
+            return f"{self.dummy_shape} (random weights)"
         return DEFAULT_MODEL if self.path == _default_or_none() else self.path.name
 
 
@@ -126,13 +129,22 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", max_model_len: int | None = None,
-               fuse: bool = True, sparse: bool | None = None) -> LoadedModel:
+               fuse: bool = True, sparse: bool | None = None, load_format: str = "auto",
+               shape: str | Path | None = None, seed: int = 0) -> LoadedModel:
     """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math); `sparse`
     (default: as `fuse`, so tools that load plain HF-named layers get plain layers) stores the decoder linear
-    layers that are sparse enough (pruned) compressed, for the sparse kernels (same math)."""
+    layers that are sparse enough (pruned) compressed, for the sparse kernels (same math).
+
+    load_format "dummy": random weights (seeded by `seed`) of `shape` (a name in model/dummy.py SHAPES or an HF
+    config.json), or of `model`'s shape when no shape is given; the tokenizer is `model`'s (default: the default
+    model's)."""
     start = time.perf_counter()
-    path = resolve_model(model)
-    if path.is_dir():
+    if load_format == "dummy":
+        ckpt = _dummy_checkpoint(model, shape, dtype, seed, device)
+        path, tokenizer = ckpt.path, ckpt.tokenizer
+    elif load_format != "auto":
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    elif (path := resolve_model(model)).is_dir():
         from brisk.model.hf import load_hf_folder
 
         ckpt = load_hf_folder(path, dtype=dtype)
@@ -146,16 +158,20 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
     config = ckpt.config
     quantization = getattr(ckpt, "quantization", None)
+    # The model takes the checkpoint's tensors as they are (assign, no copy); the dict is dropped right after, so
+    # that fusion below frees each layer's parts as it concatenates them instead of keeping a second copy.
+    tensors, ckpt.tensors = ckpt.tensors, {}
     if quantization is None:
-        net = build_model(config, ckpt.tensors, dtype, device)
+        net = build_model(config, tensors, dtype, device)
     else:
         from brisk.quant.checkpoint import apply_quantized_modules, quantized_module_names, take_all_quantized
 
-        tensors = dict(ckpt.tensors)
         # the packed tensors are taken out first; what is left is an ordinary float checkpoint
         parts = take_all_quantized(tensors, config, quantization)
         net = build_model(config, tensors, dtype, device, quantized=quantized_module_names(config, quantization))
         apply_quantized_modules(net, config, quantization, parts, dtype, fuse=fuse)
+        del parts
+    del tensors
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
     if fuse:
         fuse_projections(net)
@@ -172,7 +188,55 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.model.hugepages import to_huge_pages
 
         to_huge_pages(net)  # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
-    return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
+    return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
+                       dummy_shape=getattr(ckpt, "shape", None))
+
+
+@dataclass
+class _DummyCheckpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path  # where the tokenizer came from
+    shape: str
+
+
+def model_shape(model: str | Path | None, shape: str | Path | None) -> tuple[ModelConfig, str]:
+    """The config (and its name) that `--load-format dummy` builds: `shape`'s, else `model`'s (a shape name, an
+    HF config.json or folder, a GGUF file, or the default model), read without loading any weights."""
+    from brisk.model.dummy import SHAPES, shape_config, shape_name
+
+    if shape is None and model is not None and str(model).lower() in SHAPES:
+        shape = model
+    if shape is not None:
+        return shape_config(shape), shape_name(shape)
+    path = resolve_model(model)
+    if path.is_file() and path.name != "config.json":
+        from brisk.model.gguf import read_gguf_config
+
+        return read_gguf_config(path), path.stem
+    return shape_config(path), shape_name(path)
+
+
+def _dummy_checkpoint(model: str | Path | None, shape: str | Path | None, dtype: torch.dtype, seed: int,
+                      device: torch.device | str) -> _DummyCheckpoint:
+    from brisk.model.dummy import SHAPES, random_tensors
+
+    config, name = model_shape(model, shape)
+    # the tokenizer: --model's when it names a model file or folder, else the default model's
+    source = resolve_model(None if model is None or str(model).lower() in SHAPES else model)
+    if source.is_dir():
+        tokenizer = Tokenizer.from_hf_folder(source)
+    elif source.name == "config.json":
+        tokenizer = Tokenizer.from_hf_folder(source.parent)
+    else:
+        from brisk.model.gguf import read_gguf_tokenizer
+
+        tokenizer = read_gguf_tokenizer(source)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer of {source} has {tokenizer.vocab_size} tokens, more than the "
+                         f"{config.vocab_size} of shape {name}: pass a --model whose tokenizer fits the shape")
+    return _DummyCheckpoint(config, random_tensors(config, dtype, seed, device), tokenizer, source, name)
 
 
 def _has_gguf_magic(path: Path) -> bool:

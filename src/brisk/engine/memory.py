@@ -1,0 +1,269 @@
+"""The memory a configuration needs, estimated before anything loads, against the memory this machine has.
+
+    needed = weights in the runtime format (+ oneDNN-packed float32 copies, --prepack-weights)
+           + KV pool (--kv-cache-memory or --num-kv-blocks)
+           + activations of one step (--max-num-batched-tokens tokens, logits of --max-num-seqs rows)
+           + runtime (RoPE tables, kernel and allocator workspace)
+
+Everything comes from headers and settings: the GGUF header, the HF config.json and safetensors headers, or the
+dummy shape; no weight is read. `check_memory` refuses a configuration whose estimate exceeds the available
+memory (psutil's, and the cgroup's limit when one is set) with the estimate and the settings that would fit,
+instead of the kernel killing the process midway through loading. `--no-memory-check` skips it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from brisk.kvcache.quant import Int4KVCache
+from brisk.kvcache.sizing import kv_bytes_per_block, num_kv_blocks
+
+if TYPE_CHECKING:
+    from brisk.engine.config import CacheConfig, EngineConfig
+    from brisk.model.config import ModelConfig
+
+GiB, MiB = 2**30, 2**20
+RUNTIME_BYTES = 256 * MiB  # oneDNN primitives, thread pools, kernel workspace, the engine's own objects
+_SMALL_M = 8  # ops.linear.MAX_SMALL_M: batches above it use the packed copies (not imported: it loads kernels)
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+                 "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class InsufficientMemoryError(ValueError):
+    """The configuration's estimated memory exceeds what the machine has available."""
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What the weights of a model take, from its headers: the parts that follow the runtime dtype and the parts
+    stored as they are (packed integer codes, their scales)."""
+
+    config: ModelConfig
+    float_params: int  # converted to the runtime dtype at load
+    fixed_bytes: int  # kept in their stored dtype (quantized checkpoints)
+    float_linear_params: int  # float weights of linear layers (lm_head included): what --prepack-weights copies
+    source: str  # what was measured, for the message
+
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        return self.float_params * _itemsize(dtype) + self.fixed_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    packed: int
+    kv_pool: int
+    activations: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.packed + self.kv_pool + self.activations + self.runtime
+
+    def describe(self) -> str:
+        parts = [f"weights {_gib(self.weights)}"] + ([f"packed float32 copies {_gib(self.packed)}"]
+                                                      if self.packed else [])
+        parts += [f"KV pool {_gib(self.kv_pool)}", f"activations {_gib(self.activations)}",
+                  f"runtime {_gib(self.runtime)}"]
+        return f"{_gib(self.total)} ({' + '.join(parts)})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------- the model's weights
+def model_footprint(model: str | None, load_format: str = "auto", shape: str | None = None) -> ModelFootprint:
+    """The weights' footprint of what `load_model(model, load_format=..., shape=...)` would build."""
+    from brisk.model.loader import model_shape, resolve_model
+
+    if load_format == "dummy":
+        config, name = model_shape(model, shape)
+        return _float_footprint(config, f"shape {name}, random weights")
+    path = resolve_model(model)
+    if path.is_dir():
+        return _safetensors_footprint(path)
+    from brisk.model.gguf import read_gguf_config
+
+    return _float_footprint(read_gguf_config(path), path.name)
+
+
+def _float_footprint(config: ModelConfig, source: str) -> ModelFootprint:
+    # every tensor becomes a float of the runtime dtype; the linears are all but the embedding (the head's weight
+    # is the embedding's when tied, and a linear either way) and the norm vectors
+    c = config
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    biases = c.num_hidden_layers * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        if c.attention_bias else 0
+    embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return ModelFootprint(c, c.num_params, 0, c.num_params - norms - biases - embedding, source)
+
+
+def _safetensors_footprint(folder: Path) -> ModelFootprint:
+    """From config.json and the safetensors headers (the first 8 bytes give the header's length)."""
+    from brisk.model.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    float_params = fixed = linear = 0
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:  # the loader says what is missing
+        return _float_footprint(config, folder.name)
+    for file in files:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            if info["dtype"] in _FLOAT_DTYPES and not name.endswith(".scales"):
+                float_params += numel
+                linear += numel if len(info["shape"]) == 2 and "embed_tokens" not in name else 0
+            else:
+                fixed += numel * _STORED_BYTES.get(info["dtype"], 4)
+    if config.tie_word_embeddings:
+        linear += config.vocab_size * config.hidden_size  # the head is a linear on the embedding's weight
+    return ModelFootprint(config, float_params, fixed, linear, folder.name)
+
+
+# ---------------------------------------------------------------------------- the estimate
+def estimate_memory(config: EngineConfig, footprint: ModelFootprint, *, dtype: torch.dtype | None = None,
+                    prepack_weights: str | None = None, cache: CacheConfig | None = None) -> MemoryEstimate:
+    """Bytes `config` needs with the model `footprint` describes; `dtype`, `prepack_weights` and `cache` replace
+    the config's own (to price an alternative)."""
+    mc = footprint.config
+    dtype = dtype or config.torch_dtype
+    prepack_weights = prepack_weights or config.prepack_weights
+    cache = cache or config.cache
+    assert config.scheduler is not None
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+    sched = config.scheduler.resolve(max_model_len)
+    assert sched.max_num_batched_tokens is not None
+    packed = 0
+    if prepack_weights == "on" or (prepack_weights == "auto" and sched.max_num_seqs > _SMALL_M
+                                   and dtype == torch.float32):
+        packed = footprint.float_linear_params * 4  # oneDNN's copy is float32 whatever the model's dtype
+    kv = num_kv_blocks(cache, mc, dtype) * kv_bytes_per_block(cache, mc, dtype)
+    if cache.kv_cache_dtype == "int4":
+        kv += cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
+            mc.num_key_value_heads, mc.head_dim, cache.block_size)
+    # one step: the residual stream, normed input, attention and MLP outputs, q/k/v and gate/up/act per token,
+    # in float32; logits and probabilities of every sampled row; twice that for the allocator's free blocks
+    q, kvh = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    per_token = 4 * mc.hidden_size + q + 2 * kvh + 3 * mc.intermediate_size
+    logits = 2 * sched.max_num_seqs * mc.vocab_size
+    activations = 2 * 4 * (sched.max_num_batched_tokens * per_token + logits)
+    rope = 2 * 4 * max(max_model_len, mc.max_position_embeddings) * mc.head_dim  # cos and sin tables
+    return MemoryEstimate(footprint.weight_bytes(dtype), packed, kv, activations, RUNTIME_BYTES + rope)
+
+
+# ---------------------------------------------------------------------------- what the machine has
+def available_memory() -> tuple[int, str]:
+    """Bytes this process can still allocate, and where that figure comes from: psutil's available memory, or the
+    cgroup's limit less its usage (page cache it could reclaim counted as free) when that is lower."""
+    import psutil
+
+    avail, source = int(psutil.virtual_memory().available), "available system memory"
+    cgroup = _cgroup_headroom()
+    if cgroup is not None and cgroup < avail:
+        avail, source = cgroup, "the cgroup memory limit less its usage"
+    return avail, source
+
+
+def _cgroup_headroom() -> int | None:
+    root = Path("/sys/fs/cgroup")
+    for limit_f, usage_f, stat_f, key in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                          ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                           "memory/memory.stat", "total_inactive_file")):
+        try:
+            limit = (root / limit_f).read_text().strip()
+            usage = int((root / usage_f).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 2**60:  # no limit set
+            return None
+        reclaimable = 0
+        try:
+            for line in (root / stat_f).read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    reclaimable = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - usage + reclaimable)
+    return None
+
+
+# ---------------------------------------------------------------------------- the check
+def check_memory(config: EngineConfig, available: int | None = None) -> MemoryEstimate | None:
+    """InsufficientMemoryError, with the estimate and settings that would fit, when `config` needs more than
+    `available` bytes (default: measured). Returns the estimate; None when config.memory_check is off."""
+    if not config.memory_check:
+        return None
+    footprint = model_footprint(config.model, config.load_format, config.shape)
+    estimate = estimate_memory(config, footprint)
+    source = "given"
+    if available is None:
+        available, source = available_memory()
+    if estimate.total <= available:
+        return estimate
+    dtype_name = str(config.torch_dtype).removeprefix("torch.")
+    lines = [f"not enough memory for {footprint.source} at {dtype_name}: it needs about {estimate.describe()}, "
+             f"and {_gib(available)} is available ({source})."]
+    fits = fitting_options(config, footprint, available)
+    if fits:
+        lines.append("Settings that fit:")
+        lines += [f"  {flags}   (about {_gib(est.total)})" for flags, est in fits]
+    if not footprint.fixed_bytes and config.load_format != "dummy":  # a float model: quantizing it is another way
+        linear = footprint.float_linear_params
+        int4 = footprint.weight_bytes(torch.bfloat16) - linear * 2 + linear * (0.5 + 4 / 64)
+        lines.append(f"Or quantize it first (weights about {_gib(int(int4))} at 4 bits): "
+                     "brisk quantize MODEL OUT --bits 4, then --model OUT.")
+    lines.append("--no-memory-check starts anyway (the estimate is conservative; the kernel may still kill "
+                 "the process).")
+    raise InsufficientMemoryError("\n".join(lines))
+
+
+def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: int,
+                    limit: int = 3) -> list[tuple[str, MemoryEstimate]]:
+    """Up to `limit` changes of dtype, packed copies and KV pool under which the estimate fits, fewest changes
+    first: (the flags, the estimate)."""
+    mc, cache = footprint.config, config.cache
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+    dtypes = [None] + ([torch.bfloat16] if config.torch_dtype == torch.float32 and not footprint.fixed_bytes
+                       else [])
+    prepacks = [None] + (["off"] if config.prepack_weights != "off" else [])
+    found: list[tuple[int, str, MemoryEstimate]] = []
+    for dtype, prepack, shrink_kv in itertools.product(dtypes, prepacks, (False, True)):
+        changes = ([f"--dtype {str(dtype).removeprefix('torch.')}"] if dtype else []) \
+            + ([f"--prepack-weights {prepack}"] if prepack else [])
+        est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack)
+        if prepack and not estimate_memory(config, footprint, dtype=dtype).packed:
+            continue  # no packed copies to drop under this dtype: the same option without the flag
+        if shrink_kv:
+            # the largest pool that leaves a tenth of the headroom spare, if it still holds one full sequence
+            pool = int((available - (est.total - est.kv_pool)) * 0.9) // MiB * MiB
+            per_block = kv_bytes_per_block(cache, mc, dtype or config.torch_dtype)
+            if pool >= est.kv_pool or pool // per_block * cache.block_size < max_model_len:
+                continue
+            smaller = replace(cache, kv_cache_memory=f"{pool // MiB}MiB", num_blocks=None)
+            changes.append(f"--kv-cache-memory {pool // MiB}MiB")
+            est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, cache=smaller)
+        if changes and est.total <= available:
+            found.append((len(changes), " ".join(changes), est))
+    found.sort(key=lambda f: (f[0], f[2].total))
+    return [(flags, est) for _, flags, est in found[:limit]]

@@ -1,0 +1,117 @@
+"""The start-up memory estimate and check (engine/memory.py): exact figures on tiny configs, and the refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from brisk.engine import memory
+from brisk.engine.memory import (
+    GiB,
+    InsufficientMemoryError,
+    MiB,
+    check_memory,
+    estimate_memory,
+    model_footprint,
+)
+from brisk.engine.settings import build_engine_config
+from brisk.model.dummy import shape_config
+
+
+def test_weights_of_a_named_shape_follow_the_dtype() -> None:
+    c = shape_config("llama-3.2-1b")
+    f = model_footprint(None, "dummy", "llama-3.2-1b")
+    assert f.float_params == c.num_params and f.fixed_bytes == 0
+    # tied: every matrix is a linear (the head on the embedding's weight); only the norms are not
+    assert f.float_linear_params == c.num_params - (2 * c.num_hidden_layers + 1) * c.hidden_size
+    f32 = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b"), f)
+    bf16 = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", dtype="bfloat16"), f)
+    assert f32.weights == 4 * c.num_params and bf16.weights == 2 * c.num_params
+    # max_num_seqs 128 > 8: float32 linears get a packed copy under prepack auto; bfloat16 ones only with "on"
+    assert f32.packed == 4 * f.float_linear_params and bf16.packed == 0
+    on = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", dtype="bfloat16",
+                                      prepack_weights="on"), f)
+    assert on.packed == 4 * f.float_linear_params
+    assert f32.kv_pool <= 512 * MiB and f32.kv_pool > 500 * MiB  # the default pool, in whole blocks
+
+
+def test_kv_pool_follows_the_block_count() -> None:
+    f = model_footprint(None, "dummy", "llama-3.2-1b")
+    c = shape_config("llama-3.2-1b")
+    est = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", num_kv_blocks=10), f)
+    # keys and values, every layer, 16 tokens a block, float32
+    assert est.kv_pool == 10 * 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+
+
+def test_safetensors_footprint_reads_headers(tmp_path: Path) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 16, dtype=torch.bfloat16),
+               "lm_head.weight": torch.zeros(64, 16, dtype=torch.bfloat16),
+               "model.layers.0.mlp.down_proj.qweight": torch.zeros(16, 16, dtype=torch.int32),
+               "model.layers.0.mlp.down_proj.scales": torch.zeros(16, 1, dtype=torch.float16),
+               "model.norm.weight": torch.zeros(16)}, str(tmp_path / "model.safetensors"))
+    f = model_footprint(str(tmp_path))
+    assert f.float_params == 64 * 16 * 2 + 16  # follow the runtime dtype
+    assert f.fixed_bytes == 16 * 16 * 4 + 16 * 2  # packed codes and scales keep their stored dtype
+    assert f.float_linear_params == 64 * 16  # the head; the embedding is not a linear
+    assert f.weight_bytes(torch.float32) == 4 * (64 * 16 * 2 + 16) + 16 * 16 * 4 + 16 * 2
+
+
+def test_check_refuses_with_the_numbers_and_what_would_fit() -> None:
+    config = build_engine_config(load_format="dummy", shape="llama-3.2-1b")
+    est = estimate_memory(config, model_footprint(None, "dummy", "llama-3.2-1b"))
+    available = 4 * GiB  # less than float32 weights alone (4.6 GiB); bfloat16's 2.3 GiB fits
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory(config, available=available)
+    msg = str(e.value)
+    assert f"needs about {est.total / GiB:.2f} GiB" in msg and "4.00 GiB is available" in msg
+    assert f"weights {est.weights / GiB:.2f} GiB" in msg and "KV pool" in msg
+    assert "--dtype bfloat16   (about" in msg
+    assert "--no-memory-check" in msg
+    # every option listed does fit
+    for line in msg.splitlines():
+        if "(about " in line and line.startswith("  "):
+            figure = line.rsplit("(about ", 1)[1].split()[0]
+            assert float(figure) * (GiB if "GiB" in line.rsplit("(about ", 1)[1] else MiB) <= available
+
+
+def test_a_smaller_kv_pool_is_offered_when_it_is_what_fits() -> None:
+    config = build_engine_config(load_format="dummy", shape="llama-3.2-1b", dtype="bfloat16", kv_cache_memory="8GiB")
+    est = estimate_memory(config, model_footprint(None, "dummy", "llama-3.2-1b"))
+    available = est.total - 6 * GiB
+    with pytest.raises(InsufficientMemoryError, match=r"--kv-cache-memory \d+MiB"):
+        check_memory(config, available=available)
+
+
+def test_check_passes_and_can_be_switched_off() -> None:
+    config = build_engine_config(load_format="dummy", shape="llama-3.2-1b")
+    est = check_memory(config, available=10**15)
+    assert est is not None and est.total > est.weights
+    assert check_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", memory_check=False),
+                        available=1) is None
+
+
+def test_llm_stops_before_loading_when_it_cannot_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from brisk.engine import llm_engine
+    from brisk.engine.llm import LLM
+
+    monkeypatch.setattr(memory, "available_memory", lambda: (64 * MiB, "a test's figure"))
+
+    def must_not_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded despite the failed memory check")
+
+    monkeypatch.setattr(llm_engine, "load_model", must_not_load)
+    with pytest.raises(InsufficientMemoryError, match="64 MiB is available \\(a test's figure\\)"):
+        LLM(load_format="dummy", shape="llama-3.1-8b")
+
+
+def test_available_memory_is_positive() -> None:
+    avail, source = memory.available_memory()
+    assert avail > 0 and source
