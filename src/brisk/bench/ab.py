@@ -139,8 +139,8 @@ def kernel_calls(model: str | None, op: str, rows: int, head: bool) -> tuple[lis
     """Arguments of every quantized decoder linear (and the lm_head if `head`) in the layout `op` reads, and the
     bytes of codes and group parameters they stream."""
     from brisk.model.loader import load_model
-    from brisk.ops.qlinear import set_tiled
     from brisk.ops.layers import QuantLinear
+    from brisk.ops.qlinear import set_tiled
 
     calls, nbytes = [], 0
     for name, mod in load_model(model).model.named_modules():
