@@ -11,6 +11,7 @@ from brisk.engine.config import EngineConfig
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.request import Request, RequestStatus
+from brisk.engine.sampling_defaults import resolve_sampling_defaults
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
@@ -95,6 +96,9 @@ class LLMEngine:
                                            max_model_len=config.max_model_len)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        # what the sampling fields a request omits default to (engine/sampling_defaults.py)
+        self.sampling_defaults = resolve_sampling_defaults(config.generation_config, config.sampling_overrides,
+                                                           self.loaded.generation_config, self.loaded.name)
         assert config.scheduler is not None  # EngineConfig fills in the defaults
         sched_cfg = config.scheduler.resolve(config.max_model_len or min(mc.max_position_embeddings, 2048))
         assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
@@ -141,7 +145,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None) -> str:
-        params = params or SamplingParams()
+        params = params or self.sampling_defaults.sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")

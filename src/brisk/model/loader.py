@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,6 +77,9 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     load_seconds: float
+    # the model's own generation config (model/generation_config.py): an HF folder's generation_config.json, a
+    # GGUF file's general.sampling.* values; brisk's checkpoints written from this model carry it on
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -172,7 +176,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.model.hugepages import to_huge_pages
 
         to_huge_pages(net)  # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
-    return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start)
+    return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
+                       dict(ckpt.generation_config))
 
 
 def _has_gguf_magic(path: Path) -> bool:
