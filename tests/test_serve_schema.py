@@ -4,7 +4,7 @@ The schema must be valid OpenAPI 3 and describe every route with the models the 
 build. schemathesis then sends schema-generated requests (valid and invalid) to every operation of a real
 `brisk serve` on 127.0.0.1 and checks each answer: no 5xx, a status code and content type the schema lists,
 a body that matches the schema, invalid data rejected. A bounded number of examples per operation keeps it to
-seconds; afterwards no KV block may still be held. `brisk bench fuzz`-style longer runs: see BENCHMARKS.md.
+seconds; afterwards no KV block may still be held. A longer run: docs/serving.md, figures in BENCHMARKS.md.
 """
 
 from __future__ import annotations
