@@ -22,24 +22,25 @@ def model_dir(tmp_path_factory):
 
 def test_generate_streams_the_same_text_as_the_api(model_dir):
     result = CliRunner().invoke(main, ["generate", "Emma Woodhouse", "--model", model_dir, "--max-tokens", "12",
-                                       "--max-model-len", "128"])
+                                       "--max-model-len", "128", "--temperature", "0"])
     assert result.exit_code == 0, result.output
     want = LLM(model_dir, max_model_len=128).generate(["Emma Woodhouse"], SamplingParams(temperature=0,
                                                                                         max_tokens=12))[0]
-    assert result.output == want.outputs[0].text + "\n"
+    assert result.stdout == want.outputs[0].text + "\n"
 
 
 def test_generate_chat_applies_the_template(model_dir):
     result = CliRunner().invoke(main, ["generate", "--chat", "hello", "--model", model_dir, "--max-tokens", "8",
-                                       "--no-stream", "--max-model-len", "128"])
+                                       "--no-stream", "--max-model-len", "128", "-t", "0"])
     assert result.exit_code == 0, result.output
     llm = LLM(model_dir, max_model_len=128)
     want = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=8))[0]
-    assert result.output == want.outputs[0].text + "\n"
+    assert result.stdout == want.outputs[0].text + "\n"
 
 
 def test_chat_keeps_the_conversation(model_dir):
-    result = CliRunner().invoke(main, ["chat", "--model", model_dir, "--max-tokens", "6", "--max-model-len", "256"],
+    result = CliRunner().invoke(main, ["chat", "--model", model_dir, "--max-tokens", "6", "--max-model-len", "256",
+                                       "--temperature", "0"],
                                 input="hi there\nand again\n/exit\n")
     assert result.exit_code == 0, result.output
     answers = [line for line in result.output.splitlines() if line.startswith("you> ") or "assistant> " in line]

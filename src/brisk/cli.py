@@ -11,16 +11,21 @@ import click
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.settings import engine_kwargs, engine_options
 
+# --max-tokens when neither the command line nor the model's generation config (max_new_tokens) gives one
+CLI_MAX_TOKENS = 128
+
 
 def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A request's sampling fields; one left out takes the model's default (--generation-config)."""
+    model_default = "default: the model's (--generation-config)"
     opts = [
-        click.option("--max-tokens", type=int, default=128, show_default=True),
-        click.option("--temperature", "-t", type=float, default=0.0, show_default=True,
-                     help="0 = greedy."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = disabled."),
-        click.option("--min-p", type=float, default=0.0, show_default=True),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--max-tokens", type=int, default=None,
+                     help=f"Tokens to generate (default: the model's max_new_tokens, else {CLI_MAX_TOKENS})."),
+        click.option("--temperature", "-t", type=float, default=None, help=f"0 = greedy ({model_default})."),
+        click.option("--top-p", type=float, default=None, help=f"Nucleus sampling ({model_default})."),
+        click.option("--top-k", type=int, default=None, help=f"0 = disabled ({model_default})."),
+        click.option("--min-p", type=float, default=None, help=f"0 = disabled ({model_default})."),
+        click.option("--repetition-penalty", type=float, default=None, help=f"1 = off ({model_default})."),
         click.option("--sample-seed", type=int, default=None, help="Per-request sampling seed."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     ]
@@ -30,21 +35,32 @@ def sampling_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def build_llm(kw: dict[str, Any]):  # noqa: ANN201 - brisk.engine.llm.LLM, imported late (loads torch kernels)
-    """The LLM that a command's engine options describe."""
+    """The LLM that a command's engine options describe; says on stderr which sampling defaults are in effect."""
     from brisk.engine.llm import LLM
 
     llm = LLM(**engine_kwargs(kw))
     if llm.engine.config.execution == "compiled":  # the start-up time compiling adds, on stderr (stdout: the answer)
         click.echo(f"brisk: --compile: the decoder's graphs compiled in {llm.engine.compile_seconds:.1f} s "
                    "(every shape bucket, at start-up)", err=True)
+    click.echo(f"brisk: sampling defaults: {llm.engine.sampling_defaults.describe()}", err=True)
     return llm
 
 
-def build_params(kw: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
-        min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["sample_seed"],
-        stop=list(kw["stop"]) or None)
+def sampling_fields(kw: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields given on the command line (None = left to the model's defaults), checked now so that a
+    bad value fails before the model loads."""
+    given = dict(max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
+                 min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["sample_seed"],
+                 stop=list(kw["stop"]) or None)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    return given
+
+
+def build_params(llm: Any, given: dict[str, Any]) -> SamplingParams:
+    """The command line's sampling fields over the engine's defaults."""
+    if given["max_tokens"] is None and llm.engine.sampling_defaults.max_tokens is None:
+        given = {**given, "max_tokens": CLI_MAX_TOKENS}
+    return llm.get_default_sampling_params(**given)
 
 
 class _FriendlyGroup(click.Group):
@@ -74,8 +90,9 @@ def main() -> None:
 @sampling_options
 def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **kw: Any) -> None:
     """Generate a continuation of PROMPT (or a chat answer with --chat)."""
-    params = build_params(kw)  # bad sampling values fail before the model loads
+    given = sampling_fields(kw)  # bad sampling values fail before the model loads
     llm = build_llm(kw)
+    params = build_params(llm, given)
     tok = llm.get_tokenizer()
     if as_chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -98,8 +115,9 @@ def generate(prompt: str, as_chat: bool, system: str | None, no_stream: bool, **
 @sampling_options
 def chat(system: str | None, **kw: Any) -> None:
     """Interactive chat: streams answers and keeps the conversation. Ctrl-D or /exit to quit, /reset to clear."""
-    params = build_params(kw)
+    given = sampling_fields(kw)
     llm = build_llm(kw)
+    params = build_params(llm, given)
     tok = llm.get_tokenizer()
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     click.echo("brisk chat — /reset clears the conversation, /exit or Ctrl-D quits.", err=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from brisk.engine.sampling_defaults import check_generation_config, parse_overrides
+
 SETTING = "brisk.setting"  # the key of a Setting in a dataclass field's metadata
 
 
@@ -287,6 +289,17 @@ class EngineConfig:
         help="Refuse to start when the estimated memory (weights, KV pool, activations) exceeds the available "
              "memory, listing settings that fit; --no-memory-check starts anyway.")
     seed: int = setting(0, help="Engine seed.")
+    # where the sampling values of the fields a request omits come from (engine/sampling_defaults.py)
+    generation_config: str = setting(
+        "auto", metavar="auto|vllm|PATH",
+        help="Sampling defaults for the fields a request leaves out: auto = the model's own (generation_config.json, "
+             "a GGUF's general.sampling.* keys), or, where it states none, brisk's conservative ones (temperature "
+             "0.8, top-k 40, top-p 0.95, min-p 0.05); vllm = SamplingParams' (temperature 1.0, no truncation); or "
+             "a folder with a generation_config.json (or the file). A request's own values always win.")
+    override_generation_config: str | dict | None = setting(
+        None, metavar="JSON",
+        help='Sampling defaults set on top of --generation-config, a JSON object of temperature, top_p, top_k, '
+             'min_p, repetition_penalty, max_tokens (or max_new_tokens), e.g. \'{"temperature": 0.6, "top_p": 0.9}\'.')
     max_model_len: int | None = setting(  # None = min(model's context, 2048)
         None, help="Max prompt + output tokens per request (default: the model's context, at most 2048).")
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -344,6 +357,8 @@ class EngineConfig:
             from brisk.model.dummy import shape_config
 
             shape_config(self.shape)  # a bad shape fails now, before anything loads
+        check_generation_config(self.generation_config)
+        self.sampling_overrides = parse_overrides(self.override_generation_config)  # SamplingParams field -> value
         check_choice(self, "prepack_weights")
         check_choice(self, "quant_activations")
         check_choice(self, "execution")

@@ -33,6 +33,12 @@ class LLM:
         loaded = load_engine_model(config)  # refuses a configuration that cannot fit in memory
         self.engine = LLMEngine(config, loaded)
 
+    def get_default_sampling_params(self, **explicit: Any) -> SamplingParams:
+        """SamplingParams with the model's sampling defaults (`generation_config` setting) for every field not
+        given in `explicit`; what generate / chat / stream use when no sampling_params are passed. An explicit
+        `SamplingParams(...)` keeps its own class defaults (as in vLLM)."""
+        return self.engine.sampling_defaults.sampling_params(**explicit)
+
     def get_tokenizer(self):  # noqa: ANN201 - brisk.model.tokenizer.Tokenizer
         return self.engine.tokenizer
 
@@ -49,7 +55,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

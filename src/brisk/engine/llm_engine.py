@@ -12,6 +12,7 @@ from brisk.engine.memory import check_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.request import Request, RequestStatus
+from brisk.engine.sampling_defaults import resolve_sampling_defaults
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
@@ -105,6 +106,9 @@ class LLMEngine:
         self.loaded = loaded or load_engine_model(config)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        # what the sampling fields a request omits default to (engine/sampling_defaults.py)
+        self.sampling_defaults = resolve_sampling_defaults(config.generation_config, config.sampling_overrides,
+                                                           self.loaded.generation_config, self.loaded.name)
         assert config.scheduler is not None  # EngineConfig fills in the defaults
         sched_cfg = config.scheduler.resolve(config.max_model_len or min(mc.max_position_embeddings, 2048))
         assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
@@ -150,7 +154,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None) -> str:
-        params = params or SamplingParams()
+        params = params or self.sampling_defaults.sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")

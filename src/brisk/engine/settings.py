@@ -15,6 +15,7 @@ A click parameter is named after the LLM keyword, so `kw["enable_prefix_caching"
 from __future__ import annotations
 
 import inspect
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -185,5 +186,5 @@ def cli_args(values: Mapping[str, Any]) -> list[str]:
         if s.is_bool:
             args.append(f"--{s.flag}" if value else f"--no-{s.flag}")
         else:
-            args += [f"--{s.flag}", str(value)]
+            args += [f"--{s.flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
     return args

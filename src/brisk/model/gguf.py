@@ -21,7 +21,7 @@ import mmap
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from brisk.model.config import ModelConfig, UnsupportedModelError
+from brisk.model.generation_config import generation_config_from_gguf_metadata
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
 from brisk.model.tokenizer import Tokenizer
@@ -298,6 +299,7 @@ class GGUFCheckpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # transformers names, dequantized
     tokenizer: Tokenizer
+    generation_config: dict[str, Any] = field(default_factory=dict)  # its general.sampling.* values, HF names
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
@@ -338,7 +340,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
             elif permuted and ".attn_k." in name:
                 w = _unpermute_rows(w, config.num_key_value_heads)
             tensors[hf_name] = w.to(dtype)
-    return GGUFCheckpoint(config, tensors, tokenizer)
+    return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata))
 
 
 # Dequantizing one tensor is ~10 elementwise ops. Below this size each op is short enough that the intra-op

@@ -79,7 +79,7 @@ def convert_gqa(model: str | None, out: str | Path, new_kv_heads: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    ckpt.tokenizer.save(folder)
+    ckpt.tokenizer.save(folder, ckpt.generation_config)
     # config.json last: a folder with a config.json is a finished checkpoint
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     return folder

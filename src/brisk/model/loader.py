@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +78,9 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     dummy_shape: str | None = None  # load_format "dummy": the shape of the random weights (path: the tokenizer's)
+    # the model's own generation config (model/generation_config.py): an HF folder's generation_config.json, a
+    # GGUF file's general.sampling.* values; brisk's checkpoints written from this model carry it on
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -189,6 +193,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
 
         to_huge_pages(net)  # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
+                       generation_config=dict(getattr(ckpt, "generation_config", {})),
                        dummy_shape=getattr(ckpt, "shape", None))
 
 

@@ -16,6 +16,7 @@ ends in U+FFFD.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -119,9 +120,13 @@ class Tokenizer:
             pad_token_id=pad_id,
         )
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, generation_config: Mapping[str, Any] | None = None) -> None:
         """Write tokenizer.json, tokenizer_config.json and generation_config.json so that `from_hf_folder`
         (and transformers) read back the same ids, special tokens, EOS set and chat template.
+
+        `generation_config` (the source model's, LoadedModel.generation_config) is written on into
+        generation_config.json, so a checkpoint keeps the model's recommended sampling values; its BOS/EOS
+        ids give way to this tokenizer's.
 
         BOS that this wrapper adds by flag (GGUF vocabularies) is written as a post-processor, because folders
         state "add BOS" through tokenizer.json's post-processor, not through a config field.
@@ -142,7 +147,8 @@ class Tokenizer:
         if self.chat_template:
             config["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids}
+        generation = {**(generation_config or {}), "bos_token_id": self.bos_token_id,
+                      "eos_token_id": self.eos_token_ids}
         (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     # ---------------------------------------------------------------- basic properties

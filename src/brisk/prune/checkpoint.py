@@ -19,6 +19,7 @@ quantized further (`brisk quantize OUT OUT-int4`). Structured pruning writes a s
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,14 @@ def model_tensors(model: LlamaForCausalLM, config: ModelConfig) -> dict[str, tor
 
 
 def save_pruned(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer, tensors: dict[str, torch.Tensor],
-                sparsity_config: dict[str, Any]) -> Path:
-    """Write model.safetensors, the tokenizer files and config.json (with `sparsity_config`) to `folder`."""
+                sparsity_config: dict[str, Any], generation_config: Mapping[str, Any] | None = None) -> Path:
+    """Write model.safetensors, the tokenizer files, generation_config.json (the source model's
+    `generation_config` carried on) and config.json (with `sparsity_config`) to `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt", "pruning": "brisk"})
-    tokenizer.save(folder)
+    tokenizer.save(folder, generation_config)
     config_dict = config.to_hf_dict()
     config_dict[SPARSITY_KEY] = {"format": "brisk", **sparsity_config}
     # config.json last: a folder with a config.json is a finished checkpoint

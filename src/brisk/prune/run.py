@@ -37,7 +37,7 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
                       "layers: block influence", removed=removals.to_dict(),
                       num_parameters_before=before, num_parameters_after=after,
                       measured_sparsity=round(1 - after / before, 6))
-        save_pruned(out, new_config, loaded.tokenizer, tensors, record)
+        save_pruned(out, new_config, loaded.tokenizer, tensors, record, loaded.generation_config)
         return (f"{before / 1e6:.1f}M -> {after / 1e6:.1f}M parameters ({1 - after / before:.1%} removed: "
                 f"{plan.num_layers_removed} layers, {plan.num_groups_removed} head groups and "
                 f"{plan.num_channels_removed} MLP channels per layer)")
@@ -63,7 +63,8 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
                   scope="n:m" if pattern else scope, modules=names, measured_sparsity=round(measured, 6))
     summary = f"{len(names)} linears at {measured:.2%} sparsity ({record['pattern']})"
     if quant is None:
-        save_pruned(out, config, loaded.tokenizer, model_tensors(model, config), record)
+        save_pruned(out, config, loaded.tokenizer, model_tensors(model, config), record,
+                    loaded.generation_config)
         return summary
     from brisk.quant.checkpoint import EMBEDDING, save_quantized
     from brisk.quant.rtn import HEAD_DEFAULT, quantize_layer
@@ -81,6 +82,6 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
         tensors.update({f"{name}.{k}": v for k, v in quantize_layer(weight, HEAD_DEFAULT).items()})
         modules[name] = HEAD_DEFAULT
     qconfig = QuantizationConfig(method="sparsegpt", default=quant, modules=modules)
-    save_quantized(out, config, loaded.tokenizer, qconfig, tensors)
+    save_quantized(out, config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
     add_sparsity_config(out, record)
     return summary + f", {quant.label} in the same sweep"

@@ -17,7 +17,9 @@ the same folder, so `brisk generate --model OUT` and `LLM(model=OUT)` need no ot
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -47,15 +49,16 @@ def encode_layer(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 
 
 def save_quantized(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer, qconfig: QuantizationConfig,
-                   tensors: dict[str, torch.Tensor]) -> Path:
-    """Write config.json (+ quantization_config), model.safetensors and the tokenizer files to `folder`."""
+                   tensors: dict[str, torch.Tensor], generation_config: Mapping[str, Any] | None = None) -> Path:
+    """Write config.json (+ quantization_config), model.safetensors, the tokenizer files and generation_config.json
+    (the source model's `generation_config` carried on) to `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_dict = config.to_hf_dict()
     config_dict["quantization_config"] = qconfig.to_dict()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt", "quantization": "brisk"})
-    tokenizer.save(folder)
+    tokenizer.save(folder, generation_config)
     # config.json last: a folder with a config.json is a finished checkpoint
     (folder / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     return folder

@@ -96,7 +96,7 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                                                    act_order=act_order)
         except (CalibrationError, ValueError) as e:
             raise click.ClickException(str(e)) from None
-    save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors)
+    save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
     from brisk.prune.checkpoint import add_sparsity_config, read_sparsity_config
 
     if loaded.path.is_dir() and (pruned := read_sparsity_config(loaded.path)) is not None:

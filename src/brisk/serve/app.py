@@ -25,8 +25,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from brisk import __version__
 from brisk.engine.config import parse_size
 from brisk.engine.llm_engine import LLMEngine
+from brisk.engine.sampling_defaults import SamplingDefaults
 from brisk.engine.sampling_params import SamplingParams
 from brisk.serve import responses
 from brisk.serve.async_engine import (
@@ -38,14 +40,20 @@ from brisk.serve.async_engine import (
     ServerOverloadedError,
 )
 from brisk.serve.metrics import CONTENT_TYPE, ServerMetrics
+from brisk.serve.openapi import AUTH_ERRORS, BODY_ERRORS, install_openapi, ok_response, request_body
+from brisk.serve.openapi import error as _error_doc
 from brisk.serve.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     ClientError,
     CompletionRequest,
+    CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    HealthStatus,
     ModelCard,
     ModelList,
+    SamplingDefaultsInfo,
     parse_request,
 )
 
@@ -81,6 +89,7 @@ class _Server:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.sampling_defaults = engine.sampling_defaults
         self.model_name = config.served_model_name or engine.loaded.name
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.num_blocks)
@@ -139,9 +148,10 @@ class _Server:
         for i, p in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             ids = self.check_prompt_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p), param)
-            max_tokens = self.max_tokens_for(ids, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens",
-                                             param)
-            params = _sampling_params(req, max_tokens, req.logprobs)
+            max_tokens = self.max_tokens_for(ids, req.max_tokens,
+                                             self.sampling_defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                                             "max_tokens", param)
+            params = _sampling_params(req, max_tokens, req.logprobs, self.sampling_defaults)
             out.append(EngineRequest(f"{request_id}-{i}", ids, params))
         return out
 
@@ -155,16 +165,18 @@ class _Server:
             raise ClientError(str(e), param="messages") from None
         self.check_prompt_ids(ids, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.max_tokens_for(ids, req.requested_max_tokens, None, param, "messages")
+        max_tokens = self.max_tokens_for(ids, req.requested_max_tokens, self.sampling_defaults.max_tokens, param,
+                                         "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_capacity(req.n or 1, "n")
-        return [EngineRequest(f"{request_id}-0", ids, _sampling_params(req, max_tokens, logprobs))]
+        return [EngineRequest(f"{request_id}-0", ids,
+                              _sampling_params(req, max_tokens, logprobs, self.sampling_defaults))]
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
     try:
-        return req.to_sampling_params(max_tokens, logprobs)
+        return req.to_sampling_params(max_tokens, logprobs, defaults)
     except ValueError as e:  # SamplingParams' messages start with the field name ("top_p must be ...")
         name = str(e).split(" ", 1)[0]
         raise ClientError(str(e), param=name if name in type(req).model_fields else None,
@@ -196,7 +208,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see /v1/completions, /v1/chat/completions, "\
-                      "/v1/models, /health, /metrics"
+                      "/v1/models, /health, /metrics, /openapi.json"
         elif e.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
@@ -263,9 +275,16 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         finally:
             server.engine.shutdown()
 
-    app = FastAPI(title="brisk", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The schema and its Swagger page are public even with --api-key (as vLLM serves them): they describe the API
+    # and hold nothing of the model's or the clients'.
+    app = FastAPI(title="brisk", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="OpenAI-compatible completions and chat completions over brisk's continuous-batching "
+                              "engine. A sampling field a request omits takes the model's default (GET /v1/models "
+                              "shows them).")
     app.state.server = server
     _install_error_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     async def check_api_key(request: Request) -> None:
         key = server.config.api_key
@@ -307,22 +326,30 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
             raise ClientError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    @app.get("/health")
+    @app.get("/health", responses={**ok_response(HealthStatus, "The engine loop is running"),
+                                   503: _error_doc("The engine loop is not running")})
     async def health() -> Response:
         if not server.engine.is_running:
             return _error_response(503, "the engine loop is not running", "internal_error", code="engine_down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text exposition format",
+                                          "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth,
+             responses={**ok_response(ModelList, "The served model, its context and its sampling defaults"),
+                        **AUTH_ERRORS})
     async def models() -> JSONResponse:
-        card = ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_model_len)
+        card = ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_model_len,
+                         sampling_defaults=SamplingDefaultsInfo(**server.sampling_defaults.as_dict()))
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=request_body(CompletionRequest),
+              responses={**ok_response(CompletionResponse, "The completions (stream false)",
+                                       streamed="stream true: server-sent events, each `data: ` a CompletionResponse "
+                                                "chunk, then `data: [DONE]`"), **BODY_ERRORS, **AUTH_ERRORS})
     async def completions(request: Request) -> Response:
         req = parse_request(CompletionRequest, await read_json(request))
         req.check()
@@ -335,7 +362,11 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         outputs = await _collect(stream)
         return JSONResponse(responses.completion_response(outputs, ctx, req.logprobs).model_dump())
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=request_body(ChatCompletionRequest),
+              responses={**ok_response(ChatCompletionResponse, "The chat completion (stream false)",
+                                       streamed="stream true: server-sent events, each `data: ` a "
+                                                "ChatCompletionChunk, then `data: [DONE]`"),
+                         **BODY_ERRORS, **AUTH_ERRORS})
     async def chat_completions(request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await read_json(request))
         req.check()
@@ -349,7 +380,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         outputs = await _collect(stream)
         return JSONResponse(responses.chat_response(outputs, ctx, top).model_dump())
 
-    endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json",
+                 "/docs"}
     app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)
     if server.config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

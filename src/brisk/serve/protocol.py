@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from brisk.engine.sampling_defaults import SamplingDefaults
 from brisk.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Most samples one request may ask for. OpenAI allows 128; on a CPU engine 16 already fills a batch, and
@@ -77,19 +78,15 @@ class _SamplingRequest(_Strict):
             raise ClientError("logit_bias is not supported by this server", param="logit_bias",
                               code="unsupported_parameter")
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (SamplingParams' own checks) for combinations pydantic cannot see."""
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        return SamplingParams(
-            n=pick(self.n, 1), temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0),
-            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
-            min_tokens=pick(self.min_tokens, 0), max_tokens=max_tokens, logprobs=logprobs,
-            skip_special_tokens=pick(self.skip_special_tokens, True),
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
+        """The request's fields over the server's sampling defaults (a field sent as null counts as omitted).
+        Raises ValueError (SamplingParams' own checks) for combinations pydantic cannot see."""
+        return defaults.sampling_params(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos), min_tokens=self.min_tokens,
+            max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output))
 
 
@@ -265,12 +262,29 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class SamplingDefaultsInfo(BaseModel):
+    """The values a request's omitted sampling fields take (engine/sampling_defaults.py), and their source."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int | None  # None: 16 for /v1/completions, the rest of the context for chat
+    source: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "brisk"
     max_model_len: int
+    sampling_defaults: SamplingDefaultsInfo
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"] = "ok"
 
 
 class ModelList(BaseModel):
