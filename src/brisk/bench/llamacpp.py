@@ -32,8 +32,10 @@ def require_llama_cpp() -> Any:
     except ImportError as e:
         raise LlamaCppMissingError(
             "this benchmark runs llama.cpp through llama-cpp-python, which is not installed; install it with "
-            "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install 'llama-cpp-python>=0.3' (it builds llama.cpp for this "
-            "CPU, about 10 minutes on 2 cores), or pip install 'brisk[llamacpp]'") from e
+            "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install --no-cache-dir 'llama-cpp-python>=0.3' (it builds llama.cpp "
+            "for this CPU, about 10 minutes on 2 cores; --no-cache-dir keeps that -march=native wheel out of pip's "
+            "cache, from where another machine with a different CPU would reuse it and die of an illegal "
+            "instruction)") from e
     return llama_cpp
 
 
