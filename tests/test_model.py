@@ -18,6 +18,9 @@ CASES = [
     ("mistral", 2, False),
     ("qwen2", 2, True),
     ("qwen2", 4, False),
+    ("qwen3", 2, False),
+    ("qwen3", 1, True),
+    ("phi3", 2, False),
 ]
 
 
