@@ -29,6 +29,8 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -59,6 +61,9 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
                    p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                    p + "mlp.down_proj.weight": (h, inter)}
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight":
+                       (config.head_dim,)}
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -102,7 +107,7 @@ def model_metadata(config: ModelConfig) -> dict[str, Any]:
         f"{a}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{a}.vocab_size": config.vocab_size,
     }
-    if a != "qwen2":
+    if a not in ("qwen2", "qwen3"):
         md[f"{a}.rope.dimension_count"] = config.head_dim
     return md
 

@@ -75,7 +75,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_ARCHS = ("llama", "mistral", "qwen2")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @lru_cache(maxsize=8)
@@ -231,10 +231,13 @@ def make_tiny_hf_model(
     chat_template: str | None = CHATML_TEMPLATE,
     add_bos_token: bool | None = None,
     initializer_range: float = 0.2,
+    original_max_position_embeddings: int | None = None,
 ) -> torch.nn.Module:
     """Build a tiny random `arch` model with transformers, save it as a full HF folder at `path`, return it.
 
-    arch: "llama" | "mistral" | "qwen2" (qwen2 has q/k/v biases, randomized here so they are tested).
+    arch: "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" (qwen2 has q/k/v biases, randomized here so they are
+        tested; qwen3 has per-head q/k norms; phi3 stores fused qkv_proj and gate_up_proj).
+    original_max_position_embeddings: phi3's pre-training context (longrope switches factors beyond it).
     rope_scaling: an HF rope dict without rope_theta, e.g. {"rope_type": "linear", "factor": 2.0}.
     sliding_window: mistral / qwen2 local attention window (None = full attention).
     shards: 1 -> model.safetensors; n > 1 -> sharded with an index (transformers splits greedily by size,
@@ -272,17 +275,28 @@ def make_tiny_hf_model(
         config = transformers.LlamaConfig(**common)
     elif arch == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=sliding_window)
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(
+            **common, head_dim=hidden_size // num_attention_heads, use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window, max_window_layers=num_hidden_layers,
+        )
+    elif arch == "phi3":
+        original = {} if original_max_position_embeddings is None else {
+            "original_max_position_embeddings": original_max_position_embeddings}
+        config = transformers.Phi3Config(**common, sliding_window=sliding_window, **original)
     else:
         config = transformers.Qwen2Config(
             **common, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
             max_window_layers=num_hidden_layers,
         )
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM"}[arch]]
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                             "phi3": "Phi3ForCausalLM"}[arch]]
 
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[arch]
+                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "phi3": transformers.Phi3ForCausalLM}[arch]
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():
         # RMSNorm weights start at exactly 1 and biases at 0; randomize them so a loader that skips or

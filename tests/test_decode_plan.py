@@ -24,9 +24,11 @@ def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> lis
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: SamplingParams | None = None):
+def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: SamplingParams | None = None,
+              cpp: bool = True):
     """execution cpp (the plan with its C++ layer loop), plan (its Python loop) and modules: the same numbers.
-    make_llm(execution=...) builds the engine. Returns the rows of each step the plan ran, and whether it was
+    make_llm(execution=...) builds the engine; cpp False: a model the C++ loop does not cover, so execution cpp
+    runs the plan's Python loop. Returns the rows of each step the plan ran, and whether it was
     decode-only."""
     calls = []
     real_run, real_cpp = DecodePlan.run, DecodePlan.run_cpp
@@ -58,12 +60,12 @@ def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: S
     fast_llm = make("cpp")
     plan = targets[-1]
     assert plan is not None, "the plan should cover this model"
-    assert plan.decode_layers is not None, "ops/csrc/decode_layers.cpp should be built"
-    assert fast_llm.engine.runner.executor.path == "cpp"
+    assert (plan.decode_layers is not None) == cpp, "ops/csrc/decode_layers.cpp should be built (and cover it)"
+    assert fast_llm.engine.runner.executor.path == ("cpp" if cpp else "plan")
     fast = outputs(fast_llm)
     assert (len(calls) > 0) == plan_steps  # steps ran through the plan (or, here, must not)
     # steps of <= 8 rows ran the C++ loop, larger ones the Python loop
-    assert all((rows <= 8) == (loop == "cpp") for rows, _, loop in calls)
+    assert all((rows <= 8 and cpp) == (loop == "cpp") for rows, _, loop in calls)
     steps = [(rows, decode) for rows, decode, _ in calls]
     calls.clear()
     again = outputs(make("plan"))
@@ -119,10 +121,12 @@ def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
     assert len(verify) > 1  # verification steps ran (in C++): each sequence 1 + its drafts rows
 
 
-@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6)])  # q/k/v biases; a sliding window
+# q/k/v biases; a sliding window; per-head q/k norms (the plan without the C++ loop); fused phi3 tensors
+@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6), ("qwen3", None), ("phi3", None)])
 def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window):
     make_tiny_hf_model(tmp_path, arch, num_kv_heads=2, sliding_window=window)
-    _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", **kw), PROMPTS)
+    _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", **kw), PROMPTS,
+              cpp=arch != "qwen3")
 
 
 @pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 32, False), (4, 32, True)])

@@ -104,7 +104,8 @@ def test_header_matches_gguf_reader(tmp_path):
 # ------------------------------------------------------------------------------------------ config and weights
 
 @pytest.mark.parametrize("architecture,bias,tied", [("llama", False, False), ("llama", True, True),
-                                                    ("qwen2", True, False), ("mistral", False, True)])
+                                                    ("qwen2", True, False), ("mistral", False, True),
+                                                    ("qwen3", False, False)])  # qwen3: q/k norm tensors
 def test_f32_round_trip_is_exact(tmp_path, architecture, bias, tied):
     """Weights written as F32 (Q/K permuted like llama.cpp does) come back exactly: names and un-permutation."""
     config = tiny_config(architecture, attention_bias=bias, tie_word_embeddings=tied)

@@ -18,6 +18,9 @@ CASES = [
     ("mistral", 2, False),
     ("qwen2", 2, True),
     ("qwen2", 4, False),
+    ("qwen3", 2, False),
+    ("qwen3", 1, True),
+    ("phi3", 2, False),
 ]
 
 
@@ -120,3 +123,35 @@ def test_fused_projections_equal_plain_ones(tmp_path, arch):
     ids = torch.randint(3, plain.config.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
     # one wide matmul sums in a different order than three narrow ones: float32 rounding only
     torch.testing.assert_close(prefill_logits(fused, ids), prefill_logits(plain, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [40, 56])  # within and beyond phi3's original context of 48
+def test_phi3_longrope_matches_transformers(tmp_path, num_tokens):
+    """LongRoPE: short factors within the original context, long ones beyond it, cos / sin scaled by the
+    attention factor (prefills on both sides of the original context), and a 32-token greedy run within it.
+    (A run that crosses the original context mid-generation is not compared here: HF switches the factors for
+    the whole step at max(position) + 1 > original, brisk per sequence, and the two have not been matched.)"""
+    g = torch.Generator().manual_seed(3)
+    half = 64 // 4 // 2  # head_dim / 2 of the tiny model
+    scaling = {"rope_type": "longrope", "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+               "long_factor": (1 + 4 * torch.rand(half, generator=g)).tolist()}
+    ref = make_tiny_hf_model(tmp_path, "phi3", rope_scaling=scaling, max_position_embeddings=256,
+                             original_max_position_embeddings=48, seed=4)
+    loaded = load_model(tmp_path, max_model_len=128)
+    assert loaded.model.rope.attention_factor > 1.0
+    ids = torch.randint(3, loaded.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    c = loaded.config
+    kv = [torch.zeros(2, 4, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+    meta = AttentionMetadata.for_sequences([num_tokens], [num_tokens], [[0, 1, 2, 3]], 16)
+    with torch.inference_mode():
+        got = loaded.model(ids, torch.arange(num_tokens), meta, kv, context_lens=torch.full((num_tokens,),
+                                                                                          num_tokens))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    llm = LLM(str(tmp_path), max_model_len=128, kv_cache_memory="4MiB")
+    out = llm.generate([ids[:12].tolist()], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    with torch.no_grad():
+        hf_ids = ref.generate(ids[None, :12], max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 12:]
+    assert out.outputs[0].token_ids == hf_ids.tolist()

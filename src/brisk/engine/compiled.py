@@ -157,6 +157,8 @@ class CompiledModel:
                     f"--compile covers float32 / bfloat16 models with fused projections; layer {i} has "
                     f"{', '.join(sorted({type(p).__name__ for p in parts if type(p) is not FastLinear}))} "
                     "(a quantized, sparse or unfused layer): run it without --compile (brisk's own kernels)")
+            if attn.q_norm is not None:
+                raise CompileError("--compile does not cover per-head q/k norms (qwen3); run it without --compile")
             if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *parts)):
                 raise CompileError(f"--compile cannot trace forward hooks (layer {i} has one); remove them first")
             eps = layer.input_layernorm.eps

@@ -7,7 +7,8 @@ fused q/k/v and gate/up weights, packed codes of quantized layers), so a step is
 layer and nothing else:
 
     h = add_rms_norm(x, residual)           (rms_norm for layer 0)
-    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache)
+    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 first normalizes
+                                             each q and k head in place: ops.fused.rms_norm_qk_heads_)
     o = paged_decode_attention(q)           (reads the paged cache in place)
     h = add_rms_norm(linear(o), residual)
     x = linear(silu_mul(linear(h)))
@@ -21,6 +22,10 @@ the same inputs, so its logits equal the module path's bit for bit (tests/test_d
 Steps with several rows per sequence (speculative verification of γ + 1 positions, prefill chunks, mixed
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
+
+The per-head q/k norms (qwen3) run in the Python loop only, with the module path's own function: the C++ loop
+(ops/csrc/decode_layers.cpp) has no step between the qkv linear and rope_cache, so a model with them gets a plan
+without the C++ loop (execution auto / cpp -> plan).
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
 projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
@@ -39,6 +44,7 @@ import torch
 
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata
+from brisk.ops.fused import rms_norm_qk_heads_
 from brisk.ops.layers import RUNTIME_LINEARS, LinearKernel
 
 if TYPE_CHECKING:
@@ -59,6 +65,8 @@ class _Layer:
     o: LinearKernel
     gate_up: LinearKernel
     down: LinearKernel
+    q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights of q and k (qwen3), or None
+    k_norm: torch.Tensor | None = None
 
     @property
     def linears(self) -> tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]:
@@ -92,6 +100,8 @@ class DecodePlan:
         self.prefill_attention = ops.paged_prefill_attention.default
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for steps of up to max_cpp_rows rows
         self.decode_layers = getattr(ops, "decode_layers", None)
+        if any(layer.q_norm is not None for layer in layers):
+            self.decode_layers = None  # the C++ loop has no q/k norm step (see the module docstring)
         if self.decode_layers is not None:
             # the overload's C++ entry point: torch's Python wrapper of an op with a torchbind argument (the
             # DecodeWeights below) walks every argument looking for fake script objects, ~15 us a step
@@ -132,7 +142,12 @@ class DecodePlan:
                 return None
             if norms[0].eps != norms[1].eps:
                 return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts))
+            qk = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+            if qk is not None and (any(w.dtype != dtype for w in qk) or attn.q_norm.eps != norms[0].eps
+                                   or any(n._forward_hooks or n._forward_pre_hooks for n in (attn.q_norm,
+                                                                                          attn.k_norm))):
+                return None
+            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts, *(qk or ())))
         a = model.model.layers[0].self_attn if len(model.model.layers) else None
         if a is None:
             return None
@@ -171,6 +186,8 @@ class DecodePlan:
             hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
                                                                                             layer.eps)
             qkv = layer.qkv(hid)  # [B, (h + 2 kvh) d]
+            if layer.q_norm is not None:
+                rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, layer.eps, h, kvh)
             self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
             q = qkv.view(t, h + 2 * kvh, d)[:, :h]
             o = torch.empty((t, h, d), dtype=x.dtype)

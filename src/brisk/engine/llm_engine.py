@@ -124,7 +124,7 @@ class LLMEngine:
         policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens, cache.h2o_recent)
         rope = self.loaded.model.rope
         check_policy_supports(policy, cache.kv_policy, mc.sliding_window,
-                              dynamic_rope=rope is not None and rope.dynamic_orig_max is not None)
+                              dynamic_rope=rope is not None and rope.length_dependent)
         num_blocks = num_kv_blocks(cache, mc, self.loaded.dtype)
         check_kv_pool(num_blocks, cache, mc, self.loaded.dtype, policy, sched_cfg.max_num_batched_tokens,
                       self.max_model_len)

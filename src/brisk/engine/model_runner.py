@@ -127,7 +127,7 @@ class ModelRunner:
             stats=self.kv_policy.begin_step(order, context_lens, self.device), logits_indices=logits_rows,
             device=self.device)
         token_context_lens = None
-        if self.model.rope is not None and self.model.rope.dynamic_orig_max is not None:
+        if self.model.rope is not None and self.model.rope.length_dependent:
             q_lens = torch.tensor(query_lens)
             token_context_lens = torch.repeat_interleave(meta.context_lens.long(), q_lens)  # [T]
         ids_t = torch.tensor(input_ids, dtype=torch.int64)

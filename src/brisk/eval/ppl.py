@@ -78,7 +78,7 @@ def sequence_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str 
     meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], block_size,
                                            sliding_window=c.sliding_window, device=device)
     # dynamic NTK RoPE rescales by the sequence length; pass it per token, as the engine's runner does
-    dynamic = loaded.model.rope is not None and loaded.model.rope.dynamic_orig_max is not None
+    dynamic = loaded.model.rope is not None and loaded.model.rope.length_dependent
     context_lens = torch.full((n,), n, device=device) if dynamic else None
     with torch.inference_mode():
         return loaded.model(ids, positions, meta, kv, context_lens).float()

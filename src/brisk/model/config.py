@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # HF `architectures[0]` -> our architecture name
 _HF_ARCH = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+# architectures whose config.json enables the sliding window with a separate `use_sliding_window` flag
+_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -21,7 +25,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,10 +36,13 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # HF dict: {"rope_type": "linear"|"dynamic"|"llama3", "factor": ...}
+    # HF dict: {"rope_type": "linear"|"dynamic"|"llama3"|"longrope", "factor": ...}; longrope (phi3) also holds
+    # short_factor, long_factor [head_dim / 2] and original_max_position_embeddings
+    rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (qwen2)
     sliding_window: int | None = None  # mistral-style local attention window, None = full
+    qk_norm: bool | None = None  # per-head RMSNorm of q and k before RoPE (qwen3); None -> the architecture's
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -46,6 +53,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unknown architecture {self.architecture!r}; brisk supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if self.qk_norm is None:
+            self.qk_norm = self.architecture == "qwen3"
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -70,6 +79,8 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.qk_norm:
+            layer += 2 * self.head_dim
         if self.attention_bias:
             layer += q + 2 * kv
         emb = v * h * (1 if self.tie_word_embeddings else 2)
@@ -102,8 +113,10 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
         }
-        if self.architecture == "qwen2":
+        if self.architecture in _WINDOW_FLAG_ARCHS:
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling:
+            d["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         if self.torch_dtype:
             d["torch_dtype"] = self.torch_dtype
         return d
@@ -139,8 +152,20 @@ class ModelConfig:
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
             rope_theta = d["rope_parameters"].get("rope_theta")
         sliding_window = d.get("sliding_window")
-        if arch == "qwen2" and not d.get("use_sliding_window", False):
+        if arch in _WINDOW_FLAG_ARCHS and not d.get("use_sliding_window", False):
             sliding_window = None
+        if float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+                 ) != 1.0:
+            raise UnsupportedModelError(f"{arch}: partial_rotary_factor != 1 (RoPE on part of each head) is not "
+                                        "supported; brisk rotates whole heads")
+        if rope_scaling is not None:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind in ("su", "longrope"):  # phi3: "su" is longrope's older name
+                rope_scaling["rope_type"] = "longrope"
+                rope_scaling.setdefault("original_max_position_embeddings",
+                                        d.get("original_max_position_embeddings")
+                                        or d.get("max_position_embeddings", 2048))
         eos = d.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -152,7 +177,7 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

@@ -11,7 +11,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from brisk.model.config import ModelConfig
 from brisk.model.llama import LlamaForCausalLM
+
+
+class FusedTensorError(ValueError):
+    """A checkpoint's fused qkv_proj / gate_up_proj tensor does not have the rows its config implies."""
+
+
+def split_fused_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi3's checkpoints store `self_attn.qkv_proj` ([q heads | k heads | v heads] rows) and `mlp.gate_up_proj`
+    ([gate | up] rows); split them into HF's q/k/v_proj and gate/up_proj names in place, so the model, the
+    quantizers and fuse_projections see one layout. Returns `tensors`."""
+    q, kv, inter = (config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim,
+                    config.intermediate_size)
+    splits = {"self_attn.qkv_proj.": (("self_attn.q_proj.", q), ("self_attn.k_proj.", kv), ("self_attn.v_proj.", kv)),
+              "mlp.gate_up_proj.": (("mlp.gate_proj.", inter), ("mlp.up_proj.", inter))}
+    for name in [n for n in tensors if any(f".{fused}" in n for fused in splits)]:
+        fused = next(f for f in splits if f".{f}" in name)
+        parts = splits[fused]
+        t = tensors[name]
+        rows = sum(n for _, n in parts)
+        if t.shape[0] != rows:
+            raise FusedTensorError(f"tensor {name} has {t.shape[0]} rows, expected {rows} "
+                                   f"({' + '.join(str(n) for _, n in parts)}) from the model config")
+        for (part, _), piece in zip(parts, torch.split(t, [n for _, n in parts]), strict=True):
+            tensors[name.replace(fused, part)] = piece.contiguous()
+        del tensors[name]
+    return tensors
 
 
 def _concat_linear(layers: list[nn.Linear]) -> nn.Linear:

@@ -37,9 +37,9 @@ from brisk.model.tokenizer import Tokenizer
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
-# its interleaved RoPE; Qwen2 is converted without permutation.
+# its interleaved RoPE; Qwen2 and Qwen3 are converted without permutation.
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
 
 # ----------------------------------------------------------------------------------------- header parsing
@@ -258,6 +258,7 @@ _LAYER_TENSORS = {  # llama.cpp name inside blk.{i} -> transformers name inside 
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
            "attn_v.bias": "self_attn.v_proj.bias"}
 
@@ -273,8 +274,9 @@ def _expected_tensors(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
               "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
               "ffn_gate.weight": (c.intermediate_size, h), "ffn_up.weight": (c.intermediate_size, h),
               "ffn_down.weight": (h, c.intermediate_size),
-              "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
-    names = _LAYER_TENSORS | (_BIASES if c.attention_bias else {})
+              "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+              "attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
+    names = _LAYER_TENSORS | (_BIASES if c.attention_bias else {}) | (_QK_NORMS if c.qk_norm else {})
     for i in range(c.num_hidden_layers):
         for gguf_name, hf_name in names.items():
             out[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shapes[gguf_name])

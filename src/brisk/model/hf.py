@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from brisk.model.config import ModelConfig
+from brisk.model.fuse import FusedTensorError, split_fused_tensors
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.community import convert_community_checkpoint, read_community_config
 from brisk.quant.config import QuantizationConfig, read_quantization_config
@@ -57,6 +58,10 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCh
     quantization = None if community else read_quantization_config(config_dict, str(folder / "config.json"))
     generation_config = _read_json(folder / "generation_config.json", required=False) or {}
     tensors = load_safetensors_folder(folder, dtype)
+    try:
+        split_fused_tensors(tensors, config)  # phi3's qkv_proj / gate_up_proj -> HF's q/k/v and gate/up names
+    except FusedTensorError as e:
+        raise HFCheckpointError(f"{folder}: {e}") from None
     if community is not None:  # their packed tensors become brisk's, once (quant/community.py)
         quantization = convert_community_checkpoint(tensors, config, community)
     tokenizer = _load_tokenizer(folder, config, config_dict, generation_config)

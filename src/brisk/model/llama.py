@@ -1,4 +1,8 @@
-"""The Llama-family decoder (llama, mistral, qwen2) in plain PyTorch.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3) in plain PyTorch.
+
+The architectures differ only in data read from the config: q/k/v biases (qwen2), per-head q/k RMSNorm before
+RoPE (qwen3), the sliding window (mistral), RoPE variants (model/rope.py). Phi3's fused qkv_proj / gate_up_proj
+tensors are split into HF's q/k/v and gate/up names at load (model/fuse.py) and fused again like any other.
 
 Module names match HF transformers, so an HF state dict loads as is and quantized or sharded layers can be
 swapped in from outside by name. The forward runs the flattened tokens of many sequences at once:
@@ -17,7 +21,7 @@ from torch import nn
 from brisk.model.config import ModelConfig
 from brisk.model.rope import RotaryEmbedding, apply_rope
 from brisk.ops.attention import AttentionMetadata, paged_attention, rope_write_kv, write_kv
-from brisk.ops.fused import add_rms_norm, rms_norm, silu_mul
+from brisk.ops.fused import add_rms_norm, rms_norm, rms_norm_qk_heads_, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -51,12 +55,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, kv, bias=bias)
         self.o_proj = nn.Linear(q, h, bias=False)
         self.qkv_proj: nn.Linear | None = None  # set by model.fuse.fuse_projections (replaces q/k/v_proj)
+        # qwen3: RMSNorm over each head's d dims of q and of k, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]: q heads, k heads, v heads
+            if self.q_norm is not None:
+                rms_norm_qk_heads_(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, h, kvh)
             if rope_write_kv(qkv, cos, sin, kv_cache, meta, h, kvh):  # rotated in place, k and v cached
                 qkv = qkv.view(t, h + 2 * kvh, d)
                 q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
@@ -66,8 +75,10 @@ class Attention(nn.Module):
                 q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
                 write_kv(kv_cache, k, v, meta.slot_mapping)
         else:
-            q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)  # [T, h, d]
-            k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)  # [T, kvh, d]
+            q, k = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d)  # [T, h, d], [T, kvh, d]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.v_proj(x).view(t, kvh, d)
             write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
@@ -122,7 +133,7 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2. Build on the meta device, fill with `load_weights`, then `init_rope`."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Phi3. Build on the meta device, fill with `load_weights`, then `init_rope`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -52,6 +52,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def rms_norm_qk_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Per-head RMSNorm of the q and k heads of a fused projection output, in place (qwen3's q_norm / k_norm,
+    applied before RoPE). qkv: [T, (h + 2 kvh) d]; q_weight, k_weight: [d]. The module path and the decode plan
+    both call this, so they normalize with the same kernel on the same rows."""
+    t, d = qkv.shape[0], q_weight.shape[0]
+    heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)  # [T, h + 2 kvh, d]: q heads, k heads, v heads
+    q, k = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads]
+    q.copy_(rms_norm(q.reshape(t * num_heads, d), q_weight, eps).view(t, num_heads, d))  # rows of d
+    k.copy_(rms_norm(k.reshape(t * num_kv_heads, d), k_weight, eps).view(t, num_kv_heads, d))
+    return qkv
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place, then (rms_norm(residual), residual): vLLM's fused_add_rms_norm.

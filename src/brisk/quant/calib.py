@@ -223,7 +223,7 @@ class BlockContext:
         for start in range(0, n, self.batch_size):
             b = min(self.batch_size, n - start)
             positions = torch.arange(seq_len).repeat(b)  # [T]: every sample starts at position 0
-            context_lens = torch.full_like(positions, seq_len) if rope.dynamic_orig_max is not None else None
+            context_lens = torch.full_like(positions, seq_len) if rope.length_dependent else None
             cos, sin = rope.cos_sin(positions, context_lens)
             # plain causal prefill of b independent sequences, no prior KV, one block of seq_len slots each
             meta = AttentionMetadata.for_sequences([seq_len] * b, [seq_len] * b, [[i] for i in range(b)], seq_len,
