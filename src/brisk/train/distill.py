@@ -110,7 +110,7 @@ def make_distill_loss(teacher: LlamaForCausalLM, alpha: float, temperature: floa
             assert s.hidden_states is not None and t.hidden_states is not None and layer_map is not None
             hidden = hidden_state_loss(s.hidden_states, t.hidden_states, layer_map)
             loss = loss + hidden_weight * hidden
-            parts["hidden"] = float(hidden)
+            parts["hidden"] = float(hidden.detach())
         return loss, parts
 
     return loss_fn

@@ -35,7 +35,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     """alpha * T^2 * KL(teacher || student) at temperature T + (1 - alpha) * next-token cross-entropy."""
     kl = kd_kl(student_logits, teacher_logits, temperature)
     ce = next_token_ce(student_logits, ids)
-    return alpha * kl + (1 - alpha) * ce, {"kl": float(kl), "ce": float(ce)}
+    return alpha * kl + (1 - alpha) * ce, {"kl": float(kl.detach()), "ce": float(ce.detach())}
 
 
 def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor],
