@@ -219,8 +219,9 @@ def _register_commands() -> None:
     from brisk.prune.cli import prune
     from brisk.quant.cli import quantize
     from brisk.spec.cli import spec_group
+    from brisk.train.cli import distill
 
-    for command in (bench, eval_group, export, kernels_group, prune, quantize, spec_group):
+    for command in (bench, distill, eval_group, export, kernels_group, prune, quantize, spec_group):
         main.add_command(command)
 
 

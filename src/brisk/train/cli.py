@@ -1,0 +1,106 @@
+"""`brisk distill TEACHER STUDENT_INIT OUT`: a student learns the teacher's distribution on a text."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from brisk.data import calibration_text_path, evaluation_text_path
+
+
+@click.command("distill")
+@click.argument("teacher")
+@click.argument("student_init")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--text", type=click.Path(dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma", help="UTF-8 training text.")
+@click.option("--eval-text", type=click.Path(dir_okay=False), default=str(evaluation_text_path()),
+              show_default="the bundled held-out text, Sense and Sensibility",
+              help="Held-out text for perplexity before, during and after (never the training text).")
+@click.option("--steps", type=int, default=200, show_default=True, help="Optimizer steps.")
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per micro-batch.")
+@click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step.")
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per training window.")
+@click.option("--lr", type=float, default=5e-5, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--warmup-steps", type=int, default=10, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True)
+@click.option("--alpha", type=float, default=0.5, show_default=True, help="Weight of the KL term (1 - alpha: CE).")
+@click.option("--temperature", type=float, default=2.0, show_default=True)
+@click.option("--hidden-weight", type=float, default=0.0, show_default=True,
+              help="Weight of hidden-state matching on mapped layers (0: off; needs equal hidden sizes).")
+@click.option("--activation-checkpointing", is_flag=True, help="Recompute layers in the backward (less memory).")
+@click.option("--bf16", "bf16_autocast", is_flag=True, help="bfloat16 autocast (pays on AVX512-BF16 / AMX CPUs).")
+@click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between evaluations (0: ends).")
+@click.option("--eval-windows", type=int, default=4, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--eval-window", type=int, default=512, show_default=True, help="Tokens per held-out window.")
+@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between saves of OUT/last.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue the run whose state is in OUT/last.")
+@click.option("--force", is_flag=True, help="Start a new run in OUT even if it holds one.")
+def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: str, steps: int, batch_size: int,
+            grad_accum: int, seq_len: int, lr: float, warmup_steps: int, weight_decay: float, max_grad_norm: float,
+            alpha: float, temperature: float, hidden_weight: float, activation_checkpointing: bool,
+            bf16_autocast: bool, eval_every: int, eval_windows: int, eval_window: int, checkpoint_every: int,
+            seed: int, resume: bool, force: bool) -> None:
+    """Distill TEACHER into a student initialised from STUDENT_INIT; write the student folder OUT.
+
+    STUDENT_INIT: a float checkpoint sharing the teacher's tokenizer (e.g. a structured-pruned teacher), or
+    'every:K' / 'layers:I,J,...' for a shallower copy of the teacher made of those teacher layers (a draft).
+    OUT loads with no flags: brisk generate --model OUT.
+    """
+    from brisk.model.loader import load_model
+    from brisk.train.checkpoint import TrainCheckpointError
+    from brisk.train.data import TextWindows, TrainDataError
+    from brisk.train.distill import (
+        DistillError,
+        check_hidden_sizes,
+        check_same_tokenizer,
+        default_layer_map,
+        make_distill_loss,
+        parse_layers,
+        teacher_layers_student,
+    )
+    from brisk.train.trainer import TrainConfig, train
+
+    if not resume and not force and ((out / "config.json").exists() or (out / "last").exists()):
+        raise click.ClickException(f"{out} already holds a run; pass --resume to continue it, --force to start over")
+    for path, what in ((text, "--text"), (eval_text, "--eval-text")):
+        if not Path(path).is_file():
+            raise click.ClickException(f"{what} {path} does not exist")
+    try:
+        config = TrainConfig(max_steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                             warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                             activation_checkpointing=activation_checkpointing, bf16_autocast=bf16_autocast,
+                             eval_every=eval_every, eval_windows=eval_windows, eval_window=eval_window,
+                             checkpoint_every=checkpoint_every, seed=seed)
+        start = time.perf_counter()
+        t = load_model(teacher, fuse=False)
+        layers = None
+        if student_init.startswith(("every:", "layers:")):
+            layers = parse_layers(student_init, t.config.num_hidden_layers)
+            s = teacher_layers_student(t, layers)
+        else:
+            s = load_model(student_init, fuse=False)
+        check_same_tokenizer(t, s)
+        layer_map = None
+        if hidden_weight:
+            check_hidden_sizes(t, s)
+            layer_map = default_layer_map(s.config.num_hidden_layers, t.config.num_hidden_layers, layers)
+        loss_fn = make_distill_loss(t.model, alpha, temperature, hidden_weight, layer_map, activation_checkpointing)
+        data = TextWindows.from_file(text, s.tokenizer, seq_len, seed)
+        method = {"method": "distill", "teacher": t.name, "student_init": student_init if layers else s.name,
+                  "student_layers": layers, "alpha": alpha, "temperature": temperature,
+                  "hidden_weight": hidden_weight}
+        result = train(s, loss_fn, data, config, out, method=method,
+                       eval_text=Path(eval_text).read_text(encoding="utf-8"), eval_source=Path(eval_text).name,
+                       resume=resume)
+    except (DistillError, TrainDataError, TrainCheckpointError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    r = result.record
+    state = "interrupted; continue with --resume" if result.interrupted else "done"
+    click.echo(f"wrote {out} ({state}): {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.1f} s "
+               f"(total {time.perf_counter() - start:.1f} s); loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}; "
+               f"held-out ppl {r['eval_ppl_before']} -> {r['eval_ppl_after']}")
