@@ -27,11 +27,12 @@ def test_settings_read_once_from_the_environment():
 
 def test_to_huge_pages_keeps_values_sharing_and_outputs(tmp_path, huge_pages):
     make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True)
+    # bfloat16 from a float32 file: every weight is converted (none is a view of the mapped file, which stays put)
     H.configure(enabled=False)
-    plain_loaded = load_model(str(tmp_path))
+    plain_loaded = load_model(str(tmp_path), dtype=torch.bfloat16)
     plain = plain_loaded.model
     H.configure(enabled=True)
-    loaded = load_model(str(tmp_path))  # load_model moves the weights when huge pages are available
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16)  # moves the weights when huge pages are available
     model = loaded.model
     ids = torch.tensor([1, 5, 9, 2, 7, 3, 3, 8])
     assert torch.equal(prefill_logits(loaded, ids), prefill_logits(plain_loaded, ids))

@@ -7,8 +7,9 @@ File layout (little-endian; GGUF v2/v3)::
 
 The header is parsed here with `struct` over a memory map rather than with `gguf.GGUFReader`: the reader
 builds a numpy memmap view per metadata element, which for a 49k-token vocabulary (tokens + merges) takes
-~3.3 s, while the whole header parses in ~0.1 s this way. Tensor data is read straight from the memory map
-and dequantized once (`gguf_dequant.dequantize`), so loading costs about one pass over the weights.
+~3.3 s, while the whole header parses in ~0.1 s this way. A float tensor loaded in its own dtype is a view of
+the file's memory map (model/mapped.py); every other tensor is read straight from the map and dequantized once
+(`gguf_dequant.dequantize`) into its final buffer, so loading costs about one pass over the weights.
 
 Weights are renamed to the Hugging Face transformers convention (`model.layers.{i}.self_attn.q_proj.weight`,
 ...) and llama.cpp's row permutation of Q/K is undone, so the tensors equal what transformers loads.
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from brisk.model import mapped
 from brisk.model.config import ModelConfig, UnsupportedModelError
+from brisk.model.fuse import FusedBuffers
 from brisk.model.generation_config import generation_config_from_gguf_metadata
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
@@ -302,10 +305,21 @@ class GGUFCheckpoint:
     tensors: dict[str, torch.Tensor]  # transformers names, dequantized
     tokenizer: Tokenizer
     generation_config: dict[str, Any] = field(default_factory=dict)  # its general.sampling.* values, HF names
+    mapped: list[torch.Tensor] = field(default_factory=list)  # the file's memory map the weights view (mapped.py)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file."""
+# ggml float types a tensor can be mapped from, when the model runs in that dtype
+_FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                GGMLQuantizationType.BF16: torch.bfloat16}
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False,
+              mmap_weights: bool = True) -> GGUFCheckpoint:
+    """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file.
+
+    `mmap_weights`: float tensors stored in `dtype` (and needing no Q/K un-permutation) are views of the memory-
+    mapped file. `fuse`: q/k/v and gate/up parts are dequantized into one buffer per layer (fuse.FusedBuffers), for
+    fuse_projections to take without a copy."""
     f = read_gguf(path)
     config = _config_from_gguf(f)
     expected = _expected_tensors(config)
@@ -333,16 +347,26 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     tokenizer = tokenizer_from_gguf_metadata(f.metadata, f.path)
 
     permuted = config.architecture in _PERMUTED_QK_ARCHS
-    tensors = {}
+    fused = FusedBuffers(config, dtype) if fuse else None
+    base = mapped.map_file(f.path) if mmap_weights else None
+    tensors, used = {}, False
     for name, (hf_name, shape) in expected.items():
+        info = f.tensors[name]
+        unpermute = permuted and (".attn_q." in name or ".attn_k." in name)
+        if (base is not None and _FLOAT_TYPES.get(info.qtype) == dtype and not unpermute
+                and not (fused and fused.takes(hf_name))
+                and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
+            tensors[hf_name], used = w, True  # stored as it runs: a view of the file
+            continue
         with _intra_op_threads(1 if np.prod(shape) < _PARALLEL_MIN_NUMEL else torch.get_num_threads()):
-            w = dequantize(f.tensor_bytes(name), f.tensors[name].qtype, shape)
+            w = dequantize(f.tensor_bytes(name), info.qtype, shape)
             if permuted and ".attn_q." in name:
                 w = _unpermute_rows(w, config.num_attention_heads)
             elif permuted and ".attn_k." in name:
                 w = _unpermute_rows(w, config.num_key_value_heads)
-            tensors[hf_name] = w.to(dtype)
-    return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata))
+            tensors[hf_name] = fused.place(hf_name, w) if fused else w.to(dtype)
+    return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
+                          mapped=[base] if used and base is not None else [])
 
 
 # Dequantizing one tensor is ~10 elementwise ops. Below this size each op is short enough that the intra-op

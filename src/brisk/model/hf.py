@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from brisk.model import mapped
 from brisk.model.config import ModelConfig
-from brisk.model.fuse import FusedTensorError, split_fused_tensors
+from brisk.model.fuse import FusedBuffers, FusedTensorError, split_fused_tensors
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.community import convert_community_checkpoint, read_community_config
 from brisk.quant.config import QuantizationConfig, read_quantization_config
@@ -44,10 +45,15 @@ class HFCheckpoint:
     tokenizer: Tokenizer | None
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: QuantizationConfig | None = None  # set for a folder of `brisk quantize` (or GPTQ / AWQ / c-t)
+    mapped: list[torch.Tensor] = field(default_factory=list)  # the files' memory maps the weights view (mapped.py)
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
-    """Load config, weights (floating tensors converted to `dtype`) and tokenizer from a local HF folder."""
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False) -> HFCheckpoint:
+    """Load config, weights (floating tensors converted to `dtype`) and tokenizer from a local HF folder.
+
+    Tensors stored as they run (in `dtype`, or integer / scale tensors) are views of the memory-mapped files
+    (model/mapped.py); the rest are converted one at a time. `fuse`: q/k/v and gate/up parts are written into one
+    buffer per layer as they are converted (fuse.FusedBuffers), for fuse_projections to take without a copy."""
     folder = _check_folder(path)
     config_dict = _read_json(folder / "config.json", required=True)
     try:
@@ -57,7 +63,8 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCh
     community = read_community_config(config_dict, str(folder / "config.json"))  # GPTQ, AWQ, compressed-tensors
     quantization = None if community else read_quantization_config(config_dict, str(folder / "config.json"))
     generation_config = _read_json(folder / "generation_config.json", required=False) or {}
-    tensors = load_safetensors_folder(folder, dtype)
+    maps: list[torch.Tensor] = []
+    tensors = load_safetensors_folder(folder, dtype, FusedBuffers(config, dtype) if fuse else None, maps)
     try:
         split_fused_tensors(tensors, config)  # phi3's qkv_proj / gate_up_proj -> HF's q/k/v and gate/up names
     except FusedTensorError as e:
@@ -66,11 +73,13 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCh
         quantization = convert_community_checkpoint(tensors, config, community)
     tokenizer = _load_tokenizer(folder, config, config_dict, generation_config)
     return HFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config,
-                        quantization=quantization)
+                        quantization=quantization, mapped=maps)
 
 
-def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32, fused: FusedBuffers | None = None,
+                            maps: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`. With `maps`,
+    tensors stored as they run are views of the files' memory maps (appended to `maps`); else all are copies."""
     index_file, single_file = folder / INDEX_FILE, folder / SINGLE_FILE
     if index_file.is_file():
         index = _read_json(index_file, required=True)
@@ -86,7 +95,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) ->
                 )
         tensors: dict[str, torch.Tensor] = {}
         for name in shard_names:
-            tensors.update(_read_safetensors(folder / name, dtype))
+            tensors.update(_read_safetensors(folder / name, dtype, fused, maps))
         missing = [k for k in weight_map if k not in tensors and not k.endswith(_NON_WEIGHT_SUFFIXES)]
         if missing:
             raise HFCheckpointError(
@@ -95,7 +104,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) ->
             )
         return tensors
     if single_file.is_file():
-        return _read_safetensors(single_file, dtype)
+        return _read_safetensors(single_file, dtype, fused, maps)
 
     pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
     if pickles:
@@ -108,19 +117,41 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32) ->
     raise HFCheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}: no model weights found")
 
 
-def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: Path, dtype: torch.dtype, fused: FusedBuffers | None,
+                      maps: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt") as f, open(file, "rb") as raw:  # (safe_open checks the header)
+            layout = mapped.safetensors_layout(file)
+            base = mapped.map_file(file) if maps is not None else None
+            used = False
             for name in f.keys():
                 if name.endswith(_NON_WEIGHT_SUFFIXES):
                     continue
-                t = f.get_tensor(name)
-                # Convert once here so the model never holds two copies; integer tensors (packed quantized
-                # weights, index buffers) and quantization scales keep their dtype (a float16 scale rounded to
-                # bfloat16 would move every weight of its group).
-                convert = t.is_floating_point() and not name.endswith((".scales", ".weight_scale"))
-                out[name] = t.to(dtype) if convert else t
+                stored = layout.get(name)  # (dtype, shape, offset) in the file
+                if stored is None:  # a dtype torch has no name for here: safetensors' own reader
+                    t = f.get_tensor(name)
+                    out[name] = t.to(dtype) if t.is_floating_point() else t
+                    continue
+                stored_dtype, shape, offset = stored
+                # Integer tensors (packed quantized weights, index buffers) and quantization scales keep their
+                # dtype (a float16 scale rounded to bfloat16 would move every weight of its group); other floating
+                # tensors are converted once, here, one at a time, so the model never holds two copies.
+                convert = stored_dtype.is_floating_point and not name.endswith((".scales", ".weight_scale"))
+                runtime = dtype if convert else stored_dtype
+                slot = fused.slot(name, shape) if fused is not None and convert else None
+                if slot is None and base is not None and stored_dtype == runtime:
+                    t = mapped.view(base, offset, shape, stored_dtype)
+                    if t is not None:  # stored as it runs: a view of the file
+                        out[name], used = t, True
+                        continue
+                if slot is not None and stored_dtype == runtime:
+                    out[name] = mapped.read_tensor(raw, offset, shape, stored_dtype, out=slot)  # straight in
+                    continue
+                t = mapped.read_tensor(raw, offset, shape, stored_dtype)
+                out[name] = slot.copy_(t) if slot is not None else t.to(runtime)
+            if used and maps is not None:
+                maps.append(base)
     except SafetensorError as e:
         raise HFCheckpointError(
             f"{file} is not a readable safetensors file ({e}); it is probably truncated or corrupt: "

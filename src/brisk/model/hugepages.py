@@ -23,7 +23,7 @@ import ctypes
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +140,12 @@ def _holders(model: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
     return out
 
 
-def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
+def to_huge_pages(model: nn.Module, min_bytes: int = 4096, skip: Collection[int] = ()) -> int:
     """Move the model's CPU tensors of at least `min_bytes` into one huge-page arena (see the module docstring).
     Returns the bytes moved (0 when huge pages are not available). Tensors shared by several holders (tied
-    embeddings, a packed weight and the buffer mirroring it) stay shared."""
+    embeddings, a packed weight and the buffer mirroring it) stay shared. Tensors on a storage whose data_ptr is
+    in `skip` stay where they are: the loader passes the memory-mapped files' (model/mapped.py), whose pages are
+    shared page cache; copying them here would make them private anonymous memory again."""
     if not huge_pages_available():
         return 0
     holders = _holders(model)
@@ -158,7 +160,7 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096) -> int:
     for _, _, t in holders:
         if t.device.type != "cpu" or t.layout != torch.strided or t.nbytes < min_bytes or not t.is_contiguous():
             continue
-        if len(views_of[t.untyped_storage().data_ptr()]) > 1:
+        if t.untyped_storage().data_ptr() in skip or len(views_of[t.untyped_storage().data_ptr()]) > 1:
             continue
         key = t.data_ptr()
         if key in moved:

@@ -18,6 +18,7 @@ import torch
 from brisk.model.config import ModelConfig
 from brisk.model.fuse import fuse_projections
 from brisk.model.llama import LlamaForCausalLM
+from brisk.model.mapped import storage_ptrs
 from brisk.model.tokenizer import Tokenizer
 from brisk.ops.linear import use_fast_linear
 
@@ -151,16 +152,18 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     elif (path := resolve_model(model)).is_dir():
         from brisk.model.hf import load_hf_folder
 
-        ckpt = load_hf_folder(path, dtype=dtype)
+        ckpt = load_hf_folder(path, dtype=dtype, fuse=fuse)
         tokenizer = ckpt.tokenizer
     elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
         from brisk.model.gguf import load_gguf
 
-        ckpt = load_gguf(path, dtype=dtype)
+        ckpt = load_gguf(path, dtype=dtype, fuse=fuse)
         tokenizer = ckpt.tokenizer
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
     config = ckpt.config
+    # weights that are views of a memory-mapped file (model/mapped.py) stay there: not copied to huge pages
+    mapped_storages = storage_ptrs(getattr(ckpt, "mapped", []))
     quantization = getattr(ckpt, "quantization", None)
     # The model takes the checkpoint's tensors as they are (assign, no copy); the dict is dropped right after, so
     # that fusion below frees each layer's parts as it concatenates them instead of keeping a second copy.
@@ -178,7 +181,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     del tensors
     net.init_rope(max(max_model_len or 0, config.max_position_embeddings), device)
     if fuse:
-        fuse_projections(net)
+        fuse_projections(net)  # the loaders placed the parts in one buffer per layer: views, no copy
     if fuse if sparse is None else sparse:  # after fusion: a fused layer of pruned parts is as sparse as its parts
         from brisk.ops.sparse import sparsify_model
 
@@ -191,7 +194,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     if torch.device(device).type == "cpu":
         from brisk.model.hugepages import to_huge_pages
 
-        to_huge_pages(net)  # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
+        # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
+        to_huge_pages(net, skip=mapped_storages)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
                        generation_config=dict(getattr(ckpt, "generation_config", {})),
                        dummy_shape=getattr(ckpt, "shape", None))
