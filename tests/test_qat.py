@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -115,5 +117,9 @@ def test_quantize_cli_qat_end_to_end(tmp_path):
     short.write_text("Emma.")
     bad = CliRunner().invoke(main, [*args[:-6], "--text", str(short), "--force", "--seq-len", "32"])
     assert bad.exit_code != 0 and "fewer than one window" in bad.output
+    gptq = CliRunner().invoke(main, [*args, "--force", "--init", "gptq", "--num-samples", "2"])
+    assert gptq.exit_code == 0, gptq.output
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["method_config"][
+        "init"] == "gptq"
     nf4 = CliRunner().invoke(main, [*args, "--force", "--scheme", "nf4", "--bits", "4"])
     assert nf4.exit_code != 0 and "int" in nf4.output
