@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,10 +22,11 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.command("quantize")
 @click.argument("model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), default="rtn", show_default=True,
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "qat"]), default="rtn", show_default=True,
               help="How the codes are chosen. rtn: round to nearest, no data; gptq: error-compensating rounding "
-                   "(Frantar et al. 2023); awq: activation-aware scaling + clipping (Lin et al. 2024). gptq and "
-                   "awq calibrate on --calib-text.")
+                   "(Frantar et al. 2023); awq: activation-aware scaling + clipping (Lin et al. 2024); qat: "
+                   "quantization-aware training (learned step sizes, distilled from the float model). gptq and "
+                   "awq calibrate on --calib-text; qat trains on it.")
 @click.option("--bits", type=click.Choice(["8", "4", "3", "2"]), default="4", show_default=True,
               help="Bits per weight of the decoder's linear layers.")
 @click.option("--group-size", type=int, default=64, show_default=True,
@@ -36,23 +38,37 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
               help="Embedding and lm_head: 8-bit per channel, or none = keep them in float.")
 @click.option("--skip", multiple=True, metavar="PATTERN",
               help="Keep modules matching this fnmatch pattern in float (repeatable), e.g. 'model.layers.0.*'.")
-@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+@click.option("--calib-text", "--text", "calib_text", type=click.Path(exists=True, dir_okay=False),
+              default=str(calibration_text_path()),
               show_default="the bundled calibration text, Emma",
-              help="gptq/awq: UTF-8 text the calibration samples are drawn from.")
+              help="gptq/awq: UTF-8 text the calibration samples are drawn from; qat: the training text.")
 @click.option("--num-samples", type=int, default=16, show_default=True,
               help="gptq/awq: calibration samples (random windows of the text).")
-@click.option("--seq-len", type=int, default=256, show_default=True, help="gptq/awq: tokens per sample.")
-@click.option("--seed", type=int, default=0, show_default=True, help="gptq/awq: seed of the sample offsets.")
+@click.option("--seq-len", type=int, default=256, show_default=True,
+              help="gptq/awq: tokens per sample; qat: tokens per training window.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="gptq/awq: seed of the sample offsets; qat: seed of the window order.")
 @click.option("--batch-size", type=int, default=8, show_default=True,
-              help="gptq/awq: samples per forward mini-batch (bounds memory, not the result).")
+              help="gptq/awq: samples per forward mini-batch (bounds memory, not the result); qat: windows per "
+                   "optimizer step.")
 @click.option("--damp", type=float, default=0.01, show_default=True,
               help="gptq: dampening, as a fraction of the Hessian's mean diagonal.")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="gptq: quantize columns by descending activation (static groups keep the format).")
+@click.option("--init", "qat_init", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
+              help="qat: the starting codes, scales and zero points (gptq calibrates on --text first, in "
+                   "column order).")
+@click.option("--steps", type=int, default=100, show_default=True, help="qat: optimizer steps.")
+@click.option("--lr", type=float, default=1e-4, show_default=True,
+              help="qat: peak learning rate (AdamW, warm-up then cosine) of the weights and the log step sizes.")
+@click.option("--alpha", type=float, default=1.0, show_default=True,
+              help="qat: weight of the KL to the float model's distribution (1 - alpha: cross-entropy on the text).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
-             seed: int, batch_size: int, damp: float, act_order: bool, force: bool) -> None:
+             seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
+             alpha: float, temperature: float, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -86,6 +102,9 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         raise click.ClickException("no module left to quantize: the --skip patterns match every layer")
     if method == "rtn":
         tensors, qconfig = rtn_quantize(loaded, plan, default)
+    elif method == "qat":
+        tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr, alpha, temperature,
+                                num_samples, seq_len, seed, batch_size, damp)
     else:
         from brisk.quant.calib import CalibConfig, CalibrationError
 
@@ -107,6 +126,33 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                   f"embedding/head {'float' if head_bits == 'none' else HEAD_DEFAULT.label}), "
                   f"{size / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s")
     console.print(f"run it:  brisk generate --model {out} 'Hello'     size:  brisk eval size --model {out}")
+
+
+def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, out: Path, text: str, init: str,
+         steps: int, lr: float, alpha: float, temperature: float, num_samples: int, seq_len: int, seed: int,
+         batch_size: int, damp: float) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+    """QAT on the trainer: GPTQ's codes first when asked, then `steps` distillation steps, then the export."""
+    from brisk.quant.calib import CalibConfig, CalibrationError
+    from brisk.quant.qat import QATConfig, qat_quantize
+    from brisk.train.data import TextWindows, TrainDataError
+    from brisk.train.trainer import TrainConfig
+
+    try:
+        qat = QATConfig(init=init, alpha=alpha, temperature=temperature)
+        config = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(10, steps // 10),
+                             checkpoint_every=0, seed=seed)
+        data = TextWindows.from_file(text, loaded.tokenizer, seq_len, seed)
+        encoded = None
+        if init == "gptq":
+            calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed, batch_size=batch_size)
+            tensors, _ = calibrated_quantize(loaded, plan, default, "gptq", calib, damp=damp, act_order=False)
+            encoded = {name: {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")
+                              and k.rsplit(".", 1)[-1] in ("qweight", "scales", "qzeros")} for name in plan}
+        result = qat_quantize(loaded, plan, default, qat, config, data, out, init=encoded)
+    except (CalibrationError, TrainDataError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    shutil.rmtree(out / "last", ignore_errors=True)  # the trainer's resumable float state: no use once exported
+    return result
 
 
 def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, method: str,

@@ -30,7 +30,8 @@ QUANT_METHOD = "brisk"
 FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCHEMES = ("int", "nf4")
-METHODS = ("rtn", "gptq", "awq", "sparsegpt")  # sparsegpt: joint prune + quantize (brisk prune)
+METHODS = ("rtn", "gptq", "awq", "sparsegpt", "qat")  # sparsegpt: joint prune + quantize (brisk prune);
+# qat: quantization-aware training (brisk quantize --method qat)
 
 
 class QuantConfigError(ValueError):

@@ -148,11 +148,12 @@ def evaluate(loaded: LoadedModel, text: str | None, config: TrainConfig) -> floa
 
 def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: TrainConfig, out: str | Path, *,
           method: dict[str, Any], eval_text: str | None = None, eval_source: str | None = None,
-          resume: bool = False) -> TrainResult:
+          resume: bool = False, frozen: tuple[str, ...] = ()) -> TrainResult:
     """Train `loaded.model` in place on `data` under `loss_fn`; write the model folder and the logs to `out`.
 
     `method` describes what is trained (e.g. {"method": "distill", "teacher": ..., "alpha": ...}); it goes into
     the training record and must match on resume, as must every setting of `config` that changes the weights.
+    `frozen` names parameters (as in named_parameters()) that keep their values.
     """
     from brisk.train.progress import TrainProgress, write_loss_curve
 
@@ -163,6 +164,11 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
         raise ValueError(f"seq_len {data.seq_len} is longer than the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
     model.requires_grad_(True)
+    names = dict(model.named_parameters())
+    unknown = [n for n in frozen if n not in names]
+    assert not unknown, f"frozen names no parameter of the model: {unknown[:3]}"
+    for n in frozen:
+        names[n].requires_grad_(False)
     optimizer = make_optimizer(model, config)
     settings = {**config.run_settings(), **method, "text": data.source, "seq_len": data.seq_len,
                 "num_windows": data.num_windows}
