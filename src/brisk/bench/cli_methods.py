@@ -355,6 +355,11 @@ def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: 
         if 1 in sizes:
             same = r.brisk.greedy_b1 == r.llama_cpp.greedy_b1
             table.add_row("", "", "greedy b=1 tokens equal", "yes" if same else "no", "", "")
+        table.add_row("", "", "load (s)", f"{r.brisk.load_s:.2f}", f"{r.llama_cpp.load_s:.2f}", "")
+        table.add_row("", "", "RSS after load + warm-up (MiB)", f"{r.brisk.rss_bytes / 2**20:.0f}",
+                      f"{r.llama_cpp.rss_bytes / 2**20:.0f}", "")
+        table.add_row("", "", "peak RSS over the load (MiB)", f"{r.brisk.peak_rss_load_bytes / 2**20:.0f}", "-", "")
+        table.add_row("", "", "peak RSS over the row, both engines (MiB)", f"{r.peak_rss_bytes / 2**20:.0f}", "", "")
     Console(width=max(Console().width, 130)).print(table)
     console.print(f"memory bandwidth (quick read): {membw:.1f} GB/s")
     if plot_path:
