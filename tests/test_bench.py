@@ -209,6 +209,12 @@ def test_cli_latency_with_hf_baseline(tiny_dirs: dict, tmp_path: Path, interleav
     assert {"benchmark", "command", "params", "date", "machine", "brisk", "hf", "speedup"} <= set(doc)
     assert doc["params"]["input_len"] == 8 and doc["membw_read_gbps"] == 10
     assert doc["brisk"]["peak_rss_bytes"] > 0
+    # the load's cost: its wall seconds (within the engine's start-up) and the peak RSS after it and after the runs
+    b = doc["brisk"]
+    assert 0 < b["load_s"] <= b["start_s"] and b["load_s"] == doc["model"]["load_s"]
+    assert 0 < b["peak_rss_after_load_bytes"] <= b["peak_rss_after_run_bytes"]
+    assert b["peak_rss_after_run_bytes"] >= b["peak_rss_bytes"]
+    assert "model load (s)" in r.output and "peak RSS after load (MiB)" in r.output
     # interleaved, both models are resident: the baseline's own peak cannot be told apart
     assert (doc["hf"]["peak_rss_bytes"] is None) == interleave
     assert doc["brisk"]["decode_step_split_ms"]["steps"] == 3 * 3  # 3 measured runs of 3 decode steps
@@ -252,6 +258,9 @@ def test_cli_throughput_with_hf_baseline(tiny_dirs: dict, tmp_path: Path) -> Non
     assert doc["brisk"]["output_tokens"] == doc["hf"]["output_tokens"] == 5 * 4
     assert doc["brisk"]["prompt_tokens"] == doc["hf"]["prompt_tokens"] == sum(doc["prompt_lens"])
     assert 0 < doc["brisk"]["kv_slot_util_mean"] <= 1 and doc["brisk"]["num_preemptions"] == 0
+    assert 0 < doc["brisk"]["load_s"] <= doc["brisk"]["start_s"]
+    assert 0 < doc["brisk"]["peak_rss_after_load_bytes"] <= doc["brisk"]["peak_rss_after_run_bytes"]
+    assert "peak RSS after the runs (MiB)" in r.output
     assert doc["speedup"]["output_tok_s"] == pytest.approx(
         doc["brisk"]["output_tok_s"] / doc["hf"]["output_tok_s"])
 

@@ -109,3 +109,24 @@ def test_bench_compare_checks_every_precision_before_any_work(monkeypatch, sourc
     assert result.exit_code == 1 and "unknown precision(s) q5_k" in result.output  # before the file is written
     result = runner.invoke(main, ["bench", "compare", "--shape", "llama-3.2-1b", "--model", str(source)])
     assert result.exit_code == 1 and "not both" in result.output
+
+
+def test_run_compare_reports_load_time_and_memory(tmp_path):
+    """Both engines on the tiny file at f32: the figures are there, and each memory figure is a growth of this
+    process's RSS (so at most the row's peak)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional extra) is not installed")
+    from hf_utils import make_tiny_hf_model
+
+    from brisk.bench.compare import run_compare
+    from brisk.model.gguf_export import export_gguf
+
+    make_tiny_hf_model(tmp_path / "float", "llama", seed=6)  # a file llama.cpp loads: tokenizer and all
+    export_gguf(tmp_path / "float", tmp_path / "tiny.gguf", "f16")
+    prompt = list(range(3, 19))
+    (row,) = run_compare(tmp_path / "tiny.gguf", ["f32"], prompt, prompt * 2, [1, 2], output_len=3, runs=1,
+                         threads=1, log=lambda m: None, workdir=tmp_path)
+    assert row.brisk.load_s > 0 and row.llama_cpp.load_s > 0
+    assert row.brisk.peak_rss_load_bytes >= 0 and row.peak_rss_bytes >= row.brisk.peak_rss_load_bytes
+    assert set(row.brisk.decode_tok_s) == set(row.llama_cpp.decode_tok_s) == {1, 2}
+    d = row.to_dict()
+    assert {"load_s", "rss_bytes", "peak_rss_load_bytes"} <= set(d["brisk"]) and "peak_rss_bytes" in d

@@ -12,7 +12,8 @@ from brisk.ops.linear import MAX_SMALL_M, linear, use_fast_linear
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 12])
-@pytest.mark.parametrize("n,k", [(1539, 576), (576, 1536), (7, 20), (4, 8)])  # odd N and K exercise the tails
+# odd N and K exercise the tails; N below the AVX-512 loop's 4-row tile, and N % 4 = 3, the rows left after tiles
+@pytest.mark.parametrize("n,k", [(1539, 576), (576, 1536), (7, 20), (4, 8), (3, 40)])
 def test_float32_equals_f_linear(ops, m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -23,7 +24,9 @@ def test_float32_equals_f_linear(ops, m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 12])
-@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (577, 1536, True), (9, 40, True), (5, 20, False)])
+# N = 577 and 5 leave rows after the AVX-512 loop's 3-row tiles; N = 2 is below one tile
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (577, 1536, True), (9, 40, True), (5, 20, False),
+                                      (2, 64, True)])
 def test_bfloat16_weights_accumulate_in_float32(ops, m, n, k, bias):
     # K % 16 == 0 with M <= 8 takes the even/odd split kernel; K = 40 and 20 (and M = 12) the widening loads
     g = torch.Generator().manual_seed(m * n + k)

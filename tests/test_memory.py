@@ -90,6 +90,38 @@ def test_a_smaller_kv_pool_is_offered_when_it_is_what_fits() -> None:
         check_memory(config, available=available)
 
 
+def test_fewer_sequences_are_offered_when_they_drop_the_packed_copies() -> None:
+    """float32 at 128 sequences packs a float32 copy of every linear (prepack auto); at 8 the small-M kernel runs
+    every batch and nothing is packed. Both ways out are offered, each with its own estimate."""
+    config = build_engine_config(load_format="dummy", shape="llama-3.2-1b")
+    f = model_footprint(None, "dummy", "llama-3.2-1b")
+    est = estimate_memory(config, f)
+    eight = estimate_memory(config, f, max_num_seqs=8)
+    assert eight.packed == 0 and est.total - eight.total > est.packed  # the copies and 120 rows of logits
+    available = est.total - est.packed // 2
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory(config, available=available)
+    msg = str(e.value)
+    assert f"  --max-num-seqs 8   (about {eight.total / GiB:.2f} GiB)" in msg
+    assert "  --prepack-weights off   (about" in msg
+    assert "--dtype bfloat16 --max-num-seqs" not in msg  # bfloat16 packs nothing: no flag that changes nothing
+
+
+def test_a_pool_shorter_than_max_model_len_comes_with_the_length_it_holds() -> None:
+    config = build_engine_config(load_format="dummy", shape="llama-3.2-3b", dtype="bfloat16", kv_cache_memory="4GiB",
+                                 max_model_len=8192, max_num_seqs=8)
+    f = model_footprint(None, "dummy", "llama-3.2-3b")
+    est = estimate_memory(config, f)
+    available = est.total - est.kv_pool + 700 * MiB  # room for ~6k tokens of a 3B's bfloat16 KV (112 KiB each)
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory(config, available=available)
+    (line,) = [ln for ln in str(e.value).splitlines() if "--kv-cache-memory" in ln]
+    pool_mib = int(line.split("--kv-cache-memory ")[1].split("MiB")[0])
+    c = shape_config("llama-3.2-3b")
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+    assert "--max-model-len 4096" in line and 4096 <= pool_mib * MiB // per_token < 8192
+
+
 def test_check_passes_and_can_be_switched_off() -> None:
     config = build_engine_config(load_format="dummy", shape="llama-3.2-1b")
     est = check_memory(config, available=10**15)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from brisk.bench import report
 from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
-from brisk.bench.options import build_llm, describe_model, engine_flags, set_threads
+from brisk.bench.options import build_llm, describe_model, engine_flags, load_figures, set_threads
 from brisk.bench.roofline import achieved_gbps
 
 
@@ -79,6 +79,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         raise ValueError("--baseline eager compares --compile with the same engine uncompiled; add --compile")
     set_threads(kw["num_threads"])
     llm = build_llm(kw)
+    load = load_figures(llm)  # before anything runs: the load's own peak
     compile_s = llm.engine.compile_seconds
     if input_len + output_len > llm.engine.max_model_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds max_model_len="
@@ -167,10 +168,12 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         gc.collect()
 
     brisk_figures = _latency_figures(ours, bytes_per_token, context, membw_gbps, ours_rss)
+    # the process's peak over load and runs (the counter was restarted after the load)
+    after_run = max(load["peak_rss_after_load_bytes"], ours_rss)
     results: dict[str, Any] = {"model": model_facts, "membw_read_gbps": membw_gbps,
                                "membw": bw.to_dict() if bw else None,
-                               "brisk": {**brisk_figures, "kv_pool_bytes": kv_pool_bytes,
-                                         "token_ids": ours.token_ids}}
+                               "brisk": {**brisk_figures, **load, "peak_rss_after_run_bytes": after_run,
+                                         "kv_pool_bytes": kv_pool_bytes, "token_ids": ours.token_ids}}
     if compile_:
         results["compile_s"] = compile_s
     if theirs is not None:
@@ -192,6 +195,9 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         ("% of measured bandwidth", "fraction_of_membw", 100, ".1f"),
         ("peak RSS while generating (MiB)", "peak_rss_bytes", 2**-20, ".0f"),
         ("KV pool, preallocated (MiB)", "kv_pool_bytes", 2**-20, ".0f"),
+        ("model load (s)", "load_s", 1, ".2f"),
+        ("peak RSS after load (MiB)", "peak_rss_after_load_bytes", 2**-20, ".0f"),
+        ("peak RSS after the runs (MiB)", "peak_rss_after_run_bytes", 2**-20, ".0f"),
     ]
     rows = report.table_rows(spec, results["brisk"], results.get(baseline or "hf"))
     console = Console()
@@ -247,6 +253,7 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
             raise ValueError(f"--hf-batch-size must be at least 1, got {hf_batch_size}")
     set_threads(kw["num_threads"])
     llm = build_llm(kw)
+    load = load_figures(llm)
     tok = llm.get_tokenizer()
     prompts = sample_prompts(tok, num_prompts, input_len_min, input_len_max, kw["seed"])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -254,6 +261,7 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
     warm_up(llm)
     with report.progress_bar(f"brisk: {num_prompts} requests", num_prompts) as advance:
         ours = run_throughput(llm, prompts, output_len, advance)
+    load["peak_rss_after_run_bytes"] = report.peak_rss_bytes()  # the process's peak: load, warm-up and runs
     model_path, torch_dtype = llm.engine.loaded.path, llm.engine.loaded.dtype
     num_kv_blocks, block_size = llm.engine.num_blocks, llm.engine.config.cache.block_size
     del llm  # before the baseline loads its copy of the model
@@ -269,7 +277,7 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
         gc.collect()
 
     results: dict[str, Any] = {"model": model_facts, "num_kv_blocks": num_kv_blocks, "block_size": block_size,
-                               "prompt_lens": [len(p) for p in prompts], "brisk": ours.summary()}
+                               "prompt_lens": [len(p) for p in prompts], "brisk": {**ours.summary(), **load}}
     if theirs is not None:
         results["hf"] = {**theirs.summary(), "batch_size": hf_batch_size}
         results["speedup"] = {"output_tok_s": ours.output_tok_s / theirs.output_tok_s}
@@ -286,6 +294,9 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
         ("KV pool usage, peak (%)", "kv_usage_peak", 100, ".2f"),
         ("preemptions", "num_preemptions", 1, ".0f"),
         ("prefix-cache hit tokens", "num_cached_tokens", 1, ".0f"),
+        ("model load (s)", "load_s", 1, ".2f"),
+        ("peak RSS after load (MiB)", "peak_rss_after_load_bytes", 2**-20, ".0f"),
+        ("peak RSS after the runs (MiB)", "peak_rss_after_run_bytes", 2**-20, ".0f"),
     ]
     rows = report.table_rows(spec, results["brisk"], results.get("hf"))
     lens = results["prompt_lens"]

@@ -209,7 +209,8 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
 @setting_option("kv_cache_memory", default="256MiB", help="The fixed KV budget.")
 @click.option("--seq-len", type=int, default=2048, show_default=True,
               help="Length of the sequences counted by 'max concurrent'.")
-@setting_option("dtype", choices=("float32", "bfloat16"), help="Model dtype (the 'auto' KV dtype follows it).")
+@setting_option("dtype", choices=("auto", "float32", "bfloat16"),
+                help="Model dtype (the 'auto' KV dtype follows it); auto = an HF folder's own, float32 for GGUF.")
 @click.option("--decode-tokens", type=int, default=32, show_default=True,
               help="Decode steps timed per setting (0 = skip the decode-speed runs).")
 @click.option("--batch", type=int, default=4, show_default=True, help="Requests decoding together.")
@@ -222,7 +223,7 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
     from rich.table import Table
 
     from brisk.bench.kv import KVSetting, run_kv_bench
-    from brisk.engine.config import parse_dtype, parse_size
+    from brisk.engine.config import parse_size, resolve_dtype
     from brisk.model.loader import load_model
 
     parsed = []
@@ -232,7 +233,7 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
             raise ValueError(f"setting {item!r} is not DTYPE:POLICY:BLOCK_SIZE, e.g. int4:full:64")
         kv_dtype, policy, block = parts[0], parts[1], int(parts[2])
         parsed.append(KVSetting(kv_dtype, policy, kv_budget if policy != "full" else None, sink_tokens, block))
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, model)
     loaded = load_model(model, dtype=torch_dtype)
     decode = None
     if decode_tokens > 0:
@@ -355,6 +356,11 @@ def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: 
         if 1 in sizes:
             same = r.brisk.greedy_b1 == r.llama_cpp.greedy_b1
             table.add_row("", "", "greedy b=1 tokens equal", "yes" if same else "no", "", "")
+        table.add_row("", "", "load (s)", f"{r.brisk.load_s:.2f}", f"{r.llama_cpp.load_s:.2f}", "")
+        table.add_row("", "", "RSS after load + warm-up (MiB)", f"{r.brisk.rss_bytes / 2**20:.0f}",
+                      f"{r.llama_cpp.rss_bytes / 2**20:.0f}", "")
+        table.add_row("", "", "peak RSS over the load (MiB)", f"{r.brisk.peak_rss_load_bytes / 2**20:.0f}", "-", "")
+        table.add_row("", "", "peak RSS over the row, both engines (MiB)", f"{r.peak_rss_bytes / 2**20:.0f}", "", "")
     Console(width=max(Console().width, 130)).print(table)
     console.print(f"memory bandwidth (quick read): {membw:.1f} GB/s")
     if plot_path:

@@ -83,7 +83,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.loadgen import check_local_url, poisson_arrival_times
     from brisk.bench.prompts import sample_prompts
-    from brisk.engine.config import parse_dtype, parse_size
+    from brisk.engine.config import parse_size, resolve_dtype
     from brisk.model.loader import resolve_model
     from brisk.serve.process import ServerProcess, ServerStartError
 
@@ -106,7 +106,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     lc_source = None
     if "llamacpp" in baselines:
         require_llama_cpp()
-        dtype_name = str(parse_dtype(kw["dtype"])).removeprefix("torch.")  # "auto" is float32
+        dtype_name = str(resolve_dtype(kw["dtype"], kw["model"], kw.get("load_format", "auto"))).removeprefix("torch.")
         llamacpp_type = llamacpp_type or sb.default_llamacpp_type(kw["model"], dtype_name)
         lc_source = Path(llamacpp_gguf) if llamacpp_gguf else resolve_model(kw["model"])
         if lc_source.is_dir():
@@ -151,7 +151,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         set_threads(kw["num_threads"])
         model_path = resolve_model(kw["model"])
         report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
-        hf_model = load_hf_model(model_path, parse_dtype(kw["dtype"]))
+        hf_model = load_hf_model(model_path, resolve_dtype(kw["dtype"], kw["model"], kw.get("load_format", "auto")))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)

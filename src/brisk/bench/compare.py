@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from brisk.bench import report
 from brisk.quant.config import LayerQuant
 
 # name -> (brisk dtype, brisk RTN setting or None, llama.cpp GGUF type)
@@ -40,6 +41,11 @@ class EngineFigures:
     prefill_s: float | None = None
     decode_tok_s: dict[int, float] = field(default_factory=dict)  # batch size -> decode tokens/s
     greedy_b1: list[int] = field(default_factory=list)
+    load_s: float | None = None  # wall seconds from the file to an engine ready to run
+    # resident memory this engine added to the process over its load and warm-up (brisk loads and warms up first,
+    # then llama.cpp: each figure is the growth of the process's RSS over its own phase)
+    rss_bytes: int | None = None
+    peak_rss_load_bytes: int | None = None  # brisk: the process's peak during its load, above the RSS before it
 
 
 @dataclass
@@ -48,6 +54,7 @@ class CompareRow:
     brisk_setting: str
     brisk: EngineFigures
     llama_cpp: EngineFigures
+    peak_rss_bytes: int | None = None  # the process's peak over the row (both engines), above the RSS before it
 
     def ratio(self, batch: int | None) -> float | None:
         """brisk / llama.cpp decode rate at `batch`, or llama.cpp / brisk prefill time (batch None)."""
@@ -138,14 +145,25 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
             if setting is not None:
                 log(f"{name}: quantizing brisk's {BRISK_LABELS[name]} checkpoint ...")
                 build_checkpoint(setting, Path(brisk_path), str(source))
+            ours, theirs = EngineFigures(), EngineFigures()
+            gc.collect()
+            report.reset_peak_rss()
+            rss0 = report.current_rss_bytes()
+            start = time.perf_counter()
             llm = LLM(brisk_path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
                       max_model_len=seq_len, kv_cache_memory=_kv_bytes(max(batch_sizes), seq_len),
                       kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
                       prepack_weights=prepack_weights)
-            ours, theirs = EngineFigures(), EngineFigures()
+            ours.load_s = time.perf_counter() - start
+            ours.peak_rss_load_bytes = report.peak_rss_bytes() - rss0
+            decode_rate(llm, prompt_ids, 1, 4)  # warm-up: kernels built, pages touched
+            ours.rss_bytes = report.current_rss_bytes() - rss0
+            rss1 = report.current_rss_bytes()
+            start = time.perf_counter()
             with LlamaCppModel(gguf_path, seq_len, n_seq_max=max(batch_sizes), threads=threads) as lc:
-                decode_rate(llm, prompt_ids, 1, 4)  # warm-up both: kernels built, pages touched
+                theirs.load_s = time.perf_counter() - start
                 lc.decode_rate([prompt_ids], 4)
+                theirs.rss_bytes = report.current_rss_bytes() - rss1
                 for r in range(runs):
                     log(f"{name}: run {r + 1}/{runs} ...")
                     t = _brisk_prefill_seconds(llm, prefill_ids)
@@ -160,7 +178,7 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                         theirs.decode_tok_s[b] = max(theirs.decode_tok_s.get(b, 0.0), rate_lc)
                         if b == 1:
                             ours.greedy_b1, theirs.greedy_b1 = toks, toks_lc
-            rows.append(CompareRow(name, BRISK_LABELS[name], ours, theirs))
+            rows.append(CompareRow(name, BRISK_LABELS[name], ours, theirs, report.peak_rss_bytes() - rss0))
             del llm
             gc.collect()
     return rows

@@ -3,6 +3,7 @@ engine, and the model facts every JSON report records."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,23 @@ def set_threads(threads: int | None) -> None:
 
 
 def build_llm(kw: dict[str, Any]):  # noqa: ANN201 - brisk.engine.llm.LLM, imported late
+    """The engine of the settings in `kw`; its start-up wall time is kept on it for `load_figures`."""
     from brisk.engine.llm import LLM
 
-    return LLM(**engine_kwargs(kw))
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(kw))
+    llm.start_seconds = time.perf_counter() - start
+    return llm
+
+
+def load_figures(llm) -> dict[str, Any]:  # noqa: ANN001 - an LLM
+    """What starting the engine cost, taken right after it started: the model load's wall seconds, the whole
+    start-up's (load + KV pool + executor), and the process's peak RSS so far, which is the load's peak (a
+    conversion's transient copies show here, not in the steady state while generating)."""
+    from brisk.bench import report
+
+    return {"load_s": llm.engine.loaded.load_seconds, "start_s": getattr(llm, "start_seconds", None),
+            "peak_rss_after_load_bytes": report.peak_rss_bytes()}
 
 
 def describe_model(llm) -> dict[str, Any]:  # noqa: ANN001 - an LLM

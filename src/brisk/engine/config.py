@@ -8,8 +8,10 @@ is internal (tests and benchmarks set it on the dataclass directly).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,6 +88,27 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or auto") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, model: str | None, load_format: str = "auto") -> torch.dtype:
+    """The runtime dtype of `dtype` for `model`: "auto" is the precision the model's file holds, so that a
+    bfloat16 checkpoint is not widened to twice its memory (and its decode to half its speed) unasked.
+
+    An HF folder's config.json (`torch_dtype`, transformers 5's `dtype`): bfloat16 runs in bfloat16; float32
+    and float16 run in float32 (float16 widens exactly, where rounding it to bfloat16 would drop 3 mantissa
+    bits). GGUF files (their loader decides), the default model and random weights: float32. Only the JSON is
+    read; a path that does not exist falls through to float32 and the loader reports it."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if model is None or load_format == "dummy":
+        return torch.float32
+    config_json = Path(model).expanduser() / "config.json"
+    try:
+        stored = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not a folder (a GGUF file, an alias), or no readable config: the loader says
+        return torch.float32
+    name = (stored.get("torch_dtype") or stored.get("dtype")) if isinstance(stored, dict) else None
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
 @dataclass
@@ -280,8 +303,11 @@ class EngineConfig:
         None, metavar="NAME|CONFIG",
         help="With --load-format dummy: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF config.json (default: "
              "--model's shape); the tokenizer is --model's.")
+    # "auto": an HF folder's own precision (config.json), float32 for GGUF files and random weights
     dtype: str | torch.dtype = setting(
-        "float32", choices=("float32", "bfloat16", "auto"), help="Weights and activations dtype.")
+        "auto", choices=("float32", "bfloat16", "auto"),
+        help="Weights and activations dtype; auto = the precision an HF folder's config.json states (bfloat16 "
+             "stays bfloat16, float16 runs as float32), float32 for GGUF files and --load-format dummy.")
     device: str = setting("cpu", help="torch device of the weights and the KV cache.")
     # engine/memory.py: weights + KV pool + activations against the memory available, checked before loading
     memory_check: bool = setting(
@@ -348,8 +374,8 @@ class EngineConfig:
                     "CPU (BENCHMARKS.md); float32 / bfloat16 models only. The same as --execution compiled.")
 
     def __post_init__(self) -> None:
-        self.torch_dtype = parse_dtype(self.dtype)
         check_choice(self, "load_format")
+        self.torch_dtype = resolve_dtype(self.dtype, self.model, self.load_format)
         if self.shape is not None:
             if self.load_format != "dummy":
                 raise ValueError(f"shape {self.shape!r} gives random weights of that shape: add "

@@ -142,9 +142,10 @@ def _safetensors_footprint(folder: Path) -> ModelFootprint:
 
 # ---------------------------------------------------------------------------- the estimate
 def estimate_memory(config: EngineConfig, footprint: ModelFootprint, *, dtype: torch.dtype | None = None,
-                    prepack_weights: str | None = None, cache: CacheConfig | None = None) -> MemoryEstimate:
-    """Bytes `config` needs with the model `footprint` describes; `dtype`, `prepack_weights` and `cache` replace
-    the config's own (to price an alternative)."""
+                    prepack_weights: str | None = None, cache: CacheConfig | None = None,
+                    max_num_seqs: int | None = None) -> MemoryEstimate:
+    """Bytes `config` needs with the model `footprint` describes; `dtype`, `prepack_weights`, `cache` and
+    `max_num_seqs` replace the config's own (to price an alternative)."""
     mc = footprint.config
     dtype = dtype or config.torch_dtype
     prepack_weights = prepack_weights or config.prepack_weights
@@ -152,6 +153,8 @@ def estimate_memory(config: EngineConfig, footprint: ModelFootprint, *, dtype: t
     assert config.scheduler is not None
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
     sched = config.scheduler.resolve(max_model_len)
+    if max_num_seqs is not None:
+        sched = replace(sched, max_num_seqs=max_num_seqs)
     assert sched.max_num_batched_tokens is not None
     packed = 0
     if prepack_weights == "on" or (prepack_weights == "auto" and sched.max_num_seqs > _SMALL_M
@@ -240,29 +243,43 @@ def check_memory(config: EngineConfig, available: int | None = None) -> MemoryEs
 
 def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: int,
                     limit: int = 3) -> list[tuple[str, MemoryEstimate]]:
-    """Up to `limit` changes of dtype, packed copies and KV pool under which the estimate fits, fewest changes
-    first: (the flags, the estimate)."""
+    """Up to `limit` changes of dtype, packed copies, batch width and KV pool under which the estimate fits,
+    fewest changes first: (the flags, the estimate).
+
+    Fewer sequences (`--max-num-seqs 8`) matter under `--prepack-weights auto`: at most 8 rows run on brisk's
+    small-M kernel, so no packed float32 copy of the weights is made (and the logits rows shrink). A KV pool too
+    small for one sequence of max_model_len is offered with the `--max-model-len` it does hold."""
     mc, cache = footprint.config, config.cache
+    assert config.scheduler is not None
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
     dtypes = [None] + ([torch.bfloat16] if config.torch_dtype == torch.float32 and not footprint.fixed_bytes
                        else [])
     prepacks = [None] + (["off"] if config.prepack_weights != "off" else [])
+    seqs = [None] + ([_SMALL_M] if config.scheduler.max_num_seqs > _SMALL_M else [])
     found: list[tuple[int, str, MemoryEstimate]] = []
-    for dtype, prepack, shrink_kv in itertools.product(dtypes, prepacks, (False, True)):
+    for dtype, prepack, num_seqs, shrink_kv in itertools.product(dtypes, prepacks, seqs, (False, True)):
         changes = ([f"--dtype {str(dtype).removeprefix('torch.')}"] if dtype else []) \
-            + ([f"--prepack-weights {prepack}"] if prepack else [])
-        est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack)
-        if prepack and not estimate_memory(config, footprint, dtype=dtype).packed:
+            + ([f"--prepack-weights {prepack}"] if prepack else []) \
+            + ([f"--max-num-seqs {num_seqs}"] if num_seqs else [])
+        est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, max_num_seqs=num_seqs)
+        if prepack and not estimate_memory(config, footprint, dtype=dtype, max_num_seqs=num_seqs).packed:
             continue  # no packed copies to drop under this dtype: the same option without the flag
+        if num_seqs and (prepack or not estimate_memory(config, footprint, dtype=dtype).packed):
+            continue  # it drops no packed copy here (or two flags would drop the same ones): not worth a change
         if shrink_kv:
-            # the largest pool that leaves a tenth of the headroom spare, if it still holds one full sequence
+            # the largest pool that leaves a tenth of the headroom spare; if it holds less than one sequence of
+            # max_model_len, the longest power-of-two length it holds (at least 256 tokens), with --max-model-len
             pool = int((available - (est.total - est.kv_pool)) * 0.9) // MiB * MiB
             per_block = kv_bytes_per_block(cache, mc, dtype or config.torch_dtype)
-            if pool >= est.kv_pool or pool // per_block * cache.block_size < max_model_len:
+            holds = pool // per_block * cache.block_size if pool > 0 else 0
+            if pool >= est.kv_pool or holds < 256:
                 continue
             smaller = replace(cache, kv_cache_memory=f"{pool // MiB}MiB", num_blocks=None)
             changes.append(f"--kv-cache-memory {pool // MiB}MiB")
-            est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, cache=smaller)
+            if holds < max_model_len:
+                changes.append(f"--max-model-len {1 << (holds.bit_length() - 1)}")
+            est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, cache=smaller,
+                                  max_num_seqs=num_seqs)
         if changes and est.total <= available:
             found.append((len(changes), " ".join(changes), est))
     found.sort(key=lambda f: (f[0], f[2].total))

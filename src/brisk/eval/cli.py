@@ -41,8 +41,9 @@ def eval_group() -> None:
               help="Tokens per window; each window is scored on its own from position 0.")
 @click.option("--max-windows", type=int, default=32, show_default=True,
               help="Score the first N windows of the text (0 = all).")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
-              help="Weights and activations dtype (the NLL is computed in float32 either way).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="Weights and activations dtype (the NLL is computed in float32 either way); auto = an HF "
+                   "folder's own precision (bfloat16 stays bfloat16), float32 for GGUF files.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
               help="KV cache storage during scoring (auto = the model dtype).")
@@ -76,7 +77,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         chunk: int, stride: int, streams: int, segment: int, quant_activations: str, json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
     from brisk.bench import report
-    from brisk.engine.config import parse_dtype
+    from brisk.engine.config import resolve_dtype
     from brisk.eval.ppl import perplexity
     from brisk.model.loader import load_model
     from brisk.quant.layers import set_quant_activations
@@ -85,7 +86,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         from brisk.eval.longppl import long_perplexity
 
         text = Path(text_path).read_text(encoding="utf-8")
-        loaded = load_model(model, dtype=parse_dtype(dtype), max_model_len=max_tokens or None)
+        loaded = load_model(model, dtype=resolve_dtype(dtype, model), max_model_len=max_tokens or None)
         set_quant_activations(loaded.model, quant_activations)
         res = long_perplexity(loaded, text, mode, budget=kv_budget, sink_tokens=sink_tokens,
                               max_tokens=max_tokens or None, chunk=chunk, stride=stride, segment=segment,
@@ -115,7 +116,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
     if max_windows < 0:
         raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
     text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
-    loaded = load_model(model, dtype=parse_dtype(dtype))
+    loaded = load_model(model, dtype=resolve_dtype(dtype, model))
     int8_layers = set_quant_activations(loaded.model, quant_activations)
     result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True,
                         kv_cache_dtype=kv_cache_dtype, block_size=kv_block_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +81,13 @@ def shape_name(shape: str | Path) -> str:
 
 
 def random_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0,
-                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                   device: torch.device | str = "cpu",
+                   progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of `config`'s model (transformers names), random, in `dtype`.
 
     Matrices are uniform with the standard deviation of a 1/sqrt(fan_in) init (so activations keep their scale
     through the layers and logits stay finite in bfloat16); norm weights are 1, biases 0. Each tensor is filled
-    in place in its final dtype: no float32 staging copy.
+    in place in its final dtype: no float32 staging copy. `progress(nbytes)`: after each tensor, its bytes.
     """
     from brisk.model.llama import LlamaForCausalLM
 
@@ -103,4 +105,6 @@ def random_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0,
             bound = math.sqrt(3.0 / p.shape[-1])  # uniform(-b, b) has std b / sqrt(3) = 1 / sqrt(fan_in)
             t.uniform_(-bound, bound, generator=gen)
         out[name] = t
+        if progress is not None:
+            progress(t.numel() * t.element_size())
     return out

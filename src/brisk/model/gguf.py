@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,12 +314,12 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F1
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False,
-              mmap_weights: bool = True) -> GGUFCheckpoint:
+              mmap_weights: bool = True, progress: Callable[[int], None] | None = None) -> GGUFCheckpoint:
     """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file.
 
     `mmap_weights`: float tensors stored in `dtype` (and needing no Q/K un-permutation) are views of the memory-
     mapped file. `fuse`: q/k/v and gate/up parts are dequantized into one buffer per layer (fuse.FusedBuffers), for
-    fuse_projections to take without a copy."""
+    fuse_projections to take without a copy. `progress(nbytes)`: after each tensor, its bytes in the file."""
     f = read_gguf(path)
     config = _config_from_gguf(f)
     expected = _expected_tensors(config)
@@ -357,6 +357,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 and not (fused and fused.takes(hf_name))
                 and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
             tensors[hf_name], used = w, True  # stored as it runs: a view of the file
+            if progress is not None:
+                progress(info.n_bytes)
             continue
         with _intra_op_threads(1 if np.prod(shape) < _PARALLEL_MIN_NUMEL else torch.get_num_threads()):
             w = dequantize(f.tensor_bytes(name), info.qtype, shape)
@@ -365,6 +367,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
             elif permuted and ".attn_k." in name:
                 w = _unpermute_rows(w, config.num_key_value_heads)
             tensors[hf_name] = fused.place(hf_name, w) if fused else w.to(dtype)
+        if progress is not None:
+            progress(info.n_bytes)
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
                           mapped=[base] if used and base is not None else [])
 

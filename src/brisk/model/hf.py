@@ -9,7 +9,9 @@ renaming table sits between the two.
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +50,14 @@ class HFCheckpoint:
     mapped: list[torch.Tensor] = field(default_factory=list)  # the files' memory maps the weights view (mapped.py)
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False) -> HFCheckpoint:
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False,
+                   progress: Callable[[int], None] | None = None) -> HFCheckpoint:
     """Load config, weights (floating tensors converted to `dtype`) and tokenizer from a local HF folder.
 
     Tensors stored as they run (in `dtype`, or integer / scale tensors) are views of the memory-mapped files
     (model/mapped.py); the rest are converted one at a time. `fuse`: q/k/v and gate/up parts are written into one
-    buffer per layer as they are converted (fuse.FusedBuffers), for fuse_projections to take without a copy."""
+    buffer per layer as they are converted (fuse.FusedBuffers), for fuse_projections to take without a copy.
+    `progress(nbytes)` is called after each tensor with its stored bytes (model/load_progress.py)."""
     folder = _check_folder(path)
     config_dict = _read_json(folder / "config.json", required=True)
     try:
@@ -64,7 +68,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: b
     quantization = None if community else read_quantization_config(config_dict, str(folder / "config.json"))
     generation_config = _read_json(folder / "generation_config.json", required=False) or {}
     maps: list[torch.Tensor] = []
-    tensors = load_safetensors_folder(folder, dtype, FusedBuffers(config, dtype) if fuse else None, maps)
+    tensors = load_safetensors_folder(folder, dtype, FusedBuffers(config, dtype) if fuse else None, maps, progress)
     try:
         split_fused_tensors(tensors, config)  # phi3's qkv_proj / gate_up_proj -> HF's q/k/v and gate/up names
     except FusedTensorError as e:
@@ -77,7 +81,8 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: b
 
 
 def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32, fused: FusedBuffers | None = None,
-                            maps: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                            maps: list[torch.Tensor] | None = None,
+                            progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`. With `maps`,
     tensors stored as they run are views of the files' memory maps (appended to `maps`); else all are copies."""
     index_file, single_file = folder / INDEX_FILE, folder / SINGLE_FILE
@@ -95,7 +100,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32, fu
                 )
         tensors: dict[str, torch.Tensor] = {}
         for name in shard_names:
-            tensors.update(_read_safetensors(folder / name, dtype, fused, maps))
+            tensors.update(_read_safetensors(folder / name, dtype, fused, maps, progress))
         missing = [k for k in weight_map if k not in tensors and not k.endswith(_NON_WEIGHT_SUFFIXES)]
         if missing:
             raise HFCheckpointError(
@@ -104,7 +109,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32, fu
             )
         return tensors
     if single_file.is_file():
-        return _read_safetensors(single_file, dtype, fused, maps)
+        return _read_safetensors(single_file, dtype, fused, maps, progress)
 
     pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
     if pickles:
@@ -118,13 +123,15 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32, fu
 
 
 def _read_safetensors(file: Path, dtype: torch.dtype, fused: FusedBuffers | None,
-                      maps: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+                      maps: list[torch.Tensor] | None,
+                      progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    advance = progress or (lambda n: None)
     try:
         with safe_open(str(file), framework="pt") as f, open(file, "rb") as raw:  # (safe_open checks the header)
             layout = mapped.safetensors_layout(file)
             base = mapped.map_file(file) if maps is not None else None
-            used = False
+            used, pending = False, 0
             for name in f.keys():
                 if name.endswith(_NON_WEIGHT_SUFFIXES):
                     continue
@@ -134,6 +141,9 @@ def _read_safetensors(file: Path, dtype: torch.dtype, fused: FusedBuffers | None
                     out[name] = t.to(dtype) if t.is_floating_point() else t
                     continue
                 stored_dtype, shape, offset = stored
+                if pending:
+                    advance(pending)  # the previous tensor is done
+                pending = math.prod(shape) * stored_dtype.itemsize
                 # Integer tensors (packed quantized weights, index buffers) and quantization scales keep their
                 # dtype (a float16 scale rounded to bfloat16 would move every weight of its group); other floating
                 # tensors are converted once, here, one at a time, so the model never holds two copies.
@@ -150,6 +160,8 @@ def _read_safetensors(file: Path, dtype: torch.dtype, fused: FusedBuffers | None
                     continue
                 t = mapped.read_tensor(raw, offset, shape, stored_dtype)
                 out[name] = slot.copy_(t) if slot is not None else t.to(runtime)
+            if pending:
+                advance(pending)
             if used and maps is not None:
                 maps.append(base)
     except SafetensorError as e:

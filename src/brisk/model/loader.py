@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,29 +135,40 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", max_model_len: int | None = None,
                fuse: bool = True, sparse: bool | None = None, load_format: str = "auto",
-               shape: str | Path | None = None, seed: int = 0) -> LoadedModel:
+               shape: str | Path | None = None, seed: int = 0, show_progress: bool = True) -> LoadedModel:
     """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math); `sparse`
     (default: as `fuse`, so tools that load plain HF-named layers get plain layers) stores the decoder linear
     layers that are sparse enough (pruned) compressed, for the sparse kernels (same math).
 
     load_format "dummy": random weights (seeded by `seed`) of `shape` (a name in model/dummy.py SHAPES or an HF
     config.json), or of `model`'s shape when no shape is given; the tokenizer is `model`'s (default: the default
-    model's)."""
+    model's).
+
+    `show_progress`: a bar of the bytes read, tensor by tensor, on a terminal once the load has run for a couple
+    of seconds (model/load_progress.py)."""
+    from brisk.model.load_progress import LoadProgress
+
     start = time.perf_counter()
     if load_format == "dummy":
-        ckpt = _dummy_checkpoint(model, shape, dtype, seed, device)
+        config, name = model_shape(model, shape)
+        with LoadProgress(f"random weights ({name})", config.num_params * dtype.itemsize,
+                          enabled=show_progress) as bar:
+            ckpt = _dummy_checkpoint(model, shape, dtype, seed, device, bar.advance)
         path, tokenizer = ckpt.path, ckpt.tokenizer
     elif load_format != "auto":
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     elif (path := resolve_model(model)).is_dir():
         from brisk.model.hf import load_hf_folder
 
-        ckpt = load_hf_folder(path, dtype=dtype, fuse=fuse)
+        total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        with LoadProgress(f"loading {path.name}", total, enabled=show_progress) as bar:
+            ckpt = load_hf_folder(path, dtype=dtype, fuse=fuse, progress=bar.advance)
         tokenizer = ckpt.tokenizer
     elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
         from brisk.model.gguf import load_gguf
 
-        ckpt = load_gguf(path, dtype=dtype, fuse=fuse)
+        with LoadProgress(f"loading {path.name}", path.stat().st_size, enabled=show_progress) as bar:
+            ckpt = load_gguf(path, dtype=dtype, fuse=fuse, progress=bar.advance)
         tokenizer = ckpt.tokenizer
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
@@ -228,7 +239,8 @@ def model_shape(model: str | Path | None, shape: str | Path | None) -> tuple[Mod
 
 
 def _dummy_checkpoint(model: str | Path | None, shape: str | Path | None, dtype: torch.dtype, seed: int,
-                      device: torch.device | str) -> _DummyCheckpoint:
+                      device: torch.device | str,
+                      progress: Callable[[int], None] | None = None) -> _DummyCheckpoint:
     from brisk.model.dummy import SHAPES, random_tensors
 
     config, name = model_shape(model, shape)
@@ -245,7 +257,7 @@ def _dummy_checkpoint(model: str | Path | None, shape: str | Path | None, dtype:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer of {source} has {tokenizer.vocab_size} tokens, more than the "
                          f"{config.vocab_size} of shape {name}: pass a --model whose tokenizer fits the shape")
-    return _DummyCheckpoint(config, random_tensors(config, dtype, seed, device), tokenizer, source, name)
+    return _DummyCheckpoint(config, random_tensors(config, dtype, seed, device, progress), tokenizer, source, name)
 
 
 def _has_gguf_magic(path: Path) -> bool:
