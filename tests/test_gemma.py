@@ -274,3 +274,41 @@ def llama_cpp_perplexity(llama_cpp, path: Path, windows: list[list[int]]) -> flo
     finally:
         llm.close()
     return math.exp(nll / count)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_quantize_int8_keeps_the_logits(gemma, tmp_path, method):
+    """`brisk quantize` on gemma3 (8-bit: close to float) writes a checkpoint that loads with Gemma's config."""
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    path, ref = gemma
+    text = tmp_path / "calib.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 40, encoding="utf-8")
+    args = ["quantize", "--method", method, "--bits", "8", "--group-size", "32", str(path), str(tmp_path / "q")]
+    if method == "gptq":
+        args += ["--calib-text", str(text), "--num-samples", "4", "--seq-len", "32"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    loaded = load_model(str(tmp_path / "q"))
+    assert loaded.config.layer_types == LAYER_TYPES
+    ids = prompts()[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = brisk_logits(loaded.model, loaded.config, ids)
+    # 8-bit groups of 32: a small error, far below the logits' spread (a wrong norm or window is O(1))
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_awq_refuses_gemma3(gemma, tmp_path):
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    path, _ = gemma
+    text = tmp_path / "calib.txt"
+    text.write_text("some text " * 200, encoding="utf-8")
+    result = CliRunner().invoke(main, ["quantize", "--method", "awq", "--calib-text", str(text), str(path),
+                                       str(tmp_path / "q")])
+    assert result.exit_code != 0 and "use --method rtn or gptq" in result.output
