@@ -5,10 +5,8 @@ llama.cpp writes gemma3 files, and the real Gemma-3-270M Q4_K_M (slow)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf_utils import tiny_llama_tokenizer_metadata, write_gguf
@@ -234,7 +232,7 @@ def test_gemma3_270m_chat_prompt_runs_to_end_of_turn(gemma3_270m):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_perplexity_and_llama_cpp(capsys):
+def test_gemma3_270m_perplexity_and_llama_cpp(capsys, tmp_path):
     """`brisk eval ppl`'s protocol (no BOS, non-overlapping windows from an empty context) on the evaluation
     text; llama.cpp scores the very same windows when llama-cpp-python is installed."""
     from importlib.resources import files
@@ -249,31 +247,51 @@ def test_gemma3_270m_perplexity_and_llama_cpp(capsys):
     with capsys.disabled():
         print(f"\ngemma-3-270m Q4_K_M: perplexity {ours:.3f} ({max_windows} windows of {window} tokens of "
               "sense_and_sensibility.txt)")
-    assert 1.0 < ours < 60.0
-    llama_cpp = pytest.importorskip("llama_cpp")
+    assert 1.0 < ours < 100.0  # no BOS by the protocol, which Gemma does not like: high, but finite
+    pytest.importorskip("llama_cpp")
     windows = split_windows(loaded.tokenizer.encode(text, add_special_tokens=False), window, max_windows)
-    theirs = llama_cpp_perplexity(llama_cpp, path, windows)
+    theirs = llama_cpp_perplexity(path, windows, tmp_path)
     with capsys.disabled():
         print(f"llama.cpp on the same windows: {theirs:.3f} (brisk / llama.cpp = {ours / theirs:.4f})")
     assert abs(ours / theirs - 1) < 0.01
 
 
-def llama_cpp_perplexity(llama_cpp, path: Path, windows: list[list[int]]) -> float:  # noqa: ANN001
-    n = len(windows[0])
-    llm = llama_cpp.Llama(str(path), n_ctx=n, n_batch=n, logits_all=True, verbose=False)
-    nll, count = 0.0, 0
-    try:
-        for ids in windows:
-            llm.reset()
-            llm.eval(ids)
-            logits = np.asarray(llm.scores[:n], dtype=np.float64)  # [n, vocab]
-            logits -= logits.max(axis=1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            nll -= logp[np.arange(n - 1), ids[1:]].sum()
-            count += n - 1
-    finally:
-        llm.close()
-    return math.exp(nll / count)
+_LLAMA_CPP_PPL = """
+import json, math, sys
+import numpy as np
+from brisk.bench.llamacpp import LlamaCppModel
+path, windows = sys.argv[1], json.load(open(sys.argv[2]))
+n = len(windows[0])
+nll, count = 0.0, 0
+with LlamaCppModel(path, seq_len=n, n_batch=n) as m:
+    for ids in windows:
+        m._clear()
+        m._decode([(t, i, 0, True) for i, t in enumerate(ids)])  # every row's logits
+        logits = np.stack([np.ctypeslib.as_array(m.lib.llama_get_logits_ith(m.ctx, i), shape=(m.n_vocab,))
+                           for i in range(n)]).astype(np.float64)  # [n, vocab]
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll -= logp[np.arange(n - 1), ids[1:]].sum()
+        count += n - 1
+print(math.exp(nll / count))
+"""
+
+
+def llama_cpp_perplexity(path: Path, windows: list[list[int]], tmp_path: Path) -> float:
+    """The same windows through llama.cpp's C API (brisk.bench.llamacpp), in a child process: a llama-cpp-python
+    build that crashes (a wheel built for another CPU dies in llama_decode) must not take pytest down with it."""
+    import subprocess
+    import sys
+
+    ids_file = tmp_path / "windows.json"
+    ids_file.write_text(json.dumps(windows), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP_PPL, str(path), str(ids_file)], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode < 0:
+        pytest.skip(f"llama-cpp-python crashed (signal {-done.returncode}) in llama.cpp itself; rebuild it for "
+                    "this CPU to compare")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split()[-1])
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
