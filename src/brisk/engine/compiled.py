@@ -147,6 +147,9 @@ class CompiledModel:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         cfg = model.config
+        if cfg.is_gemma:
+            raise CompileError("--compile does not cover gemma3's layers (sandwich norms, GeGLU, local and global "
+                               "attention); run it without --compile (execution auto runs the module path)")
         dtype = model.model.norm.weight.dtype
         self.layers = []
         for i, layer in enumerate(model.model.layers):

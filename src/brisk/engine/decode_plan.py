@@ -128,6 +128,8 @@ class DecodePlan:
         if ops is None or not all(hasattr(ops, n) for n in needed):
             return None
         config = model.config
+        if config.is_gemma:  # sandwich norms, GeGLU, two RoPE tables: not this loop's layer (model/gemma.py)
+            return None
         dtype = model.model.norm.weight.dtype  # the model dtype (a quantized embedding has no float weight)
         if dtype not in _DTYPES or config.head_dim % 8:
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 # HF `architectures[0]` -> our architecture name
 _HF_ARCH = {
@@ -14,7 +14,12 @@ _HF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# HF `model_type` -> our architecture name, where they differ
+_HF_MODEL_TYPE = {"gemma3_text": "gemma3"}
+# HF layer_types entries
+SLIDING, FULL = "sliding_attention", "full_attention"
 # architectures whose config.json enables the sliding window with a separate `use_sliding_window` flag
 _WINDOW_FLAG_ARCHS = ("qwen2", "qwen3")
 
@@ -47,6 +52,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, informational
+    # gemma3 (model/gemma.py). layer_types: per layer "sliding_attention" (window `sliding_window`, RoPE base
+    # rope_local_base_freq) or "full_attention" (rope_theta + rope_scaling); None: every layer alike
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5 (else head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -54,7 +65,7 @@ class ModelConfig:
                 f"unknown architecture {self.architecture!r}; brisk supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.qk_norm is None:
-            self.qk_norm = self.architecture == "qwen3"
+            self.qk_norm = self.architecture in ("qwen3", "gemma3")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -68,10 +79,31 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.hidden_act not in ("silu", "swish"):
+        if self.is_gemma:
+            if self.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise UnsupportedModelError(f"gemma3: hidden_activation {self.hidden_act!r} is not supported "
+                                            "(only gelu_pytorch_tanh)")
+            if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
+                                                 or set(self.layer_types) - {SLIDING, FULL}):
+                raise UnsupportedModelError(f"gemma3: layer_types must list {self.num_hidden_layers} entries of "
+                                            f"{SLIDING!r} / {FULL!r}, got {self.layer_types}")
+            if self.sliding_window is not None and self.sliding_window <= 0:
+                raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        elif self.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's decoder: (1 + w) RMSNorms around attention and MLP, GeGLU, scaled embeddings (model/gemma.py)."""
+        return self.architecture == "gemma3"
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer `index`: the model's sliding window, or None for a global layer."""
+        if self.layer_types is not None and self.layer_types[index] == FULL:
+            return None
+        return self.sliding_window
 
     @property
     def num_params(self) -> int:
@@ -83,6 +115,8 @@ class ModelConfig:
             layer += 2 * self.head_dim
         if self.attention_bias:
             layer += q + 2 * kv
+        if self.is_gemma:
+            layer += 2 * h  # pre- and post-feed-forward norms
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + h
 
@@ -92,6 +126,10 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers `config.json` dict that `from_hf_dict` (and transformers) read back as this config."""
         arch_class = {v: k for k, v in _HF_ARCH.items()}[self.architecture]
+        if self.is_gemma:
+            from brisk.model.gemma import gemma_hf_dict
+
+            return gemma_hf_dict(self, arch_class)
         d: dict[str, Any] = {
             "architectures": [arch_class],
             "model_type": self.architecture,
@@ -133,12 +171,18 @@ class ModelConfig:
                 break
         if arch is None and model_type in SUPPORTED_ARCHITECTURES:
             arch = model_type
+        if arch is None and model_type in _HF_MODEL_TYPE:
+            arch = _HF_MODEL_TYPE[model_type]
         if arch is None:
             name = archs[0] if archs else model_type
             raise UnsupportedModelError(
                 f"unknown architecture {name!r} in config.json; brisk supports "
                 f"{', '.join(_HF_ARCH)} (model_type {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        if arch == "gemma3":
+            from brisk.model.gemma import gemma_config_fields
+
+            d = {**d, **gemma_config_fields(d)}
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
@@ -187,4 +231,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            layer_types=d.get("layer_types") if arch == "gemma3" else None,
+            rope_local_base_freq=d.get("rope_local_base_freq"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
         )

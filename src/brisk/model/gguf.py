@@ -40,7 +40,7 @@ from brisk.model.tokenizer import Tokenizer
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
 # its interleaved RoPE; Qwen2 and Qwen3 are converted without permutation.
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
@@ -214,6 +214,11 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
         if (original := key("rope.scaling.original_context_length", None)) is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        from brisk.model.gemma import gemma_gguf_config_fields
+
+        extra = gemma_gguf_config_fields(md, arch)
     try:
         return ModelConfig(
             architecture=arch,
@@ -232,6 +237,7 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=list(dict.fromkeys(eos)),
+            **extra,
         )
     except UnsupportedModelError as e:
         raise GGUFError(f"{f.path}: {e}") from None
@@ -280,6 +286,11 @@ def _expected_tensors(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
               "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
               "attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
     names = _LAYER_TENSORS | (_BIASES if c.attention_bias else {}) | (_QK_NORMS if c.qk_norm else {})
+    if c.is_gemma:
+        from brisk.model.gemma import GGUF_LAYER_TENSORS
+
+        names = names | GGUF_LAYER_TENSORS
+        shapes |= {n: (h,) for n in GGUF_LAYER_TENSORS}
     for i in range(c.num_hidden_layers):
         for gguf_name, hf_name in names.items():
             out[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shapes[gguf_name])
@@ -347,13 +358,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     tokenizer = tokenizer_from_gguf_metadata(f.metadata, f.path)
 
     permuted = config.architecture in _PERMUTED_QK_ARCHS
+    if config.is_gemma:
+        from brisk.model.gemma import GGUF_NORM_SHIFT, is_gguf_norm
     fused = FusedBuffers(config, dtype) if fuse else None
     base = mapped.map_file(f.path) if mmap_weights else None
     tensors, used = {}, False
     for name, (hf_name, shape) in expected.items():
         info = f.tensors[name]
         unpermute = permuted and (".attn_q." in name or ".attn_k." in name)
-        if (base is not None and _FLOAT_TYPES.get(info.qtype) == dtype and not unpermute
+        shifted = config.is_gemma and is_gguf_norm(name)  # stored as 1 + w
+        if (base is not None and _FLOAT_TYPES.get(info.qtype) == dtype and not unpermute and not shifted
                 and not (fused and fused.takes(hf_name))
                 and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
             tensors[hf_name], used = w, True  # stored as it runs: a view of the file
@@ -366,6 +380,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 w = _unpermute_rows(w, config.num_attention_heads)
             elif permuted and ".attn_k." in name:
                 w = _unpermute_rows(w, config.num_key_value_heads)
+            elif shifted:
+                w = w.float() - GGUF_NORM_SHIFT
             tensors[hf_name] = fused.place(hf_name, w) if fused else w.to(dtype)
         if progress is not None:
             progress(info.n_bytes)

@@ -121,13 +121,19 @@ def tokenizer_from_gguf_metadata(md: dict[str, Any], source: str | Path) -> Toke
     except GGUFError as e:
         raise GGUFError(f"{source}: {e}") from None
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    chat_template = md.get("tokenizer.chat_template")
+    if md.get("general.architecture") == "gemma3":
+        from brisk.model.gemma import gemma_gguf_tokenizer_defaults
+
+        chat_template, end_of_turn = gemma_gguf_tokenizer_defaults(md)
+        eos += end_of_turn
     return Tokenizer(
         hf,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
         # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
         add_bos_token=md.get("tokenizer.ggml.add_bos_token", kind == "llama"),
-        chat_template=md.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
     )
 

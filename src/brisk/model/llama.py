@@ -1,8 +1,9 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3) in plain PyTorch.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, gemma3) in plain PyTorch.
 
 The architectures differ only in data read from the config: q/k/v biases (qwen2), per-head q/k RMSNorm before
 RoPE (qwen3), the sliding window (mistral), RoPE variants (model/rope.py). Phi3's fused qkv_proj / gate_up_proj
 tensors are split into HF's q/k/v and gate/up names at load (model/fuse.py) and fused again like any other.
+Gemma3's layers (sandwich norms, GeGLU, local and global attention) are model/gemma.py's, chosen by the config.
 
 Module names match HF transformers, so an HF state dict loads as is and quantized or sharded layers can be
 swapped in from outside by name. The forward runs the flattened tokens of many sequences at once:
@@ -13,6 +14,8 @@ Prefill, decode, chunked prefill and multi-token verification differ only in `me
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,10 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
+    def scale_weight(self) -> torch.Tensor:
+        """What multiplies the normalized rows: the weight (Gemma's norm: 1 + weight, model/gemma.py)."""
+        return self.weight
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -65,7 +72,8 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]: q heads, k heads, v heads
             if self.q_norm is not None:
-                rms_norm_qk_heads_(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, h, kvh)
+                rms_norm_qk_heads_(qkv, self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps, h,
+                                   kvh)
             if rope_write_kv(qkv, cos, sin, kv_cache, meta, h, kvh):  # rotated in place, k and v cached
                 qkv = qkv.view(t, h + 2 * kvh, d)
                 q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
@@ -128,6 +136,12 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.is_gemma:
+            from brisk.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
+
+            self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            self.norm: RMSNorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+            return
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,10 +155,17 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None  # gemma3's sliding layers: their own RoPE base
         self.sliding_window = config.sliding_window
+        # gemma3 scales the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does
+        self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
 
     def init_rope(self, max_position: int, device: torch.device | str = "cpu") -> None:
         self.rope = RotaryEmbedding(self.config, max_position, device)
+        if self.config.is_gemma:
+            local = dataclasses.replace(self.config, rope_theta=self.config.rope_local_base_freq or 10_000.0,
+                                        rope_scaling=None)
+            self.local_rope = RotaryEmbedding(local, max_position, device)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -168,9 +189,25 @@ class LlamaForCausalLM(nn.Module):
         """What every execution path does before the first layer: (embeddings [T, hidden], cos, sin [T, d/2]).
 
         (StreamingLLM's sink rotation is part of the metadata, filled where it is built: ops/metadata.py.)"""
+        cos, sin = self.cos_sin(positions, context_lens)  # [T, d/2]; gemma3: [2, T, d/2]
+        return self.embed(input_ids), cos, sin  # [T, hidden]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> the first layer's input [..., hidden]: the embeddings (gemma3: times sqrt(hidden))."""
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def cos_sin(self, positions: torch.Tensor, context_lens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of `positions` [T]: cos, sin [T, d/2]; gemma3 stacks the global and the local table: [2, T, d/2]."""
         assert self.rope is not None, "call init_rope() after loading weights"
-        cos, sin = self.rope.cos_sin(positions, context_lens)  # [T, d/2]
-        return self.model.embed_tokens(input_ids), cos, sin  # [T, hidden]
+        cos, sin = self.rope.cos_sin(positions, context_lens)
+        if self.local_rope is None:
+            return cos, sin
+        cos_l, sin_l = self.local_rope.cos_sin(positions, context_lens)
+        return torch.stack((cos, cos_l)), torch.stack((sin, sin_l))
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -188,4 +225,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [T, hidden], final-normed (from `run_layers`) -> logits of the rows that need them."""
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [N, hidden]
-        return self.lm_head(hidden)  # [N, vocab]
+        logits = self.lm_head(hidden)  # [N, vocab]
+        cap = self.config.final_logit_softcapping
+        if cap:  # gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

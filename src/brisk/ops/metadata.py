@@ -12,6 +12,7 @@ an `AttentionStats` when the metadata is built, attention adds into it, and the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,8 @@ class AttentionMetadata:
     # speculative verification); None = all rows
     logits_indices: torch.Tensor | None = None
     _reference: ReferenceIndices | None = field(default=None, repr=False)
+    # the same step under other windows (`with_sliding_window`: gemma3's local and global layers), built once
+    _windows: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +161,20 @@ class AttentionMetadata:
                 positions = positions.to(device)
             meta.sink_cos, meta.sink_sin = sink_rotation(positions, sliding_window, num_sink_tokens, cos_sin)
         return meta
+
+
+def with_sliding_window(meta: AttentionMetadata, sliding_window: int | None) -> AttentionMetadata:
+    """The same step's metadata with another attention window (None: full causal), for models whose layers have
+    windows of their own (gemma3: local and global layers). Built once per step and window, then reused by every
+    layer with that window, so each variant derives its reference-path indices once."""
+    if meta.sliding_window == sliding_window:
+        return meta
+    variant = meta._windows.get(sliding_window)
+    if variant is None:
+        assert not meta.evicting, "an evicting KV policy brings its own window"
+        variant = dataclasses.replace(meta, sliding_window=sliding_window, _reference=None, _windows={})
+        meta._windows[sliding_window] = variant
+    return variant
 
 
 def sink_rotation(positions: torch.Tensor, sliding_window: int, num_sink_tokens: int,

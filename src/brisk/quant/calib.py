@@ -224,7 +224,7 @@ class BlockContext:
             b = min(self.batch_size, n - start)
             positions = torch.arange(seq_len).repeat(b)  # [T]: every sample starts at position 0
             context_lens = torch.full_like(positions, seq_len) if rope.length_dependent else None
-            cos, sin = rope.cos_sin(positions, context_lens)
+            cos, sin = self.model.cos_sin(positions, context_lens)  # the model's tables (gemma3: two)
             # plain causal prefill of b independent sequences, no prior KV, one block of seq_len slots each
             meta = AttentionMetadata.for_sequences([seq_len] * b, [seq_len] * b, [[i] for i in range(b)], seq_len,
                                                    sliding_window=config.sliding_window)
@@ -336,7 +336,7 @@ def run_layerwise(model: LlamaForCausalLM, ids: torch.Tensor, apply: Callable[[B
         raise CalibrationError("the model has fused q/k/v or gate/up projections; calibrate a model loaded with "
                                "load_model(..., fuse=False)")
     with torch.no_grad():
-        hidden = model.model.embed_tokens(ids)  # [N, L, hidden]: block 0's input
+        hidden = model.embed(ids)  # [N, L, hidden]: block 0's input (gemma3: scaled)
     num_blocks = len(model.model.layers)
     with _progress(label, num_blocks, progress) as (set_status, advance):
         for i in range(num_blocks):

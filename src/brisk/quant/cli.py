@@ -94,8 +94,11 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
-    if loaded.config.architecture not in ("llama", "mistral", "qwen2"):
-        raise click.ClickException(f"cannot quantize architecture {loaded.config.architecture}")
+    if loaded.config.architecture == "gemma3" and method in ("rtn", "gptq"):
+        pass  # gemma3: rtn, and gptq through the calibration driver's layer calls (awq / qat assume Llama's norms)
+    elif loaded.config.architecture not in ("llama", "mistral", "qwen2"):
+        raise click.ClickException(f"cannot quantize architecture {loaded.config.architecture} with --method "
+                                   f"{method}" + ("; use --method rtn or gptq" if loaded.config.is_gemma else ""))
     plan = plan_layers(loaded.model, loaded.config.tie_word_embeddings, default,
                        head=None if head_bits == "none" else HEAD_DEFAULT, skip=skip)
     if not plan:
