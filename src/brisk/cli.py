@@ -214,6 +214,7 @@ def convert_gguf_command(outtype: str, model: str, out: str) -> None:
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
+    from brisk.lora.cli import finetune
     from brisk.model.export_cli import export
     from brisk.ops.kernels_cli import kernels_group
     from brisk.prune.cli import prune
@@ -221,7 +222,7 @@ def _register_commands() -> None:
     from brisk.spec.cli import spec_group
     from brisk.train.cli import distill
 
-    for command in (bench, distill, eval_group, export, kernels_group, prune, quantize, spec_group):
+    for command in (bench, distill, eval_group, export, finetune, kernels_group, prune, quantize, spec_group):
         main.add_command(command)
 
 
