@@ -198,3 +198,15 @@ def check_fits(adapter: LoRAAdapter, shapes: dict[str, tuple[int, int]], name: s
             raise AdapterError(f"{name} does not fit this base model: {mod} is [{n}, {k}] here, but the adapter's "
                                f"lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}; use an adapter trained "
                                "on this model")
+
+
+@torch.no_grad()
+def merge_adapter(model: torch.nn.Module, adapter: LoRAAdapter) -> int:
+    """W += scaling * B A for every adapted module of an unfused float model (in place); returns how many."""
+    for mod in adapter.modules:
+        linear = model.get_submodule(mod)
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise AdapterError(f"{mod} is not a float linear layer; merge into a float, unfused model")
+        weight += adapter.delta_weight(mod).to(weight.dtype)
+    return len(adapter.modules)
