@@ -56,7 +56,7 @@ def test_chat_loss_only_on_assistant_turns(tmp_path):
     msgs = [{"role": "user", "content": "Who is Emma?"}, {"role": "assistant", "content": "A clever girl."}]
     row = encode_conversation(tok, msgs, 256)
     labelled = [t for t in row if t >= 0]
-    assert tok.decode(labelled).startswith("A clever girl.<|im_end|>")
+    assert tok.decode(labelled).startswith("A clever girl.") and 2 in labelled  # the reply and its <|im_end|>
     context = [-1 - t for t in row if t < 0]
     assert "Who is Emma?" in tok.decode(context) and "A clever" not in tok.decode(context)
 
