@@ -167,15 +167,24 @@ def chat(system: str | None, **kw: Any) -> None:
 @click.option("--cors-origins", default=None,
               help="Comma-separated origins allowed by CORS, or '*' (default: CORS off).")
 @click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
+@click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
+              help="With --enable-lora: a PEFT adapter served as model NAME (repeatable).")
 @engine_options()
 def serve(host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
-          cors_origins: str | None, max_request_bytes: str, **kw: Any) -> None:
+          cors_origins: str | None, max_request_bytes: str, lora_modules: tuple[str, ...], **kw: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from brisk.serve.app import ServerConfig, run_server
 
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()] if cors_origins else []
+    from brisk.serve.lora import parse_lora_modules
+
+    try:
+        loras = parse_lora_modules(lora_modules)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--lora-modules") from None
     config = ServerConfig(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
-                          cors_origins=origins, max_request_bytes=max_request_bytes)  # bad values fail before loading
+                          cors_origins=origins, max_request_bytes=max_request_bytes,
+                          lora_modules=loras)  # bad values fail before loading
     llm = build_llm(kw)
     run_server(llm.engine, config, host=host, port=port)
 
@@ -214,6 +223,7 @@ def convert_gguf_command(outtype: str, model: str, out: str) -> None:
 def _register_commands() -> None:
     from brisk.bench.cli import bench
     from brisk.eval.cli import eval_group
+    from brisk.lora.cli import finetune
     from brisk.model.export_cli import export
     from brisk.ops.kernels_cli import kernels_group
     from brisk.prune.cli import prune
@@ -221,7 +231,7 @@ def _register_commands() -> None:
     from brisk.spec.cli import spec_group
     from brisk.train.cli import distill
 
-    for command in (bench, distill, eval_group, export, kernels_group, prune, quantize, spec_group):
+    for command in (bench, distill, eval_group, export, finetune, kernels_group, prune, quantize, spec_group):
         main.add_command(command)
 
 

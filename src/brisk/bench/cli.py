@@ -34,8 +34,9 @@ def _register_commands() -> None:
     from brisk.bench.cli_decode import latency, membw, throughput
     from brisk.bench.cli_methods import compare, kv, quant, sparse, spec
     from brisk.bench.cli_serve import serve
+    from brisk.bench.lora import lora
 
-    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare,
+    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare, lora,
                     ab, ab_kernels, profile_command):  # the last three: same-process A/Bs, a decode-step profile
         bench.add_command(command)
 

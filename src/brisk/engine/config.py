@@ -372,6 +372,11 @@ class EngineConfig:
         False, help="torch.compile (inductor) the decoder's dense parts, attention on brisk's paged kernels; "
                     "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on this "
                     "CPU (BENCHMARKS.md); float32 / bfloat16 models only. The same as --execution compiled.")
+    # LoRA adapters chosen per request (brisk/lora; vLLM's names): max_loras adapters in the engine at once
+    enable_lora: bool = setting(
+        False, help="Serve LoRA adapters (PEFT format), chosen per request; batches mix adapters and the base.")
+    max_loras: int = setting(4, help="With --enable-lora: most adapters loaded at once (idle ones are LRU-evicted).")
+    max_lora_rank: int = setting(16, help="With --enable-lora: the largest adapter rank accepted.")
 
     def __post_init__(self) -> None:
         check_choice(self, "load_format")
@@ -393,6 +398,9 @@ class EngineConfig:
                 raise ValueError(f"compile=True is execution 'compiled'; it contradicts execution {self.execution!r}")
             self.execution = "compiled"
         self.compile = self.execution == "compiled"
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.scheduler is None:

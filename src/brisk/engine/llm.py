@@ -11,6 +11,7 @@ from brisk.engine.llm_engine import LLMEngine, load_engine_model
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.settings import build_engine_config, llm_signature, settings_doc
+from brisk.lora.request import LoRARequest
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -49,8 +50,10 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. A prompt is a string or a list of token ids."""
+        """Outputs in the order of the prompts. A prompt is a string or a list of token ids. `lora_request`: one
+        adapter for every prompt, or one (or None) per prompt (needs enable_lora=True)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -62,10 +65,14 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0,
+                                                   lora_request=loras[i]))
         except Exception:
             self.engine.abort_request(ids)
             raise
@@ -78,13 +85,14 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of them; the chat template is applied."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [tok.encode_chat(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput after every step that changed this request (text_delta holds the new text).

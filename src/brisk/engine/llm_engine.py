@@ -18,6 +18,7 @@ from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
 from brisk.kvcache.policy import make_policy
 from brisk.kvcache.sizing import check_kv_pool, check_policy_supports, num_kv_blocks
+from brisk.lora.request import LoRARequest
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
@@ -61,6 +62,7 @@ class _Group:
         self.states = [_SampleState(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
                        for _ in samples]
         self.finished_time: float | None = None
+        self.lora_slot = -1  # the adapter slot its samples hold (brisk/lora/manager.py), -1: none
 
 
 @dataclass
@@ -141,6 +143,12 @@ class LLMEngine:
         self.step_timer = StepTimer()
         # --compile: time spent compiling at start-up (0 for the other executions)
         self.compile_seconds = self.runner.executor.warm_up(sched_cfg.max_num_batched_tokens)
+        self.lora_manager = None  # brisk/lora/manager.py: adapter slots on the wrapped layers
+        if config.enable_lora:
+            from brisk.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
+            self.lora_manager.attach(self.runner)  # after the executor was built on the base layers
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator
@@ -153,7 +161,8 @@ class LLMEngine:
         return str(self._next_id - 1)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None) -> str:
+                    *, priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                    ) -> str:
         params = params or self.sampling_defaults.sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self.groups:
@@ -181,7 +190,15 @@ class LLMEngine:
             samples.append(Request(rid, ids, params, eos_token_ids=eos, arrival_time=arrival_time,
                                    priority=priority, generator=gen, parent_id=None if k == 0 else request_id,
                                    sample_index=k))
-        self.groups[request_id] = _Group(request_id, text, ids, samples, params, self.tokenizer)
+        group = _Group(request_id, text, ids, samples, params, self.tokenizer)
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, but the "
+                                 "engine was started without adapters; pass enable_lora=True (--enable-lora)")
+            group.lora_slot, key = self.lora_manager.acquire(lora_request)
+            for req in samples:
+                req.lora_slot, req.lora_key = group.lora_slot, key
+        self.groups[request_id] = group
         self.scheduler.add_request(samples[0], samples[1:])
         return request_id
 
@@ -191,9 +208,15 @@ class LLMEngine:
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
+            self._release_lora(group)
             for req in group.samples:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
             self.scheduler.remove_finished([r.request_id for r in group.samples])
+
+    def _release_lora(self, group: _Group) -> None:
+        if group.lora_slot >= 0 and self.lora_manager is not None:
+            self.lora_manager.release(group.lora_slot)
+            group.lora_slot = -1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -240,6 +263,7 @@ class LLMEngine:
                 group.finished_time = now
                 out.metrics.finished_time = now
                 del self.groups[gid]
+                self._release_lora(group)
                 self.scheduler.remove_finished([r.request_id for r in group.samples])
             outputs.append(out)
         return outputs

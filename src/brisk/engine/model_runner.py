@@ -8,7 +8,7 @@ the forward names the cache entries each request keeps (`end_step`), which the m
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -29,6 +29,8 @@ class ModelRunner:
         self.model = model
         # which path runs the forward (engine/executor.py); rebuild it after changing the model's layers
         self.executor = Executor(model, execution)
+        # LoRA (brisk/lora/manager.py): told each step's rows and their requests before the forward
+        self.lora_mapping: Callable[[list[ScheduledRequest], Mapping[str, Request]], None] | None = None
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
@@ -140,6 +142,8 @@ class ModelRunner:
         self.move_kv(sched.kv_moves)  # before the copies: a block freed by a compaction may be a copy's target
         self.copy_blocks(sched.block_copies)
         ids, positions, meta, context_lens = self.prepare(sched)
+        if self.lora_mapping is not None:
+            self.lora_mapping(batch_order(sched), requests)
         t1 = time.perf_counter()
         logits = self.executor(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
         t2 = time.perf_counter()

@@ -82,6 +82,10 @@ class Request:
         # all_token_ids: a draft only becomes a token when the verifier accepts it.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
+        # LoRA (brisk/lora): the engine slot of the request's adapter (-1: none) and the adapter's prefix-cache key,
+        # which seeds the block-hash chain so that two adapters never share KV
+        self.lora_slot = -1
+        self.lora_key: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

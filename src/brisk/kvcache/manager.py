@@ -428,7 +428,10 @@ class KVCacheManager:
             f"hashing {num_blocks} blocks of {bs} over only {request.num_tokens} tokens")
         hashes = self._req_to_block_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
+        # a LoRA request's chain starts from its adapter's key: the same tokens under another adapter have other KV
+        key = getattr(request, "lora_key", None)  # 32 bytes: hashed as four int64 "tokens", far beyond any vocabulary
+        root = None if key is None else hash_block_tokens(None, list(struct.unpack("<4q", key)))
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else root, tokens[i * bs:(i + 1) * bs]))
         return hashes

@@ -72,6 +72,7 @@ class ServerConfig:
     max_waiting: int = 128  # sequences admitted beyond the running batch; more get 503
     cors_origins: list[str] = field(default_factory=list)  # empty = CORS off
     max_request_bytes: int | str = "1MiB"
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules name=path (needs --enable-lora)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -93,10 +94,19 @@ class _Server:
         self.model_name = config.served_model_name or engine.loaded.name
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.num_blocks)
+        from brisk.serve.lora import LoRARegistry
+
+        self.loras = LoRARegistry(engine, config.lora_modules, self.model_name)  # serve/lora.py
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, metrics=self.metrics)
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, model: str | None) -> str:
+        if self.loras.get(model) is not None:
+            return model  # type: ignore[return-value]
+        if model is not None and model != self.model_name and self.loras.enabled:  # vLLM's answer: 404
+            raise ClientError(f"the model {model!r} does not exist on this server; it serves {self.model_name!r} and "
+                              f"the adapters {sorted(self.loras.adapters)} (see GET /v1/models)", param="model",
+                              code="model_not_found", status_code=404, err_type="not_found_error")
         if model is not None and model != self.model_name:
             raise ClientError(f"the model {model!r} does not exist on this server; it serves {self.model_name!r} "
                               "(see GET /v1/models)", param="model", code="model_not_found")
@@ -152,7 +162,7 @@ class _Server:
                                              self.sampling_defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                              "max_tokens", param)
             params = _sampling_params(req, max_tokens, req.logprobs, self.sampling_defaults)
-            out.append(EngineRequest(f"{request_id}-{i}", ids, params))
+            out.append(EngineRequest(f"{request_id}-{i}", ids, params, self.loras.get(req.model)))
         return out
 
     def chat_requests(self, req: ChatCompletionRequest, request_id: str) -> list[EngineRequest]:
@@ -170,7 +180,8 @@ class _Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_capacity(req.n or 1, "n")
         return [EngineRequest(f"{request_id}-0", ids,
-                              _sampling_params(req, max_tokens, logprobs, self.sampling_defaults))]
+                              _sampling_params(req, max_tokens, logprobs, self.sampling_defaults),
+                              self.loras.get(req.model))]
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
@@ -344,7 +355,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
     async def models() -> JSONResponse:
         card = ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_model_len,
                          sampling_defaults=SamplingDefaultsInfo(**server.sampling_defaults.as_dict()))
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = [card.model_copy(update={"id": name}) for name in server.loras.adapters]
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
     @app.post("/v1/completions", dependencies=auth, openapi_extra=request_body(CompletionRequest),
               responses={**ok_response(CompletionResponse, "The completions (stream false)",
@@ -380,6 +392,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         outputs = await _collect(stream)
         return JSONResponse(responses.chat_response(outputs, ctx, top).model_dump())
 
+    from brisk.serve.lora import install_lora_routes
+
+    install_lora_routes(app, server.loras, auth)
     endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json",
                  "/docs"}
     app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)

@@ -38,6 +38,8 @@ from typing import Any
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
+from brisk.lora.manager import LoRABusyError
+from brisk.lora.request import LoRARequest
 from brisk.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("brisk.serve")
@@ -64,6 +66,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter the OpenAI `model` field named (serve/lora.py)
 
 
 @dataclass
@@ -209,7 +212,10 @@ class AsyncEngine:
         for req in cmd.requests:
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
-                                        arrival_time=cmd.arrival_time)
+                                        arrival_time=cmd.arrival_time, lora_request=req.lora_request)
+            except LoRABusyError as e:  # every adapter slot held by running requests: retry later
+                self._deliver([(cmd.stream, ServerOverloadedError(str(e)))])
+                continue
             except ValueError as e:  # the handler validated already; report whatever the engine still refuses
                 self._deliver([(cmd.stream, e)])
                 continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,16 @@ class TrainCheckpointError(ValueError):
     """A resume checkpoint is missing, corrupt, or was made by a run with other settings."""
 
 
-def save_state(out: Path, model: LlamaForCausalLM, state: dict[str, Any]) -> Path:
+def save_state(out: Path, model: LlamaForCausalLM, state: dict[str, Any],
+               tensors_of: Callable[[LlamaForCausalLM], dict[str, torch.Tensor]] | None = None) -> Path:
     """Write the resumable state (weights + `state`: step, optimizer, history, settings) to out/last/."""
     final = out / STATE_DIR
     tmp = out / (STATE_DIR + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(model_tensors(model, model.config), str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
+    own = model_tensors(model, model.config) if tensors_of is None else tensors_of(model)
+    save_file(own, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
     torch.save({"format": _FORMAT, **state}, tmp / _STATE_FILE)
     old = out / (STATE_DIR + ".old")
     if final.exists():
@@ -59,7 +61,8 @@ def save_state(out: Path, model: LlamaForCausalLM, state: dict[str, Any]) -> Pat
     return final
 
 
-def load_state(out: Path, model: LlamaForCausalLM) -> dict[str, Any]:
+def load_state(out: Path, model: LlamaForCausalLM,
+               tensors_of: Callable[[LlamaForCausalLM], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Read out/last/ into `model`'s parameters (in place) and return the saved state dict."""
     folder = out / STATE_DIR
     if not (folder / _STATE_FILE).is_file() or not (folder / _WEIGHTS_FILE).is_file():
@@ -73,7 +76,7 @@ def load_state(out: Path, model: LlamaForCausalLM) -> dict[str, Any]:
                                    "run without --resume to start over") from e
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise TrainCheckpointError(f"{folder / _STATE_FILE} is not a brisk training state (format {_FORMAT})")
-    own = model_tensors(model, model.config)
+    own = model_tensors(model, model.config) if tensors_of is None else tensors_of(model)
     if set(own) != set(tensors) or any(tuple(own[k].shape) != tuple(tensors[k].shape) for k in own):
         raise TrainCheckpointError(f"the weights in {folder} do not fit this model (another architecture or size); "
                                    "resume with the model the run started from")

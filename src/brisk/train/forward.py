@@ -51,11 +51,14 @@ def check_trainable(model: LlamaForCausalLM) -> None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             _check_linear(getattr(mlp, name), f"model.layers.{i}.mlp.{name}")
     _check_linear(model.lm_head, "lm_head")
-    if not isinstance(model.model.embed_tokens, nn.Embedding):
+    embed = model.model.embed_tokens
+    if not isinstance(embed, nn.Embedding) and not getattr(embed, "trains_as_module", False):
         raise UntrainableModelError("the embedding table is quantized; train a float checkpoint")
 
 
 def _check_linear(module: nn.Module, name: str) -> None:
+    if getattr(module, "trains_as_module", False):  # a LoRA-wrapped or frozen quantized base (brisk/lora)
+        return
     weight = getattr(module, "weight", None)
     if not isinstance(module, nn.Linear) or not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise UntrainableModelError(f"{name} is a {type(module).__name__}, not a float linear layer: train a float "
@@ -65,6 +68,8 @@ def _check_linear(module: nn.Module, name: str) -> None:
 
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if getattr(module, "trains_as_module", False):
+        return module(x)
     return F.linear(x, module.weight, module.bias)
 
 

@@ -148,12 +148,16 @@ def evaluate(loaded: LoadedModel, text: str | None, config: TrainConfig) -> floa
 
 def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: TrainConfig, out: str | Path, *,
           method: dict[str, Any], eval_text: str | None = None, eval_source: str | None = None,
-          resume: bool = False, frozen: tuple[str, ...] = ()) -> TrainResult:
+          resume: bool = False, frozen: tuple[str, ...] = (),
+          save_model: Callable[[Path, LoadedModel, dict[str, Any]], Path] | None = None,
+          state_tensors: Callable[[LlamaForCausalLM], dict[str, torch.Tensor]] | None = None) -> TrainResult:
     """Train `loaded.model` in place on `data` under `loss_fn`; write the model folder and the logs to `out`.
 
     `method` describes what is trained (e.g. {"method": "distill", "teacher": ..., "alpha": ...}); it goes into
     the training record and must match on resume, as must every setting of `config` that changes the weights.
     `frozen` names parameters (as in named_parameters()) that keep their values.
+    `save_model` writes the finished run instead of save_trained (LoRA: the adapter folder), and `state_tensors`
+    picks what out/last/ keeps of the model (LoRA: the adapters only).
     """
     from brisk.train.progress import TrainProgress, write_loss_curve
 
@@ -174,7 +178,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
                 "num_windows": data.num_windows}
     start_step, history, seconds = 0, [], 0.0
     if resume:
-        state = load_state(out, model)
+        state = load_state(out, model, state_tensors)
         check_same_run(state["settings"], settings, out / STATE_DIR)
         optimizer.load_state_dict(state["optimizer"])
         start_step, history, seconds = state["step"], state["history"], state["seconds"]
@@ -193,7 +197,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
 
     def save() -> None:
         save_state(out, model, {"step": step, "optimizer": optimizer.state_dict(), "history": history,
-                                "seconds": seconds, "settings": settings})
+                                "seconds": seconds, "settings": settings}, state_tensors)
 
     step = start_step
     interrupted = False
@@ -247,7 +251,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
               "eval_ppl_before": evals[0] if evals else None, "eval_ppl_after": evals[-1] if len(evals) > 1 else None,
               "config": config.run_settings()}
-    save_trained(out, loaded, record)
+    (save_model or save_trained)(out, loaded, record)
     record["loss_curve"] = write_loss_curve(out / "loss.png", history)
     return TrainResult(out=out, steps=step, interrupted=interrupted, record=record, history=history)
 

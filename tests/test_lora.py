@@ -1,0 +1,153 @@
+"""LoRA adapters against PEFT (the oracle): forward with and without merging, mixed batches, slots and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_utils import make_tiny_hf_model
+
+from brisk import LLM, LoRARequest, SamplingParams
+from brisk.lora.adapter import AdapterError, load_adapter, merge_adapter, parse_target_modules
+from brisk.lora.layers import LoRAMapping
+from brisk.lora.manager import LoRABusyError, LoRAManager
+from brisk.model.loader import load_model
+from brisk.ops.attention import AttentionMetadata
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(ref, folder, r=4, alpha=8, targets=ALL, seed=0, rslora=False):
+    """A PEFT adapter on the HF model `ref` with random (nonzero) B, saved to `folder`; returns the PeftModel."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
+    pm = peft.get_peft_model(ref, cfg, adapter_name="default")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    pm.save_pretrained(folder)
+    return pm
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    ref = make_tiny_hf_model(tmp / "m", "llama", num_kv_heads=2, tie_word_embeddings=False, seed=1)
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = ref(ids[None]).logits[0]
+    want = {}
+    for name, kw in (("a", {"seed": 1}), ("b", {"seed": 2, "r": 8, "targets": ["q_proj", "v_proj", "down_proj"]}),
+                     ("c", {"seed": 3, "rslora": True})):
+        pm = make_adapter(ref, tmp / name, **kw)
+        with torch.no_grad():
+            want[name] = pm(ids[None]).logits[0]
+        ref = pm.unload()  # the plain base again for the next adapter
+    return tmp, ids, base_logits, want
+
+
+def prefill_logits(loaded, ids):
+    c, n = loaded.config, ids.shape[0]
+    nb = (n + 15) // 16
+    kv = [torch.zeros(2, nb, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(nb))], 16)
+    with torch.inference_mode():
+        return loaded.model(ids, torch.arange(n), meta, kv).float()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_forward_equals_peft(tiny, fuse, name):
+    """The runtime layers (fused q/k/v and gate/up slices, or plain ones) give PEFT's logits."""
+    tmp, ids, _, want = tiny
+    loaded = load_model(tmp / "m", fuse=fuse)
+    mgr = LoRAManager(loaded.model, max_loras=2, max_lora_rank=8)
+    slot, _ = mgr.acquire(LoRARequest(name, 1, str(tmp / name)))
+    mgr.state.mapping = LoRAMapping.from_row_slots([slot] * ids.shape[0])
+    torch.testing.assert_close(prefill_logits(loaded, ids), want[name], atol=1e-4, rtol=1e-4)
+
+
+def test_merged_equals_peft_merge_and_unload(tiny):
+    tmp, ids, _, want = tiny
+    loaded = load_model(tmp / "m", fuse=False)
+    merge_adapter(loaded.model, load_adapter(tmp / "a"))
+    torch.testing.assert_close(prefill_logits(loaded, ids), want["a"], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_equals_one_at_a_time(tiny):
+    """Requests for two adapters and for none in one batch: each gets exactly the tokens it gets alone."""
+    tmp, ids, _, _ = tiny
+    llm = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB", enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a, b = LoRARequest("a", 1, str(tmp / "a")), LoRARequest("b", 2, str(tmp / "b"))
+    prompts = [ids[:10].tolist(), ids[5:20].tolist(), ids[2:9].tolist(), ids[:10].tolist()]
+    loras = [a, b, None, b]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras)]
+    alone = [llm.generate([p], sp, lora_request=[r])[0].outputs[0].token_ids
+             for p, r in zip(prompts, loras, strict=True)]
+    assert together == alone
+    assert together[0] != together[3]  # same prompt, other adapter: other tokens
+    plain = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB")
+    assert together[2] == plain.generate([prompts[2]], sp)[0].outputs[0].token_ids  # no adapter: the base path
+
+
+def test_prefix_cache_never_shared_between_adapters(tiny):
+    tmp, ids, _, _ = tiny
+    llm = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB", enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = torch.arange(3, 43).tolist()  # 40 tokens: two full blocks of 16
+    a, b = LoRARequest("a", 1, str(tmp / "a")), LoRARequest("b", 2, str(tmp / "b"))
+    cached = [llm.generate([prompt], sp, lora_request=r)[0].metrics.num_cached_tokens for r in (a, b, None, a, b)]
+    assert cached == [0, 0, 0, 32, 32]
+
+
+def test_slots_lru_eviction_and_busy(tiny):
+    tmp, _, _, _ = tiny
+    loaded = load_model(tmp / "m")
+    mgr = LoRAManager(loaded.model, max_loras=2, max_lora_rank=8)
+    reqs = [LoRARequest(n, i + 1, str(tmp / n)) for i, n in enumerate("abc")]
+    s0, _ = mgr.acquire(reqs[0])
+    s1, _ = mgr.acquire(reqs[1])
+    with pytest.raises(LoRABusyError, match="max_loras=2"):
+        mgr.acquire(reqs[2])
+    mgr.release(s0)
+    s2, _ = mgr.acquire(reqs[2])  # evicts the idle "a"
+    assert s2 == s0 and [r.lora_name for r in mgr.loaded()] == ["c", "b"]
+    with pytest.raises(LoRABusyError, match="in use"):
+        mgr.remove(2)
+    mgr.release(s1)
+    assert mgr.remove(2) and not mgr.remove(2)
+    assert float(mgr.layers[0].lora_a[s1].abs().sum()) == 0.0  # an unloaded slot holds nothing
+
+
+def test_bad_adapters_are_refused(tiny, tmp_path):
+    tmp, _, _, _ = tiny
+    loaded = load_model(tmp / "m")
+    mgr = LoRAManager(loaded.model, max_loras=2, max_lora_rank=4)
+    with pytest.raises(AdapterError, match="rank 8, more than max_lora_rank=4"):
+        mgr.acquire(LoRARequest("b", 2, str(tmp / "b")))
+    with pytest.raises(AdapterError, match="lacks adapter_config.json"):
+        mgr.acquire(LoRARequest("x", 3, str(tmp_path)))
+    other = make_tiny_hf_model(tmp_path / "other", "llama", hidden_size=96, num_kv_heads=2, seed=0)
+    make_adapter(other, tmp_path / "wrong")
+    with pytest.raises(AdapterError, match="does not fit this base model"):
+        mgr.acquire(LoRARequest("w", 4, str(tmp_path / "wrong")))
+    assert all(s is None for s in mgr.slots)  # nothing half-loaded
+    with pytest.raises(AdapterError, match="not a projection"):
+        parse_target_modules("q,k,lm_head")
+    cfg = json.loads((tmp / "a" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA"
+
+
+def test_adapter_request_needs_enable_lora(tiny):
+    tmp, ids, _, _ = tiny
+    llm = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate([ids[:5].tolist()], lora_request=LoRARequest("a", 1, str(tmp / "a")))
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,85 @@
+"""LoRA / QLoRA training: the frozen quantized base's backward, double quantization, chat masks, the CLI run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_utils import make_tiny_hf_model
+
+from brisk.cli import main
+from brisk.lora.data import encode_conversation
+from brisk.lora.frozen import FrozenQuantLinear, double_dequantize, double_quantize
+from brisk.lora.train import _frozen_from_float
+from brisk.model.loader import load_model
+from brisk.ops.qlinear import dequantize_packed
+from brisk.quant.config import LayerQuant
+
+peft = pytest.importorskip("peft")
+
+
+@pytest.mark.parametrize("spec", [LayerQuant(4, 64, scheme="nf4"), LayerQuant(4, 64), LayerQuant(8, -1, sym=True)])
+def test_frozen_quant_backward_equals_dense(spec):
+    """grad_input from the packed codes, chunk by chunk, equals autograd through the dequantized float weight."""
+    lin = torch.nn.Linear(128, 96, bias=True)
+    layer = _frozen_from_float(lin, spec, double_quant=False)
+    w = dequantize_packed(layer.packed())  # [96, 128] the weight it stands for
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = torch.nn.functional.linear(x2, w, lin.bias.detach())
+    (y2 * g).sum().backward()
+    torch.testing.assert_close(y, y2, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_double_quantization_of_scales():
+    absmax = torch.rand(96, 7) * 0.5 + 0.01
+    codes, scale, mean = double_quantize(absmax)
+    assert codes.dtype == torch.int8 and scale.numel() == -(-absmax.numel() // 256)
+    back = double_dequantize(codes, scale, mean, tuple(absmax.shape))
+    # int8 over each block's centred range: error at most half a step of that block
+    assert float((back - absmax).abs().max()) <= float(scale.max()) / 2 + 1e-7
+    lin = torch.nn.Linear(128, 96)
+    dq = _frozen_from_float(lin, LayerQuant(4, 64, scheme="nf4"), double_quant=True)
+    assert dq.scales is None and dq.scale_codes.dtype == torch.int8  # no float16 absmax kept
+    assert isinstance(dq, FrozenQuantLinear) and dq.nbytes() < 128 * 96 * 0.6  # ~0.5 byte per weight
+
+
+def test_chat_loss_only_on_assistant_turns(tmp_path):
+    make_tiny_hf_model(tmp_path / "m", "llama", seed=0)
+    tok = load_model(tmp_path / "m").tokenizer
+    msgs = [{"role": "user", "content": "Who is Emma?"}, {"role": "assistant", "content": "A clever girl."}]
+    row = encode_conversation(tok, msgs, 256)
+    labelled = [t for t in row if t >= 0]
+    assert tok.decode(labelled).startswith("A clever girl.") and 2 in labelled  # the reply and its <|im_end|>
+    context = [-1 - t for t in row if t < 0]
+    assert "Who is Emma?" in tok.decode(context) and "A clever" not in tok.decode(context)
+
+
+def test_finetune_cli_qlora_peft_loads_the_adapter(tmp_path):
+    make_tiny_hf_model(tmp_path / "m", "llama", seed=0)
+    lines = [{"messages": [{"role": "user", "content": f"Who is person {i}?"},
+                           {"role": "assistant", "content": "Emma Woodhouse, handsome and clever."}]} for i in range(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "ad"
+    res = CliRunner().invoke(main, ["finetune", str(tmp_path / "m"), str(out), "--data", str(data), "--eval-data",
+                                    str(data), "--qlora", "--steps", "12", "--lr", "1e-2", "--seq-len", "64",
+                                    "--batch-size", "2", "--lora-rank", "4", "--target-modules", "q,v,down"])
+    assert res.exit_code == 0, res.output
+    record = json.loads((out / "training.json").read_text())
+    assert record["double_quant"] and record["eval_loss_after"] < 0.7 * record["eval_loss_before"]
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    pm = peft.PeftModel.from_pretrained(base, out)
+    sd = {k: v for k, v in pm.state_dict().items() if "lora_B" in k}
+    assert len(sd) == 2 * 3 and all(float(v.abs().sum()) > 0 for v in sd.values())  # trained, loaded under PEFT's keys
+    bad = CliRunner().invoke(main, ["finetune", str(tmp_path / "m"), str(tmp_path / "x"), "--data", str(data),
+                                    "--target-modules", "q,lm_head"])
+    assert bad.exit_code != 0 and "not a projection" in bad.output
