@@ -347,7 +347,16 @@ class EngineConfig:
                     "compiles every shape bucket at start-up (~15-20 s). Slower than the default C++ path on this "
                     "CPU (BENCHMARKS.md); float32 / bfloat16 models only. The same as --execution compiled.")
 
+    # structured outputs (structured/runner.py): append the tokens a grammar forces with no forward pass
+    jump_forward: str = setting(
+        "auto", choices=("auto", "on", "off"),
+        help="Jump-forward decoding of structured outputs: auto = append only tokens that are the one token the "
+             "grammar allows (output identical to plain constrained decoding, for greedy and unseeded requests); "
+             "on = append all bytes the grammar forces, tokenized as the tokenizer writes them (faster on JSON "
+             "keys; the model may have split them differently); off.")
+
     def __post_init__(self) -> None:
+        check_choice(self, "jump_forward")
         self.torch_dtype = parse_dtype(self.dtype)
         check_choice(self, "load_format")
         if self.shape is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,19 @@ from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
 from brisk.quant.layers import set_quant_activations
+
+if TYPE_CHECKING:
+    from brisk.structured.backend import GrammarCompiler
+
+
+def jump_forward_mode(setting: str, params: SamplingParams) -> str:
+    """A request's jump-forward mode (structured/runner.py): none with logprobs (forced tokens have none); auto
+    only where it keeps the output identical, i.e. not for seeded sampling, whose random stream it would shift."""
+    if setting == "off" or params.logprobs is not None:
+        return "off"
+    if setting == "auto" and params.seed is not None and not params.is_greedy:
+        return "off"
+    return setting
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
@@ -141,6 +155,7 @@ class LLMEngine:
         self.step_timer = StepTimer()
         # --compile: time spent compiling at start-up (0 for the other executions)
         self.compile_seconds = self.runner.executor.warm_up(sched_cfg.max_num_batched_tokens)
+        self._grammar_compiler: GrammarCompiler | None = None
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator
@@ -181,9 +196,24 @@ class LLMEngine:
             samples.append(Request(rid, ids, params, eos_token_ids=eos, arrival_time=arrival_time,
                                    priority=priority, generator=gen, parent_id=None if k == 0 else request_id,
                                    sample_index=k))
+        if params.structured_outputs is not None:  # compiled (or found in the cache) before anything is queued
+            compiler = self.grammar_compiler()
+            for req in samples:
+                req.structured = compiler.new_state(params.structured_outputs)
+                req.structured.jump_forward = jump_forward_mode(self.config.jump_forward, params)
         self.groups[request_id] = _Group(request_id, text, ids, samples, params, self.tokenizer)
         self.scheduler.add_request(samples[0], samples[1:])
         return request_id
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-outputs compiler of this model's vocabulary (built on first use: ~0.2 s), whose cache
+        holds every constraint compiled so far."""
+        if self._grammar_compiler is None:
+            from brisk.structured.backend import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer.to_str(),
+                                                     self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammar_compiler
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests wherever they are; their KV blocks are freed at once."""

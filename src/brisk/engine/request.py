@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from brisk.engine.sampling_params import SamplingParams
+    from brisk.structured.backend import StructuredState
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,6 +83,8 @@ class Request:
         # all_token_ids: a draft only becomes a token when the verifier accepts it.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
+        # structured outputs: the grammar matcher, advanced with every output token (structured/backend.py)
+        self.structured: StructuredState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
