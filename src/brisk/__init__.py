@@ -3,9 +3,11 @@
 from brisk.engine.outputs import CompletionOutput, RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.lora.request import LoRARequest
+from brisk.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
+           "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy import keeps `import brisk` light

@@ -378,7 +378,16 @@ class EngineConfig:
     max_loras: int = setting(4, help="With --enable-lora: most adapters loaded at once (idle ones are LRU-evicted).")
     max_lora_rank: int = setting(16, help="With --enable-lora: the largest adapter rank accepted.")
 
+    # structured outputs (structured/runner.py): append the tokens a grammar forces with no forward pass
+    jump_forward: str = setting(
+        "auto", choices=("auto", "on", "off"),
+        help="Jump-forward decoding of structured outputs: auto = append only tokens that are the one token the "
+             "grammar allows (output identical to plain constrained decoding, for greedy and unseeded requests); "
+             "on = append all bytes the grammar forces, tokenized as the tokenizer writes them (faster on JSON "
+             "keys; the model may have split them differently); off.")
+
     def __post_init__(self) -> None:
+        check_choice(self, "jump_forward")
         check_choice(self, "load_format")
         self.torch_dtype = resolve_dtype(self.dtype, self.model, self.load_format)
         if self.shape is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,19 @@ from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.ops.linear import MAX_SMALL_M, prepack_linears
 from brisk.quant.layers import set_quant_activations
+
+if TYPE_CHECKING:
+    from brisk.structured.backend import GrammarCompiler
+
+
+def jump_forward_mode(setting: str, params: SamplingParams) -> str:
+    """A request's jump-forward mode (structured/runner.py): none with logprobs (forced tokens have none); auto
+    only where it keeps the output identical, i.e. not for seeded sampling, whose random stream it would shift."""
+    if setting == "off" or params.logprobs is not None:
+        return "off"
+    if setting == "auto" and params.seed is not None and not params.is_greedy:
+        return "off"
+    return setting
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
@@ -149,6 +163,7 @@ class LLMEngine:
 
             self.lora_manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
             self.lora_manager.attach(self.runner)  # after the executor was built on the base layers
+        self._grammar_compiler: GrammarCompiler | None = None
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator
@@ -191,6 +206,12 @@ class LLMEngine:
                                    priority=priority, generator=gen, parent_id=None if k == 0 else request_id,
                                    sample_index=k))
         group = _Group(request_id, text, ids, samples, params, self.tokenizer)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) before anything is queued or
+            # an adapter slot is taken
+            compiler = self.grammar_compiler()
+            for req in samples:
+                req.structured = compiler.new_state(params.structured_outputs)
+                req.structured.jump_forward = jump_forward_mode(self.config.jump_forward, params)
         if lora_request is not None:
             if self.lora_manager is None:
                 raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, but the "
@@ -201,6 +222,16 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add_request(samples[0], samples[1:])
         return request_id
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-outputs compiler of this model's vocabulary (built on first use: ~0.2 s), whose cache
+        holds every constraint compiled so far."""
+        if self._grammar_compiler is None:
+            from brisk.structured.backend import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer.to_str(),
+                                                     self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammar_compiler
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests wherever they are; their KV blocks are freed at once."""

@@ -167,11 +167,20 @@ class ModelRunner:
         logits = logits.float()
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows))
+        constrained = any(r.structured is not None for r in reqs)
+        if constrained:  # structured outputs: forbidden tokens to -inf on the constrained rows only
+            from brisk.structured.runner import mask_logits, sync_states
+
+            logits = mask_logits(logits, sync_states(reqs))
         if all(plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in reqs):
             result = SamplerOutput(sampled_token_ids=greedy_sample(logits).tolist())
         else:
             meta_s = SamplingMetadata.from_requests(reqs, vocab_size=self.vocab_size, device=logits.device)
             result = self.sampler(logits, meta_s)
+        if constrained:  # advance the matchers; jump-forward tokens ride along in the output
+            from brisk.structured.runner import advance
+
+            out.forced_token_ids.update(advance(reqs, result.sampled_token_ids))
         self.last_timing = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         j = 0
         for s in sampling:
@@ -200,8 +209,16 @@ class ModelRunner:
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in spec]
         probs = [None if r.spec_draft_probs is None else r.spec_draft_probs[:s.num_draft_tokens]
                  for r, s in zip(reqs, spec, strict=True)]
-        result = verify(logits.index_select(0, torch.tensor(spec_rows, device=logits.device)).float(), reqs, drafts,
-                        probs)
+        spec_logits = logits.index_select(0, torch.tensor(spec_rows, device=logits.device)).float()
+        constrained = any(r.structured is not None for r in reqs)
+        if constrained:  # mask the target before the acceptance test: forbidden drafts are rejected
+            from brisk.structured.runner import accept_verified, mask_draft_rows, sync_states
+
+            sync_states(reqs)
+            mask_draft_rows(spec_logits, reqs, drafts)
+        result = verify(spec_logits, reqs, drafts, probs)
+        if constrained:
+            out.forced_token_ids.update(accept_verified(reqs, result.token_ids))
         for s, tokens, lps, pred in zip(spec, result.token_ids, result.logprobs, result.predictions, strict=True):
             out.sampled_token_ids[s.req_id] = tokens
             out.draft_predictions[s.req_id] = pred

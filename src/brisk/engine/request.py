@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from brisk.engine.sampling_params import SamplingParams
+    from brisk.structured.backend import StructuredState
 
 
 class RequestStatus(enum.IntEnum):
@@ -86,6 +87,8 @@ class Request:
         # which seeds the block-hash chain so that two adapters never share KV
         self.lora_slot = -1
         self.lora_key: bytes | None = None
+        # structured outputs: the grammar matcher, advanced with every output token (structured/backend.py)
+        self.structured: StructuredState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

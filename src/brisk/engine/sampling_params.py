@@ -7,6 +7,10 @@ import enum
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from brisk.structured.params import StructuredOutputsParams
 
 # Below this temperature sampling is argmax (vLLM's _SAMPLING_EPS): dividing logits by ~0 would only
 # overflow, and the limit of softmax(logits / t) as t -> 0 is the argmax anyway.
@@ -50,8 +54,24 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrain the output (structured/): a JSON schema, regex, choice list or grammar; guided_decoding is vLLM's
+    # older name of the same field
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None:
+            from brisk.structured.params import StructuredOutputsParams
+
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            elif not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}.")
         # Normalize first so validation and every consumer see one shape per field.
         if self.stop is None:
             self.stop = []

@@ -53,6 +53,9 @@ class RunnerOutput:
     draft_predictions: dict[str, list[int]] = field(default_factory=dict)
     # H2O: req_id -> cache entries to keep (ascending), for requests whose cache outgrew the policy's keep
     kept_entries: dict[str, list[int]] = field(default_factory=dict)
+    # jump-forward decoding (structured/runner.py): req_id -> tokens appended after its sampled ones with no forward
+    # pass; their KV is computed by the next step, as a multi-token chunk
+    forced_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,6 +264,7 @@ class Scheduler:
             logprobs = result.logprobs.get(s.req_id)
             if s.num_draft_tokens:
                 self._append_verified(req, tokens, logprobs)
+                self._append_forced(req, result.forced_token_ids.get(s.req_id))
                 touched.append(req)
                 continue
             forks = self.pending_forks.pop(s.req_id, [])
@@ -274,8 +278,10 @@ class Scheduler:
                 self.kv.fork(req, child)
                 self._append(child, tokens[k], logprobs[k] if logprobs else None)
                 self.running.append(child)
+                self._append_forced(child, result.forced_token_ids.get(child.request_id))
                 touched.append(child)
             self._append(req, tokens[0], logprobs[0] if logprobs else None)
+            self._append_forced(req, result.forced_token_ids.get(s.req_id))
             touched.append(req)
         for req in touched:
             if req.status == RequestStatus.RUNNING:
@@ -302,6 +308,18 @@ class Scheduler:
             if req.is_finished:
                 return
         self.kv.free_blocks_beyond(req, req.num_tokens)
+
+    def _append_forced(self, req: Request, forced: list[int] | None) -> None:
+        """Jump-forward tokens after the sampled one: appended one by one with the stop check after each (so
+        max_tokens caps them), not computed (the next step's chunk computes their KV)."""
+        if not forced or req.status != RequestStatus.RUNNING:
+            return
+        self._check_stop(req)
+        for token in forced:
+            if req.is_finished:
+                return
+            req.append_output_token_ids(token)
+            self._check_stop(req)
 
     def _append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         req.append_output_token_ids(token)
