@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from click.testing import CliRunner
 from test_gptq_awq import outlier_layer
 from test_smoothquant import tiny  # noqa: F401 - the module-scoped tiny model fixture
