@@ -21,6 +21,11 @@ one descriptor, so the three cannot drift apart: the same kernel with the same t
     4 SPARSE_Q8           mask, row_ptr, values, scales, bias            sparse_q8_linear  (int8 activations)
     5 QUANT_Q8_TILED      data, scales, zeros, bias                      quant_linear_q8t  (int8 activations)
     6 QUANT_TILED         data, scales, zeros, codebook, bias            quant_linear_t
+    7 W8A8                data, w_scale, shift_terms, input_scale, bias  (none: w8a8_linear at every row count)
+    8 W8A8_OUTLIER        data, w_scale, shift_terms, -, bias            (none: LLM.int8(), ops/w8a8.py)
+
+Kinds 7 and 8 (ops/w8a8.py Int8Linear) have no small-row kernel the C++ layer loop calls: their descriptors give no
+loop dtypes, so the decode plan refuses them and the executor runs the model's modules.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class LinearKind(IntEnum):
     SPARSE_Q8 = 4
     QUANT_Q8_TILED = 5
     QUANT_TILED = 6
+    W8A8 = 7
+    W8A8_OUTLIER = 8
 
 
 ANY_ROWS = sys.maxsize
@@ -77,6 +84,9 @@ MAX_ROWS: dict[LinearKind, int] = {
     LinearKind.QUANT_Q8_TILED: ANY_ROWS,
     # 256: the tiled float-activation kernel against dequantize + GEMM, level near 256-512 rows
     LinearKind.QUANT_TILED: qlinear.MAX_TILED_M,
+    # the integer GEMM takes every row count (ops/w8a8.py)
+    LinearKind.W8A8: ANY_ROWS,
+    LinearKind.W8A8_OUTLIER: ANY_ROWS,
 }
 
 

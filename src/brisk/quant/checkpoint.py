@@ -9,6 +9,7 @@ and whose `model.safetensors` holds, for every quantized module X (HF names, bef
     X.bias     float                       when the layer has one
     X.input_order int64 [K]                when the groups are over permuted input columns (GPTQ act-order,
                                            quant/community.py): the codes' column j is input feature order[j]
+    X.input_scale float32 [1]              static per-tensor activation scale (SmoothQuant W8A8, quant/w8a8.py)
 
 and every other tensor as in a float checkpoint. The tokenizer, chat template and generation config travel in
 the same folder, so `brisk generate --model OUT` and `LLM(model=OUT)` need no other flags.
@@ -110,6 +111,11 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     bias = tensors.pop(f"{name}.bias", None)
     if bias is not None:
         out["bias"] = bias
+    input_scale = tensors.pop(f"{name}.input_scale", None)
+    if input_scale is not None:
+        if input_scale.numel() != 1:
+            raise QuantConfigError(f"{name}.input_scale must hold one value, got shape {list(input_scale.shape)}")
+        out["input_scale"] = input_scale
     order = tensors.pop(f"{name}.input_order", None)
     if order is not None:
         if tuple(order.shape) != (k,) or not torch.equal(order.sort().values, torch.arange(k, dtype=order.dtype)):
@@ -131,7 +137,12 @@ def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features:
 
 
 def _quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int,
-                  dtype: torch.dtype) -> nn.Module:
+                  dtype: torch.dtype, qconfig: QuantizationConfig | None = None, name: str = "") -> nn.Module:
+    from brisk.quant.w8a8 import build_int8_linear, runs_int8_activations
+
+    if runs_int8_activations(qconfig):  # a decoder linear of a W8A8 checkpoint (SmoothQuant, LLM.int8())
+        assert qconfig is not None
+        return build_int8_linear(parts, qconfig, in_features, name)
     bias = torch.cat([p["bias"] for p in parts]).to(dtype) if "bias" in parts[0] else None
     linear = QuantLinear(_packed(parts, spec, in_features), bias, spec)
     if "input_order" not in parts[0]:
@@ -179,7 +190,8 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
             specs = {qconfig.modules.get(f) for f in full}
             if fuse and len(specs) == 1 and None not in specs and _same_order([layer_parts[f] for f in full]):
                 spec = specs.pop()
-                setattr(parent, fused_name, _quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype))
+                setattr(parent, fused_name, _quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype,
+                                                          qconfig, f"{prefix}.{sub}.{fused_name}"))
                 for n in names:
                     setattr(parent, n, None)
         for sub, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
@@ -187,7 +199,8 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
                 full = f"{prefix}.{sub}.{child}"
                 if full in layer_parts and isinstance(module, nn.Linear):
                     spec = qconfig.modules[full]
-                    setattr(parent, child, _quant_linear([layer_parts.pop(full)], spec, module.in_features, dtype))
+                    setattr(parent, child, _quant_linear([layer_parts.pop(full)], spec, module.in_features, dtype,
+                                                         qconfig, full))
     if EMBEDDING in layer_parts:
         spec = qconfig.modules[EMBEDDING]
         parts = layer_parts.pop(EMBEDDING)

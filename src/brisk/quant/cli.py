@@ -22,11 +22,14 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.command("quantize")
 @click.argument("model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "qat"]), default="rtn", show_default=True,
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8"]), default="rtn",
+              show_default=True,
               help="How the codes are chosen. rtn: round to nearest, no data; gptq: error-compensating rounding "
                    "(Frantar et al. 2023); awq: activation-aware scaling + clipping (Lin et al. 2024); qat: "
-                   "quantization-aware training (learned step sizes, distilled from the float model). gptq and "
-                   "awq calibrate on --calib-text; qat trains on it.")
+                   "quantization-aware training (learned step sizes, distilled from the float model); "
+                   "smoothquant: W8A8, int8 weights and activations after smoothing (Xiao et al. 2023); llm-int8: "
+                   "vector-wise int8 with outlier columns in float (Dettmers et al. 2022). gptq, awq, smoothquant "
+                   "and llm-int8 calibrate on --calib-text; qat trains on it.")
 @click.option("--bits", type=click.Choice(["8", "4", "3", "2"]), default="4", show_default=True,
               help="Bits per weight of the decoder's linear layers.")
 @click.option("--group-size", type=int, default=64, show_default=True,
@@ -61,14 +64,21 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.option("--steps", type=int, default=100, show_default=True, help="qat: optimizer steps.")
 @click.option("--lr", type=float, default=1e-4, show_default=True,
               help="qat: peak learning rate (AdamW, warm-up then cosine) of the weights and the log step sizes.")
-@click.option("--alpha", type=float, default=1.0, show_default=True,
-              help="qat: weight of the KL to the float model's distribution (1 - alpha: cross-entropy on the text).")
+@click.option("--alpha", type=float, default=None,
+              help="qat: weight of the KL to the float model's distribution (1 - alpha: cross-entropy on the text; "
+                   "default 1). smoothquant: migration strength in [0, 1] (default: searched per group of "
+                   "linears on the calibration text).")
+@click.option("--activations", type=click.Choice(["token", "tensor"]), default="token", show_default=True,
+              help="smoothquant: int8 activation scales per token, computed at run time (dynamic), or one per "
+                   "layer input, calibrated (static).")
+@click.option("--threshold", type=float, default=6.0, show_default=True,
+              help="llm-int8: input columns with |x| above this in any token of a forward run in float.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
-             alpha: float, temperature: float, force: bool) -> None:
+             alpha: float | None, activations: str, threshold: float, temperature: float, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -92,6 +102,18 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         raise click.ClickException(f"--method {method} needs calibration data: pass --calib-text FILE (a UTF-8 "
                                    "text, never the one you evaluate on)")
     default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
+    if method in ("smoothquant", "llm-int8"):
+        source = click.get_current_context().get_parameter_source
+        given = [f"--{n.replace('_', '-')}" for n in ("bits", "group_size", "sym", "scheme")
+                 if source(n) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.ClickException(f"--method {method} is int8 per output channel with int8 activations; "
+                                       f"drop {', '.join(given)}")
+        from brisk.quant.smoothquant import W8
+
+        default = W8
+    if method == "smoothquant" and alpha is not None and not 0 <= alpha <= 1:
+        raise click.ClickException(f"--alpha {alpha}: SmoothQuant's migration strength lies in [0, 1]")
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
     if loaded.config.architecture == "gemma3" and method in ("rtn", "gptq"):
@@ -106,7 +128,8 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     if method == "rtn":
         tensors, qconfig = rtn_quantize(loaded, plan, default)
     elif method == "qat":
-        tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr, alpha, temperature,
+        tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr,
+                                1.0 if alpha is None else alpha, temperature,
                                 num_samples, seq_len, seed, batch_size, damp)
     else:
         from brisk.quant.calib import CalibConfig, CalibrationError
@@ -115,7 +138,8 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
             calib = CalibConfig(str(calib_text), num_samples=num_samples, seq_len=seq_len, seed=seed,
                                 batch_size=batch_size)
             tensors, qconfig = calibrated_quantize(loaded, plan, default, method, calib, damp=damp,
-                                                   act_order=act_order)
+                                                   act_order=act_order, alpha=alpha, activations=activations,
+                                                   threshold=threshold)
         except (CalibrationError, ValueError) as e:
             raise click.ClickException(str(e)) from None
     save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
@@ -159,9 +183,11 @@ def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, 
 
 
 def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, method: str,
-                        calib: CalibConfig, damp: float = 0.01, act_order: bool = True, progress: bool = True
+                        calib: CalibConfig, damp: float = 0.01, act_order: bool = True, progress: bool = True,
+                        alpha: float | None = None, activations: str = "token", threshold: float = 6.0
                         ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
-    """GPTQ or AWQ over the layer-wise driver: checkpoint tensors and config, in RTN's format.
+    """GPTQ, AWQ, SmoothQuant or LLM.int8() over the layer-wise driver: checkpoint tensors and config, in RTN's
+    format (SmoothQuant's static activations add each linear's `input_scale`).
 
     The decoder's planned linears get the method's codes; the embedding/head (not calibrated: the driver runs
     the decoder blocks only) get RTN's, as `brisk quantize --method rtn` gives them. `loaded` must be unfused.
@@ -169,19 +195,32 @@ def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
     from brisk.quant.awq import AWQConfig, awq_apply
     from brisk.quant.calib import load_calibration_ids, run_layerwise
     from brisk.quant.gptq import GPTQConfig, gptq_apply
+    from brisk.quant.llm_int8 import LLMInt8Config, llm_int8_apply, outlier_summary
     from brisk.quant.rtn import checkpoint_tensors
+    from brisk.quant.smoothquant import SmoothQuantConfig, smoothquant_apply
 
     ids = load_calibration_ids(loaded.tokenizer, calib)  # [N, L]
     encoded: dict[str, dict[str, torch.Tensor]] = {}
+    method_config: GPTQConfig | AWQConfig | SmoothQuantConfig | LLMInt8Config
     if method == "gptq":
-        method_config: GPTQConfig | AWQConfig = GPTQConfig(damp=damp, act_order=act_order)
+        method_config = GPTQConfig(damp=damp, act_order=act_order)
         apply = gptq_apply(plan, method_config, encoded)
     elif method == "awq":
         method_config = AWQConfig()
         apply = awq_apply(plan, method_config, encoded)
+    elif method == "smoothquant":
+        method_config = SmoothQuantConfig(alpha=alpha, activations=activations)
+        apply = smoothquant_apply(plan, method_config, encoded)
+    elif method == "llm-int8":
+        method_config = LLMInt8Config(threshold=threshold)
+        apply = llm_int8_apply(plan, method_config, encoded)
     else:
-        raise ValueError(f"unknown calibrated method {method!r}; expected gptq or awq")
+        raise ValueError(f"unknown calibrated method {method!r}; expected gptq, awq, smoothquant or llm-int8")
     run_layerwise(loaded.model, ids, apply, batch_size=calib.batch_size, progress=progress, label=method.upper())
+    if isinstance(method_config, LLMInt8Config) and progress:
+        from rich.console import Console
+
+        Console(stderr=True).print("\n".join(outlier_summary(method_config)))
     qconfig = QuantizationConfig(method=method, default=default, modules=dict(plan),
                                  calibration=calib.to_dict(), method_config=method_config.to_dict())
     return checkpoint_tensors(loaded, plan, encoded), qconfig

@@ -30,8 +30,9 @@ QUANT_METHOD = "brisk"
 FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCHEMES = ("int", "nf4")
-METHODS = ("rtn", "gptq", "awq", "sparsegpt", "qat")  # sparsegpt: joint prune + quantize (brisk prune);
-# qat: quantization-aware training (brisk quantize --method qat)
+METHODS = ("rtn", "gptq", "awq", "sparsegpt", "qat", "smoothquant", "llm-int8")  # sparsegpt: joint prune +
+# quantize (brisk prune); qat: quantization-aware training (brisk quantize --method qat); smoothquant, llm-int8:
+# int8 weights with int8 activations (quant/w8a8.py)
 
 
 class QuantConfigError(ValueError):

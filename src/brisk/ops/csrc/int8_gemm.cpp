@@ -1,0 +1,359 @@
+// W8A8 integer GEMM: int8 weights (per output channel scales) times int8 activations (per token or per tensor
+// scales), int32 accumulation on the CPU's integer units (ops/w8a8.py; SmoothQuant and LLM.int8() layers).
+//
+//   y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k]  (+ bias[n])
+//
+// AVX-512 VNNI build: VPDPBUSD multiplies unsigned bytes by signed bytes and adds groups of 4 into int32 lanes.
+// The activations are signed, so they enter shifted, xu = xq + 128 (a XOR with 0x80), and the shift is paid back
+// by a column sum of the weights computed once at load time:
+//   sum_k (xq + 128) wq = sum_k xq wq + 128 * colsum[n],   colsum[n] = sum_k wq[n, k].
+// AVX2 build (no VNNI): VPMADDUBSW on |xq| and sign(xq) * wq (VPSIGNB), then VPMADDWD by ones. With |xq|, |wq| <=
+// 127 a pair of products is at most 2 * 127 * 127 = 32258 < 2^15, so the saturating int16 step never saturates
+// and the result is exact as well. Both builds give the same int32 sums, bit for bit `torch` int32 matmul.
+// (AMX-INT8 tiles would take the same layout in 16x64 blocks; this build has none: no CPU here reports amx_int8,
+// and nothing is shipped that could not be run.)
+//
+// Weight layout (ops/w8a8.py pack_weight; N a multiple of 16, K of 4), as quant_q8t.cpp's 8-bit tiles:
+//   w [N / 16][K / 4][16][4] int8: per 4 input columns a tile of 16 rows stores one 64-byte line, lane r (dword r)
+//   holding row 16 t + r's 4 weights. One load serves 16 output columns; 4 activation bytes are broadcast.
+// Register blocking (VNNI): 6 activation rows x 4 tiles (64 outputs) = 24 int32 accumulators, 4 weight vectors and
+// one broadcast: 29 of the 32 zmm registers, 24 VPDPBUSD per 4 weight loads and 6 broadcasts.
+// AVX2: 4 rows x 1 tile (two ymm halves) = 8 accumulators.
+// Work items are (weight panel, chunk of 48 rows), panel-major, so a thread keeps one panel of weights in L1/L2
+// while it walks the rows.
+//
+// Activation rounding (bit for bit ops/w8a8.py quantize_rows): dynamic per token, amax = max_k |x[m, k]|,
+// xs = amax / 127, xq = round_half_even(x * (127 / amax)) (0 where amax = 0); static per tensor (a calibrated
+// scale s), xs = s, xq = clamp(round_half_even(x * (1 / s)), -127, 127).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+namespace {
+
+#define BRISK_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kMChunk = 48;  // activation rows per work item (a multiple of both builds' MR)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+constexpr int kMR = 6, kNR = 4;
+#else
+constexpr bool kVnni = false;
+constexpr int kMR = 4, kNR = 1;
+#endif
+
+BRISK_INLINE int32_t load_u32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------ activation rounding
+// Quantize one row of K floats into q (int8; the VNNI build stores q + 128 as uint8), returning its scale.
+float quantize_row(const float* x, int64_t K, float static_scale, uint8_t* q) {
+  float scale, inv;
+  if (static_scale > 0.f) {
+    scale = static_scale;
+    inv = 1.0f / static_scale;
+  } else {
+    float amax = 0.f;
+    int64_t k = 0;
+#ifdef __AVX512F__
+    __m512 mx = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    amax = _mm512_reduce_max_ps(mx);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+    scale = amax / 127.0f;
+    inv = amax > 0.f ? 127.0f / amax : 0.f;
+  }
+  const uint8_t shift = kVnni ? 0x80 : 0;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m128i sh = _mm_set1_epi8(static_cast<char>(shift));
+  for (; k + 16 <= K; k += 16) {
+    // cvtps rounds to nearest even under the default MXCSR, as std::nearbyint below and torch.round
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), iv));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm_xor_si128(_mm512_cvtepi32_epi8(v), sh));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float r = std::nearbyint(x[k] * inv);
+    const int v = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
+    q[k] = static_cast<uint8_t>(static_cast<int8_t>(v)) ^ shift;
+  }
+  return scale;
+}
+
+// ------------------------------------------------------------------------------------------ micro-kernels
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// acc[i][j] = sum over K of the MR rows of xu (uint8, shifted) with tile j of the panel at w, then epi(i, j, acc).
+template <int MR, int NR, typename Epi>
+BRISK_INLINE void micro(const uint8_t* xu, int64_t K, const int8_t* w, int64_t tile_bytes, const Epi& epi) {
+  __m512i acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int64_t nc = K / 4;
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512i wv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + c * 64);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xb = _mm512_set1_epi32(load_u32(xu + i * K + 4 * c));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, wv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) epi(i, j, acc[i][j]);
+}
+
+// the VNNI sums minus the shift's 128 * colsum: the exact sum_k xq wq of 16 outputs
+BRISK_INLINE __m512i unshift(__m512i acc, const int32_t* colsum128) {
+  return _mm512_sub_epi32(acc, _mm512_loadu_si512(colsum128));
+}
+
+struct IntEpi {  // int32 out [M, N]
+  int32_t* out;
+  int64_t N, m0, n0;
+  const int32_t* colsum128;
+  BRISK_INLINE void operator()(int i, int j, __m512i acc) const {
+    const int64_t n = n0 + j * kTile;
+    _mm512_storeu_si512(out + (m0 + i) * N + n, unshift(acc, colsum128 + n));
+  }
+};
+
+struct FloatEpi {  // float out [M, N] = acc * xs[m] * ws[n] + bias[n]
+  float* out;
+  int64_t N, m0, n0;
+  const int32_t* colsum128;
+  const float* xs;
+  const float* ws;
+  const float* bias;
+  BRISK_INLINE void operator()(int i, int j, __m512i acc) const {
+    const int64_t n = n0 + j * kTile;
+    const __m512 a = _mm512_cvtepi32_ps(unshift(acc, colsum128 + n));
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[m0 + i]), _mm512_loadu_ps(ws + n));
+    const __m512 y = bias ? _mm512_fmadd_ps(a, s, _mm512_loadu_ps(bias + n)) : _mm512_mul_ps(a, s);
+    _mm512_storeu_ps(out + (m0 + i) * N + n, y);
+  }
+};
+#else
+// AVX2: the MR rows of xq (int8) with the 16 rows of one tile (two ymm halves of 8), then epi(i, half, acc).
+template <int MR, int NR, typename Epi>
+BRISK_INLINE void micro(const uint8_t* xu, int64_t K, const int8_t* w, int64_t /*tile_bytes*/, const Epi& epi) {
+  static_assert(NR == 1, "the AVX2 micro-kernel takes one tile");
+  __m256i acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nc = K / 4;
+  for (int64_t c = 0; c < nc; ++c) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256i xb = _mm256_set1_epi32(load_u32(xu + i * K + 4 * c));
+      const __m256i ax = _mm256_abs_epi8(xb);
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb)), ones);
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb)), ones);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], p0);
+      acc[i][1] = _mm256_add_epi32(acc[i][1], p1);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    epi(i, 0, acc[i][0]);
+    epi(i, 1, acc[i][1]);
+  }
+}
+
+struct IntEpi {
+  int32_t* out;
+  int64_t N, m0, n0;
+  const int32_t* colsum128;  // unused: no shift in this build
+  BRISK_INLINE void operator()(int i, int half, __m256i acc) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + i) * N + n0 + 8 * half), acc);
+  }
+};
+
+struct FloatEpi {
+  float* out;
+  int64_t N, m0, n0;
+  const int32_t* colsum128;
+  const float* xs;
+  const float* ws;
+  const float* bias;
+  BRISK_INLINE void operator()(int i, int half, __m256i acc) const {
+    const int64_t n = n0 + 8 * half;
+    const __m256 a = _mm256_cvtepi32_ps(acc);
+    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(xs[m0 + i]), _mm256_loadu_ps(ws + n));
+    const __m256 y = bias ? _mm256_fmadd_ps(a, s, _mm256_loadu_ps(bias + n)) : _mm256_mul_ps(a, s);
+    _mm256_storeu_ps(out + (m0 + i) * N + n, y);
+  }
+};
+#endif
+
+template <int MR, typename Epi>
+BRISK_INLINE void micro_nr(int nr, const uint8_t* xu, int64_t K, const int8_t* w, int64_t tile_bytes, const Epi& e) {
+  if constexpr (kNR == 1) {
+    micro<MR, 1>(xu, K, w, tile_bytes, e);
+  } else {
+    switch (nr) {
+      case 1: micro<MR, 1>(xu, K, w, tile_bytes, e); break;
+      case 2: micro<MR, 2>(xu, K, w, tile_bytes, e); break;
+      case 3: micro<MR, 3>(xu, K, w, tile_bytes, e); break;
+      default: micro<MR, kNR>(xu, K, w, tile_bytes, e); break;
+    }
+  }
+}
+
+template <typename Epi>
+void micro_dispatch(int mr, int nr, const uint8_t* xu, int64_t K, const int8_t* w, int64_t tile_bytes, const Epi& e) {
+  switch (mr) {
+    case 1: micro_nr<1>(nr, xu, K, w, tile_bytes, e); break;
+    case 2: micro_nr<2>(nr, xu, K, w, tile_bytes, e); break;
+    case 3: micro_nr<3>(nr, xu, K, w, tile_bytes, e); break;
+    case 4: micro_nr<4>(nr, xu, K, w, tile_bytes, e); break;
+    case 5: if constexpr (kMR >= 5) { micro_nr<5>(nr, xu, K, w, tile_bytes, e); } break;
+    default: micro_nr<kMR>(nr, xu, K, w, tile_bytes, e); break;
+  }
+}
+
+// the GEMM over work items (panel of kNR tiles, chunk of kMChunk rows); make_epi(m0, n0) gives a block's epilogue
+template <typename MakeEpi>
+void gemm(const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int64_t N, const MakeEpi& make_epi) {
+  const int64_t tiles = N / kTile, panels = (tiles + kNR - 1) / kNR, chunks = (M + kMChunk - 1) / kMChunk;
+  const int64_t tile_bytes = kTile * K;
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t a, int64_t b) {
+    for (int64_t item = a; item < b; ++item) {
+      const int64_t p = item / chunks, mc = item % chunks;  // panel-major: one panel's weights stay hot
+      const int64_t t0 = p * kNR;
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, tiles - t0));
+      const int64_t m_end = std::min(M, (mc + 1) * kMChunk);
+      for (int64_t m0 = mc * kMChunk; m0 < m_end; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
+        micro_dispatch(mr, nr, xu + m0 * K, K, w + t0 * tile_bytes, tile_bytes, make_epi(m0, t0 * kTile));
+      }
+    }
+  });
+}
+
+void check_weight(const char* op, const at::Tensor& w, const at::Tensor& colsum, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous() && w.size(1) == K &&
+                  w.size(0) % kTile == 0 && K % 4 == 0,
+              op, ": the weight must be a contiguous int8 [N, K] tensor in the tiled layout (N % 16 == 0, K % 4 "
+              "== 0, K = the activations' columns)");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.dim() == 1 &&
+                  colsum.size(0) == w.size(0),
+              op, ": col_sum must be int32 [N]");
+}
+
+// 128 * colsum (the VNNI build's shift), or zeros where the build takes signed activations directly
+at::Tensor shift_terms(const at::Tensor& colsum) {
+  return kVnni ? colsum * 128 : at::zeros_like(colsum);
+}
+
+}  // namespace
+
+// x [M, K] float32 -> (xq int8 [M, K], xs float32 [M]); input_scale: a calibrated per-tensor scale, else per token
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& input_scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "w8a8_quantize_rows: x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  const float s = input_scale.has_value() && input_scale->defined() ? input_scale->item<float>() : 0.f;
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xs = at::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* qp = reinterpret_cast<uint8_t*>(xq.data_ptr<int8_t>());
+  float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) {
+      sp[m] = quantize_row(xp + m * K, K, s, qp + m * K);
+      if (kVnni)  // the stored form is signed: undo the shift
+        for (int64_t k = 0; k < K; ++k) qp[m * K + k] ^= 0x80;
+    }
+  });
+  return {xq, xs};
+}
+
+// xq [M, K] int8 x tiled w [N, K] int8 -> int32 [M, N]: the exact integer products (tests' oracle is torch)
+at::Tensor w8a8_int_mm(const at::Tensor& xq, const at::Tensor& w, const at::Tensor& colsum) {
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous(),
+              "w8a8_int_mm: xq must be a contiguous int8 [M, K] tensor");
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+  check_weight("w8a8_int_mm", w, colsum, K);
+  TORCH_CHECK(xq.min().item<int8_t>() >= -127, "w8a8_int_mm: activation codes must lie in [-127, 127]");
+  at::Tensor xu = kVnni ? at::bitwise_xor(xq.view(at::kByte), 0x80) : xq.view(at::kByte);
+  xu = xu.contiguous();
+  const at::Tensor c128 = shift_terms(colsum);
+  auto out = at::empty({M, N}, colsum.options());
+  int32_t* o = out.data_ptr<int32_t>();
+  const int32_t* cp = c128.data_ptr<int32_t>();
+  gemm(xu.data_ptr<uint8_t>(), M, K, w.data_ptr<int8_t>(), N,
+       [&](int64_t m0, int64_t n0) { return IntEpi{o, N, m0, n0, cp}; });
+  return out;
+}
+
+// y [M, N] float32 = (xs[m] * ws[n]) * sum_k xq wq + bias, x [M, K] float32 rounded as w8a8_quantize_rows does.
+// col_sum128: 128 * col_sum for the VNNI build (w8a8_shift_terms), computed once per layer.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& col_sum128,
+                       const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "w8a8_linear: x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight("w8a8_linear", w, col_sum128, K);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
+              "w8a8_linear: w_scale must be float32 [N]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "w8a8_linear: bias must be float32 [N]");
+  const float s = input_scale.has_value() && input_scale->defined() ? input_scale->item<float>() : 0.f;
+  auto xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  auto xs = at::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* up = xu.data_ptr<uint8_t>();
+  float* sp = xs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) sp[m] = quantize_row(xp + m * K, K, s, up + m * K);
+  });
+  auto out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const int32_t* cp = col_sum128.data_ptr<int32_t>();
+  const float* wsp = w_scale.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  gemm(up, M, K, w.data_ptr<int8_t>(), N,
+       [&](int64_t m0, int64_t n0) { return FloatEpi{o, N, m0, n0, cp, sp, wsp, bp}; });
+  return out;
+}
+
+at::Tensor w8a8_shift_terms(const at::Tensor& colsum) { return shift_terms(colsum); }
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("w8a8_quantize_rows(Tensor x, Tensor? input_scale) -> (Tensor, Tensor)", &w8a8_quantize_rows);
+  m.def("w8a8_int_mm(Tensor xq, Tensor w, Tensor col_sum) -> Tensor", &w8a8_int_mm);
+  m.def("w8a8_shift_terms(Tensor col_sum) -> Tensor", &w8a8_shift_terms);
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor col_sum128, Tensor? input_scale, Tensor? bias) "
+        "-> Tensor", &w8a8_linear);
+}
+
+#endif  // AVX2 + FMA
