@@ -30,7 +30,8 @@ def hf_default_model(default_gguf_path: Path):  # noqa: ANN201
 def default_llm():  # noqa: ANN201
     from brisk import LLM
 
-    return LLM(max_model_len=1024, kv_cache_memory="128MiB")
+    # float32: the dequantized weights transformers loads too (the default, dtype auto, runs the file's Q4_1 codes)
+    return LLM(max_model_len=1024, kv_cache_memory="128MiB", dtype="float32")
 
 
 @pytest.fixture

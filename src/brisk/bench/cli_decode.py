@@ -50,9 +50,11 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
 @click.option("--output-len", type=int, default=128, show_default=True, help="Generated tokens per run.")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs first.")
-@click.option("--baseline", type=click.Choice(["hf", "eager"]), default=None,
+@click.option("--baseline", type=click.Choice(["hf", "eager", "float32"]), default=None,
               help="hf: also run HF transformers generate on the same model and prompt; eager (with --compile): "
-                   "the same engine with its compiled graphs set aside. Prints speedups.")
+                   "the same engine with its compiled graphs set aside; float32: the same model with every tensor "
+                   "dequantized to float32 (a GGUF's float baseline, --dtype float32), runs alternated. Prints "
+                   "speedups.")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
@@ -100,7 +102,24 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs = None
     theirs_rss = None
     theirs_bytes = None
-    if baseline == "eager":
+    if baseline == "float32":
+        # a second engine on the same file, every tensor dequantized (--dtype float32); runs alternated
+        base_llm = build_llm({**kw, "dtype": "float32"})
+        theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(base_llm.engine.loaded.model), config, 4,
+                                              context)
+        parts, base_parts = [], []
+        with report.progress_bar(f"alternating {kw['dtype']} / float32: {warmup} warm-up + {runs} runs each",
+                                 2 * total) as advance:
+            for engine in (llm, base_llm):
+                if warmup:
+                    run_latency(engine, prompt, output_len, 1, warmup - 1, advance)
+            for _ in range(runs):
+                for engine, sink in ((llm, parts), (base_llm, base_parts)):
+                    sink.append(run_latency(engine, prompt, output_len, 1, 0, advance))
+        ours, theirs = merge_results(parts), merge_results(base_parts)
+        ours_rss = None  # both engines were held: not one model's peak
+        del base_llm
+    elif baseline == "eager":
         # one engine, its runner switched run by run between the compiled executor and the default one
         # (engine/executor.py)
         from brisk.engine.executor import Executor
@@ -204,12 +223,15 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     title = (f"latency, batch 1: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens "
              f"-> {output_len} generated, {runs} runs, {torch.get_num_threads()} threads, "
              f"read bandwidth {membw_gbps:.1f} GB/s")
-    other = {"hf": "transformers", "eager": "brisk uncompiled"}.get(baseline or "")
+    other = {"hf": "transformers", "eager": "brisk uncompiled", "float32": "brisk float32"}.get(baseline or "")
     console.print(report.comparison_table(title, rows, other if theirs else None))
     if compile_:
         console.print(f"--compile: {compile_s:.1f} s of compilation at start-up (every shape bucket)")
     if baseline == "eager" and theirs is not None:
         console.print("speedup = uncompiled time / compiled time; greedy tokens: "
+                      f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
+    elif baseline == "float32" and theirs is not None:
+        console.print("speedup = float32 time / this model's time; greedy tokens: "
                       f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
     elif theirs is not None:
         same = "identical" if results["same_tokens"] else "different"

@@ -303,11 +303,15 @@ class EngineConfig:
         None, metavar="NAME|CONFIG",
         help="With --load-format dummy: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF config.json (default: "
              "--model's shape); the tokenizer is --model's.")
-    # "auto": an HF folder's own precision (config.json), float32 for GGUF files and random weights
+    # "auto": a GGUF file in its own precision (its quantized matrices repacked for brisk's quantized kernels,
+    # model/gguf_repack.py; float32 activations), an HF folder's own precision (config.json), float32 for random
+    # weights. float32 / bfloat16 dequantize a GGUF.
     dtype: str | torch.dtype = setting(
         "auto", choices=("float32", "bfloat16", "auto"),
-        help="Weights and activations dtype; auto = the precision an HF folder's config.json states (bfloat16 "
-             "stays bfloat16, float16 runs as float32), float32 for GGUF files and --load-format dummy.")
+        help="Weights and activations dtype. auto (default): a GGUF file runs in its own precision (Q4_1, Q8_0, "
+             "Q4_K, ... on brisk's quantized kernels, float32 activations); an HF folder in the precision its "
+             "config.json states (bfloat16 stays bfloat16, float16 runs as float32); --load-format dummy in "
+             "float32. float32 or bfloat16 dequantize every GGUF tensor at load.")
     device: str = setting("cpu", help="torch device of the weights and the KV cache.")
     # engine/memory.py: weights + KV pool + activations against the memory available, checked before loading
     memory_check: bool = setting(

@@ -46,7 +46,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         check_memory(config)
     return load_model(config.model, dtype=config.torch_dtype, device=config.device,
                       max_model_len=config.max_model_len, load_format=config.load_format, shape=config.shape,
-                      seed=config.seed)
+                      seed=config.seed, keep_quantized=config.dtype == "auto")
 
 
 class PromptTooLongError(ValueError):

@@ -35,8 +35,10 @@ from brisk.model.config import ModelConfig, UnsupportedModelError
 from brisk.model.fuse import FusedBuffers
 from brisk.model.generation_config import generation_config_from_gguf_metadata
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
+from brisk.model.gguf_repack import repack, repackable
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
 from brisk.model.tokenizer import Tokenizer
+from brisk.ops.qlinear import PackedWeight
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
@@ -317,6 +319,10 @@ class GGUFCheckpoint:
     tokenizer: Tokenizer
     generation_config: dict[str, Any] = field(default_factory=dict)  # its general.sampling.* values, HF names
     mapped: list[torch.Tensor] = field(default_factory=list)  # the file's memory map the weights view (mapped.py)
+    # keep_quantized: module name (transformers, without ".weight") -> its tensor repacked (model/gguf_repack.py),
+    # and the GGUF type it came from; model/gguf_native.py turns them into quantized layers
+    packed: dict[str, PackedWeight] = field(default_factory=dict)
+    packed_types: dict[str, str] = field(default_factory=dict)
 
 
 # ggml float types a tensor can be mapped from, when the model runs in that dtype
@@ -325,12 +331,15 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F1
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False,
-              mmap_weights: bool = True, progress: Callable[[int], None] | None = None) -> GGUFCheckpoint:
+              mmap_weights: bool = True, progress: Callable[[int], None] | None = None,
+              keep_quantized: bool = False) -> GGUFCheckpoint:
     """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file.
 
     `mmap_weights`: float tensors stored in `dtype` (and needing no Q/K un-permutation) are views of the memory-
     mapped file. `fuse`: q/k/v and gate/up parts are dequantized into one buffer per layer (fuse.FusedBuffers), for
-    fuse_projections to take without a copy. `progress(nbytes)`: after each tensor, its bytes in the file."""
+    fuse_projections to take without a copy. `progress(nbytes)`: after each tensor, its bytes in the file.
+    `keep_quantized`: matrices of a type with a packed form (model/gguf_repack.py) are repacked, not
+    dequantized, into `packed` (the file's own precision)."""
     f = read_gguf(path)
     config = _config_from_gguf(f)
     expected = _expected_tensors(config)
@@ -360,16 +369,23 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     if config.is_gemma:
         from brisk.model.gemma import GGUF_NORM_SHIFT, is_gguf_norm
+    to_pack = {name for name, (hf, shape) in expected.items()
+               if keep_quantized and hf.endswith(".weight") and repackable(f.tensors[name].qtype, shape)}
+    packed, packed_types = _repack_tensors(f, config, expected, to_pack) if to_pack else ({}, {})
+    # a float part whose layer also has packed parts is not fused (its siblings are quantized layers)
+    unfused_layers = {hf.rsplit(".", 2)[0] for name, (hf, _) in expected.items() if name in to_pack}
     fused = FusedBuffers(config, dtype) if fuse else None
     base = mapped.map_file(f.path) if mmap_weights else None
     tensors, used = {}, False
     for name, (hf_name, shape) in expected.items():
+        if name in to_pack:
+            continue
         info = f.tensors[name]
         unpermute = permuted and (".attn_q." in name or ".attn_k." in name)
         shifted = config.is_gemma and is_gguf_norm(name)  # stored as 1 + w
+        place = fused is not None and fused.takes(hf_name) and hf_name.rsplit(".", 2)[0] not in unfused_layers
         if (base is not None and _FLOAT_TYPES.get(info.qtype) == dtype and not unpermute and not shifted
-                and not (fused and fused.takes(hf_name))
-                and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
+                and not place and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
             tensors[hf_name], used = w, True  # stored as it runs: a view of the file
             if progress is not None:
                 progress(info.n_bytes)
@@ -382,11 +398,37 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 w = _unpermute_rows(w, config.num_key_value_heads)
             elif shifted:
                 w = w.float() - GGUF_NORM_SHIFT
-            tensors[hf_name] = fused.place(hf_name, w) if fused else w.to(dtype)
+            tensors[hf_name] = fused.place(hf_name, w) if place and fused is not None else w.to(dtype)
         if progress is not None:
             progress(info.n_bytes)
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
-                          mapped=[base] if used and base is not None else [])
+                          mapped=[base] if used and base is not None else [], packed=packed,
+                          packed_types=packed_types)
+
+
+def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str, tuple[int, ...]]],
+                    names: set[str]) -> tuple[dict[str, PackedWeight], dict[str, str]]:
+    """Repack the named tensors one at a time, each read with read(2) (page cache, not this process's resident
+    set) into a transient buffer; Q/K rows take llama.cpp's permutation back as they are repacked."""
+    permuted = config.architecture in _PERMUTED_QK_ARCHS
+    packed, types = {}, {}
+    with open(f.path, "rb") as fh:
+        for name in (n for n in expected if n in names):
+            hf_name, shape = expected[name]
+            info = f.tensors[name]
+            perm = None
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+                perm = _unpermute_rows(torch.arange(shape[0]), heads)
+            raw = mapped.read_tensor(fh, info.offset, (info.n_bytes,), torch.uint8)
+            module = hf_name.removesuffix(".weight")
+            try:
+                packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
+            except GGUFError as e:
+                raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
+            types[module] = info.qtype.name
+            del raw
+    return packed, types
 
 
 # Dequantizing one tensor is ~10 elementwise ops. Below this size each op is short enough that the intra-op

@@ -135,7 +135,8 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", max_model_len: int | None = None,
                fuse: bool = True, sparse: bool | None = None, load_format: str = "auto",
-               shape: str | Path | None = None, seed: int = 0, show_progress: bool = True) -> LoadedModel:
+               shape: str | Path | None = None, seed: int = 0, show_progress: bool = True,
+               keep_quantized: bool = False) -> LoadedModel:
     """Resolve, read and build a model. `fuse` concatenates q/k/v and gate/up projections (same math); `sparse`
     (default: as `fuse`, so tools that load plain HF-named layers get plain layers) stores the decoder linear
     layers that are sparse enough (pruned) compressed, for the sparse kernels (same math).
@@ -145,7 +146,11 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     model's).
 
     `show_progress`: a bar of the bytes read, tensor by tensor, on a terminal once the load has run for a couple
-    of seconds (model/load_progress.py)."""
+    of seconds (model/load_progress.py).
+
+    keep_quantized: a GGUF file runs in its own precision, its quantized matrices repacked into brisk's quantized
+    layers (model/gguf_repack.py; `dtype` is then the activations' and the float tensors' dtype); False
+    dequantizes every tensor to `dtype`. Other sources ignore it."""
     from brisk.model.load_progress import LoadProgress
 
     start = time.perf_counter()
@@ -168,7 +173,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.model.gguf import load_gguf
 
         with LoadProgress(f"loading {path.name}", path.stat().st_size, enabled=show_progress) as bar:
-            ckpt = load_gguf(path, dtype=dtype, fuse=fuse, progress=bar.advance)
+            ckpt = load_gguf(path, dtype=dtype, fuse=fuse, progress=bar.advance, keep_quantized=keep_quantized)
         tokenizer = ckpt.tokenizer
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
@@ -179,7 +184,14 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     # The model takes the checkpoint's tensors as they are (assign, no copy); the dict is dropped right after, so
     # that fusion below frees each layer's parts as it concatenates them instead of keeping a second copy.
     tensors, ckpt.tensors = ckpt.tensors, {}
-    if quantization is None:
+    packed = getattr(ckpt, "packed", None)
+    if packed:  # a GGUF in its own precision (model/gguf_native.py)
+        from brisk.model.gguf_native import apply_packed_modules, packed_module_names, take_biases
+
+        biases = take_biases(tensors, packed)
+        net = build_model(config, tensors, dtype, device, quantized=packed_module_names(config, packed))
+        apply_packed_modules(net, config, packed, biases, dtype, fuse=fuse)
+    elif quantization is None:
         net = build_model(config, tensors, dtype, device)
     else:
         from brisk.quant.checkpoint import apply_quantized_modules, quantized_module_names, take_all_quantized
@@ -197,7 +209,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.ops.sparse import sparsify_model
 
         sparsify_model(net)
-    if quantization is not None:
+    if quantization is not None or packed:
         from brisk.quant.layers import tile_quantized_layers
 
         tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the AVX-512 kernels

@@ -64,8 +64,10 @@ class PackedWeight:
     out_features: int
     in_features: int
     data: torch.Tensor  # uint8; blocked: [N, K / 32 * 4 * bits] (quant_linear.cpp layout), else [N, K * bits / 8]
-    scales: torch.Tensor  # float16 [N, K / G] (NF4: per-group absmax)
-    zeros: torch.Tensor | None  # uint8 [N, K / G] zero points; None: symmetric (2^(bits - 1)), or codebook mode
+    scales: torch.Tensor  # float16 [N, K / G] (NF4: per-group absmax); float32 where float16 cannot hold them
+    # uint8 [N, K / G] zero points; None: symmetric (2^(bits - 1)), or codebook mode; float16 / float32: the
+    # float-minimum form w = scale * q + min (GGUF's Q4_1, Q5_1 and K-quants as they are: model/gguf_repack.py)
+    zeros: torch.Tensor | None
     codebook: torch.Tensor | None  # float32 [16] in codebook (NF4) mode, else None
     blocked: bool  # False: the kernel does not cover this shape; data keeps the checkpoint layout
     # True: 8/4-bit codes, scales and zero points in the row-interleaved layout of ops/csrc/quant_q8t.cpp (tiles of
@@ -78,12 +80,20 @@ class PackedWeight:
         return self.codebook is None and self.zeros is None
 
     @property
+    def float_mins(self) -> bool:
+        """Whether `zeros` holds float minimums (w = scale * q + min) rather than integer zero points."""
+        return self.zeros is not None and self.zeros.is_floating_point()
+
+    @property
     def mins(self) -> torch.Tensor | None:
         """float32 [N, K / G] = -scale * zero (w = scale * q + min), None in codebook mode; made on each call, for
         reference paths (the kernels form them from the scales and zero points)."""
         if self.codebook is not None:
             return None
         zeros = self.group_zeros()
+        if self.float_mins:
+            assert zeros is not None
+            return zeros.float()
         zero = float(1 << (self.bits - 1)) if zeros is None else zeros.float()
         return -self.group_scales().float() * zero
 
@@ -323,6 +333,11 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> t
     scales = pw.group_scales().float()[..., None]
     if pw.codebook is not None:
         w = pw.codebook[q.long()].view(n, k // g, g) * scales  # [N, K/G, G]
+    elif not pw.float_mins:  # scale * (q - zero): the same value as scale * q + min, and the sign of zero of
+        # GGUF's d * (q - zero) (a negative scale gives -0.0 where q == zero)
+        zeros = pw.group_zeros()
+        zero = float(1 << (pw.bits - 1)) if zeros is None else zeros.float()[..., None]
+        w = (q.view(n, k // g, g).float() - zero) * scales  # [N, K/G, G]
     else:
         mins = pw.mins
         assert mins is not None, "affine codes have mins"

@@ -7,7 +7,9 @@
 // (row, group) to the partial dot product (or, for 32-element groups, to the 4 decoded vectors of the block,
 // shared by all activation rows of the tile), and the m term is one short dot(min[n, :], xsum[row, :]) per
 // output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Scales are float16 and
-// the mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h, "Group parameters"). Each
+// the mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h, "Group parameters"); in the
+// float-minimum form (GGUF's Q4_1 / Q5_1 / K-quants as they are, model/gguf_repack.py) `zeros` holds float16 or float32
+// minimums instead, and scales may be float32 (where float16 cannot hold a K-quant's d * sc_j exactly). Each
 // weight block is decoded once per tile of up to 4 activation rows, in registers, and a chunk of packed rows stays
 // in L1 while the tiles of a larger M run over it: the weights stream from memory once per call.
 //
@@ -71,6 +73,9 @@ struct QW {
   int64_t row_bytes;     // K / 32 * BPB
   const at::Half* scales;  // [N, ngroups] float16 (simd.h, "Group parameters")
   const uint8_t* zeros;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric, or codebook mode
+  const float* scales32 = nullptr;   // float32 scales instead of `scales`
+  const at::Half* mins16 = nullptr;  // float minimums (w = scale * q + min) instead of zero points
+  const float* mins32 = nullptr;
   float zero;              // the symmetric zero point 2^(bits-1)
   int64_t ngroups;
   int64_t blocks_per_group;
@@ -86,8 +91,19 @@ struct QW {
 // rows [c, c1)'s scales and mins as float32 into s32 / m32 (m32 only for affine codes)
 inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float* s32, float* m32) {
   const int64_t n = (c1 - c) * p.ngroups;  // the chunk's rows are consecutive: one run of n groups
-  const at::Half* s = p.scales + c * p.ngroups;
-  const uint8_t* z = p.zeros ? p.zeros + c * p.ngroups : nullptr;
+  const int64_t i0 = c * p.ngroups;
+  if (p.scales32 || p.mins16 || p.mins32) {  // float-minimum form (or float32 scales): element by element
+    for (int64_t g = 0; g < n; ++g) {
+      const int64_t i = i0 + g;
+      s32[g] = p.scales32 ? p.scales32[i] : static_cast<float>(p.scales[i]);
+      if (affine)
+        m32[g] = p.mins32 ? p.mins32[i] : p.mins16 ? static_cast<float>(p.mins16[i])
+                 : -s32[g] * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
+    }
+    return;
+  }
+  const at::Half* s = p.scales + i0;
+  const uint8_t* z = p.zeros ? p.zeros + i0 : nullptr;
   const __m256 zv = _mm256_set1_ps(p.zero);
   for (int64_t g = 0; g < n; g += 8) {
     const int64_t k = std::min<int64_t>(8, n - g);
@@ -96,6 +112,14 @@ inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float*
     if (affine)
       _mm256_storeu_ps(m32 + g, _mm256_mul_ps(sv, _mm256_sub_ps(_mm256_setzero_ps(), z ? zeros8(z + g, k) : zv)));
   }
+}
+
+// group i's scale and min (w = s q + m) as float32
+inline float scale_at(const QW& p, int64_t i) { return p.scales32 ? p.scales32[i] : scale1(p.scales + i); }
+inline float min_at(const QW& p, int64_t i, float sc) {
+  if (p.mins32) return p.mins32[i];
+  if (p.mins16) return static_cast<float>(p.mins16[i]);
+  return -sc * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
 }
 
 // Bit offset of element 8 i + l's code within lane l of decoded vector i (after vector 3's pre-shift).
@@ -337,18 +361,25 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
   const int64_t ngroups = K / group_size;
   TORCH_CHECK(data.size(1) == K / kBlock * block_bytes(bits), "quant_linear: data has ", data.size(1),
               " bytes per row, expected ", K / kBlock * block_bytes(bits));
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear: scales must be float16 [N, K / G]");
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+              scales.dim() == 2 && scales.size(0) == N && scales.size(1) == ngroups,
+              "quant_linear: scales must be float16 or float32 [N, K / G]");
   QW p{};
   p.data = data.data_ptr<uint8_t>();
   p.row_bytes = data.size(1);
-  p.scales = scales.data_ptr<at::Half>();
+  p.scales = nullptr;
+  if (scales.scalar_type() == at::kHalf) p.scales = scales.data_ptr<at::Half>();
+  else p.scales32 = scales.data_ptr<float>();
   p.zeros = nullptr;
   p.zero = static_cast<float>(int64_t{1} << (bits - 1));
   if (zeros.has_value() && zeros->defined()) {
-    TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
-                "quant_linear: zeros must be uint8 and shaped like scales");
-    p.zeros = zeros->data_ptr<uint8_t>();
+    const auto zt = zeros->scalar_type();
+    TORCH_CHECK((zt == at::kByte || zt == at::kHalf || zt == at::kFloat) && zeros->is_contiguous() &&
+                zeros->sizes() == scales.sizes(),
+                "quant_linear: zeros must be uint8 zero points or float16 / float32 minimums, shaped like scales");
+    if (zt == at::kByte) p.zeros = zeros->data_ptr<uint8_t>();
+    else if (zt == at::kHalf) p.mins16 = zeros->data_ptr<at::Half>();
+    else p.mins32 = zeros->data_ptr<float>();
   }
   p.ngroups = ngroups;
   p.blocks_per_group = group_size / kBlock;
@@ -357,7 +388,8 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
   if (codebook.has_value() && codebook->defined()) {
     TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
                 codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
-    TORCH_CHECK(p.zeros == nullptr, "quant_linear: codebook codes take no zero points");
+    TORCH_CHECK(p.zeros == nullptr && p.mins16 == nullptr && p.mins32 == nullptr,
+                "quant_linear: codebook codes take no zero points");
     p.lut_lo = _mm256_loadu_ps(codebook->data_ptr<float>());
     p.lut_hi = _mm256_loadu_ps(codebook->data_ptr<float>() + 8);
   }
@@ -489,10 +521,9 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
         float* orow = o + n * K;
         for (int64_t blk = 0; blk < p.nblocks; ++blk) {
           const int64_t g = blk / p.blocks_per_group;
-          const float sc = scale1(p.scales + n * p.ngroups + g);
-          const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact)
-          const float zero = p.zeros ? static_cast<float>(p.zeros[n * p.ngroups + g]) : p.zero;
-          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(-sc * zero);
+          const float sc = scale_at(p, n * p.ngroups + g);
+          const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact), or the float minimum
+          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(min_at(p, n * p.ngroups + g, sc));
           __m256 w[4];
           decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
           for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m

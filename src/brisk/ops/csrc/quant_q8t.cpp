@@ -28,6 +28,9 @@
 //   data   [N / 16][K * bits / 32][16][4] uint8   (as the tensor [N, K * bits / 8])
 //   scales [N / 16][K / G][16] float16            (as [N, K / G])
 //   zeros  [N / 16][K / G][16] uint8              (as [N, K / G]), or none for symmetric codes (zero 2^(bits-1))
+// Float-minimum form (GGUF's Q4_1 / Q5_1 / K-quants, loaded as they are: model/gguf_repack.py): `zeros` holds float16
+// or float32 MINIMUMS instead of uint8 zero points, w = s q + m, and the min term below takes m_g for -zero_g s_g;
+// scales may be float32 where float16 cannot hold them exactly (K-quants' d * sc_j).
 // Activations, as quant_q8.cpp (and bit for bit brisk.ops.sparse_q8.quantize_activations_q8): per 32 columns
 // xs = max|x| / 127, xq = round_half_even(x * 127 / max|x|), here in their natural order; xr_g = sum_{b in g} xs_b *
 // sum(xq_b). Result per row n: sum_g s_g (sum_{b in g} xs_b dot(q_b, xq_b)) - sum_g zero_g s_g xr_g (+ bias).
@@ -69,11 +72,32 @@ constexpr auto kPrefetchHint = _MM_HINT_NTA;
 struct TW {
   const uint8_t* data;
   const at::Half* scales;
-  const uint8_t* zeros;  // null: symmetric (zero 2^(bits-1))
+  const uint8_t* zeros;  // null: symmetric (zero 2^(bits-1)), or float minimums below
   int64_t K, ngroups, bpg, nblocks;
   float zero;  // symmetric codes' zero point
   const float* codebook = nullptr;  // 16 float32 values (4-bit codebook codes such as NF4: w = scale * lut[q])
+  const float* scales32 = nullptr;  // float32 scales instead of `scales`
+  const at::Half* mins16 = nullptr;  // float minimums (w = s q + m) instead of zero points
+  const float* mins32 = nullptr;
 };
+
+// The 16 rows' scales of group-parameter index i (= (t * ngroups + g) * 16), as float32.
+BRISK_INLINE_T __m512 scales16(const TW& p, int64_t i) {
+  if (p.scales32) return _mm512_loadu_ps(p.scales32 + i);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + i)));
+}
+
+// -min of the 16 rows at index i: s * zero (zero points, or the symmetric zero), or the negated float minimum.
+BRISK_INLINE_T __m512 neg_mins16(const TW& p, int64_t i, __m512 sv) {
+  if (p.mins32) return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(p.mins32 + i));
+  if (p.mins16)
+    return _mm512_sub_ps(_mm512_setzero_ps(),
+                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mins16 + i))));
+  const __m512 z = p.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zeros + i))))
+                           : _mm512_set1_ps(p.zero);
+  return _mm512_mul_ps(sv, z);
+}
 
 struct TX {
   const int8_t* xq;  // [M, K] natural order
@@ -92,13 +116,12 @@ inline int32_t dword(const int8_t* p) {
 template <int BITS, int MT>
 void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, int64_t ldo) {
   const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
-  const at::Half* sp = p.scales + t * kTile * p.ngroups;
-  const uint8_t* zp = p.zeros ? p.zeros + t * kTile * p.ngroups : nullptr;
+  const int64_t pi = t * kTile * p.ngroups;  // the tile's first group-parameter index
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 tot[MT];
   for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.ngroups; ++g) {
-    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * kTile)));
+    const __m512 sv = scales16(p, pi + g * kTile);
     for (int64_t b = g * p.bpg; b < (g + 1) * p.bpg; ++b) {
       // MT = 1: two chains (low and high nibbles; even and odd lines) instead of 8 dependent vpdpbusd a block
       constexpr int NA = MT == 1 ? 2 : 1;
@@ -136,10 +159,7 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
         tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, tot[m]);
       }
     }
-    const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kTile))))
-                        : _mm512_set1_ps(p.zero);
-    const __m512 mn = _mm512_mul_ps(sv, z);  // -min_g of the 16 rows
+    const __m512 mn = neg_mins16(p, pi + g * kTile, sv);  // -min_g of the 16 rows
     for (int m = 0; m < MT; ++m) tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xr[m * x.ngroups + g]), tot[m]);
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
@@ -240,15 +260,14 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
   constexpr int kCols = 32 / BITS;  // columns per 64-byte line
   constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per activation row
   const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
-  const at::Half* sp = p.scales + t * kTile * p.ngroups;
-  const uint8_t* zp = p.zeros ? p.zeros + t * kTile * p.ngroups : nullptr;
+  const int64_t pi = t * kTile * p.ngroups;  // the tile's first group-parameter index
   const int64_t group = p.bpg * kBlock, lines = group / kCols;
   const __m512 lut = LUT ? _mm512_loadu_ps(p.codebook)
                          : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // 4-bit codes as floats
   __m512 tot[MT];
   for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.ngroups; ++g) {
-    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + g * kTile)));
+    const __m512 sv = scales16(p, pi + g * kTile);
     __m512 acc[NA][MT];
     for (int a = 0; a < NA; ++a)
       for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_ps();
@@ -268,11 +287,8 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
       for (int k = 1; k < NA; ++k) a = _mm512_add_ps(a, acc[k][m]);
       tot[m] = _mm512_fmadd_ps(a, sv, tot[m]);
     }
-    if constexpr (!LUT) {  // affine codes: - scale * zero * (the group's sum of x)
-      const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kTile))))
-                          : _mm512_set1_ps(p.zero);
-      const __m512 mn = _mm512_mul_ps(sv, z);
+    if constexpr (!LUT) {  // affine codes: + min (= - scale * zero) * (the group's sum of x)
+      const __m512 mn = neg_mins16(p, pi + g * kTile, sv);
       for (int m = 0; m < MT; ++m) tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xg[m * x.ngroups + g]), tot[m]);
     }
   }
@@ -307,6 +323,32 @@ float* scratch(int64_t words, at::Tensor& big) {
   return buffer.data();
 }
 
+// The group parameters, checked, into p: scales float16 or float32 [N, K / G]; zeros absent (symmetric), uint8 zero
+// points, or float16 / float32 minimums (w = s q + m), shaped like scales.
+void group_params(const char* name, TW& p, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                  int64_t N, int64_t ngroups) {
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) == ngroups,
+              name, ": scales must be float16 or float32 [N, K / G]");
+  p.scales = nullptr;
+  p.scales32 = nullptr;
+  if (scales.scalar_type() == at::kHalf) p.scales = scales.data_ptr<at::Half>();
+  else p.scales32 = scales.data_ptr<float>();
+  p.zeros = nullptr;
+  p.mins16 = nullptr;
+  p.mins32 = nullptr;
+  if (!zeros.has_value() || !zeros->defined()) return;
+  const auto zt = zeros->scalar_type();
+  TORCH_CHECK((zt == at::kByte || zt == at::kHalf || zt == at::kFloat) && zeros->is_contiguous() &&
+                  zeros->sizes() == scales.sizes(),
+              name, ": zeros must be uint8 zero points or float16 / float32 minimums, shaped like scales");
+  if (zt == at::kByte) p.zeros = zeros->data_ptr<uint8_t>();
+  else if (zt == at::kHalf) p.mins16 = zeros->data_ptr<at::Half>();
+  else p.mins32 = zeros->data_ptr<float>();
+}
+
+bool has_zero_terms(const TW& p) { return p.zeros || p.mins16 || p.mins32; }
+
 // The arguments both ops take, checked: the weight as the kernels read it, the bias as float32, the output.
 struct Call {
   TW p;
@@ -328,21 +370,15 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& data, cons
                   data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
               name, ": data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
   const int64_t N = data.size(0), ngroups = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == ngroups,
-              name, ": scales must be float16 [N, K / G]");
-  const bool affine = zeros.has_value() && zeros->defined();
-  TORCH_CHECK(
-      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
-      name, ": zeros must be uint8 and shaped like scales");
   Call c;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
                 name, ": bias must be a float32 or bfloat16 [N] tensor");
     c.bias = bias->to(at::kFloat).contiguous();
   }
-  c.p = TW{data.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), affine ? zeros->data_ptr<uint8_t>() : nullptr,
-           K, ngroups, group_size / kBlock, K / kBlock, static_cast<float>(int64_t{1} << (bits - 1))};
+  c.p = TW{data.data_ptr<uint8_t>(), nullptr, nullptr, K, ngroups, group_size / kBlock, K / kBlock,
+           static_cast<float>(int64_t{1} << (bits - 1))};
+  group_params(name, c.p, scales, zeros, N, ngroups);
   c.M = x.numel() / K;
   c.N = N;
   c.K = K;
@@ -403,7 +439,7 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
                           const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
                           int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
   Call c = prepare("quant_linear_t", x, data, scales, zeros, bits, group_size, bias);
-  c.p.codebook = codebook_of("quant_linear_t", codebook, bits, c.p.zeros != nullptr);
+  c.p.codebook = codebook_of("quant_linear_t", codebook, bits, has_zero_terms(c.p));
   const bool lut = c.p.codebook != nullptr;
   const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups;
   if (M == 0 || N == 0) return c.out;
@@ -449,19 +485,14 @@ at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, 
                   data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
               "quant_dequantize_t: data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
   const int64_t N = data.size(0), ngroups = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N, ngroups}),
-              "quant_dequantize_t: scales must be float16 [N, K / G]");
-  const bool affine = zeros.has_value() && zeros->defined();
-  TORCH_CHECK(!affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
-              "quant_dequantize_t: zeros must be uint8 and shaped like scales");
+  TW p{};
+  p.zero = static_cast<float>(int64_t{1} << (bits - 1));
+  group_params("quant_dequantize_t", p, scales, zeros, N, ngroups);
   TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= N / kTile, "quant_dequantize_t: tiles [", t0, ", ", t1, ") out of [0, ",
               N / kTile, ")");
   auto out = at::empty({(t1 - t0) * kTile, K}, scales.options().dtype(at::kFloat));
   const uint8_t* d = data.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const uint8_t* zp = affine ? zeros->data_ptr<uint8_t>() : nullptr;
-  const float zero = static_cast<float>(int64_t{1} << (bits - 1));
-  const float* lut_values = codebook_of("quant_dequantize_t", codebook, bits, zp != nullptr);
+  const float* lut_values = codebook_of("quant_dequantize_t", codebook, bits, has_zero_terms(p));
   const bool lut = lut_values != nullptr;
   const __m512 table = lut ? _mm512_loadu_ps(lut_values) : _mm512_setzero_ps();
   const int64_t tile_bytes = kTile * K * bits / 8;
@@ -477,13 +508,9 @@ at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, 
       for (int64_t c0 = 0; c0 < K; c0 += 16) {
         if (c0 % group_size == 0) {  // a new group: its 16 rows' scales and mins
           const int64_t g = c0 / group_size;
-          const __m512 s = _mm512_cvtph_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + (t * ngroups + g) * kTile)));
-          const __m512 z = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(zp + (t * ngroups + g) * kTile))))
-                              : _mm512_set1_ps(zero);
+          const __m512 s = scales16(p, (t * ngroups + g) * kTile);
           _mm512_store_ps(sv, s);
-          _mm512_store_ps(mv, lut ? _mm512_setzero_ps() : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, z)));
+          _mm512_store_ps(mv, lut ? _mm512_setzero_ps() : _mm512_sub_ps(_mm512_setzero_ps(), neg_mins16(p, (t * ngroups + g) * kTile, s)));
         }
         __m512i x[4];
         if (bits == 8) {

@@ -1,0 +1,137 @@
+"""A GGUF model run in its own precision: the repacked tensors (model/gguf_repack.py) become brisk's quantized layers.
+
+Every linear whose GGUF tensor has a packed form runs as a `QuantLinear` on it (q/k/v and gate/up fused when the
+parts share a format, as a quantized checkpoint's are). The embedding table stays packed too: a `PackedEmbedding`
+dequantizes only the rows a step looks up, and when the head is tied to the embedding (SmolLM2) the head is a
+`QuantLinear` on the very same packed tensors, so the table is held once, in its quantized size. Tensors without a
+packed form (norms, Q6_K/Q3_K/Q2_K, F16/BF16/F32 matrices) were dequantized by the loader and stay float.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brisk.model.config import ModelConfig
+from brisk.model.gguf_repack import can_concat, concat_rows
+from brisk.model.llama import LlamaForCausalLM
+from brisk.ops.layers import QuantLinear
+from brisk.ops.qlinear import TILE_ROWS, PackedWeight, _from_blocked, _unpack_checkpoint
+from brisk.quant.config import LayerQuant
+
+EMBEDDING = "model.embed_tokens"
+
+
+def layer_spec(pw: PackedWeight) -> LayerQuant:
+    """The packed weight described as brisk's quantization settings (for labels and reports)."""
+    return LayerQuant(bits=pw.bits, group_size=pw.group_size, sym=pw.zeros is None)
+
+
+def gather_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [T, K]: rows `ids` [T] of the dequantized weight (as dequantize_packed, bit for bit), reading only
+    those rows' codes and parameters, in whichever layout the weight is (blocked, tiled, or unblocked)."""
+    k, g = pw.in_features, pw.group_size
+    ngroups = k // g
+    if pw.tiled:  # tiles of 16 rows: data [N/16, K * bits / 32, 16, 4], parameters [N/16, K/G, 16]
+        tile, lane = ids // TILE_ROWS, ids % TILE_ROWS
+        d = pw.data.view(pw.out_features // TILE_ROWS, -1, TILE_ROWS, 4)[tile, :, lane]  # [T, K * bits / 32, 4]
+        if pw.bits == 8:  # row r's dword c = q[4 c .. 4 c + 3]
+            q = d.reshape(-1, k)
+        else:  # byte j of dword c = q[8 c + j] | q[8 c + 4 + j] << 4
+            q = torch.stack([d & 0xF, d >> 4], dim=-2).reshape(-1, k)  # [T, K/8, 2, 4] -> [T, K]
+
+        def params(t: torch.Tensor) -> torch.Tensor:
+            return t.view(pw.out_features // TILE_ROWS, ngroups, TILE_ROWS)[tile, :, lane]  # [T, K/G]
+    else:
+        rows = pw.data.index_select(0, ids)
+        q = _from_blocked(rows, pw.bits, k) if pw.blocked else _unpack_checkpoint(rows, pw.bits, k)
+
+        def params(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, ids)
+    n = ids.numel()
+    scales = params(pw.scales).float()[..., None]  # [T, K/G, 1]
+    qf = q.view(n, ngroups, g).float()
+    if pw.zeros is not None and pw.zeros.is_floating_point():
+        w = torch.addcmul(params(pw.zeros).float()[..., None], qf, scales)
+    else:
+        zero = float(1 << (pw.bits - 1)) if pw.zeros is None else params(pw.zeros).float()[..., None]
+        w = (qf - zero) * scales
+    return w.view(n, k)
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding lookup from a packed table [V, H]: only the looked-up rows are dequantized. The table may be
+    shared with the tied head's QuantLinear (and be tiled for its kernels: the lookup reads either layout)."""
+
+    def __init__(self, pw: PackedWeight, dtype: torch.dtype, label: str = "") -> None:
+        super().__init__()
+        self.packed = pw
+        self.num_embeddings, self.embedding_dim = pw.out_features, pw.in_features
+        self.dtype = dtype
+        self.label = label
+
+    def table_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed.data, self.packed.scales, self.packed.zeros) if t is not None]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)  # [T]
+        return gather_rows(self.packed, flat).to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}" + (f", {self.label}" if self.label else "")
+
+
+def _quant_linear(pw: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantLinear:
+    return QuantLinear(pw, None if bias is None else bias.to(dtype), layer_spec(pw))
+
+
+def packed_module_names(config: ModelConfig, packed: dict[str, PackedWeight]) -> list[str]:
+    """Modules whose float weight the loader does not hold (a tied head goes with its packed embedding)."""
+    names = list(packed)
+    if config.tie_word_embeddings and EMBEDDING in packed:
+        names.append("lm_head")
+    return names
+
+
+def take_biases(tensors: dict[str, torch.Tensor], packed: dict[str, PackedWeight]) -> dict[str, torch.Tensor]:
+    """Pop the biases of packed modules (they go into the QuantLinear, not into the float model)."""
+    return {name: tensors.pop(f"{name}.bias") for name in packed if f"{name}.bias" in tensors}
+
+
+def apply_packed_modules(model: LlamaForCausalLM, config: ModelConfig, packed: dict[str, PackedWeight],
+                         biases: dict[str, torch.Tensor], dtype: torch.dtype, fuse: bool = True) -> int:
+    """Swap every module `packed` names for its quantized version, fusing q/k/v and gate/up when all parts are
+    packed in one format. Consumes `packed`; returns the number of modules swapped."""
+    count = 0
+    for idx, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{idx}"
+        groups = [(layer.self_attn, "qkv_proj", ["q_proj", "k_proj", "v_proj"], "self_attn"),
+                  (layer.mlp, "gate_up_proj", ["gate_proj", "up_proj"], "mlp")]
+        for parent, fused_name, names, sub in groups:
+            full = [f"{prefix}.{sub}.{n}" for n in names]
+            parts = [packed.get(f) for f in full]
+            has_bias = [f in biases for f in full]
+            if fuse and can_concat(parts) and (all(has_bias) or not any(has_bias)):
+                pw = concat_rows([packed.pop(f) for f in full])
+                bias = torch.cat([biases.pop(f) for f in full]) if all(has_bias) else None
+                setattr(parent, fused_name, _quant_linear(pw, bias, dtype))
+                for n in names:
+                    setattr(parent, n, None)
+                count += len(full)
+        for sub, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            for child, module in list(parent.named_children()):
+                full = f"{prefix}.{sub}.{child}"
+                if full in packed and isinstance(module, nn.Linear):
+                    setattr(parent, child, _quant_linear(packed.pop(full), biases.pop(full, None), dtype))
+                    count += 1
+    if EMBEDDING in packed:
+        pw = packed.pop(EMBEDDING)
+        model.model.embed_tokens = PackedEmbedding(pw, dtype, layer_spec(pw).label)
+        count += 1
+        if config.tie_word_embeddings:  # the head computes from the same packed tensors
+            model.lm_head = _quant_linear(pw, None, dtype)
+    if "lm_head" in packed:
+        model.lm_head = _quant_linear(packed.pop("lm_head"), None, dtype)
+        count += 1
+    assert not packed, f"apply_packed_modules: modules the model does not have: {sorted(packed)[:5]}"
+    return count

@@ -1,0 +1,175 @@
+"""GGUF block formats repacked into brisk's own quantized-kernel formats at load, instead of dequantized to float.
+
+A GGML block format stores, per block of a row, integer codes and one or two float parameters. Where those map
+onto brisk's packed weights (ops/qlinear.py: codes of 8/4 bits in groups of G = 32 m, a float16 or float32 scale
+per group and an integer zero point or a float minimum), the codes are moved into brisk's layout and the block
+parameters become the group parameters, so that the dequantized weight is the gguf package's reference
+dequantization bit for bit in float32 (tests/test_gguf_repack.py checks every type):
+
+    GGUF type  codes          brisk form (container, group, parameters)                    B/weight  file B/w
+    Q8_0       int8           int8 g32 symmetric: code = q + 128, scale = d (float16)          1.0625    1.0625
+    Q4_0       4-bit          int4 g32 symmetric: code = q, scale = d (float16)                0.5625    0.5625
+    Q4_1       4-bit          int4 g32, float16 scale d and float16 minimum m                  0.625     0.625
+    Q5_0       5-bit          int8 g32 symmetric: code = q + 112, scale = d (float16)          1.0625    0.6875
+    Q5_1       5-bit          int8 g32, float16 scale d and float16 minimum m                  1.125     0.75
+    Q4_K       4-bit          int4 g32, per sub-block scale d * sc_j and minimum -dmin * m_j   0.75      0.5625
+    Q5_K       5-bit          int8 g32, the same parameters as Q4_K                            1.25      0.6875
+
+The K-quants' sub-block scale d * sc_j is an 11-bit float16 significand times a 6-bit integer: exact in float32
+but not, in general, in float16, so those parameters are float32 (float16 when every value of the tensor is
+exactly a float16). 5-bit codes live in the 8-bit container because brisk has no 5-bit kernels: exact, at the
+cost of the bytes in the table. Q6_K, Q3_K and Q2_K scale sub-blocks of 16 weights, which brisk's kernels (groups
+of 32 or more) cannot express; they are dequantized at load (to the model's float dtype), as are F16/BF16/F32.
+
+Arithmetic order. gguf computes x = (d * sc) * q - dmin * m (Q4_K) or d * q + m (Q4_1) in float32; the product of
+an integer code with the group scale is exact in float32 (at most 11 + 6 + 5 significant bits), so the only rounding
+is the final addition of the minimum, which brisk's dequantization (s * q + m) performs once as well.
+
+Memory: a tensor is repacked a chunk of rows at a time from its raw bytes (read with read(2), which leaves the page
+cache out of this process's resident set) straight into its final buffers; no float copy of the tensor exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from brisk.model.gguf_dequant import GGUFError, _bits, _f16, _k4_scale_min, _nibbles
+from brisk.ops.qlinear import BLOCK, PackedWeight, _to_blocked
+
+T = GGMLQuantizationType
+QK_K = 256
+
+# GGUF type -> (container bits, group size, form); form: "sym" (zero point 2^(bits-1)) or "min" (float minimum)
+REPACKED: dict[GGMLQuantizationType, tuple[int, int, str]] = {
+    T.Q8_0: (8, 32, "sym"),
+    T.Q4_0: (4, 32, "sym"),
+    T.Q4_1: (4, 32, "min"),
+    T.Q5_0: (8, 32, "sym"),
+    T.Q5_1: (8, 32, "min"),
+    T.Q4_K: (4, 32, "min"),
+    T.Q5_K: (8, 32, "min"),
+}
+# repacked weights a chunk of rows at a time: bounds the temporaries (uint8 codes and their permutations) to a few
+# times this many bytes, whatever the tensor's size (an 8B model's embedding is 525 M weights)
+_CHUNK_WEIGHTS = 1 << 22
+
+
+def repackable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of this type and shape becomes a packed weight (a matrix whose rows hold whole groups)."""
+    return qtype in REPACKED and len(shape) == 2 and shape[1] % REPACKED[qtype][1] == 0
+
+
+def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks [n, type_size] uint8 -> (codes [n, block_size] uint8 in the container's coding, scales [n, groups]
+    float32, minimums [n, groups] float32 or None for symmetric codes). Field layouts: model/gguf_dequant.py."""
+    n = b.shape[0]
+    if qtype == T.Q8_0:  # d f16 | qs int8[32]
+        q = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return q, _f16(b[:, 0:2]), None
+    if qtype == T.Q4_0:  # d f16 | qs[16]: x = d (q - 8)
+        return _nibbles(b[:, 2:18]), _f16(b[:, 0:2]), None
+    if qtype == T.Q4_1:  # d f16 | m f16 | qs[16]: x = d q + m
+        return _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    if qtype in (T.Q5_0, T.Q5_1):  # d f16 | (m f16) | qh u32 | qs[16]; the 5th bit of weight j is bit j of qh
+        off = 4 if qtype == T.Q5_1 else 2
+        q = _nibbles(b[:, off + 4:off + 20]) | (_bits(b[:, off:off + 4]) << 4)  # [n, 32] in 0..31
+        if qtype == T.Q5_0:  # x = d (q - 16) = d ((q + 112) - 128)
+            return q + 112, _f16(b[:, 0:2]), None
+        return q, _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    # Q4_K / Q5_K: d f16 | dmin f16 | scales[12] | (qh[32]) | qs[128]; 8 sub-blocks of 32: x = d sc_j q - dmin m_j
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k4_scale_min(b[:, 4:16])
+    scales = d * sc  # [n, 8]: exact (11-bit significand times a 6-bit integer)
+    mins = -(dmin * mn)  # exact likewise; the negation too
+    qs = b[:, -128:].reshape(n, 4, 1, 32)
+    q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F).reshape(n, 8, 32)
+    if qtype == T.Q5_K:  # bit 4 of weight 32 j + l is bit j of qh[l]
+        qh = (b[:, 16:48].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, 32 l, 8 j]
+        q = q | (qh.transpose(1, 2) << 4)
+    return q.reshape(n, QK_K), scales, mins
+
+
+def _param_dtype(t: torch.Tensor) -> torch.dtype:
+    """float16 when every value survives the round trip (Q4_1's d and m always do), else float32."""
+    return torch.float16 if bool((t.half().float() == t).all()) else torch.float32
+
+
+def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+           rows_perm: torch.Tensor | None = None) -> PackedWeight:
+    """A GGML-encoded matrix [N, K] (torch order) as a PackedWeight in the blocked layout (tile it afterwards).
+
+    raw: the tensor's bytes; rows_perm: optional row order (out row i = stored row rows_perm[i]), for llama.cpp's
+    Q/K permutation, applied to codes and parameters alike."""
+    if qtype not in REPACKED:
+        raise GGUFError(f"tensor type {qtype.name} has no packed form; types that do: "
+                        f"{', '.join(t.name for t in REPACKED)}")
+    bits, group, form = REPACKED[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n, k = (int(s) for s in shape)
+    if k % block_size:
+        raise GGUFError(f"a {qtype.name} tensor's rows must be a multiple of {block_size} long, got shape {shape}")
+    data = torch.as_tensor(raw).reshape(-1).view(torch.uint8)
+    row_bytes = k // block_size * type_size
+    if data.numel() != n * row_bytes:
+        raise GGUFError(f"{qtype.name} tensor of shape {tuple(shape)} needs {n * row_bytes} bytes, got {data.numel()}")
+    rows = data.view(n, row_bytes)  # [N, row_bytes]
+    if rows_perm is not None:
+        rows = rows[rows_perm]
+    ngroups = k // group
+    out = torch.empty(n, k // BLOCK * 4 * bits, dtype=torch.uint8)  # blocked layout, as _to_blocked makes it
+    scales = torch.empty(n, ngroups, dtype=torch.float32)
+    mins = torch.empty(n, ngroups, dtype=torch.float32) if form == "min" else None
+    step = max(1, _CHUNK_WEIGHTS // k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        blocks = rows[r0:r1].reshape(-1, type_size)  # [(r1 - r0) * K / block_size, type_size]
+        q, s, m = _codes_and_params(blocks, qtype)
+        out[r0:r1] = _to_blocked(q.reshape(r1 - r0, k), bits)
+        scales[r0:r1] = s.reshape(r1 - r0, ngroups)
+        if mins is not None:
+            assert m is not None
+            mins[r0:r1] = m.reshape(r1 - r0, ngroups)
+    scales = scales.to(_param_dtype(scales))
+    if mins is not None:
+        mins = mins.to(_param_dtype(mins))
+    return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
+                        zeros=mins, codebook=None, blocked=True)
+
+
+def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Packed weights of one format (blocked layout) stacked along the rows: q/k/v or gate/up fused at load."""
+    first = parts[0]
+    assert all(_same_format(first, p) for p in parts), "concat_rows: parts of different formats"
+    assert not any(p.tiled for p in parts), "concat_rows: tile after fusing"
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
+
+    scales = cat([p.scales for p in parts])
+    assert scales is not None
+    return PackedWeight(bits=first.bits, group_size=first.group_size, out_features=sum(p.out_features for p in parts),
+                        in_features=first.in_features, data=torch.cat([p.data for p in parts]), scales=scales,
+                        zeros=cat([p.zeros for p in parts]), codebook=None, blocked=first.blocked)
+
+
+def _same_format(a: PackedWeight, b: PackedWeight) -> bool:
+    za, zb = a.zeros, b.zeros
+    return (a.bits == b.bits and a.group_size == b.group_size and a.in_features == b.in_features
+            and a.blocked == b.blocked and a.scales.dtype == b.scales.dtype and (za is None) == (zb is None)
+            and (za is None or zb is None or za.dtype == zb.dtype) and a.codebook is None and b.codebook is None)
+
+
+def can_concat(parts: list[PackedWeight | None]) -> bool:
+    """Whether these parts (None: not packed) can share one fused packed layer."""
+    first = parts[0]
+    return first is not None and all(p is not None and _same_format(first, p) for p in parts)
+
+
+def packed_bytes_per_weight(qtype: GGMLQuantizationType) -> float:
+    """Resident bytes per weight of a repacked tensor of this type (parameters at their narrowest dtype)."""
+    bits, group, form = REPACKED[qtype]
+    param = 4 if qtype in (T.Q4_K, T.Q5_K) else 2
+    return bits / 8 + param * (2 if form == "min" else 1) / group
