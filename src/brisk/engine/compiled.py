@@ -154,6 +154,9 @@ class CompiledModel:
         self.layers = []
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(mlp, "gate_up_proj"):
+                raise CompileError(f"--compile does not cover mixture-of-experts layers (layer {i} routes tokens to "
+                                   "experts); run it without --compile (execution auto runs the experts grouped)")
             parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(type(p) is not FastLinear for p in parts):
                 raise CompileError(

@@ -138,6 +138,8 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
                 return None
+            if not hasattr(mlp, "gate_up_proj"):  # a routed expert block (model/moe.py): the module path runs it
+                return None
             parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):

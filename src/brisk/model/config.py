@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe",
+                           "qwen3_moe")
+# mixture-of-experts architectures (model/moe.py): every layer's, or some layers', MLP is a routed expert block
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # HF `architectures[0]` -> our architecture name
 _HF_ARCH = {
@@ -15,13 +18,16 @@ _HF_ARCH = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # HF `model_type` -> our architecture name, where they differ
 _HF_MODEL_TYPE = {"gemma3_text": "gemma3"}
 # HF layer_types entries
 SLIDING, FULL = "sliding_attention", "full_attention"
 # architectures whose config.json enables the sliding window with a separate `use_sliding_window` flag
-_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3")
+_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -58,6 +64,14 @@ class ModelConfig:
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5 (else head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # mixture of experts (model/moe.py; HF names): 0 experts = a dense model
+    num_experts: int = 0  # routed experts per MoE layer (mixtral's num_local_experts)
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each routed expert's FFN width; 0 -> intermediate_size (mixtral)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on shared expert (sigmoid-gated); 0 = none
+    norm_topk_prob: bool = True  # renormalize the top-k routing probabilities to sum to 1 (mixtral: always)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP (intermediate_size)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -65,7 +79,7 @@ class ModelConfig:
                 f"unknown architecture {self.architecture!r}; brisk supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.qk_norm is None:
-            self.qk_norm = self.architecture in ("qwen3", "gemma3")
+            self.qk_norm = self.architecture in ("qwen3", "qwen3_moe", "gemma3")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -93,6 +107,36 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            if self.num_experts:
+                raise UnsupportedModelError(f"{self.architecture} is a dense architecture but the config has "
+                                            f"num_experts={self.num_experts}")
+            return
+        if self.num_experts <= 0:
+            raise UnsupportedModelError(f"{self.architecture}: num_experts must be positive, got {self.num_experts}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"{self.architecture}: num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts}): each token is routed to that many distinct experts")
+        if self.moe_intermediate_size == 0:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.moe_intermediate_size < 0 or self.shared_expert_intermediate_size < 0:
+            raise UnsupportedModelError(f"{self.architecture}: expert sizes must be positive")
+        if self.decoder_sparse_step <= 0:
+            raise UnsupportedModelError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        self.mlp_only_layers = sorted({int(i) for i in self.mlp_only_layers})
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a routed expert block (transformers' Qwen2-MoE / Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def is_gemma(self) -> bool:
@@ -107,10 +151,10 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        layer = h * (q + 2 * kv) + q * h + 2 * h
         if self.qk_norm:
             layer += 2 * self.head_dim
         if self.attention_bias:
@@ -118,7 +162,23 @@ class ModelConfig:
         if self.is_gemma:
             layer += 2 * h  # pre- and post-feed-forward norms
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + emb + h
+        ffn = sum(self._ffn_params(i, self.num_experts) for i in range(self.num_hidden_layers))
+        return self.num_hidden_layers * layer + ffn + emb + h
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: num_params with only num_experts_per_tok routed experts per MoE
+        layer (the router and a shared expert included). Equal to num_params for a dense model."""
+        full = sum(self._ffn_params(i, self.num_experts) for i in range(self.num_hidden_layers))
+        active = sum(self._ffn_params(i, self.num_experts_per_tok) for i in range(self.num_hidden_layers))
+        return self.num_params - full + active
+
+    def _ffn_params(self, layer_idx: int, num_experts: int) -> int:
+        h = self.hidden_size
+        if not self.is_moe_layer(layer_idx):
+            return 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return self.num_experts * h + num_experts * 3 * h * self.moe_intermediate_size + shared
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
@@ -153,6 +213,15 @@ class ModelConfig:
         }
         if self.architecture in _WINDOW_FLAG_ARCHS:
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.is_moe:
+            d["num_local_experts" if self.architecture == "mixtral" else "num_experts"] = self.num_experts
+            d["num_experts_per_tok"] = self.num_experts_per_tok
+            if self.architecture != "mixtral":
+                d |= {"moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                      "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+            if self.architecture == "qwen2_moe":
+                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+                d["qkv_bias"] = self.attention_bias
         if self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling:
             d["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         if self.torch_dtype:
@@ -211,6 +280,17 @@ class ModelConfig:
                                         d.get("original_max_position_embeddings")
                                         or d.get("max_position_embeddings", 2048))
         eos = d.get("eos_token_id")
+        moe: dict[str, Any] = {}
+        if arch in MOE_ARCHITECTURES:
+            moe = dict(num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0),
+                       num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+                       moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+                       norm_topk_prob=True if arch == "mixtral" else bool(d.get("norm_topk_prob", False)),
+                       decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                       mlp_only_layers=list(d.get("mlp_only_layers") or []))
+            if arch == "qwen2_moe":
+                moe["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size") or 0)
+        attention_bias = d.get("attention_bias", d.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -221,11 +301,11 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch.startswith("qwen") else 1e-5),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(attention_bias),
             sliding_window=sliding_window,
             hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
@@ -235,4 +315,5 @@ class ModelConfig:
             rope_local_base_freq=d.get("rope_local_base_freq"),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             final_logit_softcapping=d.get("final_logit_softcapping"),
+            **moe,
         )

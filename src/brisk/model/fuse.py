@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from brisk.model.config import ModelConfig
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.llama import MLP, LlamaForCausalLM
 
 
 class FusedTensorError(ValueError):
@@ -131,16 +131,18 @@ def _plain(*modules: nn.Module | None) -> bool:
 
 
 def fuse_projections(model: LlamaForCausalLM) -> int:
-    """Fuse every layer's q/k/v and gate/up projections in place; returns the number of fusions done."""
+    """Fuse every layer's q/k/v and gate/up projections in place (a MoE layer's: every expert's); returns the
+    number of fusions done."""
     done = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         if attn.qkv_proj is None and _plain(attn.q_proj, attn.k_proj, attn.v_proj):
             attn.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.q_proj = attn.k_proj = attn.v_proj = None
             done += 1
-        if mlp.gate_up_proj is None and _plain(mlp.gate_proj, mlp.up_proj):
-            mlp.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
-            mlp.gate_proj = mlp.up_proj = None
-            done += 1
+        for mlp in [m for m in layer.mlp.modules() if isinstance(m, MLP)]:  # the MLP, or the experts (model/moe.py)
+            if mlp.gate_up_proj is None and _plain(mlp.gate_proj, mlp.up_proj):
+                mlp.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
+                mlp.gate_proj = mlp.up_proj = None
+                done += 1
     return done

@@ -37,15 +37,17 @@ from brisk.model.generation_config import generation_config_from_gguf_metadata
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
 from brisk.model.gguf_repack import repack, repackable
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
+from brisk.model.moe import gguf_moe_config, gguf_moe_layer_tensors, place_gguf_moe_tensor
 from brisk.model.tokenizer import Tokenizer
 from brisk.ops.qlinear import PackedWeight
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# llama: + mixtral (expert_count)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
 # llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
 # its interleaved RoPE; Qwen2 and Qwen3 are converted without permutation.
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "mixtral")
 
 # ----------------------------------------------------------------------------------------- header parsing
 
@@ -221,12 +223,15 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
         from brisk.model.gemma import gemma_gguf_config_fields
 
         extra = gemma_gguf_config_fields(md, arch)
+    moe = gguf_moe_config(md, arch, key("block_count"), lambda i: f"blk.{i}.ffn_gate_inp.weight" in f.tensors)
+    if arch.endswith("moe") and not moe:
+        raise GGUFError(f"{f.path}: metadata key {arch}.expert_count is missing; the file is incomplete")
     try:
-        return ModelConfig(
+        fields = dict(
             architecture=arch,
             vocab_size=int(vocab_size),
             hidden_size=key("embedding_length"),
-            intermediate_size=key("feed_forward_length"),
+            intermediate_size=key("feed_forward_length", 0) if moe else key("feed_forward_length"),
             num_hidden_layers=key("block_count"),
             num_attention_heads=num_heads,
             num_key_value_heads=key("attention.head_count_kv", num_heads),
@@ -241,6 +246,7 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
             eos_token_id=list(dict.fromkeys(eos)),
             **extra,
         )
+        return ModelConfig(**(fields | moe))  # mixture of experts (model/moe.py): architecture, expert counts, sizes
     except UnsupportedModelError as e:
         raise GGUFError(f"{f.path}: {e}") from None
 
@@ -274,8 +280,10 @@ _BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_p
            "attn_v.bias": "self_attn.v_proj.bias"}
 
 
-def _expected_tensors(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """llama.cpp tensor name -> (transformers name, torch shape) for this config."""
+def _expected_tensors(c: ModelConfig, shared_gate_shape: tuple[int, ...] | None = None
+                      ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """llama.cpp tensor name -> (transformers name, torch shape) for this config (model/moe.py names MoE layers'
+    feed-forward tensors)."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     out = {"token_embd.weight": ("model.embed_tokens.weight", (c.vocab_size, h)),
            "output_norm.weight": ("model.norm.weight", (h,))}
@@ -294,8 +302,12 @@ def _expected_tensors(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
         names = names | GGUF_LAYER_TENSORS
         shapes |= {n: (h,) for n in GGUF_LAYER_TENSORS}
     for i in range(c.num_hidden_layers):
+        moe = c.is_moe_layer(i)
         for gguf_name, hf_name in names.items():
-            out[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shapes[gguf_name])
+            if not (moe and gguf_name.startswith(("ffn_gate.", "ffn_up.", "ffn_down."))):
+                out[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shapes[gguf_name])
+        if moe:
+            out |= gguf_moe_layer_tensors(c, i, shared_gate_shape)
     return out
 
 
@@ -342,7 +354,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     dequantized, into `packed` (the file's own precision)."""
     f = read_gguf(path)
     config = _config_from_gguf(f)
-    expected = _expected_tensors(config)
+    expected = _expected_tensors(config, (info.shape if (info := f.tensors.get("blk.0.ffn_gate_inp_shexp.weight"))
+                                          else None))
     missing = [n for n in expected if n not in f.tensors]
     if missing:
         raise GGUFError(f"{f.path}: missing tensor {missing[0]!r} ({expected[missing[0]][0]})"
@@ -370,7 +383,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     if config.is_gemma:
         from brisk.model.gemma import GGUF_NORM_SHIFT, is_gguf_norm
     to_pack = {name for name, (hf, shape) in expected.items()
-               if keep_quantized and hf.endswith(".weight") and repackable(f.tensors[name].qtype, shape)}
+               if keep_quantized and not config.is_moe  # stacked experts: dequantized (model/moe.py)
+               and hf.endswith(".weight") and repackable(f.tensors[name].qtype, shape)}
     packed, packed_types = _repack_tensors(f, config, expected, to_pack) if to_pack else ({}, {})
     # a float part whose layer also has packed parts is not fused (its siblings are quantized layers)
     unfused_layers = {hf.rsplit(".", 2)[0] for name, (hf, _) in expected.items() if name in to_pack}
@@ -386,7 +400,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
         place = fused is not None and fused.takes(hf_name) and hf_name.rsplit(".", 2)[0] not in unfused_layers
         if (base is not None and _FLOAT_TYPES.get(info.qtype) == dtype and not unpermute and not shifted
                 and not place and (w := mapped.view(base, info.offset, shape, dtype)) is not None):
-            tensors[hf_name], used = w, True  # stored as it runs: a view of the file
+            if ".mlp." in hf_name and config.is_moe:  # stacked experts, router: views too (model/moe.py)
+                place_gguf_moe_tensor(tensors, hf_name, w, config.hidden_size)
+            else:
+                tensors[hf_name] = w  # stored as it runs: a view of the file
+            used = True
             if progress is not None:
                 progress(info.n_bytes)
             continue
@@ -398,7 +416,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 w = _unpermute_rows(w, config.num_key_value_heads)
             elif shifted:
                 w = w.float() - GGUF_NORM_SHIFT
-            tensors[hf_name] = fused.place(hf_name, w) if place and fused is not None else w.to(dtype)
+            if ".mlp." in hf_name and config.is_moe:  # stacked experts, router (model/moe.py)
+                place_gguf_moe_tensor(tensors, hf_name, w.to(dtype), config.hidden_size)
+            else:
+                tensors[hf_name] = fused.place(hf_name, w) if place and fused is not None else w.to(dtype)
         if progress is not None:
             progress(info.n_bytes)
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),

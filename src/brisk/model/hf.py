@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from brisk.model import mapped
 from brisk.model.config import ModelConfig
 from brisk.model.fuse import FusedBuffers, FusedTensorError, split_fused_tensors
+from brisk.model.moe import MoETensorError, rename_hf_moe_tensors
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.community import convert_community_checkpoint, read_community_config
 from brisk.quant.config import QuantizationConfig, read_quantization_config
@@ -71,7 +72,8 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32, fuse: b
     tensors = load_safetensors_folder(folder, dtype, FusedBuffers(config, dtype) if fuse else None, maps, progress)
     try:
         split_fused_tensors(tensors, config)  # phi3's qkv_proj / gate_up_proj -> HF's q/k/v and gate/up names
-    except FusedTensorError as e:
+        rename_hf_moe_tensors(tensors, config)  # hub Mixtral's block_sparse_moe.* -> mlp.* (model/moe.py)
+    except (FusedTensorError, MoETensorError) as e:
         raise HFCheckpointError(f"{folder}: {e}") from None
     if community is not None:  # their packed tensors become brisk's, once (quant/community.py)
         quantization = convert_community_checkpoint(tensors, config, community)

@@ -1,9 +1,11 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, gemma3) in plain PyTorch.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, gemma3; mixtral, qwen2_moe, qwen3_moe) in plain
+PyTorch.
 
 The architectures differ only in data read from the config: q/k/v biases (qwen2), per-head q/k RMSNorm before
 RoPE (qwen3), the sliding window (mistral), RoPE variants (model/rope.py). Phi3's fused qkv_proj / gate_up_proj
 tensors are split into HF's q/k/v and gate/up names at load (model/fuse.py) and fused again like any other.
-Gemma3's layers (sandwich norms, GeGLU, local and global attention) are model/gemma.py's, chosen by the config.
+Gemma3's layers (sandwich norms, GeGLU, local and global attention) are model/gemma.py's, chosen by the config. The
+mixture-of-experts models swap a layer's MLP for a routed block of MLPs (model/moe.py).
 
 Module names match HF transformers, so an HF state dict loads as is and quantized or sharded layers can be
 swapped in from outside by name. The forward runs the flattened tokens of many sequences at once:
@@ -94,11 +96,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = intermediate_size or config.intermediate_size  # a MoE expert's own width (model/moe.py)
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # set by model.fuse.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,12 +111,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_idx):  # mixtral / qwen2_moe / qwen3_moe: routed experts for the MLP
+            from brisk.model.moe import SparseMoeBlock
+
+            self.mlp: nn.Module = SparseMoeBlock(config, layer_idx)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +150,7 @@ class Backbone(nn.Module):
             self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
             self.norm: RMSNorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
             return
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

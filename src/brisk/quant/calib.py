@@ -331,6 +331,10 @@ def run_layerwise(model: LlamaForCausalLM, ids: torch.Tensor, apply: Callable[[B
     re-run on its modified weights to give the next block's inputs. ids: [N, L] calibration token ids."""
     if ids.dim() != 2:
         raise CalibrationError(f"calibration ids must be [num_samples, seq_len], got shape {tuple(ids.shape)}")
+    if model.config.is_moe:
+        raise CalibrationError(f"calibration-based methods (GPTQ, AWQ, Wanda, SparseGPT) do not handle the routed "
+                               f"experts of a mixture-of-experts model ({model.config.architecture}) yet: each expert "
+                               "would need the statistics of the tokens routed to it; use --method rtn")
     if any(layer.self_attn.qkv_proj is not None or layer.mlp.gate_up_proj is not None
            for layer in model.model.layers):
         raise CalibrationError("the model has fused q/k/v or gate/up projections; calibrate a model loaded with "

@@ -69,6 +69,10 @@ def save_quantized(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer
 def module_shape(config: ModelConfig, name: str) -> tuple[int, int]:
     """(out_features, in_features) of an HF module name of the Llama family."""
     h, i = config.hidden_size, config.intermediate_size
+    if ".mlp.experts." in name:  # a routed expert of a MoE layer (model/moe.py)
+        i = config.moe_intermediate_size
+    elif ".mlp.shared_expert." in name:
+        i = config.shared_expert_intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     leaf = name.rsplit(".", 1)[-1]
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
@@ -183,8 +187,9 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
     h = config.hidden_size
     for idx, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{idx}"
-        groups = [(layer.self_attn, "qkv_proj", ["q_proj", "k_proj", "v_proj"], "self_attn"),
-                  (layer.mlp, "gate_up_proj", ["gate_proj", "up_proj"], "mlp")]
+        groups = [(layer.self_attn, "qkv_proj", ["q_proj", "k_proj", "v_proj"], "self_attn")]
+        groups += [(m, "gate_up_proj", ["gate_proj", "up_proj"], f"mlp.{n}".rstrip("."))  # the MLP, or each expert
+                   for n, m in layer.mlp.named_modules() if hasattr(m, "gate_up_proj")]
         for parent, fused_name, names, sub in groups:
             full = [f"{prefix}.{sub}.{n}" for n in names]
             specs = {qconfig.modules.get(f) for f in full}
@@ -194,7 +199,8 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
                                                           qconfig, f"{prefix}.{sub}.{fused_name}"))
                 for n in names:
                     setattr(parent, n, None)
-        for sub, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+        subs = [("self_attn", layer.self_attn)] + [(f"mlp.{n}".rstrip("."), m) for n, m in layer.mlp.named_modules()]
+        for sub, parent in subs:
             for child, module in list(parent.named_children()):
                 full = f"{prefix}.{sub}.{child}"
                 if full in layer_parts and isinstance(module, nn.Linear):
