@@ -390,6 +390,21 @@ class EngineConfig:
              "on = append all bytes the grammar forces, tokenized as the tokenizer writes them (faster on JSON "
              "keys; the model may have split them differently); off.")
 
+    # parallelism (src/brisk/parallel, docs/parallel.md): ranks = tensor x pipeline, started by brisk on one machine,
+    # by every node's own brisk command (--nnodes / --node-rank / --master-addr), or by torchrun
+    tensor_parallel_size: int = setting(
+        1, help="Tensor-parallel ranks: heads, MLP and vocabulary split over N processes (torch.distributed).")
+    pipeline_parallel_size: int = setting(
+        1, help="Pipeline-parallel ranks (not finished: only 1 is accepted).")
+    nnodes: int = setting(1, help="Machines the parallel ranks span (each runs this command with its --node-rank).")
+    node_rank: int = setting(0, help="This machine's index among --nnodes (0 = the driver's).")
+    master_addr: str = setting("127.0.0.1", help="Address of node 0 for the ranks' rendezvous.")
+    master_port: int | None = setting(  # None: a free port on one machine, 29500 across machines (torchrun's)
+        None, help="Rendezvous port (default: a free one on one machine, 29500 across machines).")
+    distributed_timeout: int = setting(
+        120, metavar="SECONDS",
+        help="Seconds a parallel rank may take to answer a collective before the engine fails and shuts down.")
+
     def __post_init__(self) -> None:
         check_choice(self, "jump_forward")
         check_choice(self, "load_format")
@@ -414,6 +429,7 @@ class EngineConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
                              f"{self.max_lora_rank}")
+        check_parallel(self)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.scheduler is None:
@@ -440,3 +456,33 @@ class EngineConfig:
             # attention mass that chooses the kept entries, so greedy output would no longer equal plain H2O.
             raise ValueError("speculative decoding does not support kv_policy h2o (rejected drafts would take part "
                              "in choosing the heavy hitters); use kv_policy streaming or full with it")
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """ValueError for parallel settings that do not fit together (before anything starts)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got {tp} and {pp}")
+    if tp * pp == 1:
+        return
+    if tp > 1 and pp > 1:
+        raise ValueError("tensor and pipeline parallelism together are not built; use tensor_parallel_size or "
+                         "pipeline_parallel_size, not both")
+    if pp > 1:
+        raise ValueError("pipeline parallelism is not finished in this version of brisk; use tensor_parallel_size")
+    world = tp * pp
+    if config.nnodes < 1 or world % config.nnodes:
+        raise ValueError(f"nnodes ({config.nnodes}) must divide the {world} parallel ranks")
+    if not 0 <= config.node_rank < config.nnodes:
+        raise ValueError(f"node_rank must be in [0, {config.nnodes}), got {config.node_rank}")
+    if config.distributed_timeout < 1:
+        raise ValueError(f"distributed_timeout must be at least 1 second, got {config.distributed_timeout}")
+    if config.spec is not None or config.speculative is not None or config.speculative_config is not None:
+        raise ValueError("speculative decoding is not built for parallel engines; drop --speculative or run "
+                         "with tensor_parallel_size = pipeline_parallel_size = 1")
+    if config.execution == "compiled":
+        raise ValueError("execution 'compiled' is not built for parallel engines (each rank runs the module path); "
+                         "use execution auto")
+    if config.cache.kv_policy == "h2o":
+        raise ValueError("kv_policy 'h2o' is not built for parallel engines (each rank would score its own heads); "
+                         "use kv_policy full or streaming")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -148,9 +149,18 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, policy)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         # built after prepacking and set_quant_activations: its executor resolves the layers' kernels as they are
-        self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
-                                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy,
-                                  execution=config.execution)
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # this rank's shard (brisk/parallel)
+            from brisk.parallel.runner import make_parallel_runner
+
+            self.runner = make_parallel_runner(config, self.loaded.model, num_blocks, self.loaded.dtype, policy)
+            if config.pipeline_parallel_size > 1:  # several micro-batches in flight (parallel/pipeline.py)
+                from brisk.parallel.pipeline import pipeline_step
+
+                self.step = functools.partial(pipeline_step, self)  # type: ignore[method-assign]
+        else:
+            self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
+                                      config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy,
+                                      execution=config.execution)
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
@@ -354,3 +364,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Free what outlives the engine object: a parallel engine's worker processes and process group."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
