@@ -209,8 +209,8 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
 @setting_option("kv_cache_memory", default="256MiB", help="The fixed KV budget.")
 @click.option("--seq-len", type=int, default=2048, show_default=True,
               help="Length of the sequences counted by 'max concurrent'.")
-@setting_option("dtype", choices=("auto", "float32", "bfloat16"),
-                help="Model dtype (the 'auto' KV dtype follows it); auto = an HF folder's own, float32 for GGUF.")
+@setting_option("dtype", default="float32", choices=("float32", "bfloat16"),
+                help="Model dtype (the 'auto' KV dtype follows it).")
 @click.option("--decode-tokens", type=int, default=32, show_default=True,
               help="Decode steps timed per setting (0 = skip the decode-speed runs).")
 @click.option("--batch", type=int, default=4, show_default=True, help="Requests decoding together.")
