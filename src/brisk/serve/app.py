@@ -392,9 +392,10 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         outputs = await _collect(stream)
         return JSONResponse(responses.chat_response(outputs, ctx, top).model_dump())
 
-    from brisk.serve.lora import install_lora_routes
+    if server.loras.enabled:  # the runtime adapter routes exist only on a server started with --enable-lora
+        from brisk.serve.lora import install_lora_routes
 
-    install_lora_routes(app, server.loras, auth)
+        install_lora_routes(app, server.loras, auth)
     endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json",
                  "/docs"}
     app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)

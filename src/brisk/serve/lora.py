@@ -88,7 +88,8 @@ def install_lora_routes(app: FastAPI, registry: LoRARegistry, dependencies: list
             raise ClientError("this server was started without --enable-lora; it serves no adapters",
                               code="lora_disabled")
 
-    @app.post("/v1/load_lora_adapter", dependencies=dependencies)
+    @app.post("/v1/load_lora_adapter", dependencies=dependencies, response_class=PlainTextResponse,
+              response_model=None)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         need_lora()
         try:
@@ -97,7 +98,8 @@ def install_lora_routes(app: FastAPI, registry: LoRARegistry, dependencies: list
             raise ClientError(str(e), param="lora_path", code="invalid_lora_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=dependencies)
+    @app.post("/v1/unload_lora_adapter", dependencies=dependencies, response_class=PlainTextResponse,
+              response_model=None)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         need_lora()
         if not registry.remove(body.lora_name):

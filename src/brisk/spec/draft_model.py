@@ -240,8 +240,8 @@ def layer_skip_model(model: LlamaForCausalLM, skip_layers: Iterable[int]) -> Lla
     view = LlamaForCausalLM.__new__(LlamaForCausalLM)
     torch.nn.Module.__init__(view)
     view.config = dataclasses.replace(model.config, num_hidden_layers=num_layers - len(skip))  # sizes its KV
-    view.rope = model.rope
-    view.sliding_window = model.sliding_window
+    view.rope, view.local_rope = model.rope, model.local_rope
+    view.sliding_window, view.embed_scale = model.sliding_window, model.embed_scale
     view.lm_head = model.lm_head
     backbone = torch.nn.Module()
     backbone.embed_tokens = model.model.embed_tokens
