@@ -116,9 +116,10 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         raise click.ClickException(f"--alpha {alpha}: SmoothQuant's migration strength lies in [0, 1]")
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
-    if loaded.config.architecture == "gemma3" and method in ("rtn", "gptq"):
-        pass  # gemma3: rtn, and gptq through the calibration driver's layer calls (awq / qat assume Llama's norms)
-    elif loaded.config.architecture not in ("llama", "mistral", "qwen2"):
+    # gemma3: rtn, and gptq through the calibration driver's layer calls (awq / qat assume Llama's norms)
+    supported = (loaded.config.architecture in ("llama", "mistral", "qwen2")
+                 or (loaded.config.is_gemma and method in ("rtn", "gptq")))
+    if not supported:
         raise click.ClickException(f"cannot quantize architecture {loaded.config.architecture} with --method "
                                    f"{method}" + ("; use --method rtn or gptq" if loaded.config.is_gemma else ""))
     plan = plan_layers(loaded.model, loaded.config.tie_word_embeddings, default,
