@@ -78,6 +78,38 @@ def test_merged_equals_peft_merge_and_unload(tiny):
     torch.testing.assert_close(prefill_logits(loaded, ids), want["a"], atol=1e-4, rtol=1e-4)
 
 
+def test_export_merged_folder_equals_peft(tiny, tmp_path):
+    """`brisk export merged` writes a plain folder whose fused runtime model gives PEFT's adapted logits."""
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    tmp, ids, _, want = tiny
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(main, ["export", "merged", str(tmp / "m"), str(tmp / "c"), str(out)])
+    assert result.exit_code == 0, result.output
+    assert "projections merged" in result.output
+    record = json.loads((out / "config.json").read_text())["merged_lora"]
+    assert record["use_rslora"] and record["r"] == 4
+    torch.testing.assert_close(prefill_logits(load_model(out), ids), want["c"], atol=1e-4, rtol=1e-4)
+    again = CliRunner().invoke(main, ["export", "merged", str(tmp / "m"), str(tmp / "c"), str(out)])
+    assert again.exit_code != 0 and "not empty" in again.output
+
+
+def test_export_merged_refuses_a_quantized_base(tiny, tmp_path):
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+    from brisk.lora.export import export_merged
+
+    tmp, _, _, _ = tiny
+    q = CliRunner().invoke(main, ["quantize", "--method", "rtn", "--bits", "4", "--group-size", "32", str(tmp / "m"),
+                                  str(tmp_path / "q")])
+    assert q.exit_code == 0, q.output
+    with pytest.raises(ValueError, match="quantized or compressed"):
+        export_merged(str(tmp_path / "q"), tmp / "a", tmp_path / "out")
+
+
 def test_mixed_batch_equals_one_at_a_time(tiny):
     """Requests for two adapters and for none in one batch: each gets exactly the tokens it gets alone."""
     tmp, ids, _, _ = tiny

@@ -27,3 +27,24 @@ def export_gguf_command(outtype: str, model: str, out: str) -> None:
     report = export_gguf(model, out, outtype)
     click.echo(f"wrote {report.path} ({outtype.upper()}, {report.path.stat().st_size / 2**20:.1f} MiB): "
                f"{report.summary()}")
+
+
+@export.command("merged")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="Precision of the written weights (the merge itself is done in float32).")
+@click.argument("model")
+@click.argument("adapter", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+def export_merged_command(dtype: str, model: str, adapter: str, out: str) -> None:
+    """Fold the LoRA ADAPTER (a PEFT folder, e.g. from `brisk finetune`) into MODEL's weights and write OUT, an
+    ordinary HF folder that `brisk generate/serve/quantize` load with no adapter flags."""
+    import torch
+
+    from brisk.lora.export import export_merged
+
+    try:
+        report = export_merged(None if model == "default" else model, adapter, out, getattr(torch, dtype))
+    except (FileExistsError, ValueError) as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(f"wrote {report.path}: {report.modules} projections merged (r={report.rank}), "
+               f"{report.bytes / 2**20:.1f} MiB of {dtype} weights")
