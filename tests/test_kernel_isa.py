@@ -95,7 +95,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
     """On an AVX-512 CPU every other test runs the avx512 build; this one builds the AVX2 one in a child process
     and runs the tests of the kernels whose code differs (linear_small: vdpbf16ps; quant_q8: vpdpbusd, 512-bit int4
     tiles; sparse_linear: vexpandps; sparse_q8: vpexpandb + vpdpbusd; paged attention: 512-bit rows, bfloat16 read
-    in place; int8_gemm: vpdpbusd against the AVX2 vpmaddubsw form). On an AVX2 CPU the default build is the AVX2 one, which all the kernel tests already run."""
+    in place; int8_gemm: vpdpbusd against the AVX2 vpmaddubsw form). On an AVX2 CPU the default build is the AVX2
+    one, which all the kernel tests already run."""
     if kernels.kernel_isa() != "avx512":
         assert kernels.kernel_isa() in ("avx2", "generic")
         return

@@ -73,3 +73,67 @@ def test_tensor_parallel_engine_equals_single(tmp_path):
 def test_pipeline_parallel_is_refused():
     with pytest.raises(ValueError, match="pipeline parallelism is not finished"):
         LLM(pipeline_parallel_size=2)
+
+
+def test_a_killed_worker_fails_the_engine_clearly_and_frees_it(tmp_path):
+    """A worker killed between steps: the next step raises ParallelError naming the worker (not a hang), the
+    engine's other workers are stopped, the process group is freed, and later calls say the engine is shut down."""
+    import torch.distributed as dist
+
+    from brisk.parallel.comm import ParallelError
+
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=128, tensor_parallel_size=2, distributed_timeout=20)
+    try:
+        procs = list(llm.engine.runner.state.procs)
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        procs[0].kill()
+        procs[0].join(timeout=10)
+        with pytest.raises(ParallelError, match="worker failed") as failure:
+            llm.generate([[5, 6, 7, 8]], params)
+        assert "exited with code" in str(failure.value) or "timeout" in str(failure.value)
+        assert not dist.is_initialized()
+        assert all(not p.is_alive() for p in procs)
+        with pytest.raises(ParallelError, match="shut down"):
+            llm.generate([[5, 6]], params)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(tmp_path):
+    """`brisk serve --tensor-parallel-size 2` with its worker killed: the next request gets a 503 (engine_dead)
+    in OpenAI's error shape, and the server stops with exit code 1 (for a supervisor to restart it), its
+    remaining processes gone."""
+    import time
+
+    import httpx
+    import psutil
+
+    from brisk.serve.process import ServerProcess
+
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    server = ServerProcess(["--model", str(path), "--served-model-name", "tiny", "--max-model-len", "128",
+                            "--kv-cache-memory", "8MiB", "--tensor-parallel-size", "2", "--distributed-timeout", "20"],
+                           startup_timeout_s=180)
+    server.start()
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 1, [p.cmdline() for p in workers]
+        workers[0].kill()  # not our child: it stays a zombie until the server reaps it, so wait for that state
+        for _ in range(100):
+            if not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.1)
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_dead" and "worker" in r.json()["error"]["message"]
+        assert server.proc.wait(timeout=60) == 1, server.log_tail()
+        assert "the engine is down" in server.log()
+    finally:
+        server.stop()

@@ -25,6 +25,8 @@ import torch.distributed as dist
 class ParallelError(RuntimeError):
     """A worker died, hung past the timeout or failed to start; the parallel engine has been shut down."""
 
+    fatal = True  # the engine cannot take another step: a server stops (serve/async_engine.py), not retries
+
 
 @dataclass
 class Group:

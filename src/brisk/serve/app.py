@@ -34,6 +34,7 @@ from brisk.serve import responses
 from brisk.serve.async_engine import (
     AsyncEngine,
     ClientDisconnected,
+    EngineDeadError,
     EngineError,
     EngineRequest,
     RequestStream,
@@ -237,6 +238,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, e: EngineError) -> JSONResponse:
+        if isinstance(e, EngineDeadError):
+            return _error_response(503, str(e), "internal_error", code="engine_dead")
         return _error_response(500, str(e), "internal_error", code="engine_error")
 
 
@@ -341,7 +344,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
                                    503: _error_doc("The engine loop is not running")})
     async def health() -> Response:
         if not server.engine.is_running:
-            return _error_response(503, "the engine loop is not running", "internal_error", code="engine_down")
+            why = f": {server.engine.dead}" if server.engine.dead else ""
+            return _error_response(503, f"the engine loop is not running{why}", "internal_error", code="engine_down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", responses={200: {"description": "Prometheus text exposition format",
@@ -473,4 +477,7 @@ def run_server(engine: LLMEngine, config: ServerConfig | None = None, *, host: s
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not web.started:  # it never listened (the lifespan ran, then binding failed: it logged why)
+        raise SystemExit(1)
+    if async_engine.dead is not None:  # the engine cannot go on: exit non-zero so a supervisor restarts brisk
+        logger.error("the engine is down (%s); the server stopped", async_engine.dead)
         raise SystemExit(1)

@@ -55,6 +55,15 @@ class EngineError(RuntimeError):
     """The engine failed (or stopped) while this request was in it; not the client's fault (500)."""
 
 
+class EngineDeadError(EngineError):
+    """The engine can take no more steps (a parallel worker died, ...): 503; the server stops and exits non-zero
+    so that whatever supervises it starts a new one."""
+
+
+class _EngineDead(Exception):
+    """Leaves the engine loop after a fatal engine failure."""
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away; its engine requests have been aborted."""
 
@@ -109,6 +118,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running = False  # the loop (`run`) is executing, on whichever thread
+        self.dead: str | None = None  # why the engine can take no more steps (a fatal failure), once it happened
         self.ready = threading.Event()  # start() was called: the outputs' event loop is known
         self._stopped = threading.Event()
         self._last_publish = 0.0
@@ -149,6 +159,8 @@ class AsyncEngine:
                 f"the server is at capacity ({self.num_admitted} sequences admitted, at most {self.capacity}: "
                 f"{self.max_num_seqs} running + {self.capacity - self.max_num_seqs} waiting); retry later")
         if not self.is_running:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine is down ({self.dead}); the server is stopping")
             raise EngineError("the engine loop is not running")
         self.num_admitted += num_seqs
         if self.metrics is not None:
@@ -204,6 +216,8 @@ class AsyncEngine:
                         self._abort(cmd)
                 if self.engine.has_unfinished_requests():
                     self._step()
+        except _EngineDead:
+            return
         except Exception:  # a bug in this loop: fail every request rather than leave clients hanging
             logger.exception("the engine loop crashed; /health now answers 503")
             self._fail_all(EngineError("the engine loop crashed; see the server log"))
@@ -243,6 +257,10 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed")
+            if getattr(e, "fatal", False):  # no later step can succeed: fail everyone, leave the loop
+                self.dead = f"{type(e).__name__}: {e}"
+                self._fail_all(EngineDeadError(f"the engine failed and is down: {self.dead}"))
+                raise _EngineDead from e
             self._fail_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
             return
         now = time.monotonic()
