@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from brisk.train.options import activation_checkpointing_option, optimizer_options, run_options
+
 
 @click.command("finetune")
 @click.argument("model")
@@ -24,19 +26,10 @@ import click
 @click.option("--qlora", is_flag=True, help="QLoRA: the base in NF4 (groups of 64) with double-quantized scales.")
 @click.option("--base", "base", type=click.Choice(["nf4", "int4", "int8", "float"]), default=None,
               help="The frozen base's format (default float; nf4 with --qlora). A quantized MODEL keeps its codes.")
-@click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Examples per micro-batch.")
-@click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step.")
-@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per example / window.")
-@click.option("--lr", type=float, default=2e-4, show_default=True, help="Peak learning rate (AdamW).")
-@click.option("--warmup-steps", type=int, default=10, show_default=True)
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--max-grad-norm", type=float, default=1.0, show_default=True)
-@click.option("--activation-checkpointing", is_flag=True, help="Recompute layers in the backward (less memory).")
-@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between saves of OUT/last.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--resume", is_flag=True, help="Continue the run whose state is in OUT/last.")
-@click.option("--force", is_flag=True, help="Start a new run in OUT even if it holds one.")
+@optimizer_options(steps=100, lr=2e-4, batch_help="Examples per micro-batch.",
+                   seq_len_help="Tokens per example / window.")
+@activation_checkpointing_option
+@run_options
 def finetune(model: str, out: Path, data: str, eval_data: str | None, lora_rank: int, lora_alpha: float,
              lora_dropout: float, use_rslora: bool, target_modules: str, qlora: bool, base: str | None, steps: int,
              batch_size: int, grad_accum: int, seq_len: int, lr: float, warmup_steps: int, weight_decay: float,

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from brisk.data import calibration_text_path, evaluation_text_path
+from brisk.train.options import activation_checkpointing_option, optimizer_options, run_options
 
 
 @click.command("distill")
@@ -19,27 +20,18 @@ from brisk.data import calibration_text_path, evaluation_text_path
 @click.option("--eval-text", type=click.Path(dir_okay=False), default=str(evaluation_text_path()),
               show_default="the bundled held-out text, Sense and Sensibility",
               help="Held-out text for perplexity before, during and after (never the training text).")
-@click.option("--steps", type=int, default=200, show_default=True, help="Optimizer steps.")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per micro-batch.")
-@click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step.")
-@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per training window.")
-@click.option("--lr", type=float, default=5e-5, show_default=True, help="Peak learning rate (AdamW).")
-@click.option("--warmup-steps", type=int, default=10, show_default=True)
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--max-grad-norm", type=float, default=1.0, show_default=True)
+@optimizer_options(steps=200, lr=5e-5, batch_help="Windows per micro-batch.",
+                   seq_len_help="Tokens per training window.")
 @click.option("--alpha", type=float, default=0.5, show_default=True, help="Weight of the KL term (1 - alpha: CE).")
 @click.option("--temperature", type=float, default=2.0, show_default=True)
 @click.option("--hidden-weight", type=float, default=0.0, show_default=True,
               help="Weight of hidden-state matching on mapped layers (0: off; needs equal hidden sizes).")
-@click.option("--activation-checkpointing", is_flag=True, help="Recompute layers in the backward (less memory).")
+@activation_checkpointing_option
 @click.option("--bf16", "bf16_autocast", is_flag=True, help="bfloat16 autocast (pays on AVX512-BF16 / AMX CPUs).")
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between evaluations (0: ends).")
 @click.option("--eval-windows", type=int, default=4, show_default=True, help="Held-out windows per evaluation.")
 @click.option("--eval-window", type=int, default=512, show_default=True, help="Tokens per held-out window.")
-@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between saves of OUT/last.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--resume", is_flag=True, help="Continue the run whose state is in OUT/last.")
-@click.option("--force", is_flag=True, help="Start a new run in OUT even if it holds one.")
+@run_options
 def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: str, steps: int, batch_size: int,
             grad_accum: int, seq_len: int, lr: float, warmup_steps: int, weight_decay: float, max_grad_norm: float,
             alpha: float, temperature: float, hidden_weight: float, activation_checkpointing: bool,
