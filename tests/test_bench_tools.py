@@ -44,6 +44,8 @@ def test_ab_kernels_needs_two_files_and_a_library_to_rename(tmp_path: Path) -> N
         renamed_source("int x;\n", 0)
     src = "TORCH_LIBRARY_FRAGMENT(brisk, m) {\n  m.def(...);\n}\n"
     assert renamed_source(src, 3) == "TORCH_LIBRARY_FRAGMENT(brisk_v3, m) {\n  m.def(...);\n}\n"
+    src += "TORCH_LIBRARY_IMPL(brisk, CPU, m) {\n  m.impl(...);\n}\n"  # kernels registered apart from the schema
+    assert "TORCH_LIBRARY_IMPL(brisk_v3, CPU, m)" in renamed_source(src, 3) and "(brisk," not in renamed_source(src, 3)
 
 
 def test_profile_prints_rates_and_the_op_table(tiny: Path) -> None:

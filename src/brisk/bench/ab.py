@@ -109,10 +109,13 @@ def time_to_first_token(sides: list[EngineSide], prompt_len: int, runs: int = 6)
 
 
 def renamed_source(source: str, index: int) -> str:
-    """The C++ source with its op library renamed to brisk_v{index}, so several versions load side by side."""
+    """The C++ source with its op library renamed to brisk_v{index}, so several versions load side by side: the
+    schema block and every kernel block (a file that registers its kernels with TORCH_LIBRARY_IMPL(brisk, CPU, m)
+    would otherwise define brisk_v{index}'s ops and give them to brisk's, twice)."""
     marker = "TORCH_LIBRARY_FRAGMENT(brisk,"
     if marker not in source:
         raise ValueError(f"the kernel source defines no {marker} ...) block to rename")
+    source = source.replace("TORCH_LIBRARY_IMPL(brisk,", f"TORCH_LIBRARY_IMPL(brisk_v{index},")
     return source.replace(marker, f"TORCH_LIBRARY_FRAGMENT(brisk_v{index},")
 
 
