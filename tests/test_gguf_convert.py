@@ -112,7 +112,7 @@ def test_bench_compare_checks_every_precision_before_any_work(monkeypatch, sourc
 
 
 def test_run_compare_reports_load_time_memory_and_bandwidth(tmp_path):
-    """Both engines on the tiny file at f32 and q8_0, each run a child process: the figures are there, the JSON
+    """Both engines on the tiny file at q8_0 (re-typed, then loaded by both), each run a child process: the figures are there, the JSON
     callback sees every run as it finishes, and each batch-1 row has its GB/s against the bandwidth given."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional extra) is not installed")
     from hf_utils import make_tiny_hf_model
@@ -124,10 +124,10 @@ def test_run_compare_reports_load_time_memory_and_bandwidth(tmp_path):
     export_gguf(tmp_path / "float", tmp_path / "tiny.gguf", "f16")
     prompt = list(range(3, 19))
     seen: list[list[str]] = []
-    rows = run_compare(tmp_path / "tiny.gguf", ["f32", "q8_0"], prompt, prompt * 2, [1, 2], output_len=3, runs=1,
+    rows = run_compare(tmp_path / "tiny.gguf", ["q8_0"], prompt, prompt * 2, [1, 2], output_len=3, runs=1,
                        threads=1, log=lambda m: None, workdir=tmp_path, membw_gbps=10.0,
                        on_update=lambda rows: seen.append([r.precision for r in rows]))
-    assert seen == [["f32"], ["f32"], ["f32", "q8_0"], ["f32", "q8_0"]]  # after each engine's run
+    assert seen == [["q8_0"], ["q8_0"]]  # after each engine's run
     for row in rows:
         assert row.brisk.error is None and row.llama_cpp.error is None
         assert row.brisk.load_s > 0 and row.llama_cpp.load_s > 0 and row.brisk.runs == row.llama_cpp.runs == 1
@@ -138,7 +138,7 @@ def test_run_compare_reports_load_time_memory_and_bandwidth(tmp_path):
         d = row.to_dict()
         assert d["batch1_bandwidth_fraction"]["brisk"] == pytest.approx(d["batch1_gbps"]["brisk"] / 10.0)
         assert {"load_s", "rss_bytes", "peak_rss_bytes", "error"} <= set(d["brisk"]) and "decode_b2" in d["ratios"]
-    assert rows[1].brisk_setting.startswith("int8 g32")  # the Q8_0 file's own codes
+    assert rows[0].brisk_setting.startswith("int8 g32")  # the Q8_0 file's own codes
 
 
 def test_a_dead_engine_child_is_reported_with_its_signal(tmp_path):
