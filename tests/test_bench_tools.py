@@ -44,9 +44,26 @@ def test_ab_kernels_needs_two_files_and_a_library_to_rename(tmp_path: Path) -> N
         renamed_source("int x;\n", 0)
     src = "TORCH_LIBRARY_FRAGMENT(brisk, m) {\n  m.def(...);\n}\n"
     assert renamed_source(src, 3) == "TORCH_LIBRARY_FRAGMENT(brisk_v3, m) {\n  m.def(...);\n}\n"
+    src += "TORCH_LIBRARY_IMPL(brisk, CPU, m) {\n  m.impl(...);\n}\n"  # kernels registered apart from the schema
+    assert "TORCH_LIBRARY_IMPL(brisk_v3, CPU, m)" in renamed_source(src, 3) and "(brisk," not in renamed_source(src, 3)
 
 
 def test_profile_prints_rates_and_the_op_table(tiny: Path) -> None:
     out = _invoke(["profile", "--model", str(tiny), "--input-len", "16", "--tokens", "4", "--rows", "5"])
     assert re.search(r"decode [\d.]+ tok/s without the profiler, [\d.]+ tok/s under it", out)
     assert "Self CPU" in out
+
+
+def test_ab_kernels_float_calls_cover_the_decoder_linears(tiny: Path) -> None:
+    """`--op linear_small_m` runs over the float decoder linears: one call per layer, weights as the model holds
+    them, activations of the asked rows and dtype."""
+    import torch
+
+    from brisk.bench.ab import kernel_calls
+
+    calls, nbytes = kernel_calls(str(tiny), "linear_small_m", 8, head=False, dtype=torch.bfloat16)
+    assert calls and nbytes == sum(w.numel() * 2 for _, w in calls)
+    for x, w in calls:
+        assert x.shape == (8, w.shape[1]) and x.dtype == w.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="no quantized linear layers"):
+        kernel_calls(str(tiny), "quant_linear_q8", 1, head=False)

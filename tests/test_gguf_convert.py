@@ -111,9 +111,9 @@ def test_bench_compare_checks_every_precision_before_any_work(monkeypatch, sourc
     assert result.exit_code == 1 and "not both" in result.output
 
 
-def test_run_compare_reports_load_time_and_memory(tmp_path):
-    """Both engines on the tiny file at f32: the figures are there, and each memory figure is a growth of this
-    process's RSS (so at most the row's peak)."""
+def test_run_compare_reports_load_time_memory_and_bandwidth(tmp_path):
+    """Both engines on the tiny file at q8_0 (re-typed, then loaded by both), each run a child process: the figures are there, the JSON
+    callback sees every run as it finishes, and each batch-1 row has its GB/s against the bandwidth given."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional extra) is not installed")
     from hf_utils import make_tiny_hf_model
 
@@ -123,10 +123,32 @@ def test_run_compare_reports_load_time_and_memory(tmp_path):
     make_tiny_hf_model(tmp_path / "float", "llama", seed=6)  # a file llama.cpp loads: tokenizer and all
     export_gguf(tmp_path / "float", tmp_path / "tiny.gguf", "f16")
     prompt = list(range(3, 19))
-    (row,) = run_compare(tmp_path / "tiny.gguf", ["f32"], prompt, prompt * 2, [1, 2], output_len=3, runs=1,
-                         threads=1, log=lambda m: None, workdir=tmp_path)
-    assert row.brisk.load_s > 0 and row.llama_cpp.load_s > 0
-    assert row.brisk.peak_rss_load_bytes >= 0 and row.peak_rss_bytes >= row.brisk.peak_rss_load_bytes
-    assert set(row.brisk.decode_tok_s) == set(row.llama_cpp.decode_tok_s) == {1, 2}
-    d = row.to_dict()
-    assert {"load_s", "rss_bytes", "peak_rss_load_bytes"} <= set(d["brisk"]) and "peak_rss_bytes" in d
+    seen: list[list[str]] = []
+    rows = run_compare(tmp_path / "tiny.gguf", ["q8_0"], prompt, prompt * 2, [1, 2], output_len=3, runs=1,
+                       threads=1, log=lambda m: None, workdir=tmp_path, membw_gbps=10.0,
+                       on_update=lambda rows: seen.append([r.precision for r in rows]))
+    assert seen == [["q8_0"], ["q8_0"]]  # after each engine's run
+    for row in rows:
+        assert row.brisk.error is None and row.llama_cpp.error is None
+        assert row.brisk.load_s > 0 and row.llama_cpp.load_s > 0 and row.brisk.runs == row.llama_cpp.runs == 1
+        assert 0 <= row.brisk.peak_rss_load_bytes <= row.brisk.peak_rss_bytes
+        assert set(row.brisk.decode_tok_s) == set(row.llama_cpp.decode_tok_s) == {1, 2}
+        assert row.achieved_gbps(row.brisk) == pytest.approx(
+            row.weight_bytes_per_token * row.brisk.decode_tok_s[1] / 1e9)
+        d = row.to_dict()
+        assert d["batch1_bandwidth_fraction"]["brisk"] == pytest.approx(d["batch1_gbps"]["brisk"] / 10.0)
+        assert {"load_s", "rss_bytes", "peak_rss_bytes", "error"} <= set(d["brisk"]) and "decode_b2" in d["ratios"]
+    assert rows[0].brisk_setting.startswith("int8 g32")  # the Q8_0 file's own codes
+
+
+def test_a_dead_engine_child_is_reported_with_its_signal(tmp_path):
+    """A child that raises comes back with its traceback; a signal is named, SIGKILL as the likely OOM kill."""
+    from brisk.bench.compare_child import EngineChildError, EngineJob, death_message, run_in_child
+
+    job = EngineJob("brisk", str(tmp_path / "missing.gguf"), "float32", [1, 2], [1, 2], [1], 2, 1, 16)
+    with pytest.raises(EngineChildError, match="failed in its child process"):
+        run_in_child(job)
+    assert "SIGKILL" in death_message("brisk", "m.gguf", -9) and "OOM" in death_message("brisk", "m.gguf", -9)
+    assert "SIGSEGV" in death_message("llama.cpp", "m.gguf", -11)
+    assert "status 3" in death_message("brisk", "m.gguf", 3)
+    assert "within 5 s" in death_message("brisk", "m.gguf", None, 5)

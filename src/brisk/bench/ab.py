@@ -7,7 +7,8 @@ engines that differ in the KV cache (the model dtype vs DTYPE). Decode tok/s exc
 (`brisk.bench.quant.decode_rate`); greedy tokens of both sides are compared; `--ttft N` adds the time to first
 token of one N-token prompt.
 
-`ab-kernels`: two or more versions of a quantized-linear C++ file (e.g. `git show HEAD:...quant_q8.cpp` against
+`ab-kernels`: two or more versions of a quantized-linear C++ file (or of linear_small.cpp, `--op linear_small_m`,
+over a float model's linears or a random-weight `--shape`) (e.g. `git show HEAD:...quant_q8.cpp` against
 the working tree's), each compiled with its op library renamed (brisk_v0, brisk_v1, ...) and brisk's own ISA
 flags, run over every decoder linear of a quantized model in decode order. Outputs are checked against the
 first variant's before timing. Python calls each op, so absolute figures include that call overhead;
@@ -29,7 +30,7 @@ from typing import Any
 import click
 import torch
 
-KERNEL_OPS = ("quant_linear_q8", "quant_linear_q8t", "quant_linear_t")
+KERNEL_OPS = ("quant_linear_q8", "quant_linear_q8t", "quant_linear_t", "linear_small_m")  # the last: float linears
 
 
 @dataclass
@@ -109,10 +110,13 @@ def time_to_first_token(sides: list[EngineSide], prompt_len: int, runs: int = 6)
 
 
 def renamed_source(source: str, index: int) -> str:
-    """The C++ source with its op library renamed to brisk_v{index}, so several versions load side by side."""
+    """The C++ source with its op library renamed to brisk_v{index}, so several versions load side by side: the
+    schema block and every kernel block (a file that registers its kernels with TORCH_LIBRARY_IMPL(brisk, CPU, m)
+    would otherwise define brisk_v{index}'s ops and give them to brisk's, twice)."""
     marker = "TORCH_LIBRARY_FRAGMENT(brisk,"
     if marker not in source:
         raise ValueError(f"the kernel source defines no {marker} ...) block to rename")
+    source = source.replace("TORCH_LIBRARY_IMPL(brisk,", f"TORCH_LIBRARY_IMPL(brisk_v{index},")
     return source.replace(marker, f"TORCH_LIBRARY_FRAGMENT(brisk_v{index},")
 
 
@@ -135,16 +139,26 @@ def build_kernel_variant(path: Path, index: int, op: str) -> Any:
     return getattr(getattr(torch.ops, f"brisk_v{index}"), op).default
 
 
-def kernel_calls(model: str | None, op: str, rows: int, head: bool) -> tuple[list[tuple], int]:
-    """Arguments of every quantized decoder linear (and the lm_head if `head`) in the layout `op` reads, and the
-    bytes of codes and group parameters they stream."""
+def kernel_calls(model: str | None, op: str, rows: int, head: bool, dtype: torch.dtype = torch.float32,
+                 shape: str | None = None) -> tuple[list[tuple], int]:
+    """Arguments of every decoder linear (and the lm_head if `head`) in the layout `op` reads, and the bytes of
+    weights they stream: the quantized layers for the quant ops, the float ones at `dtype` for linear_small_m
+    (`shape`: random weights of that shape, as `--load-format dummy`)."""
     from brisk.model.loader import load_model
-    from brisk.ops.layers import QuantLinear
+    from brisk.ops.layers import FastLinear, QuantLinear
     from brisk.ops.qlinear import set_tiled
 
+    loaded = (load_model(model, dtype=dtype, load_format="dummy", shape=shape) if shape is not None
+              else load_model(model, dtype=dtype))
     calls, nbytes = [], 0
-    for name, mod in load_model(model).model.named_modules():
-        if type(mod) is QuantLinear and ("layers." in name or head):
+    for name, mod in loaded.model.named_modules():
+        if not ("layers." in name or head):
+            continue
+        if op == "linear_small_m" and isinstance(mod, FastLinear):
+            w = mod.weight.detach().contiguous()
+            calls.append((torch.randn(rows, w.shape[1]).to(dtype), w))  # x: [rows, in_features]
+            nbytes += w.numel() * w.element_size()
+        elif op != "linear_small_m" and type(mod) is QuantLinear:
             pw = mod.packed
             set_tiled(pw, op != "quant_linear_q8")
             codebook = (pw.codebook,) if op == "quant_linear_t" else ()  # that op's extra argument
@@ -153,7 +167,9 @@ def kernel_calls(model: str | None, op: str, rows: int, head: bool) -> tuple[lis
                           pw.group_size))
             nbytes += pw.nbytes()
     if not calls:
-        raise ValueError(f"{model or 'the default model'}: no quantized linear layers (pass a brisk quantize folder)")
+        kind = "float" if op == "linear_small_m" else "quantized"
+        raise ValueError(f"{shape or model or 'the default model'}: no {kind} linear layers for {op} (quantized ops "
+                         "need a brisk quantize folder; linear_small_m a float model, or --shape)")
     return calls, nbytes
 
 
@@ -197,12 +213,17 @@ def ab(model: str | None, activations: str, kv_cache_dtype: str | None, batches:
 @click.option("--rows", type=int, default=1, show_default=True, help="Activation rows (the decode batch).")
 @click.option("--passes", type=int, default=60, show_default=True, help="Timed passes per variant.")
 @click.option("--head", is_flag=True, help="Include the lm_head.")
-def ab_kernels(variants: tuple[Path, ...], model: str | None, op: str, rows: int, passes: int, head: bool) -> None:
-    """Same-process A/B of versions of a quantized-linear C++ file over a model's linears."""
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and activations of linear_small_m's float linears.")
+@click.option("--shape", default=None, metavar="NAME|CONFIG",
+              help="Random weights of a shape (llama-3.2-1b, ...) instead of --model, for linear_small_m.")
+def ab_kernels(variants: tuple[Path, ...], model: str | None, op: str, rows: int, passes: int, head: bool,
+               dtype: str, shape: str | None) -> None:
+    """Same-process A/B of versions of a linear C++ file (quantized or linear_small_m) over a model's linears."""
     if len(variants) < 2:
         raise ValueError("give at least two kernel files to compare")
     ops = [build_kernel_variant(p, i, op) for i, p in enumerate(variants)]
-    calls, nbytes = kernel_calls(model, op, rows, head)
+    calls, nbytes = kernel_calls(model, op, rows, head, getattr(torch, dtype), shape)
     reference = [ops[0](*c, None) for c in calls]
     for fn in ops[1:]:
         for c, ref in zip(calls, reference, strict=True):

@@ -266,20 +266,25 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
                    "config.json; its F16 GGUF is written once and cached (~/.cache/brisk/shapes).")
 @click.option("--precisions", default="f32,f16,q8_0,q4_1", show_default=True,
               help="Comma-separated llama.cpp types, each run against brisk's matching setting: f32 (float32), "
-                   "f16 (bfloat16), q8_0 (RTN int8), q4_1 (RTN int4 g32).")
+                   "f16 (bfloat16), q8_0 (int8), q4_1 (int4 g32).")
+@click.option("--brisk-weights", type=click.Choice(["gguf", "rtn"]), default="gguf", show_default=True,
+              help="brisk's weights on the q8_0 / q4_1 rows: gguf = the llama.cpp file itself, its own codes (int8 "
+                   "g32, int4 g32 + min); rtn = brisk's RTN of the source (int8 per channel, int4 g32 asym).")
 @click.option("--batch-sizes", default="1,8,64", show_default=True, help="Decode batch sizes (both engines).")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per decode run.")
 @click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt tokens of the prefill figure.")
 @click.option("--runs", type=int, default=2, show_default=True,
-              help="Alternating runs per figure (brisk, llama.cpp, ...); the best of each is kept.")
+              help="Alternating runs per engine (brisk, llama.cpp, ...; each a child process that loads the model); "
+                   "the best of each figure is kept.")
 @click.option("--threads", type=int, default=None, help="Threads of both engines (default: all cores).")
 @click.option("--membw", "membw_gbps", type=float, default=None,
-              help="Read bandwidth in GB/s for the roofline (default: measure a quick one).")
+              help="Read bandwidth in GB/s for the batch-1 bandwidth fractions (default: measure a quick one).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of decode tokens/s against batch size (needs matplotlib: brisk[bench]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write every number, the command line, date and machine facts to this file.")
+              help="Write every number, the command line, date and machine facts to this file; rewritten after "
+                   "every run, so a benchmark that dies keeps what it measured.")
 @setting_option("kv_cache_dtype", choices=("auto", "bfloat16"),
                 help="brisk's KV cache: auto = the model dtype (float32 for every row but f16), bfloat16 = 16-bit "
                      "like llama.cpp's default f16 cache, which llama.cpp keeps either way.")
@@ -289,15 +294,13 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @setting_option("prepack_weights",
                 help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
                      "bfloat16 weights.")
-def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: str, input_len: int,
-            output_len: int, prefill_len: int,
+def compare(model: str | None, shape: str | None, precisions: str, brisk_weights: str, batch_sizes: str,
+            input_len: int, output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
             json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:
     """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
-    prefill, batched decode, with ratios."""
-    from rich.table import Table
-
-    from brisk.bench.compare import PRECISIONS, check_precisions, plot_compare, run_compare, weight_bytes_per_token
+    prefill, batched decode, with ratios and batch-1 GB/s against the measured bandwidth."""
+    from brisk.bench.compare import PRECISIONS, check_precisions, compare_table, plot_compare, run_compare
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.model.gguf import read_gguf_tokenizer
@@ -315,6 +318,8 @@ def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: 
         raise ValueError(f"--batch-sizes must be positive integers, got {batch_sizes!r}")
     if input_len < 1 or prefill_len < 1:
         raise ValueError(f"--input-len and --prefill-len must be at least 1, got {input_len} and {prefill_len}")
+    if runs < 1 or output_len < 2:
+        raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
     console = report.stderr_console()
     if shape is not None:
         from brisk.bench.shape_gguf import cached_shape_gguf
@@ -339,33 +344,29 @@ def compare(model: str | None, shape: str | None, precisions: str, batch_sizes: 
     prompt = make_prompt(tok, text_ids, 0, input_len)
     prefill = make_prompt(tok, text_ids, 1000, prefill_len)  # another passage: nothing shared with `prompt`
     membw = membw_gbps or measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
+    console.print(f"[dim]memory bandwidth (read): {membw:.1f} GB/s")
+    params = click.get_current_context().params
+
+    def write(rows: list) -> None:  # noqa: ANN001 - list[CompareRow]
+        if json_path:
+            report.write_json(json_path, "compare", params, {"source": str(source), "membw_gbps": membw,
+                                                             "rows": [r.to_dict() for r in rows]})
+
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
                        log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
-                       quant_activations=quant_activations, prepack_weights=prepack_weights)
-    table = Table(title=f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} tokens "
-                        f"(tok/s, all sequences), prefill {prefill_len} tokens (s); best of {runs} alternating runs",
-                  title_justify="left")
-    for col in ("llama.cpp type", "brisk setting", "figure", "brisk", "llama.cpp", "brisk / llama.cpp"):
-        table.add_column(col, justify="left" if col in ("llama.cpp type", "brisk setting", "figure") else "right")
-    for r in rows:
-        table.add_row(r.precision.upper(), r.brisk_setting, f"prefill {prefill_len} (s)", f"{r.brisk.prefill_s:.3f}",
-                      f"{r.llama_cpp.prefill_s:.3f}", f"{r.ratio(None):.2f}x")
-        for b in sizes:
-            table.add_row("", "", f"decode b={b} (tok/s)", f"{r.brisk.decode_tok_s[b]:.1f}",
-                          f"{r.llama_cpp.decode_tok_s[b]:.1f}", f"{r.ratio(b):.2f}x")
-        if 1 in sizes:
-            same = r.brisk.greedy_b1 == r.llama_cpp.greedy_b1
-            table.add_row("", "", "greedy b=1 tokens equal", "yes" if same else "no", "", "")
-        table.add_row("", "", "load (s)", f"{r.brisk.load_s:.2f}", f"{r.llama_cpp.load_s:.2f}", "")
-        table.add_row("", "", "RSS after load + warm-up (MiB)", f"{r.brisk.rss_bytes / 2**20:.0f}",
-                      f"{r.llama_cpp.rss_bytes / 2**20:.0f}", "")
-        table.add_row("", "", "peak RSS over the load (MiB)", f"{r.brisk.peak_rss_load_bytes / 2**20:.0f}", "-", "")
-        table.add_row("", "", "peak RSS over the row, both engines (MiB)", f"{r.peak_rss_bytes / 2**20:.0f}", "", "")
-    Console(width=max(Console().width, 130)).print(table)
-    console.print(f"memory bandwidth (quick read): {membw:.1f} GB/s")
+                       quant_activations=quant_activations, prepack_weights=prepack_weights,
+                       brisk_weights=brisk_weights, membw_gbps=membw, on_update=write)
+    write(rows)
+    Console(width=max(Console().width, 130)).print(
+        compare_table(rows, sizes, f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} "
+                                   f"tokens (tok/s, all sequences), prefill {prefill_len} tokens (s); best of "
+                                   f"{runs} alternating runs; read bandwidth {membw:.1f} GB/s"))
     if plot_path:
-        plot_compare(rows, plot_path, membw, {r.precision: weight_bytes_per_token(source, r.precision) for r in rows})
+        plot_compare(rows, plot_path, membw, {r.precision: r.weight_bytes_per_token for r in rows},
+                     title=f"{source.stem}, {n_threads} threads")
         console.print(f"wrote {plot_path}")
-    if json_path:
-        report.write_json(json_path, "compare", click.get_current_context().params,
-                          {"membw_gbps": membw, "rows": [r.to_dict() for r in rows]})
+    failed = [f"{r.precision} {who}" for r in rows for who, f in (("brisk", r.brisk), ("llama.cpp", r.llama_cpp))
+              if f.error]
+    if failed:
+        raise click.ClickException(f"not every run finished ({', '.join(failed)}): see the messages above")
+

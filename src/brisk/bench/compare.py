@@ -7,9 +7,11 @@ Precision pairs (brisk setting <-> llama.cpp file type):
     q8_0  brisk RTN int8, per channel, symmetric    <-> Q8_0 (32-weight blocks)
     q4_1  brisk RTN int4, 32-weight groups, zero pt <-> Q4_1 (the default model's own file)
 
-Both engines load the same weights (the source GGUF decoded, then re-typed for each side) and run with the
-same number of threads. For each pair the two engines are loaded side by side and measured alternately
-(brisk, llama.cpp, brisk, ...), best of `runs`: a stray process on a 2-core machine only ever slows a run.
+Both engines load the same weights (the source GGUF re-typed to each llama.cpp type; at Q8_0 / Q4_1 brisk
+loads that very file and keeps its codes, or with `--brisk-weights rtn` quantizes the source itself) and run
+with the same number of threads. Each run of each engine is a child process that loads, warms up and measures,
+alternated brisk, llama.cpp, brisk, ... (bench/compare_child.py: one model in memory at a time, a killed child
+reported instead of the whole benchmark dying); best of `runs`: a stray process only ever slows a run.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from __future__ import annotations
 import functools
 import gc
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from brisk.bench import report
+from brisk.bench.compare_child import EngineRun
 from brisk.quant.config import LayerQuant
 
-# name -> (brisk dtype, brisk RTN setting or None, llama.cpp GGUF type)
+# name -> (brisk dtype, brisk RTN setting or None, llama.cpp GGUF type); the dtype is that of an RTN row's
+# activations, a "gguf"-weights int row loads the llama.cpp file itself at --dtype auto (its own codes)
 PRECISIONS: dict[str, tuple[str, LayerQuant | None, str]] = {
     "f32": ("float32", None, "f32"),
     "f16": ("bfloat16", None, "f16"),
@@ -34,18 +36,35 @@ PRECISIONS: dict[str, tuple[str, LayerQuant | None, str]] = {
     "q4_1": ("float32", LayerQuant(bits=4, group_size=32, sym=False), "q4_1"),
 }
 BRISK_LABELS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8 (per channel)", "q4_1": "int4 g32 asym"}
+GGUF_LABELS = {"q8_0": "int8 g32 (the Q8_0 codes)", "q4_1": "int4 g32 + min (the Q4_1 codes)"}
+BRISK_WEIGHTS = ("gguf", "rtn")  # int rows: the llama.cpp file's own codes, or brisk's RTN of the source
 
 
 @dataclass
 class EngineFigures:
+    """Best of an engine's runs (each run a child process: its load, a warm-up, prefill and every batch size)."""
+
     prefill_s: float | None = None
     decode_tok_s: dict[int, float] = field(default_factory=dict)  # batch size -> decode tokens/s
     greedy_b1: list[int] = field(default_factory=list)
-    load_s: float | None = None  # wall seconds from the file to an engine ready to run
-    # resident memory this engine added to the process over its load and warm-up (brisk loads and warms up first,
-    # then llama.cpp: each figure is the growth of the process's RSS over its own phase)
-    rss_bytes: int | None = None
-    peak_rss_load_bytes: int | None = None  # brisk: the process's peak during its load, above the RSS before it
+    load_s: float | None = None  # wall seconds from the file to an engine ready to run (best run)
+    rss_bytes: int | None = None  # resident memory the load and warm-up added to the engine's process
+    peak_rss_load_bytes: int | None = None  # the process's peak during the load, above its RSS before it
+    peak_rss_bytes: int | None = None  # the process's peak from the load on, interpreter and libraries included
+    runs: int = 0  # runs that finished
+    error: str | None = None  # why a run did not finish (the engine's child was killed, crashed or raised)
+
+    def add(self, run: EngineRun) -> None:
+        """Fold in one run: best times and rates (a stray process only ever slows a run), largest memory."""
+        self.prefill_s = min(self.prefill_s or run.prefill_s, run.prefill_s)
+        self.load_s = min(self.load_s or run.load_s, run.load_s)
+        for b, rate in run.decode_tok_s.items():
+            self.decode_tok_s[b] = max(self.decode_tok_s.get(b, 0.0), rate)
+        self.greedy_b1 = run.greedy_b1 or self.greedy_b1
+        self.rss_bytes = max(self.rss_bytes or 0, run.rss_bytes)
+        self.peak_rss_load_bytes = max(self.peak_rss_load_bytes or 0, run.peak_rss_load_bytes)
+        self.peak_rss_bytes = max(self.peak_rss_bytes or 0, run.peak_rss_bytes)
+        self.runs += 1
 
 
 @dataclass
@@ -54,7 +73,8 @@ class CompareRow:
     brisk_setting: str
     brisk: EngineFigures
     llama_cpp: EngineFigures
-    peak_rss_bytes: int | None = None  # the process's peak over the row (both engines), above the RSS before it
+    weight_bytes_per_token: float | None = None  # weights one batch-1 step reads at this precision
+    membw_gbps: float | None = None  # the machine's measured read bandwidth
 
     def ratio(self, batch: int | None) -> float | None:
         """brisk / llama.cpp decode rate at `batch`, or llama.cpp / brisk prefill time (batch None)."""
@@ -64,10 +84,23 @@ class CompareRow:
         a, b = self.brisk.decode_tok_s.get(batch), self.llama_cpp.decode_tok_s.get(batch)
         return a / b if a and b else None
 
+    def achieved_gbps(self, figures: EngineFigures) -> float | None:
+        """Batch-1 weight bytes read per second: weight bytes per token x decode tokens/s."""
+        rate = figures.decode_tok_s.get(1)
+        return self.weight_bytes_per_token * rate / 1e9 if rate and self.weight_bytes_per_token else None
+
+    def bandwidth_fraction(self, figures: EngineFigures) -> float | None:
+        """achieved_gbps as a fraction of the measured read bandwidth (the batch-1 limit)."""
+        gbps = self.achieved_gbps(figures)
+        return gbps / self.membw_gbps if gbps and self.membw_gbps else None
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["ratios"] = {"prefill": self.ratio(None),
-                       **{f"decode_b{b}": self.ratio(b) for b in self.brisk.decode_tok_s}}
+        batches = sorted(set(self.brisk.decode_tok_s) | set(self.llama_cpp.decode_tok_s))
+        d["ratios"] = {"prefill": self.ratio(None), **{f"decode_b{b}": self.ratio(b) for b in batches}}
+        d["batch1_gbps"] = {"brisk": self.achieved_gbps(self.brisk), "llama_cpp": self.achieved_gbps(self.llama_cpp)}
+        d["batch1_bandwidth_fraction"] = {"brisk": self.bandwidth_fraction(self.brisk),
+                                          "llama_cpp": self.bandwidth_fraction(self.llama_cpp)}
         return d
 
 
@@ -108,31 +141,28 @@ def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], N
     return retype_gguf(source, out, gguf_type)
 
 
-def _brisk_prefill_seconds(llm, prompt: list[int]) -> float:  # noqa: ANN001
-    from brisk.engine.sampling_params import SamplingParams
-
-    engine = llm.engine
-    start = time.perf_counter()
-    engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - start
-
-
 def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], prefill_ids: list[int],
                 batch_sizes: list[int], output_len: int, runs: int, threads: int,
                 log: Callable[[str], None] = print, workdir: Path | None = None,
                 kv_cache_dtype: str = "auto", quant_activations: str = "auto",
-                prepack_weights: str = "auto") -> list[CompareRow]:
-    """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b shifted copies).
+                prepack_weights: str = "auto", brisk_weights: str = "gguf", membw_gbps: float | None = None,
+                on_update: Callable[[list[CompareRow]], None] | None = None) -> list[CompareRow]:
+    """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b rotated copies).
     `kv_cache_dtype` and `quant_activations` are brisk's (llama.cpp keeps its defaults: an f16 cache, and
-    activations rounded to 8 bits for its quantized dot products)."""
-    from brisk.bench.llamacpp import LlamaCppModel, require_llama_cpp
-    from brisk.bench.quant import build_checkpoint, decode_rate
-    from brisk.engine.llm import LLM
+    activations rounded to 8 bits for its quantized dot products). `brisk_weights` picks the int rows' weights:
+    "gguf" = the llama.cpp file itself (brisk keeps its codes), "rtn" = brisk's RTN of the source.
+
+    Every run of every engine is a child process of its own (bench/compare_child.py), alternated brisk,
+    llama.cpp, brisk, ...: only one model is in memory at a time, and a child that the kernel kills is reported
+    (in the row's `error` and through `log`) while the other rows still run. `on_update` gets the rows after
+    every run, so a caller can write what is measured so far."""
+    from brisk.bench.compare_child import EngineChildError, EngineJob, run_in_child
+    from brisk.bench.llamacpp import require_llama_cpp
 
     require_llama_cpp()
     check_precisions(source, precisions)  # every one of them, before the first is measured
+    if brisk_weights not in BRISK_WEIGHTS:
+        raise ValueError(f"--brisk-weights must be one of {', '.join(BRISK_WEIGHTS)}, got {brisk_weights!r}")
     if runs < 1 or output_len < 2:
         raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
     seq_len = max(len(prompt_ids) + output_len, len(prefill_ids)) + 16
@@ -140,53 +170,84 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for name in precisions:
             dtype, setting, gguf_type = PRECISIONS[name]
-            gguf_path = gguf_for(source, gguf_type, Path(tmp), log)
-            brisk_path = str(gguf_path) if setting is None else str(Path(tmp) / f"brisk-{name}")
-            if setting is not None:
-                log(f"{name}: quantizing brisk's {BRISK_LABELS[name]} checkpoint ...")
-                build_checkpoint(setting, Path(brisk_path), str(source))
-            ours, theirs = EngineFigures(), EngineFigures()
-            gc.collect()
-            report.reset_peak_rss()
-            rss0 = report.current_rss_bytes()
-            start = time.perf_counter()
-            llm = LLM(brisk_path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
-                      max_model_len=seq_len, kv_cache_memory=_kv_bytes(max(batch_sizes), seq_len),
-                      kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
-                      prepack_weights=prepack_weights)
-            ours.load_s = time.perf_counter() - start
-            ours.peak_rss_load_bytes = report.peak_rss_bytes() - rss0
-            decode_rate(llm, prompt_ids, 1, 4)  # warm-up: kernels built, pages touched
-            ours.rss_bytes = report.current_rss_bytes() - rss0
-            rss1 = report.current_rss_bytes()
-            start = time.perf_counter()
-            with LlamaCppModel(gguf_path, seq_len, n_seq_max=max(batch_sizes), threads=threads) as lc:
-                theirs.load_s = time.perf_counter() - start
-                lc.decode_rate([prompt_ids], 4)
-                theirs.rss_bytes = report.current_rss_bytes() - rss1
-                for r in range(runs):
-                    log(f"{name}: run {r + 1}/{runs} ...")
-                    t = _brisk_prefill_seconds(llm, prefill_ids)
-                    ours.prefill_s = min(ours.prefill_s or t, t)
-                    t = lc.prefill_seconds(prefill_ids)
-                    theirs.prefill_s = min(theirs.prefill_s or t, t)
-                    for b in batch_sizes:
-                        prompts = [prompt_ids[i:] + prompt_ids[:i] for i in range(b)]
-                        rate, toks = decode_rate(llm, prompt_ids, b, output_len)
-                        ours.decode_tok_s[b] = max(ours.decode_tok_s.get(b, 0.0), rate)
-                        rate_lc, toks_lc = lc.decode_rate(prompts, output_len)
-                        theirs.decode_tok_s[b] = max(theirs.decode_tok_s.get(b, 0.0), rate_lc)
-                        if b == 1:
-                            ours.greedy_b1, theirs.greedy_b1 = toks, toks_lc
-            rows.append(CompareRow(name, BRISK_LABELS[name], ours, theirs, report.peak_rss_bytes() - rss0))
-            del llm
+            rtn = setting is not None and brisk_weights == "rtn"
+            row = CompareRow(name, BRISK_LABELS[name] if rtn or setting is None else GGUF_LABELS[name],
+                             EngineFigures(), EngineFigures(), weight_bytes_per_token(source, name), membw_gbps)
+            rows.append(row)
+            try:
+                gguf_path = gguf_for(source, gguf_type, Path(tmp), log)
+                brisk_path = str(gguf_path)
+                if rtn:
+                    brisk_path = str(Path(tmp) / f"brisk-{name}")
+                    log(f"{name}: quantizing brisk's {BRISK_LABELS[name]} checkpoint ...")
+                    _build_checkpoint_in_child(setting, Path(brisk_path), str(source))
+                elif setting is not None:
+                    dtype = "auto"  # the file's own Q8_0 / Q4_1 codes
+            except (EngineChildError, OSError, ValueError) as e:
+                row.brisk.error = row.llama_cpp.error = f"{type(e).__name__}: {e}"
+                log(f"{name}: [red]skipped[/red]: {e}")
+                continue
+            common = dict(prompt_ids=prompt_ids, prefill_ids=prefill_ids, batch_sizes=batch_sizes,
+                          output_len=output_len, threads=threads, seq_len=seq_len)
+            jobs = {"brisk": EngineJob("brisk", brisk_path, dtype, **common,
+                                       kv_cache_memory=_kv_bytes(source, max(batch_sizes), seq_len),
+                                       kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
+                                       prepack_weights=prepack_weights),
+                    "llama.cpp": EngineJob("llama.cpp", str(gguf_path), "", **common)}
+            for r in range(runs):
+                for who, figures in (("brisk", row.brisk), ("llama.cpp", row.llama_cpp)):
+                    if figures.error:
+                        continue  # a child that was killed once would be again: the row keeps what it has
+                    log(f"{name}: {who} run {r + 1}/{runs} ...")
+                    try:
+                        figures.add(run_in_child(jobs[who]))
+                    except EngineChildError as e:
+                        figures.error = str(e)
+                        log(f"{name}: [red]{e}[/red]")
+                    if on_update:
+                        on_update(rows)
             gc.collect()
     return rows
 
 
-def _kv_bytes(batch: int, seq_len: int) -> str:
-    """A KV pool for `batch` sequences of `seq_len` tokens of the default model's size, with room to spare."""
-    return f"{max(256, batch * seq_len * 30 * 2 * 192 * 4 * 3 // 2 // 2**20)}MiB"
+def _build_checkpoint_in_child(setting: LayerQuant, out: Path, source: str) -> None:
+    """brisk's RTN checkpoint of `source`, written by a child (quantizing loads the whole model in float32)."""
+    import multiprocessing
+
+    from brisk.bench.compare_child import EngineChildError
+    from brisk.bench.quant import build_checkpoint
+
+    proc = multiprocessing.get_context("spawn").Process(target=build_checkpoint, args=(setting, out, source))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise EngineChildError(f"quantizing {source} at {setting} failed in its child process (exit status "
+                               f"{proc.exitcode}; negative = killed by that signal, -9 most likely out of memory)")
+
+
+def _kv_bytes(source: Path, batch: int, seq_len: int) -> str:
+    """brisk's KV pool: `batch` sequences of `seq_len` tokens of the source's shape in float32, half again as
+    much to spare (the pool is allocated up front: the figure must fit, not just hold the largest batch)."""
+    layers, kv_dim = _kv_shape(str(source))
+    per_token = layers * 2 * kv_dim * 4  # K and V, float32
+    return f"{max(256, batch * seq_len * per_token * 3 // 2 // 2**20)}MiB"
+
+
+@functools.cache
+def _kv_shape(source: str) -> tuple[int, int]:
+    """(layers, kv heads x head dim) from a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(source).fields
+    arch = fields["general.architecture"].contents()
+
+    def get(key: str) -> int | None:
+        f = fields.get(f"{arch}.{key}")
+        return int(f.contents()) if f is not None else None
+
+    heads = get("attention.head_count") or 1
+    head_dim = get("attention.key_length") or (get("embedding_length") or 0) // heads
+    return get("block_count") or 0, (get("attention.head_count_kv") or heads) * head_dim
 
 
 # bytes per weight of each llama.cpp type: F32, F16, Q8_0 (32 int8 + an f16 scale), Q4_1 (32 nibbles + f16 d, m)
@@ -211,7 +272,7 @@ def _element_counts(source: str) -> tuple[int, int]:
 
 
 def plot_compare(rows: list[CompareRow], path: str | Path, membw_gbps: float | None = None,
-                 weight_bytes: dict[str, float] | None = None) -> None:
+                 weight_bytes: dict[str, float] | None = None, title: str = "decode") -> None:
     """Decode tokens/s against batch size, one line per engine and precision (log-log)."""
     import matplotlib
 
@@ -232,9 +293,46 @@ def plot_compare(rows: list[CompareRow], path: str | Path, membw_gbps: float | N
     ax.set_yscale("log")
     ax.set_xlabel("concurrent sequences (batch size)")
     ax.set_ylabel("decode tokens/s (all sequences)")
-    ax.set_title("SmolLM2-135M decode on 2 CPU cores: brisk vs llama.cpp\n(dotted: batch-1 bandwidth roofline)")
+    ax.set_title(f"{title}: brisk vs llama.cpp\n(dotted: batch-1 bandwidth roofline)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def compare_table(rows: list[CompareRow], sizes: list[int], title: str):  # noqa: ANN201 - a rich Table
+    """The rows of `bench compare` as a table; a figure that was not measured (its engine's child died) is '-'."""
+    from rich.table import Table
+
+    def fmt(x: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if x is None else f"{x:{spec}}{suffix}"
+
+    def mib(x: int | None) -> str:
+        return fmt(None if x is None else x / 2**20, ".0f")
+
+    table = Table(title=title, title_justify="left")
+    for col in ("llama.cpp type", "brisk setting", "figure", "brisk", "llama.cpp", "brisk / llama.cpp"):
+        table.add_column(col, justify="left" if col in ("llama.cpp type", "brisk setting", "figure") else "right")
+    for r in rows:
+        ours, theirs = r.brisk, r.llama_cpp
+        table.add_row(r.precision.upper(), r.brisk_setting, "prefill (s)", fmt(ours.prefill_s, ".3f"),
+                      fmt(theirs.prefill_s, ".3f"), fmt(r.ratio(None), ".2f", "x"))
+        for b in sizes:
+            table.add_row("", "", f"decode b={b} (tok/s)", fmt(ours.decode_tok_s.get(b), ".1f"),
+                          fmt(theirs.decode_tok_s.get(b), ".1f"), fmt(r.ratio(b), ".2f", "x"))
+        if 1 in sizes:
+            table.add_row("", "", "b=1 weights GB/s (fraction of the bandwidth)",
+                          f"{fmt(r.achieved_gbps(ours), '.1f')} ({fmt(r.bandwidth_fraction(ours), '.0%')})",
+                          f"{fmt(r.achieved_gbps(theirs), '.1f')} ({fmt(r.bandwidth_fraction(theirs), '.0%')})", "")
+            if ours.greedy_b1 and theirs.greedy_b1:
+                table.add_row("", "", "greedy b=1 tokens equal", "yes" if ours.greedy_b1 == theirs.greedy_b1
+                              else "no", "", "")
+        table.add_row("", "", "load (s)", fmt(ours.load_s, ".2f"), fmt(theirs.load_s, ".2f"), "")
+        table.add_row("", "", "RSS added by load + warm-up (MiB)", mib(ours.rss_bytes), mib(theirs.rss_bytes), "")
+        table.add_row("", "", "peak RSS of the engine's process (MiB)", mib(ours.peak_rss_bytes),
+                      mib(theirs.peak_rss_bytes), "")
+        for who, f in (("brisk", ours), ("llama.cpp", theirs)):
+            if f.error:
+                table.add_row("", "", f"{who}: not measured", f.error.splitlines()[0][:100], "", "")
+    return table

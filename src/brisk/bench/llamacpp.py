@@ -39,6 +39,16 @@ def require_llama_cpp() -> Any:
     return llama_cpp
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU reports AMX tiles. llama.cpp's extra buffer types (its AMX copies of Q4/Q8 weights, and its
+    repacked CPU layouts) are then left off by default: llama-cpp-python 0.3.36 built with GGML_NATIVE on such a
+    CPU segfaults in `ggml_backend_amx_mul_mat` on the first multi-token batch (prefill, batched decode). F32 and
+    F16 weights never use them; Q8_0 / Q4_1 then run on ggml's AVX-512 dot products, as on a CPU without AMX."""
+    from brisk.ops.isa import cpu_flags
+
+    return bool({"amx_int8", "amx_tile"} & cpu_flags())
+
+
 _silenced = False
 
 
@@ -57,12 +67,16 @@ class LlamaCppModel:
     """One GGUF file loaded by llama.cpp with a context for up to `n_seq_max` sequences of `seq_len` tokens."""
 
     def __init__(self, path: str | Path, seq_len: int, n_seq_max: int = 1, threads: int = 2,
-                 n_batch: int = 512) -> None:
+                 n_batch: int = 512, extra_buffers: bool | None = None) -> None:
         lib = require_llama_cpp()
         self.lib = lib
         _silence_logs(lib)
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
+        if extra_buffers is None:
+            extra_buffers = not cpu_has_amx()
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = extra_buffers
         self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {path}")
