@@ -82,6 +82,8 @@ class DriverRunner(_ShardRunner):
     """Rank 0: sends each step to the workers, runs its own shard, samples; any failure shuts everything down."""
 
     failed: ParallelError | None = None
+    rank_weight_bytes: list[int] = []  # every rank's weight bytes, in rank order (start-up; see the log line)
+    full_weight_bytes: int = 0  # the whole model's, before it was cut
 
     def _broadcast(self, obj: Any) -> None:
         for rank in range(1, self.state.group.size):
@@ -264,6 +266,7 @@ def make_parallel_runner(config: Any, model: LlamaForCausalLM, num_blocks: int, 
     group = state.group
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     hidden_size = model.config.hidden_size
+    full_bytes = weight_bytes(model)
     if tp > 1:
         shard_model(model, group)
         cls: type[_ShardRunner] = DriverRunner if state.is_driver else _ShardRunner
@@ -282,12 +285,20 @@ def make_parallel_runner(config: Any, model: LlamaForCausalLM, num_blocks: int, 
         runner.timeout = float(config.distributed_timeout)
         try:
             launch.wait_ready(state, float(config.distributed_timeout))
-        except ParallelError:
+            runner.rank_weight_bytes = launch.gather_weight_bytes(state, runner.weight_bytes) or []
+        except (ParallelError, RuntimeError):
             launch.shutdown(state)
             raise
+        runner.full_weight_bytes = full_bytes
+        # a warning, as the kernel builds' start-up line: printed with no logging set up
+        per_rank = runner.rank_weight_bytes
+        logger.warning("brisk: parallel engine (tensor %d x pipeline %d): weights per rank %s MiB, %s of the "
+                       "whole model's %.1f MiB", tp, pp, ", ".join(f"{b / 2**20:.1f}" for b in per_rank),
+                       ", ".join(f"{b / full_bytes:.2f}" for b in per_rank), full_bytes / 2**20)
         return runner
     if not state.spawned:  # an inherited worker process: serve here, then leave
         dist.monitored_barrier(group=group.cpu_group, timeout=timedelta(seconds=config.distributed_timeout))
+        launch.gather_weight_bytes(state, runner.weight_bytes)
         try:
             runner.serve()
         finally:
