@@ -76,9 +76,29 @@ def test_tensor_parallel_engine_equals_single(tmp_path):
     assert all(not p.is_alive() for p in procs)  # no leaked worker
 
 
-def test_pipeline_parallel_is_refused():
-    with pytest.raises(ValueError, match="pipeline parallelism is not finished"):
-        LLM(pipeline_parallel_size=2)
+def test_pipeline_parallel_engine_equals_single(tmp_path):
+    """Two stages, requests of several lengths arriving while others decode: the micro-batches take turns, and
+    greedy tokens equal the single engine's."""
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 17, 33, 2, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=256).generate(prompts, params)]
+    llm = LLM(str(path), max_model_len=256, pipeline_parallel_size=2, distributed_timeout=30)
+    try:
+        procs = list(llm.engine.runner.state.procs)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.runner.max_in_flight == 2  # both stages had a micro-batch
+    finally:
+        llm.engine.shutdown()
+    assert out == ref
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_tensor_times_pipeline_is_refused():
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):
+        LLM(tensor_parallel_size=2, pipeline_parallel_size=2)
 
 
 def test_a_killed_worker_fails_the_engine_clearly_and_frees_it(tmp_path):

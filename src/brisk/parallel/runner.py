@@ -161,8 +161,7 @@ class _StageMixin:
             x, cos, sin = model.prologue(ids, positions, meta, context_lens)  # [T, hidden], [T, d/2] x 2
             residual = None
         else:
-            assert model.rope is not None
-            cos, sin = model.rope.cos_sin(positions, context_lens)
+            cos, sin = model.cos_sin(positions, context_lens)  # [T, d/2]
             both = group.recv(torch.empty((2, t, self.hidden_size), dtype=self.dtype), rank - 1)  # [2, T, hidden]
             x, residual = both[0], both[1].clone()
         for layer, kv in zip(model.model.layers, self.kv_caches, strict=True):
@@ -189,6 +188,7 @@ class PipelineDriverRunner(_StageMixin, DriverRunner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.in_flight: deque[_InFlight] = deque()
+        self.max_in_flight = 0  # the most micro-batches that were in flight at once
         self._collecting: _InFlight | None = None
 
     def submit(self, sched: SchedulerOutput) -> None:
@@ -201,12 +201,14 @@ class PipelineDriverRunner(_StageMixin, DriverRunner):
                 self.copy_blocks(sched.block_copies)
                 prepared = ModelRunner.prepare(self, sched)
                 ids, positions, meta, context_lens = prepared
-                n = 0 if meta.logits_indices is None else int(meta.logits_indices.numel())
+                # the rows compute_logits keeps: logits_indices, or every row (None: a batch of decodes)
+                n = ids.shape[0] if meta.logits_indices is None else int(meta.logits_indices.numel())
                 logits = torch.empty((n, self.vocab_size), dtype=self.dtype)
                 _StageMixin.run_forward(self, ids, positions, meta, context_lens)
         except RuntimeError as e:
             raise self._fail(e) from e
         self.in_flight.append(_InFlight(sched, prepared, logits, time.perf_counter()))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
     def collect(self, requests: Mapping[str, Request]) -> tuple[SchedulerOutput, RunnerOutput]:
         """The oldest micro-batch's RunnerOutput (its logits received from the last stage, then sampled)."""

@@ -270,15 +270,17 @@ def shard_model(model: nn.Module, group: Group) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each storage counted once."""
-    seen: set[int] = set()
+    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each tensor counted once (tied
+    weights share one). Counted per tensor, not per storage: a loader may place many tensors in one buffer, of
+    which a pipeline stage keeps only its layers'."""
+    seen: set[tuple[int, int]] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.device.type == "meta":
             continue
-        key = t.untyped_storage().data_ptr()
+        key = (t.data_ptr(), t.numel())
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += t.numel() * t.element_size()
     return total
