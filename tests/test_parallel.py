@@ -202,8 +202,8 @@ def test_replica_args_and_prefix_policy():
     from brisk.serve.router import CHUNK, RouterPolicy, replica_args
 
     argv = ["--model", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0", "--router-policy",
-            "prefix", "--num-threads", "1"]
-    assert replica_args(argv, 2) == ["--model", "m", "--num-threads", "1"]
+            "prefix", "--threads", "1"]
+    assert replica_args(argv, 2) == ["--model", "m", "--threads", "1"]
     router = RouterPolicy(2, "prefix")
     a, b = "A" * (4 * CHUNK), "B" * (4 * CHUNK)
     first = router.choose(a + "question one")

@@ -276,7 +276,7 @@ def create_router_app(urls: list[str], policy: str = "prefix", *,
 def replica_args(argv: list[str], num_replicas: int) -> list[str]:
     """A replica's `brisk serve` arguments: the command's own, less the router's (--data-parallel-size,
     --router-policy) and the address (each replica gets its own port), with threads // N torch threads each
-    unless --num-threads was given."""
+    unless --threads was given."""
     drop = {"--data-parallel-size", "--router-policy", "--host", "--port"}
     out, skip = [], False
     for a in argv:
@@ -288,8 +288,8 @@ def replica_args(argv: list[str], num_replicas: int) -> list[str]:
             skip = "=" not in a
             continue
         out.append(a)
-    if not any(a.split("=", 1)[0] == "--num-threads" for a in out):
-        out += ["--num-threads", str(max(1, (os.cpu_count() or 1) // num_replicas))]
+    if not any(a.split("=", 1)[0] == "--threads" for a in out):
+        out += ["--threads", str(max(1, (os.cpu_count() or 1) // num_replicas))]
     return out
 
 
