@@ -217,7 +217,7 @@ def test_replica_args_and_prefix_policy():
 
 
 def _shared_prompt_hit_rate(path, policy: str) -> tuple[float, list[int]]:
-    """8 system prompts x 4 questions, in shuffled order, through `brisk serve --data-parallel-size 2`: the
+    """8 system prompts x 3 questions, in shuffled order, through `brisk serve --data-parallel-size 2`: the
     prefix-cache hit rate summed over the replicas (tokens), and how many requests each replica got."""
     import random
 
@@ -230,7 +230,7 @@ def _shared_prompt_hit_rate(path, policy: str) -> tuple[float, list[int]]:
     rng = random.Random(0)
     words = "apple river stone cloud lamp forest engine paper violet copper harbour window".split()
     systems = [f"System {i}: " + " ".join(rng.choice(words) for _ in range(40)) for i in range(8)]
-    prompts = [f"{s}\nQuestion {j}: {rng.choice(words)}?" for s in systems for j in range(4)]
+    prompts = [f"{s}\nQuestion {j}: {rng.choice(words)}?" for s in systems for j in range(3)]
     rng.shuffle(prompts)
     server = ServerProcess(["--model", str(path), "--served-model-name", "tiny", "--max-model-len", "512",
                             "--kv-cache-memory", "8MiB", "--data-parallel-size", "2", "--router-policy", policy],
@@ -238,7 +238,7 @@ def _shared_prompt_hit_rate(path, policy: str) -> tuple[float, list[int]]:
     with server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
         for p in prompts:
-            out = client.completions.create(model="tiny", prompt=p, max_tokens=2, temperature=0)
+            out = client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0)
             assert out.choices[0].text is not None
         stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=3, temperature=0,
                                            stream=True)
@@ -263,5 +263,5 @@ def test_data_parallel_prefix_routing_beats_round_robin(tmp_path):
     round_robin, sent_rr = _shared_prompt_hit_rate(path, "round-robin")
     print(f"prefix-cache hit rate: prefix-aware {prefix:.3f} (requests per replica {sent}), "
           f"round-robin {round_robin:.3f} ({sent_rr})")
-    assert sent_rr == [17, 16] and min(sent) > 0  # both replicas served
+    assert sent_rr == [13, 12] and min(sent) > 0  # both replicas served
     assert prefix > round_robin
