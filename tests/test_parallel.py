@@ -30,10 +30,28 @@ def _quant_linear(n: int, k: int, bits: int, group: int) -> QuantLinear:
     return QuantLinear(pw, None, LayerQuant(bits=bits, group_size=group))
 
 
-@pytest.mark.parametrize("kind", ["float", "int4", "int8"])
+def _min_form_linear(n: int, k: int, group: int) -> QuantLinear:
+    """4-bit codes with float minimums (w = scale * q + min), the form GGUF's Q4_1 and K-quants load as."""
+    from brisk.ops.qlinear import _finish
+    from brisk.quant.config import LayerQuant
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01 + 0.001).half()
+    mins = (torch.rand(n, k // group, generator=g) * -0.05).half()
+    return QuantLinear(_finish(q, 4, group, k, pack(q, 4), scales, mins, None), None, LayerQuant(bits=4,
+                                                                                              group_size=group))
+
+
+@pytest.mark.parametrize("kind", ["float", "int4", "int8", "int4-min"])
 def test_row_and_column_shards_equal_full_linear(kind):
     n, k = 64, 128
-    lin = _float_linear(n, k) if kind == "float" else _quant_linear(n, k, 4 if kind == "int4" else 8, 32)
+    if kind == "float":
+        lin = _float_linear(n, k)
+    elif kind == "int4-min":
+        lin = _min_form_linear(n, k, 32)
+    else:
+        lin = _quant_linear(n, k, 4 if kind == "int4" else 8, 32)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
     full = lin(x)
     # column-parallel: each rank's rows, concatenated

@@ -31,7 +31,7 @@ from torch import nn
 
 from brisk.ops.layers import FastLinear, QuantLinear
 from brisk.ops.linear import prepack_weight
-from brisk.ops.qlinear import PackedWeight, can_tile, prepack, prepack_nf4, set_tiled, unpack_codes
+from brisk.ops.qlinear import PackedWeight, _finish, can_tile, prepack, prepack_nf4, set_tiled, unpack_codes
 from brisk.parallel.comm import Group
 from brisk.quant.primitives import pack
 
@@ -123,7 +123,10 @@ def _packed_slice(pw: PackedWeight, rows: Ranges | None, cols: tuple[int, int] |
         zeros = None if zeros is None else zeros[:, a // g:b // g].contiguous()
         k = b - a
     qweight = pack(q, pw.bits)
-    if pw.codebook is not None:
+    if pw.float_mins:  # GGUF's w = scale * q + min (Q4_1, K-quants): scales and mins kept as they are
+        assert zeros is not None
+        out = _finish(q, pw.bits, g, k, qweight, scales.contiguous(), zeros.contiguous(), None)
+    elif pw.codebook is not None:
         out = prepack_nf4(qweight, scales, g, k, pw.codebook)
     else:
         out = prepack(qweight, scales, zeros, pw.bits, g, k)
