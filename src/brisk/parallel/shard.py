@@ -197,13 +197,12 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits of the vocabulary slice [start, end) on every rank, gathered on rank 0 (which samples): rank 0 gets
-    [N, vocab], the others their own [N, V_r] (which nobody reads)."""
+    [N, vocab], the others their own [N, V_r] (which nobody reads). `inner` is this rank's slice of the head's
+    rows (float or quantized, cut_linear)."""
 
-    def __init__(self, weight: torch.Tensor, ranges: list[tuple[int, int]], rank: int, group: Group) -> None:
+    def __init__(self, inner: nn.Module, ranges: list[tuple[int, int]], rank: int, group: Group) -> None:
         super().__init__()
-        start, end = ranges[rank]
-        self.inner = FastLinear(weight.shape[1], end - start, bias=False, device="meta")
-        self.inner.weight = nn.Parameter(weight[start:end].detach().contiguous(), requires_grad=False)
+        self.inner = inner
         self.ranges, self.group = ranges, group
         self.max_rows = max(b - a for a, b in ranges)  # slices are padded to this for the gather
 
@@ -259,15 +258,13 @@ def shard_model(model: nn.Module, group: Group) -> None:
         attn.num_heads, attn.num_kv_heads = hs.num_heads, hs.num_kv_heads
     vocab = split_evenly(c.vocab_size, world)
     embed, head = model.model.embed_tokens, model.lm_head
-    tied = type(head) in (nn.Linear, FastLinear) and type(embed) is nn.Embedding and head.weight is embed.weight
     if type(embed) is nn.Embedding:
         model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *vocab[rank], group)
     # a quantized embedding stays whole on every rank (each looks its rows up itself: no all-reduce)
-    if type(head) in (nn.Linear, FastLinear) and head.bias is None:
-        model.lm_head = ParallelLMHead(embed.weight if tied else head.weight, vocab, rank, group)
-    else:
-        raise ShardingError(f"tensor parallelism cannot split an lm_head of type {type(head).__name__}; use a "
-                            "float lm_head")
+    if head.bias is not None or type(head) not in (nn.Linear, FastLinear, QuantLinear):
+        raise ShardingError(f"tensor parallelism cannot split an lm_head of type {type(head).__name__} (with a "
+                            "bias or custom); use a float or quantized lm_head without bias")
+    model.lm_head = ParallelLMHead(cut_linear(head, rows=[vocab[rank]]), vocab, rank, group)
     model.config = dataclasses.replace(c, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads,
                                        intermediate_size=i1 - i0, head_dim=d)
 
