@@ -30,10 +30,28 @@ def _quant_linear(n: int, k: int, bits: int, group: int) -> QuantLinear:
     return QuantLinear(pw, None, LayerQuant(bits=bits, group_size=group))
 
 
-@pytest.mark.parametrize("kind", ["float", "int4", "int8"])
+def _min_form_linear(n: int, k: int, group: int) -> QuantLinear:
+    """4-bit codes with float minimums (w = scale * q + min), the form GGUF's Q4_1 and K-quants load as."""
+    from brisk.ops.qlinear import _finish
+    from brisk.quant.config import LayerQuant
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01 + 0.001).half()
+    mins = (torch.rand(n, k // group, generator=g) * -0.05).half()
+    return QuantLinear(_finish(q, 4, group, k, pack(q, 4), scales, mins, None), None, LayerQuant(bits=4,
+                                                                                              group_size=group))
+
+
+@pytest.mark.parametrize("kind", ["float", "int4", "int8", "int4-min"])
 def test_row_and_column_shards_equal_full_linear(kind):
     n, k = 64, 128
-    lin = _float_linear(n, k) if kind == "float" else _quant_linear(n, k, 4 if kind == "int4" else 8, 32)
+    if kind == "float":
+        lin = _float_linear(n, k)
+    elif kind == "int4-min":
+        lin = _min_form_linear(n, k, 32)
+    else:
+        lin = _quant_linear(n, k, 4 if kind == "int4" else 8, 32)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
     full = lin(x)
     # column-parallel: each rank's rows, concatenated
@@ -58,21 +76,47 @@ def test_tensor_parallel_engine_equals_single(tmp_path):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 17, 33, 2)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=256).generate(prompts, params)]
+    single = LLM(str(path), max_model_len=256)
+    ref = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    [full] = single.engine.rank_weight_bytes()
     llm = LLM(str(path), max_model_len=256, tensor_parallel_size=2, distributed_timeout=30)
     try:
         runner = llm.engine.runner
         procs = list(runner.state.procs)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        per_rank = llm.engine.rank_weight_bytes()
     finally:
         llm.engine.shutdown()
     assert out == ref
+    # each rank holds about half the single engine's weights (the norms are whole on both)
+    assert runner.full_weight_bytes == full
+    assert len(per_rank) == 2 and all(0.45 < b / full < 0.55 for b in per_rank), (per_rank, full)
     assert all(not p.is_alive() for p in procs)  # no leaked worker
 
 
-def test_pipeline_parallel_is_refused():
-    with pytest.raises(ValueError, match="pipeline parallelism is not finished"):
-        LLM(pipeline_parallel_size=2)
+def test_pipeline_parallel_engine_equals_single(tmp_path):
+    """Two stages, requests of several lengths arriving while others decode: the micro-batches take turns, and
+    greedy tokens equal the single engine's."""
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 17, 33, 2, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=256).generate(prompts, params)]
+    llm = LLM(str(path), max_model_len=256, pipeline_parallel_size=2, distributed_timeout=30)
+    try:
+        procs = list(llm.engine.runner.state.procs)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.runner.max_in_flight == 2  # both stages had a micro-batch
+    finally:
+        llm.engine.shutdown()
+    assert out == ref
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_tensor_times_pipeline_is_refused():
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):
+        LLM(tensor_parallel_size=2, pipeline_parallel_size=2)
 
 
 def test_a_killed_worker_fails_the_engine_clearly_and_frees_it(tmp_path):
@@ -137,3 +181,109 @@ def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(tmp_path):
         assert "the engine is down" in server.log()
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------- the default model (slow)
+_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+            "The three laws of thermodynamics are", "import numpy as np\n", "My favourite recipe for bread:",
+            "Q: What is 17 times 23?\nA:", "The history of the Roman Empire begins"]
+
+
+def _default_model_outputs(**parallel: int) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """Greedy tokens (8 prompts x 64) and the logprobs of each prompt's first token (the prefill's logits, less
+    their logsumexp) on the default model in float32, single-process or parallel."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=8)
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory="64MiB", distributed_timeout=120, **parallel)
+    try:
+        outs = llm.generate(_PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], [dict(o.outputs[0].logprobs[0]) for o in outs]
+
+
+def _assert_same(ref: tuple, got: tuple) -> None:
+    assert got[0] == ref[0]
+    for want, have in zip(ref[1], got[1], strict=True):
+        assert set(have) == set(want)
+        assert max(abs(have[t] - want[t]) for t in want) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_default_model_parallel_equals_single(parallel):
+    _assert_same(_default_model_outputs(), _default_model_outputs(**parallel))
+
+
+# ---------------------------------------------------------------------------- data-parallel replicas
+def test_replica_args_and_prefix_policy():
+    from brisk.serve.router import CHUNK, RouterPolicy, replica_args
+
+    argv = ["--model", "m", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0", "--router-policy",
+            "prefix", "--threads", "1"]
+    assert replica_args(argv, 2) == ["--model", "m", "--threads", "1"]
+    router = RouterPolicy(2, "prefix")
+    a, b = "A" * (4 * CHUNK), "B" * (4 * CHUNK)
+    first = router.choose(a + "question one")
+    router.in_flight[first[0]] += 1  # still running: a new prompt goes to the other replica
+    other = router.choose(b + "question one")
+    assert other == (1 - first[0], "load")
+    assert router.choose(a + "question two") == (first[0], "prefix")  # its prefix, though that replica is busier
+    assert router.choose(b + "question two") == (other[0], "prefix")
+    with pytest.raises(ValueError, match="router policy"):
+        RouterPolicy(2, "random")
+
+
+def _shared_prompt_hit_rate(path, policy: str) -> tuple[float, list[int]]:
+    """8 system prompts x 3 questions, in shuffled order, through `brisk serve --data-parallel-size 2`: the
+    prefix-cache hit rate summed over the replicas (tokens), and how many requests each replica got."""
+    import random
+
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from brisk.serve.process import ServerProcess
+
+    rng = random.Random(0)
+    words = "apple river stone cloud lamp forest engine paper violet copper harbour window".split()
+    systems = [f"System {i}: " + " ".join(rng.choice(words) for _ in range(40)) for i in range(8)]
+    prompts = [f"{s}\nQuestion {j}: {rng.choice(words)}?" for s in systems for j in range(3)]
+    rng.shuffle(prompts)
+    server = ServerProcess(["--model", str(path), "--served-model-name", "tiny", "--max-model-len", "512",
+                            "--kv-cache-memory", "8MiB", "--data-parallel-size", "2", "--router-policy", policy],
+                           startup_timeout_s=240)
+    with server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+        for p in prompts:
+            out = client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0)
+            assert out.choices[0].text is not None
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=3, temperature=0,
+                                           stream=True)
+        chunks = list(stream)  # a stream through the router stays a stream (tokens may share a chunk)
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "replica" in s.labels:
+                key = (s.name, s.labels["replica"])
+                values[key] = values.get(key, 0.0) + s.value
+    hits = sum(v for (n, _), v in values.items() if n == "brisk_prefix_cache_hits_total")
+    queries = sum(v for (n, _), v in values.items() if n == "brisk_prefix_cache_queries_total")
+    sent = [int(values.get(("brisk_router_requests_total", str(r)), 0)) for r in range(2)]
+    return hits / queries, sent
+
+
+def test_data_parallel_prefix_routing_beats_round_robin(tmp_path):
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # the two servers side by side: most of the time is their start-up
+        runs = [pool.submit(_shared_prompt_hit_rate, path, policy) for policy in ("prefix", "round-robin")]
+        (prefix, sent), (round_robin, sent_rr) = (r.result() for r in runs)
+    print(f"prefix-cache hit rate: prefix-aware {prefix:.3f} (requests per replica {sent}), "
+          f"round-robin {round_robin:.3f} ({sent_rr})")
+    assert sent_rr == [13, 12] and min(sent) > 0  # both replicas served
+    assert prefix > round_robin

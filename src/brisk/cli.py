@@ -169,10 +169,22 @@ def chat(system: str | None, **kw: Any) -> None:
 @click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
 @click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
               help="With --enable-lora: a PEFT adapter served as model NAME (repeatable).")
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas (each a whole server on its own port and threads // N) behind one router.")
+@click.option("--router-policy", type=click.Choice(["prefix", "round-robin"]), default="prefix", show_default=True,
+              help="With --data-parallel-size: send a request to the replica holding its longest cached prefix "
+                   "(else the least loaded), or round-robin.")
 @engine_options()
 def serve(host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
-          cors_origins: str | None, max_request_bytes: str, lora_modules: tuple[str, ...], **kw: Any) -> None:
+          cors_origins: str | None, max_request_bytes: str, lora_modules: tuple[str, ...], data_parallel_size: int,
+          router_policy: str, **kw: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    if data_parallel_size > 1:  # replicas behind a router (serve/router.py)
+        from brisk.serve.router import run_router
+
+        argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+        run_router(argv, data_parallel_size, router_policy, host=host, port=port)
+        return
     from brisk.serve.app import ServerConfig, run_server
 
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()] if cors_origins else []

@@ -395,7 +395,7 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, help="Tensor-parallel ranks: heads, MLP and vocabulary split over N processes (torch.distributed).")
     pipeline_parallel_size: int = setting(
-        1, help="Pipeline-parallel ranks (not finished: only 1 is accepted).")
+        1, help="Pipeline-parallel ranks: contiguous layer stages over N processes, several micro-batches in flight.")
     nnodes: int = setting(1, help="Machines the parallel ranks span (each runs this command with its --node-rank).")
     node_rank: int = setting(0, help="This machine's index among --nnodes (0 = the driver's).")
     master_addr: str = setting("127.0.0.1", help="Address of node 0 for the ranks' rendezvous.")
@@ -468,8 +468,6 @@ def check_parallel(config: EngineConfig) -> None:
     if tp > 1 and pp > 1:
         raise ValueError("tensor and pipeline parallelism together are not built; use tensor_parallel_size or "
                          "pipeline_parallel_size, not both")
-    if pp > 1:
-        raise ValueError("pipeline parallelism is not finished in this version of brisk; use tensor_parallel_size")
     world = tp * pp
     if config.nnodes < 1 or world % config.nnodes:
         raise ValueError(f"nnodes ({config.nnodes}) must divide the {world} parallel ranks")

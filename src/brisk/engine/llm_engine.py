@@ -365,6 +365,15 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def rank_weight_bytes(self) -> list[int]:
+        """Bytes of parameters and buffers each rank holds, in rank order (one entry in a single process)."""
+        per_rank = getattr(self.runner, "rank_weight_bytes", None)
+        if per_rank:
+            return list(per_rank)
+        from brisk.parallel.shard import weight_bytes
+
+        return [weight_bytes(self.loaded.model)]
+
     def shutdown(self) -> None:
         """Free what outlives the engine object: a parallel engine's worker processes and process group."""
         stop = getattr(self.runner, "shutdown", None)

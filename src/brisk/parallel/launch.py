@@ -146,6 +146,14 @@ def wait_ready(state: ParallelState, timeout: float) -> None:
         raise ParallelError(f"a worker failed to start: {worker_errors(state) or e}") from e
 
 
+def gather_weight_bytes(state: ParallelState, nbytes: int) -> list[int] | None:
+    """Every rank's weight bytes (parameters and buffers of its shard), on the driver in rank order; None on the
+    workers. Every rank calls it once, right after the start-up barrier."""
+    parts: list[int] | None = [0] * state.group.size if state.is_driver else None
+    dist.gather_object(int(nbytes), parts, dst=0, group=state.group.cpu_group)
+    return parts
+
+
 def worker_errors(state: ParallelState) -> str:
     """What the spawned workers reported before failing, and which of them died (exit codes)."""
     lines = []
@@ -205,6 +213,7 @@ def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, t
         engine = LLMEngine(config)  # its runner is this rank's worker runner (parallel/runner.py)
         conn.send(("ready", ""))
         dist.monitored_barrier(group=_STATE.group.cpu_group, timeout=timedelta(seconds=config.distributed_timeout))
+        gather_weight_bytes(_STATE, engine.runner.weight_bytes)
         engine.runner.serve()
     except BaseException as e:  # the driver reads this before it reports the failure
         try:

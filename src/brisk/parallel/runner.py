@@ -82,6 +82,8 @@ class DriverRunner(_ShardRunner):
     """Rank 0: sends each step to the workers, runs its own shard, samples; any failure shuts everything down."""
 
     failed: ParallelError | None = None
+    rank_weight_bytes: list[int] = []  # every rank's weight bytes, in rank order (start-up; see the log line)
+    full_weight_bytes: int = 0  # the whole model's, before it was cut
 
     def _broadcast(self, obj: Any) -> None:
         for rank in range(1, self.state.group.size):
@@ -159,8 +161,7 @@ class _StageMixin:
             x, cos, sin = model.prologue(ids, positions, meta, context_lens)  # [T, hidden], [T, d/2] x 2
             residual = None
         else:
-            assert model.rope is not None
-            cos, sin = model.rope.cos_sin(positions, context_lens)
+            cos, sin = model.cos_sin(positions, context_lens)  # [T, d/2]
             both = group.recv(torch.empty((2, t, self.hidden_size), dtype=self.dtype), rank - 1)  # [2, T, hidden]
             x, residual = both[0], both[1].clone()
         for layer, kv in zip(model.model.layers, self.kv_caches, strict=True):
@@ -187,6 +188,7 @@ class PipelineDriverRunner(_StageMixin, DriverRunner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.in_flight: deque[_InFlight] = deque()
+        self.max_in_flight = 0  # the most micro-batches that were in flight at once
         self._collecting: _InFlight | None = None
 
     def submit(self, sched: SchedulerOutput) -> None:
@@ -199,12 +201,14 @@ class PipelineDriverRunner(_StageMixin, DriverRunner):
                 self.copy_blocks(sched.block_copies)
                 prepared = ModelRunner.prepare(self, sched)
                 ids, positions, meta, context_lens = prepared
-                n = 0 if meta.logits_indices is None else int(meta.logits_indices.numel())
+                # the rows compute_logits keeps: logits_indices, or every row (None: a batch of decodes)
+                n = ids.shape[0] if meta.logits_indices is None else int(meta.logits_indices.numel())
                 logits = torch.empty((n, self.vocab_size), dtype=self.dtype)
                 _StageMixin.run_forward(self, ids, positions, meta, context_lens)
         except RuntimeError as e:
             raise self._fail(e) from e
         self.in_flight.append(_InFlight(sched, prepared, logits, time.perf_counter()))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
     def collect(self, requests: Mapping[str, Request]) -> tuple[SchedulerOutput, RunnerOutput]:
         """The oldest micro-batch's RunnerOutput (its logits received from the last stage, then sampled)."""
@@ -264,6 +268,7 @@ def make_parallel_runner(config: Any, model: LlamaForCausalLM, num_blocks: int, 
     group = state.group
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     hidden_size = model.config.hidden_size
+    full_bytes = weight_bytes(model)
     if tp > 1:
         shard_model(model, group)
         cls: type[_ShardRunner] = DriverRunner if state.is_driver else _ShardRunner
@@ -282,12 +287,20 @@ def make_parallel_runner(config: Any, model: LlamaForCausalLM, num_blocks: int, 
         runner.timeout = float(config.distributed_timeout)
         try:
             launch.wait_ready(state, float(config.distributed_timeout))
-        except ParallelError:
+            runner.rank_weight_bytes = launch.gather_weight_bytes(state, runner.weight_bytes) or []
+        except (ParallelError, RuntimeError):
             launch.shutdown(state)
             raise
+        runner.full_weight_bytes = full_bytes
+        # a warning, as the kernel builds' start-up line: printed with no logging set up
+        per_rank = runner.rank_weight_bytes
+        logger.warning("brisk: parallel engine (tensor %d x pipeline %d): weights per rank %s MiB, %s of the "
+                       "whole model's %.1f MiB", tp, pp, ", ".join(f"{b / 2**20:.1f}" for b in per_rank),
+                       ", ".join(f"{b / full_bytes:.2f}" for b in per_rank), full_bytes / 2**20)
         return runner
     if not state.spawned:  # an inherited worker process: serve here, then leave
         dist.monitored_barrier(group=group.cpu_group, timeout=timedelta(seconds=config.distributed_timeout))
+        launch.gather_weight_bytes(state, runner.weight_bytes)
         try:
             runner.serve()
         finally:

@@ -31,7 +31,7 @@ from torch import nn
 
 from brisk.ops.layers import FastLinear, QuantLinear
 from brisk.ops.linear import prepack_weight
-from brisk.ops.qlinear import PackedWeight, can_tile, prepack, prepack_nf4, set_tiled, unpack_codes
+from brisk.ops.qlinear import PackedWeight, _finish, can_tile, prepack, prepack_nf4, set_tiled, unpack_codes
 from brisk.parallel.comm import Group
 from brisk.quant.primitives import pack
 
@@ -123,7 +123,10 @@ def _packed_slice(pw: PackedWeight, rows: Ranges | None, cols: tuple[int, int] |
         zeros = None if zeros is None else zeros[:, a // g:b // g].contiguous()
         k = b - a
     qweight = pack(q, pw.bits)
-    if pw.codebook is not None:
+    if pw.float_mins:  # GGUF's w = scale * q + min (Q4_1, K-quants): scales and mins kept as they are
+        assert zeros is not None
+        out = _finish(q, pw.bits, g, k, qweight, scales.contiguous(), zeros.contiguous(), None)
+    elif pw.codebook is not None:
         out = prepack_nf4(qweight, scales, g, k, pw.codebook)
     else:
         out = prepack(qweight, scales, zeros, pw.bits, g, k)
@@ -194,13 +197,12 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits of the vocabulary slice [start, end) on every rank, gathered on rank 0 (which samples): rank 0 gets
-    [N, vocab], the others their own [N, V_r] (which nobody reads)."""
+    [N, vocab], the others their own [N, V_r] (which nobody reads). `inner` is this rank's slice of the head's
+    rows (float or quantized, cut_linear)."""
 
-    def __init__(self, weight: torch.Tensor, ranges: list[tuple[int, int]], rank: int, group: Group) -> None:
+    def __init__(self, inner: nn.Module, ranges: list[tuple[int, int]], rank: int, group: Group) -> None:
         super().__init__()
-        start, end = ranges[rank]
-        self.inner = FastLinear(weight.shape[1], end - start, bias=False, device="meta")
-        self.inner.weight = nn.Parameter(weight[start:end].detach().contiguous(), requires_grad=False)
+        self.inner = inner
         self.ranges, self.group = ranges, group
         self.max_rows = max(b - a for a, b in ranges)  # slices are padded to this for the gather
 
@@ -256,29 +258,29 @@ def shard_model(model: nn.Module, group: Group) -> None:
         attn.num_heads, attn.num_kv_heads = hs.num_heads, hs.num_kv_heads
     vocab = split_evenly(c.vocab_size, world)
     embed, head = model.model.embed_tokens, model.lm_head
-    tied = type(head) in (nn.Linear, FastLinear) and type(embed) is nn.Embedding and head.weight is embed.weight
     if type(embed) is nn.Embedding:
         model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *vocab[rank], group)
     # a quantized embedding stays whole on every rank (each looks its rows up itself: no all-reduce)
-    if type(head) in (nn.Linear, FastLinear) and head.bias is None:
-        model.lm_head = ParallelLMHead(embed.weight if tied else head.weight, vocab, rank, group)
-    else:
-        raise ShardingError(f"tensor parallelism cannot split an lm_head of type {type(head).__name__}; use a "
-                            "float lm_head")
+    if head.bias is not None or type(head) not in (nn.Linear, FastLinear, QuantLinear):
+        raise ShardingError(f"tensor parallelism cannot split an lm_head of type {type(head).__name__} (with a "
+                            "bias or custom); use a float or quantized lm_head without bias")
+    model.lm_head = ParallelLMHead(cut_linear(head, rows=[vocab[rank]]), vocab, rank, group)
     model.config = dataclasses.replace(c, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads,
                                        intermediate_size=i1 - i0, head_dim=d)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each storage counted once."""
-    seen: set[int] = set()
+    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each tensor counted once (tied
+    weights share one). Counted per tensor, not per storage: a loader may place many tensors in one buffer, of
+    which a pipeline stage keeps only its layers'."""
+    seen: set[tuple[int, int]] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.device.type == "meta":
             continue
-        key = t.untyped_storage().data_ptr()
+        key = (t.data_ptr(), t.numel())
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += t.numel() * t.element_size()
     return total
