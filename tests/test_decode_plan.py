@@ -121,12 +121,13 @@ def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
     assert len(verify) > 1  # verification steps ran (in C++): each sequence 1 + its drafts rows
 
 
-# q/k/v biases; a sliding window; per-head q/k norms (the plan without the C++ loop); fused phi3 tensors
-@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 6), ("qwen3", None), ("phi3", None)])
-def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window):
+# q/k/v biases; a sliding window; per-head q/k norms (qwen3, in both loops; bfloat16 too); fused phi3 tensors
+@pytest.mark.parametrize("arch,window,dtype", [("qwen2", None, "float32"), ("mistral", 6, "float32"),
+                                               ("qwen3", None, "float32"), ("qwen3", None, "bfloat16"),
+                                               ("phi3", None, "float32")])
+def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window, dtype):
     make_tiny_hf_model(tmp_path, arch, num_kv_heads=2, sliding_window=window)
-    _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", **kw), PROMPTS,
-              cpp=arch != "qwen3")
+    _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", dtype=dtype, **kw), PROMPTS)
 
 
 @pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 32, False), (4, 32, True)])
@@ -246,7 +247,7 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     x = torch.zeros(1, llm.engine.loaded.config.hidden_size)
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches
-    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 52 parameter slots"):
+    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 56 parameter slots"):
         torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.eps, plan.final_norm, plan.final_eps)
     with pytest.raises(RuntimeError, match="the weights are for 2 layers, the step passes 1 KV caches"):
         plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, plan.scale, 0, plan.h,

@@ -18,6 +18,9 @@ from brisk.model.loader import load_model
 
 # the parameter counts the models' publishers give (exact)
 PUBLISHED_PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248}
+# the Qwen model cards give rounded figures: (total, without the embeddings, active per token), in billions
+PUBLISHED_ROUNDED = {"qwen3-0.6b": (0.6, 0.44, 0.6), "qwen3-4b": (4.0, 3.6, 4.0),
+                     "qwen1.5-moe-a2.7b": (14.3, None, 2.7)}
 
 
 def tiny_config(name: str, folder: Path) -> Path:
@@ -28,6 +31,11 @@ def tiny_config(name: str, folder: Path) -> Path:
              num_hidden_layers=2, num_attention_heads=d["num_attention_heads"] // 4,
              num_key_value_heads=d["num_key_value_heads"] // 4, vocab_size=49152)
     d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if key in d:
+            d[key] //= 16
+    if "num_experts" in d:
+        d["num_experts"] = 8
     path = folder / f"{name}.json"
     path.write_text(json.dumps(d))
     return path
@@ -35,7 +43,17 @@ def tiny_config(name: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_named_shapes_have_the_published_sizes(name: str) -> None:
-    assert shape_config(name).num_params == PUBLISHED_PARAMS[name]
+    c = shape_config(name)
+    if name in PUBLISHED_PARAMS:
+        assert c.num_params == PUBLISHED_PARAMS[name]
+        return
+    total, body, active = PUBLISHED_ROUNDED[name]
+    digits = 2 if total < 1 else 1
+    assert round(c.num_params / 1e9, digits) == total
+    assert round(c.num_active_params / 1e9, digits) == active
+    if body is not None:
+        embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        assert round((c.num_params - embeddings) / 1e9, len(str(body)) - 2) == body
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -47,7 +65,9 @@ def test_dummy_loader_builds_tiny_versions_of_the_named_shapes(name: str, tmp_pa
     state = a.model.state_dict()
     assert state["model.layers.1.self_attn.k_proj.weight"].shape == (
         config.num_key_value_heads * config.head_dim, config.hidden_size)
-    assert state["model.layers.0.mlp.down_proj.weight"].shape == (config.hidden_size, config.intermediate_size)
+    down, width = (("mlp.experts.7.down_proj", config.moe_intermediate_size) if config.is_moe
+                   else ("mlp.down_proj", config.intermediate_size))
+    assert state[f"model.layers.0.{down}.weight"].shape == (config.hidden_size, width)
     assert (a.model.lm_head.weight is a.model.model.embed_tokens.weight) == config.tie_word_embeddings
     assert torch.equal(state["model.norm.weight"], torch.ones(config.hidden_size))
     w = state["model.layers.0.self_attn.q_proj.weight"]

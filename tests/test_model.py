@@ -128,9 +128,9 @@ def test_fused_projections_equal_plain_ones(tmp_path, arch):
 @pytest.mark.parametrize("num_tokens", [40, 56])  # within and beyond phi3's original context of 48
 def test_phi3_longrope_matches_transformers(tmp_path, num_tokens):
     """LongRoPE: short factors within the original context, long ones beyond it, cos / sin scaled by the
-    attention factor (prefills on both sides of the original context), and a 32-token greedy run within it.
-    (A run that crosses the original context mid-generation is not compared here: HF switches the factors for
-    the whole step at max(position) + 1 > original, brisk per sequence, and the two have not been matched.)"""
+    attention factor (prefills on both sides of the original context), and 32-token greedy runs within it and
+    across it: at the step a sequence first passes the original context, transformers drops its cache and
+    recomputes every token with the long factors, and brisk recomputes the cached prefix the same way."""
     g = torch.Generator().manual_seed(3)
     half = 64 // 4 // 2  # head_dim / 2 of the tiny model
     scaling = {"rope_type": "longrope", "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
@@ -151,7 +151,17 @@ def test_phi3_longrope_matches_transformers(tmp_path, num_tokens):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
     llm = LLM(str(tmp_path), max_model_len=128, kv_cache_memory="4MiB")
-    out = llm.generate([ids[:12].tolist()], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    # 12 + 32 stays within the original 48; 40 + 32 crosses it at the 9th new token; 20-token chunks of a 56-token
+    # prompt cross it within the prefill
+    for prompt_len in (12, 40):
+        out = llm.generate([ids[:prompt_len].tolist()], SamplingParams(temperature=0, max_tokens=32,
+                                                                     ignore_eos=True))[0]
+        with torch.no_grad():
+            hf_ids = ref.generate(ids[None, :prompt_len], max_new_tokens=32, min_new_tokens=32,
+                                  do_sample=False)[0, prompt_len:]
+        assert out.outputs[0].token_ids == hf_ids.tolist(), prompt_len
+    chunked = LLM(str(tmp_path), max_model_len=128, kv_cache_memory="4MiB", max_num_batched_tokens=20)
+    out = chunked.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     with torch.no_grad():
-        hf_ids = ref.generate(ids[None, :12], max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 12:]
+        hf_ids = ref.generate(ids[None], max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, num_tokens:]
     assert out.outputs[0].token_ids == hf_ids.tolist()

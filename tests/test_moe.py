@@ -304,3 +304,34 @@ def test_calibrated_methods_refuse_moe(moe_dir: tuple[str, Path, torch.nn.Module
     loaded = load_model(path, fuse=False)
     with pytest.raises(CalibrationError, match="use --method rtn"):
         run_layerwise(loaded.model, torch.zeros(1, 4, dtype=torch.long), lambda ctx: None, progress=False)
+
+
+# ------------------------------------------------------------------------------------------ bytes read
+
+def test_decode_reads_each_routed_expert_once(moe_dir: tuple[str, Path, torch.nn.Module]) -> None:
+    """Batch-8 decode: the experts' bytes read (every expert call counted) equal the distinct routed experts'
+    bytes (the target: at most 1.1x), and stay under the dense bound; the roofline counts top-k experts."""
+    from brisk.bench.roofline import weight_bytes_per_token
+    from brisk.model.moe import expert_bytes, expert_bytes_per_token
+
+    arch, path, _ = moe_dir
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory="4MiB")
+    model = llm.engine.loaded.model
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    with record_expert_loads(model) as loads:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    got = expert_bytes_per_token(model, loads, max_tokens=8)  # decode steps (the 48-token prefill left out)
+    assert got.num_forwards >= 5
+    assert got.read <= 1.1 * got.routed and got.read == got.routed
+    assert got.routed < got.dense  # with 8 tokens over 8 experts (top 2) some experts sit idle in some layers
+    sizes = expert_bytes(model)
+    per_expert = sum(sum(b) / len(b) for b in sizes.values())  # one mean expert of every MoE layer
+    assert got.active == pytest.approx(2 * per_expert)
+    all_experts = sum(sum(b) for b in sizes.values())
+    # the roofline: every non-expert weight plus top-k experts a layer (the embedding table counts as one row)
+    dense_total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    table = model.model.embed_tokens.weight
+    active_total = dense_total - all_experts + 2 * per_expert
+    assert active_total - table.numel() * table.element_size() < weight_bytes_per_token(model) <= active_total
+    batch1 = expert_bytes_per_token(model, loads, max_tokens=1)
+    assert batch1.num_forwards == 0  # (no batch-1 forward in this run)

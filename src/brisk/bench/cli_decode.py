@@ -3,6 +3,7 @@ optionally against HF transformers in the same process."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
@@ -102,6 +103,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs = None
     theirs_rss = None
     theirs_bytes = None
+    moe = None  # MoE models: routed-expert bytes per decode token (model/moe.py ExpertBytes)
     if baseline == "float32":
         # a second engine on the same file, every tensor dequantized (--dtype float32); runs alternated
         base_llm = build_llm({**kw, "dtype": "float32"})
@@ -162,9 +164,14 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         ours, theirs = merge_results(parts), merge_results(hf_parts)
         del hf_model
     else:
-        with report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance:
+        from brisk.model.moe import expert_bytes_per_token, record_expert_loads
+
+        with (report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance,
+              record_expert_loads(loaded.model) as loads):
             ours = run_latency(llm, prompt, output_len, runs, warmup, advance)
         ours_rss = report.peak_rss_bytes()
+        if loads.counts:  # MoE: the routed experts' bytes the decode steps really read (prefills left out)
+            moe = expert_bytes_per_token(loaded.model, loads, max_tokens=1)
     # drop brisk's model before loading the baseline's, so that one's peak memory does not include the other
     del llm, loaded
     gc.collect()
@@ -195,6 +202,8 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                                          "kv_pool_bytes": kv_pool_bytes, "token_ids": ours.token_ids}}
     if compile_:
         results["compile_s"] = compile_s
+    if moe is not None:
+        results["brisk"]["moe_expert_bytes_per_token"] = dataclasses.asdict(moe)
     if theirs is not None:
         results[baseline] = {**_latency_figures(theirs, theirs_bytes, context, membw_gbps, theirs_rss),
                          "token_ids": theirs.token_ids}
@@ -227,6 +236,11 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     console.print(report.comparison_table(title, rows, other if theirs else None))
     if compile_:
         console.print(f"--compile: {compile_s:.1f} s of compilation at start-up (every shape bucket)")
+    if moe is not None:
+        console.print(f"MoE, routed experts per decode token: {moe.read / 1e6:.2f} MB read (measured: every expert "
+                      f"call), {moe.read / moe.active:.3f}x the top-k bound of {moe.active / 1e6:.2f} MB, "
+                      f"{moe.read / moe.dense:.3f}x of all experts' {moe.dense / 1e6:.2f} MB; "
+                      "'MB read per token' counts top-k experts a layer")
     if baseline == "eager" and theirs is not None:
         console.print("speedup = uncompiled time / compiled time; greedy tokens: "
                       f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")

@@ -37,7 +37,8 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     """Weight bytes one batch-1 decode step reads, from the module's actual tensors.
 
     Unlike `config_weight_bytes_per_token` this sees what is really in memory (a bf16 model, a quantized
-    layer's packed weights and scales), so benchmarks use it. Tensors shared by several modules (tied
+    layer's packed weights and scales), so benchmarks use it. A mixture-of-experts layer counts top-k of its
+    routed experts (their mean size): the active-parameter bound. Tensors shared by several modules (tied
     embeddings) count once; an embedding table that nothing else uses counts as one row.
     """
     owners: dict[int, list[str]] = {}  # storage address -> names of the tensors living there
@@ -60,7 +61,12 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         # an untied table: only one row is read instead of the whole table; a tied one is read whole by
         # lm_head and its row is read once more by the lookup
         total += row_bytes - (sizes[key] if only_lookup else 0)
-    return total
+    from brisk.model.moe import expert_bytes, moe_blocks
+
+    for block in moe_blocks(model):  # MoE: top-k routed experts a token, not all of them (the active roofline)
+        sizes_e = expert_bytes(block)[block.layer_idx]
+        total -= sum(sizes_e) - block.top_k * sum(sizes_e) / len(sizes_e)
+    return int(total)
 
 
 def kv_bytes_read(config: ModelConfig, kv_dtype_bytes: int, context_len: int) -> int:

@@ -8,7 +8,7 @@ layer and nothing else:
 
     h = add_rms_norm(x, residual)           (rms_norm for layer 0)
     qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 first normalizes
-                                             each q and k head in place: ops.fused.rms_norm_qk_heads_)
+                                             each q and k head in place, as ops.fused.rms_norm_qk_heads_)
     o = paged_decode_attention(q)           (reads the paged cache in place)
     h = add_rms_norm(linear(o), residual)
     x = linear(silu_mul(linear(h)))
@@ -23,9 +23,9 @@ Steps with several rows per sequence (speculative verification of γ + 1 positio
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
-The per-head q/k norms (qwen3) run in the Python loop only, with the module path's own function: the C++ loop
-(ops/csrc/decode_layers.cpp) has no step between the qkv linear and rope_cache, so a model with them gets a plan
-without the C++ loop (execution auto / cpp -> plan).
+The per-head q/k norms (qwen3) run in both loops between the qkv linear and rope_cache: the Python loop calls the
+module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the same rows
+of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
 projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
@@ -100,8 +100,6 @@ class DecodePlan:
         self.prefill_attention = ops.paged_prefill_attention.default
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for steps of up to max_cpp_rows rows
         self.decode_layers = getattr(ops, "decode_layers", None)
-        if any(layer.q_norm is not None for layer in layers):
-            self.decode_layers = None  # the C++ loop has no q/k norm step (see the module docstring)
         if self.decode_layers is not None:
             # the overload's C++ entry point: torch's Python wrapper of an op with a torchbind argument (the
             # DecodeWeights below) walks every argument looking for fake script objects, ~15 us a step
@@ -109,7 +107,7 @@ class DecodePlan:
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
         for layer in layers:
-            self.params += [layer.ln1, layer.ln2]
+            self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm]  # (no q/k norms: None, None)
             for k in layer.linears:
                 self.params += k.slots
                 self.spec += [int(k.kind), k.bits, k.group_size]

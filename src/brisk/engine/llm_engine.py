@@ -146,7 +146,11 @@ class LLMEngine:
         check_kv_pool(num_blocks, cache, mc, self.loaded.dtype, policy, sched_cfg.max_num_batched_tokens,
                       self.max_model_len)
         self.num_blocks = num_blocks
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, policy)
+        # LongRoPE past its original context rotates a cached block by the length of the sequence that holds it
+        # (model_runner.recompute_for_long_rope): a block is then no longer a function of its tokens alone
+        crosses = rope is not None and rope.long_orig_max is not None and self.max_model_len > rope.long_orig_max
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching and not crosses,
+                                         policy)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         # built after prepacking and set_quant_activations: its executor resolves the layers' kernels as they are
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # this rank's shard (brisk/parallel)

@@ -7,6 +7,7 @@ the forward names the cache entries each request keeps (`end_step`), which the m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
@@ -141,6 +142,7 @@ class ModelRunner:
         self.kv_policy.on_free(sched.freed_req_ids)
         self.move_kv(sched.kv_moves)  # before the copies: a block freed by a compaction may be a copy's target
         self.copy_blocks(sched.block_copies)
+        self.recompute_for_long_rope(sched, requests)
         ids, positions, meta, context_lens = self.prepare(sched)
         if self.lora_mapping is not None:
             self.lora_mapping(batch_order(sched), requests)
@@ -190,6 +192,33 @@ class ModelRunner:
                 out.logprobs[s.req_id] = result.logprobs[j:j + n]
             j += n
         return out
+
+    def recompute_for_long_rope(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """LongRoPE (phi3): a sequence rotates with the short factors up to the original context and with the long
+        ones past it, every key included. transformers' Phi-3 drops its cache and recomputes the whole sequence at
+        the step its length first passes original_max_position_embeddings; the same here: a sequence whose cache
+        holds tokens [0, c) with c <= original < its length after this step has that prefix run again at its new
+        length (long factors), each layer's K/V overwriting the cached entries, before the step itself.
+
+            | 0 .. c-1: cached with the short factors -> recomputed, long | this step's tokens (long) |
+        """
+        rope = self.model.rope
+        orig = rope.long_orig_max if rope is not None else None
+        if orig is None or self.kv_policy.evicts:
+            return
+        for s in sched.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)
+            if not (0 < start <= orig < end) or s.cache_len not in (None, start):  # (H2O: entries moved)
+                continue
+            ids = torch.tensor(requests[s.req_id].all_token_ids[:start], dtype=torch.int64)
+            positions = torch.arange(start)
+            if self.lora_mapping is not None:  # the prefix's rows take the request's adapter
+                self.lora_mapping([dataclasses.replace(s, token_ids=ids.tolist(), num_computed_tokens=0)], requests)
+            meta = AttentionMetadata.for_sequences([start], [start], [s.block_ids], self.block_size,
+                                                   positions=positions, sliding_window=self.sliding_window,
+                                                   logits_indices=[start - 1], device=self.device)
+            self.executor(ids.to(self.device), positions.to(self.device), meta, self.kv_caches,
+                          torch.full((start,), end))
 
     def _verify_drafts(self, logits: torch.Tensor, sampling: list[ScheduledRequest], requests: Mapping[str, Request],
                        out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:

@@ -32,6 +32,11 @@ _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
            "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
            "torch_dtype": "bfloat16"}
 
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+          "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+          "head_dim": 128, "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 151643,
+          "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
 # name -> HF config.json fields (from the models' published configs)
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -43,6 +48,19 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                      "tie_word_embeddings": False, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8},
+    # mixture of experts: 60 routed experts (top 4) and a shared expert per layer; 14.3B parameters, 2.7B active
+    "qwen1.5-moe-a2.7b": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936,
+                          "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+                          "norm_topk_prob": False, "decoder_sparse_step": 1, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 8192,
+                          "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+                          "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151643,
+                          "torch_dtype": "bfloat16"},
 }
 
 

@@ -38,13 +38,14 @@ from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
 from brisk.model.gguf_repack import repack, repackable
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
 from brisk.model.moe import gguf_moe_config, gguf_moe_layer_tensors, place_gguf_moe_tensor
+from brisk.model.phi3_gguf import phi3_rope_scaling, split_phi3_tensors
 from brisk.model.tokenizer import Tokenizer
 from brisk.ops.qlinear import PackedWeight
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
 # llama: + mixtral (expert_count)
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
 # llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
 # its interleaved RoPE; Qwen2 and Qwen3 are converted without permutation.
 _PERMUTED_QK_ARCHS = ("llama", "mistral", "mixtral")
@@ -183,7 +184,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise GGUFError(f"{path}: truncated file: tensor {name!r} needs bytes {start}..{start + n_bytes} "
                             f"but the file has only {size} bytes")
         tensors[name] = GGUFTensorInfo(name, shape, qtype, start, n_bytes)
-    return GGUFFile(path, version, metadata, tensors, buf)
+    f = GGUFFile(path, version, metadata, tensors, buf)
+    if metadata.get("general.architecture") == "phi3":  # fused qkv / gate_up -> row ranges; LongRoPE factors
+        split_phi3_tensors(f)
+    return f
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -219,6 +223,9 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
             rope_scaling["original_max_position_embeddings"] = int(original)
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     extra: dict[str, Any] = {}
+    if arch == "phi3":
+        rope_scaling = phi3_rope_scaling(md, int(key("context_length", 2048)))
+        extra = {"sliding_window": md.get("phi3.attention.sliding_window")}
     if arch == "gemma3":
         from brisk.model.gemma import gemma_gguf_config_fields
 

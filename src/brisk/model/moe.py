@@ -103,6 +103,7 @@ class ExpertLoads:
     """What `record_expert_loads` collected: per MoE forward, how many rows each expert ran, and the tokens."""
 
     counts: list[tuple[int, list[int]]] = field(default_factory=list)  # (layer index, rows per expert)
+    calls: list[list[int]] = field(default_factory=list)  # per forward, the times each expert was called
     num_tokens: int = 0  # tokens through the first MoE layer (each layer sees the same tokens)
 
 
@@ -132,12 +133,23 @@ class SparseMoeBlock(nn.Module):
         if not self.float32_weights:
             weights = weights.to(x.dtype)
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
-        if self.loads is not None:
+        experts: Sequence[Callable[[Tensor], Tensor]] = self.experts
+        if self.loads is not None:  # benchmarks: the routing, and each expert's calls counted as they happen
             self.loads.counts.append((self.layer_idx, counts))
-        out = grouped_experts(x, weights, ids, self.experts, counts)  # [T, H]
+            calls = [0] * self.num_experts
+            self.loads.calls.append(calls)
+            experts = [_counted(e, calls, j) for j, e in enumerate(self.experts)]
+        out = grouped_experts(x, weights, ids, experts, counts)  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def _counted(expert: Callable[[Tensor], Tensor], calls: list[int], j: int) -> Callable[[Tensor], Tensor]:
+    def call(x: Tensor) -> Tensor:
+        calls[j] += 1
+        return expert(x)
+    return call
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
@@ -157,6 +169,53 @@ def record_expert_loads(model: nn.Module) -> Iterator[ExpertLoads]:
     finally:
         for b in blocks:
             b.loads = None
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
+
+
+def expert_bytes(model: nn.Module) -> dict[int, list[int]]:
+    """Layer index -> the bytes of each routed expert's weights as they are in memory (float, or packed codes with
+    their scales and zero points)."""
+    return {b.layer_idx: [_module_bytes(e) for e in b.experts] for b in moe_blocks(model)}
+
+
+@dataclass
+class ExpertBytes:
+    """Routed-expert bytes per token of the recorded forwards (all MoE layers together)."""
+
+    read: float  # measured: every expert that ran rows, once per forward (grouped dispatch), / tokens
+    routed: float  # the experts the forward's tokens were routed to (distinct per forward) / tokens: read's bound
+    active: float  # top-k experts per token (the active-parameter roofline of batch 1)
+    dense: float  # every expert of every layer (the dense bound)
+    num_forwards: int
+
+
+def expert_bytes_per_token(model: nn.Module, loads: ExpertLoads, max_tokens: int | None = None) -> ExpertBytes:
+    """What `record_expert_loads` saw, in bytes: forwards of more than `max_tokens` tokens (prefills) left out.
+
+    A forward's tokens are its routed rows / top-k. `read` counts every call `grouped_experts` made to an expert
+    (each call reads its weights once); `routed` the distinct experts the router chose, each once: read equals it
+    when every routed expert runs once a forward, and a per-token loop would read up to top-k x tokens."""
+    sizes = expert_bytes(model)
+    blocks = {b.layer_idx: b for b in moe_blocks(model)}
+    read = routed = active = dense = 0.0
+    tokens = forwards = 0
+    for (layer, counts), calls in zip(loads.counts, loads.calls, strict=True):
+        top_k = blocks[layer].top_k
+        n = sum(counts) // top_k
+        if n == 0 or (max_tokens is not None and n > max_tokens):
+            continue
+        b = sizes[layer]
+        read += sum(size * c for size, c in zip(b, calls, strict=True))
+        routed += sum(size for size, c in zip(b, counts, strict=True) if c)
+        active += n * top_k * sum(b) / len(b)
+        dense += n * sum(b)
+        if layer == min(blocks):
+            tokens, forwards = tokens + n, forwards + 1
+    t = max(tokens, 1)
+    return ExpertBytes(read / t, routed / t, active / t, dense / t, forwards)
 
 
 # ------------------------------------------------------------------------------------- checkpoint names

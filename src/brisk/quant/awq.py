@@ -53,6 +53,11 @@ from brisk.quant import primitives
 from brisk.quant.calib import ActStatsObserver, BlockContext, CombinedObserver, HessianObserver
 from brisk.quant.checkpoint import encode_layer
 from brisk.quant.config import LayerQuant
+from brisk.quant.support import PLAIN_NORM_ARCHITECTURES, MethodSupport
+
+SUPPORT = MethodSupport("awq", PLAIN_NORM_ARCHITECTURES,
+                        limit="AWQ folds its scales into RMSNorm weights of the form x / rms * w (gemma3's "
+                        "norms are (1 + w) and sandwich the attention and MLP)")
 
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 

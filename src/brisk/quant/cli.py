@@ -116,12 +116,12 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         raise click.ClickException(f"--alpha {alpha}: SmoothQuant's migration strength lies in [0, 1]")
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
-    # gemma3: rtn, and gptq through the calibration driver's layer calls (awq / qat assume Llama's norms)
-    supported = (loaded.config.architecture in ("llama", "mistral", "qwen2")
-                 or (loaded.config.is_gemma and method in ("rtn", "gptq")))
-    if not supported:
-        raise click.ClickException(f"cannot quantize architecture {loaded.config.architecture} with --method "
-                                   f"{method}" + ("; use --method rtn or gptq" if loaded.config.is_gemma else ""))
+    from brisk.quant.support import check_method_supports
+
+    try:  # each method declares the architectures (and MoE experts) it handles: quant/support.py
+        check_method_supports(method, loaded.config)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     plan = plan_layers(loaded.model, loaded.config.tie_word_embeddings, default,
                        head=None if head_bits == "none" else HEAD_DEFAULT, skip=skip)
     if not plan:

@@ -36,6 +36,10 @@ from brisk.quant import primitives
 from brisk.quant.calib import BlockContext, HessianObserver, stages
 from brisk.quant.checkpoint import encode_layer
 from brisk.quant.config import LayerQuant
+from brisk.quant.support import DENSE_ARCHITECTURES, MethodSupport
+
+# the calibration driver runs every dense architecture's layers; GPTQ only observes the linears' inputs
+SUPPORT = MethodSupport("gptq", DENSE_ARCHITECTURES)
 
 
 @dataclass(frozen=True)

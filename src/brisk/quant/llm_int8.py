@@ -26,6 +26,9 @@ from brisk.quant.calib import BlockContext
 from brisk.quant.checkpoint import encode_layer
 from brisk.quant.config import LayerQuant
 from brisk.quant.smoothquant import W8
+from brisk.quant.support import DENSE_ARCHITECTURES, MethodSupport
+
+SUPPORT = MethodSupport("llm-int8", DENSE_ARCHITECTURES)  # observes the linears' inputs, folds nothing
 
 DEFAULT_THRESHOLD = 6.0
 

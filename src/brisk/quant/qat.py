@@ -39,6 +39,12 @@ from brisk.quant import primitives
 from brisk.quant.checkpoint import EMBEDDING, encode_layer
 from brisk.quant.config import LayerQuant, QuantizationConfig
 from brisk.quant.rtn import quantize_layer
+from brisk.quant.support import MethodSupport
+from brisk.train.forward import TRAINABLE_ARCHITECTURES
+
+SUPPORT = MethodSupport("qat", TRAINABLE_ARCHITECTURES,
+                        limit="QAT trains through brisk's training forward, which runs "
+                              + ", ".join(TRAINABLE_ARCHITECTURES))
 
 if TYPE_CHECKING:
     from brisk.train.data import TextWindows

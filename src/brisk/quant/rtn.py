@@ -18,10 +18,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from brisk.model.config import SUPPORTED_ARCHITECTURES
 from brisk.model.loader import LoadedModel
 from brisk.quant import primitives
 from brisk.quant.checkpoint import EMBEDDING, encode_layer
 from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
+from brisk.quant.support import MethodSupport
+
+SUPPORT = MethodSupport("rtn", SUPPORTED_ARCHITECTURES, moe_experts=True)  # every linear rounds on its own
 
 HEAD_DEFAULT = LayerQuant(bits=8, group_size=-1, sym=True)
 

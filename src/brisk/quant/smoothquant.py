@@ -37,6 +37,11 @@ from brisk.quant.awq import _fold, _Group, _groups, rtn_codes
 from brisk.quant.calib import BlockContext
 from brisk.quant.checkpoint import encode_layer
 from brisk.quant.config import LayerQuant
+from brisk.quant.support import PLAIN_NORM_ARCHITECTURES, MethodSupport
+
+SUPPORT = MethodSupport("smoothquant", PLAIN_NORM_ARCHITECTURES,
+                        limit="SmoothQuant folds its scales into RMSNorm weights of the form x / rms * w "
+                        "(gemma3's norms are (1 + w) and sandwich the attention and MLP)")
 
 W8 = LayerQuant(bits=8, group_size=-1, sym=True)  # the weights of W8A8: int8 per output channel
 ALPHA_GRID = tuple(i / 20 for i in range(21))

@@ -8,8 +8,9 @@
 // speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears
 // switch to GEMMs.
 //
-// Per layer the Python side gives 2 + 4 * 6 optional tensors (the two norm weights, then for each of the fused
-// qkv, o, fused gate/up and down projections six slots) and 4 * 3 ints (kind, bits, group size):
+// Per layer the Python side gives 4 + 4 * 6 optional tensors (the two norm weights, the per-head q and k norm
+// weights or none (qwen3), then for each of the fused qkv, o, fused gate/up and down projections six slots) and
+// 4 * 3 ints (kind, bits, group size):
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
 //   kind 1, 8/4-bit, int8 activations:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
@@ -33,7 +34,8 @@ namespace {
 
 using OptT = std::optional<at::Tensor>;
 constexpr int64_t kSlots = 6;                  // tensor slots per linear
-constexpr int64_t kPerLayer = 2 + 4 * kSlots;  // tensors per layer
+constexpr int64_t kNorms = 4;                  // input / post-attention norm weights, q / k head norms (or none)
+constexpr int64_t kPerLayer = kNorms + 4 * kSlots;  // tensors per layer
 constexpr int64_t kInts = 3;                   // ints per linear
 
 template <typename Sig>
@@ -198,7 +200,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     const at::Tensor& kv = kv_caches[i];
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
-    at::Tensor qkv = linear(o, hid, params, p + 2, spec, s);  // [B, (h + 2 kvh) d]
+    at::Tensor qkv = linear(o, hid, params, p + kNorms, spec, s);  // [B, (h + 2 kvh) d]
+    if (params[p + 2].has_value()) {
+      // qwen3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
+      // kernel on the same [rows of d], so the same numbers)
+      at::Tensor heads = qkv.view({t, h + 2 * kvh, d});  // q heads | k heads | v heads
+      at::Tensor qh = heads.slice(1, 0, h), kh = heads.slice(1, h, h + kvh);
+      qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}), get(params, p + 2), eps[i]).view({t, h, d}));
+      kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}), get(params, p + 3), eps[i]).view({t, kvh, d}));
+    }
     o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
@@ -206,10 +216,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
       o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
     else
       o.attention.call(out, q, kv, tables, lens, scale, window);
-    hid = o.add_rms_norm.call(linear(o, out.view({t, h * d}), params, p + 2 + kSlots, spec, s + kInts), residual,
-                              get(params, p + 1), eps[i]);
-    cur = linear(o, o.silu_mul.call(linear(o, hid, params, p + 2 + 2 * kSlots, spec, s + 2 * kInts)), params,
-                 p + 2 + 3 * kSlots, spec, s + 3 * kInts);
+    hid = o.add_rms_norm.call(linear(o, out.view({t, h * d}), params, p + kNorms + kSlots, spec, s + kInts),
+                              residual, get(params, p + 1), eps[i]);
+    cur = linear(o, o.silu_mul.call(linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts)), params,
+                 p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
   }
   return {o.add_rms_norm.call(cur, residual, weights->final_norm, weights->final_eps), residual};
 }
