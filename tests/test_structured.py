@@ -196,3 +196,21 @@ def test_grammars_are_compiled_once(llm):
     llm.generate(PROMPTS, constrained(max_tokens=4, so=StructuredOutputsParams(json=schema)))
     llm.generate(PROMPTS, constrained(max_tokens=4, so=StructuredOutputsParams(json=json.dumps(schema))))
     assert compiler.num_compiled == before + 1
+
+
+def test_bench_structured_runs_every_arm_and_validates(model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    report = tmp_path / "structured.json"
+    r = CliRunner().invoke(main, ["bench", "structured", "--model", model_dir, "--max-model-len", "256",
+                                  "--kv-cache-memory", "8MiB", "--batch-sizes", "2", "--repeats", "1",
+                                  "--max-tokens", "24", "--validate", "14", "--json", str(report)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "jf-auto output identical to mask: yes" in r.output and "grammar compile: cold" in r.output
+    data = json.loads(report.read_text())
+    assert set(data["batches"]["2"]["median"]) == {"free", "mask", "jf-auto", "jf-on"}
+    v = data["validation"]
+    assert v["requests"] == 14 and v["valid"] == v["finished"] and v["finished"] + v["truncated"] == 14
