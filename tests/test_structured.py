@@ -40,6 +40,15 @@ def llm(model_dir) -> LLM:
     return LLM(model_dir, max_model_len=256, kv_cache_memory="8MiB", jump_forward="off")
 
 
+@pytest.fixture(scope="module")
+def greedy_json(llm) -> tuple[list[list[int]], int, list]:
+    """Plain constrained greedy decoding of PROMPTS (jump-forward off): (token ids, engine steps, outputs), the
+    oracle the jump-forward, preemption and speculative runs are compared with (their max_tokens cut it)."""
+    steps_before = llm.engine.num_steps
+    outs = llm.generate(PROMPTS, constrained(max_tokens=120))
+    return [o.outputs[0].token_ids for o in outs], llm.engine.num_steps - steps_before, outs
+
+
 def constrained(max_tokens: int = 48, **kw) -> SamplingParams:
     so = kw.pop("so", StructuredOutputsParams(json=SCHEMA))
     return SamplingParams(temperature=kw.pop("temperature", 0.0), max_tokens=max_tokens, structured_outputs=so, **kw)
@@ -49,9 +58,8 @@ def texts(outs) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
-def test_json_schema_outputs_parse_and_validate(llm):
-    outs = llm.generate(PROMPTS, constrained(max_tokens=120))
-    for o in outs:
+def test_json_schema_outputs_parse_and_validate(greedy_json):
+    for o in greedy_json[2]:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.text), SCHEMA)
@@ -59,9 +67,10 @@ def test_json_schema_outputs_parse_and_validate(llm):
 
 def test_regex_choice_grammar_and_json_object(llm):
     regex = r"[a-z]{3}-\d{2,4}"
-    out = llm.generate(PROMPTS, constrained(so=StructuredOutputsParams(regex=regex), temperature=0.9, seed=5))
+    out = llm.generate(PROMPTS, constrained(max_tokens=12, so=StructuredOutputsParams(regex=regex), temperature=0.9,
+                                            seed=5))
     assert all(re.fullmatch(regex, t) for t in texts(out)), texts(out)
-    out = llm.generate(PROMPTS[0], constrained(so=GuidedDecodingParams(choice=["yes", "no", "maybe"]),
+    out = llm.generate(PROMPTS[0], constrained(max_tokens=4, so=GuidedDecodingParams(choice=["yes", "no", "maybe"]),
                                               temperature=1.0, n=4))
     assert all(c.text in ("yes", "no", "maybe") for c in out[0].outputs)
     gbnf = 'root ::= "(" [0-9]+ " + " [0-9]+ ")"'
@@ -78,13 +87,12 @@ def test_truncated_object_finishes_with_length(llm):
 
 def test_mixed_batch_equals_each_sequence_alone(llm):
     """Constrained and free greedy sequences in one batch: each equals its own run alone (free rows untouched)."""
-    params = [constrained() if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=24) for i in range(4)]
+    params = [constrained(max_tokens=24) if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=24)
+              for i in range(4)]
     batched = llm.generate(PROMPTS, params)
     for prompt, p, out in zip(PROMPTS, params, batched, strict=True):
         alone = llm.generate(prompt, p)[0].outputs[0]
         assert out.outputs[0].token_ids == alone.token_ids
-    free_plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0]
-    assert batched[1].outputs[0].token_ids == free_plain.token_ids
 
 
 def test_mask_logits_touches_only_constrained_rows():
@@ -106,11 +114,12 @@ def test_every_emitted_prefix_is_accepted_by_a_fresh_matcher(llm):
     compiler = llm.engine.grammar_compiler()
     constraints = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"(ab|cd)+[0-9]{1,3}"),
                    StructuredOutputsParams(json={"type": "array", "items": {"type": "number"}, "maxItems": 3})]
-    for trial in range(6):
-        so = constraints[trial % len(constraints)]
-        params = constrained(max_tokens=rng.randint(4, 40), so=so, temperature=rng.uniform(0.5, 1.5),
-                             top_k=rng.choice([0, 20]), seed=rng.randint(0, 1000))
-        out = llm.generate(rng.choice(PROMPTS), params)[0].outputs[0]
+    trials = [constraints[trial % len(constraints)] for trial in range(6)]
+    params = [constrained(max_tokens=rng.randint(4, 40), so=so, temperature=rng.uniform(0.5, 1.5),
+                          top_k=rng.choice([0, 20]), seed=rng.randint(0, 1000)) for so in trials]
+    outs = llm.generate([rng.choice(PROMPTS) for _ in trials], params)  # one batch: the rows mask one another's
+    for trial, (so, o) in enumerate(zip(trials, outs, strict=True)):
+        out = o.outputs[0]
         state = compiler.new_state(so)
         for t in out.token_ids:
             if t in llm.engine.tokenizer.eos_token_ids:
@@ -120,13 +129,10 @@ def test_every_emitted_prefix_is_accepted_by_a_fresh_matcher(llm):
             assert state.accept([t])
 
 
-def test_jump_forward_auto_is_identical_and_on_stays_in_the_grammar(model_dir, llm):
-    steps_before = llm.engine.num_steps
-    plain = llm.generate(PROMPTS, constrained(max_tokens=120))
-    plain_steps = llm.engine.num_steps - steps_before
+def test_jump_forward_auto_is_identical_and_on_stays_in_the_grammar(model_dir, greedy_json):
+    plain, plain_steps, _ = greedy_json
     auto = LLM(model_dir, max_model_len=256, kv_cache_memory="8MiB", jump_forward="auto")
-    assert [o.outputs[0].token_ids for o in auto.generate(PROMPTS, constrained(max_tokens=120))] == \
-        [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in auto.generate(PROMPTS, constrained(max_tokens=120))] == plain
     assert auto.engine.num_steps < plain_steps  # single-token continuations took no steps of their own
     on = LLM(model_dir, max_model_len=256, kv_cache_memory="8MiB", jump_forward="on")
     outs = on.generate(PROMPTS, constrained(max_tokens=120))
@@ -137,33 +143,33 @@ def test_jump_forward_auto_is_identical_and_on_stays_in_the_grammar(model_dir, l
     assert capped.finish_reason == "length" and len(capped.token_ids) == 3
 
 
-def test_preemption_and_prefix_caching_keep_the_constrained_output(model_dir, llm):
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, constrained(max_tokens=64))]
+def test_preemption_and_prefix_caching_keep_the_constrained_output(model_dir, greedy_json):
+    want = [t[:40] for t in greedy_json[0]]
     small = LLM(model_dir, max_model_len=96, num_kv_blocks=24, block_size=4, jump_forward="on")
     got = small.generate(PROMPTS + PROMPTS, constrained(max_tokens=64))
     assert small.engine.scheduler.num_preemptions > 0
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     off = LLM(model_dir, max_model_len=96, num_kv_blocks=24, block_size=4, jump_forward="off")
-    got = off.generate(PROMPTS + PROMPTS, constrained(max_tokens=64))
+    got = off.generate(PROMPTS + PROMPTS, constrained(max_tokens=40))
     assert off.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == want + want
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculative_constrained_equals_constrained_alone(model_dir, llm, method):
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, constrained(max_tokens=64))]
-    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False, "disable_by_batch_size": None}
+def test_speculative_constrained_equals_constrained_alone(model_dir, greedy_json, method):
+    want = [t[:24] for t in greedy_json[0]]
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": None}
     if method == "draft":
         config["model"] = model_dir  # the target drafting for itself: drafts are free text, many forbidden
     spec = LLM(model_dir, max_model_len=256, kv_cache_memory="8MiB", speculative_config=config, jump_forward="off")
-    got = spec.generate(PROMPTS, constrained(max_tokens=64))
+    got = spec.generate(PROMPTS, constrained(max_tokens=24))
     assert [o.outputs[0].token_ids for o in got] == want
     assert spec.engine.speculator.stats.num_draft_tokens > 0
-    sampled = spec.generate(PROMPTS, constrained(max_tokens=64, temperature=1.0, seed=3))
-    for o in sampled:
-        if o.outputs[0].finish_reason == "stop":
-            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    regex = r"[a-z]{3}-\d{2,4}"  # short: every sampled output completes and is checked
+    sampled = spec.generate(PROMPTS, constrained(max_tokens=16, temperature=1.0, seed=3,
+                                                 so=StructuredOutputsParams(regex=regex)))
+    assert all(o.outputs[0].finish_reason == "stop" and re.fullmatch(regex, o.outputs[0].text) for o in sampled)
 
 
 @pytest.mark.parametrize("so, field, words", [
@@ -190,3 +196,21 @@ def test_grammars_are_compiled_once(llm):
     llm.generate(PROMPTS, constrained(max_tokens=4, so=StructuredOutputsParams(json=schema)))
     llm.generate(PROMPTS, constrained(max_tokens=4, so=StructuredOutputsParams(json=json.dumps(schema))))
     assert compiler.num_compiled == before + 1
+
+
+def test_bench_structured_runs_every_arm_and_validates(model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    report = tmp_path / "structured.json"
+    r = CliRunner().invoke(main, ["bench", "structured", "--model", model_dir, "--max-model-len", "256",
+                                  "--kv-cache-memory", "8MiB", "--batch-sizes", "2", "--repeats", "1",
+                                  "--max-tokens", "24", "--validate", "14", "--json", str(report)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "jf-auto output identical to mask: yes" in r.output and "grammar compile: cold" in r.output
+    data = json.loads(report.read_text())
+    assert set(data["batches"]["2"]["median"]) == {"free", "mask", "jf-auto", "jf-on"}
+    v = data["validation"]
+    assert v["requests"] == 14 and v["valid"] == v["finished"] and v["finished"] + v["truncated"] == 14

@@ -169,6 +169,12 @@ def chat(system: str | None, **kw: Any) -> None:
 @click.option("--max-request-bytes", default="1MiB", show_default=True, help="Largest request body accepted.")
 @click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
               help="With --enable-lora: a PEFT adapter served as model NAME (repeatable).")
+@click.option("--enable-auto-tool-choice", is_flag=True, default=False,
+              help="Answer tool_choice 'auto' (the default with tools): the model decides whether to call, and "
+                   "its tool calls are parsed into message.tool_calls. 'required' and named tools work without it.")
+@click.option("--tool-call-parser", type=click.Choice(["hermes"]), default=None,
+              help="The model's tool-call syntax for tool_choice 'auto' (default: hermes, <tool_call>{...}"
+                   "</tool_call>, as Hermes, Qwen2.5 and SmolLM2 write it).")
 @click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Engine replicas (each a whole server on its own port and threads // N) behind one router.")
 @click.option("--router-policy", type=click.Choice(["prefix", "round-robin"]), default="prefix", show_default=True,
@@ -176,7 +182,8 @@ def chat(system: str | None, **kw: Any) -> None:
                    "(else the least loaded), or round-robin.")
 @engine_options()
 def serve(host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
-          cors_origins: str | None, max_request_bytes: str, lora_modules: tuple[str, ...], data_parallel_size: int,
+          cors_origins: str | None, max_request_bytes: str, lora_modules: tuple[str, ...],
+          enable_auto_tool_choice: bool, tool_call_parser: str | None, data_parallel_size: int,
           router_policy: str, **kw: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     if data_parallel_size > 1:  # replicas behind a router (serve/router.py)
@@ -196,7 +203,8 @@ def serve(host: str, port: int, api_key: str | None, served_model_name: str | No
         raise click.BadParameter(str(e), param_hint="--lora-modules") from None
     config = ServerConfig(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                           cors_origins=origins, max_request_bytes=max_request_bytes,
-                          lora_modules=loras)  # bad values fail before loading
+                          lora_modules=loras, enable_auto_tool_choice=enable_auto_tool_choice,
+                          tool_call_parser=tool_call_parser)  # bad values fail before loading
     llm = build_llm(kw)
     run_server(llm.engine, config, host=host, port=port)
 

@@ -35,8 +35,9 @@ def _register_commands() -> None:
     from brisk.bench.cli_methods import compare, kv, quant, sparse, spec
     from brisk.bench.cli_serve import serve
     from brisk.bench.lora import lora
+    from brisk.bench.structured import structured
 
-    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare, lora,
+    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare, lora, structured,
                     ab, ab_kernels, profile_command):  # the last three: same-process A/Bs, a decode-step profile
         bench.add_command(command)
 

@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -30,7 +31,7 @@ from brisk.engine.config import parse_size
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.sampling_defaults import SamplingDefaults
 from brisk.engine.sampling_params import SamplingParams
-from brisk.serve import responses
+from brisk.serve import responses, tools
 from brisk.serve.async_engine import (
     AsyncEngine,
     ClientDisconnected,
@@ -57,6 +58,7 @@ from brisk.serve.protocol import (
     SamplingDefaultsInfo,
     parse_request,
 )
+from brisk.structured.params import StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger("brisk.serve")
 
@@ -74,8 +76,13 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)  # empty = CORS off
     max_request_bytes: int | str = "1MiB"
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules name=path (needs --enable-lora)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's tool calls (serve/tools.py)
+    tool_call_parser: str | None = None  # the model family's tool-call syntax; None = hermes
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in tools.TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; brisk parses "
+                             f"{', '.join(tools.TOOL_CALL_PARSERS)}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
         self.max_request_bytes = parse_size(self.max_request_bytes)
@@ -99,6 +106,8 @@ class _Server:
 
         self.loras = LoRARegistry(engine, config.lora_modules, self.model_name)  # serve/lora.py
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, metrics=self.metrics)
+        self.llm_engine = engine
+        self.native_tools = tools.template_supports_tools(engine.tokenizer.chat_template)
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, model: str | None) -> str:
@@ -144,8 +153,48 @@ class _Server:
                               f"{self.engine.capacity} at once; lower n or send fewer prompts per request",
                               param=param, code="invalid_value")
 
+    def check_constraints(self, constraints: list[tuple[StructuredOutputsParams, str]]) -> None:
+        """Compile each constraint (or find it in the engine's cache) before the request is admitted, so a schema,
+        regex or grammar that cannot be enforced is a 400 naming the field, not an error after the 200."""
+        if not constraints:
+            return
+        compiler = self.llm_engine.grammar_compiler()
+        for params, param in constraints:
+            try:
+                compiler.compile(params)
+            except StructuredOutputError as e:
+                raise ClientError(f"{param}: {e.message}", param=param, code="invalid_value") from None
+
+    def chat_constraints(self, req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None,
+                                                                    list[tuple[StructuredOutputsParams, str]]]:
+        """(what generation is constrained to, every constraint to check first) for a chat request."""
+        structured, param = req.structured_request()
+        mode = req.tool_mode
+        if mode == "none":
+            return structured, [(structured, param)] if structured is not None else []
+        if structured is not None:
+            raise ClientError(f"{param} cannot be combined with tools (tool_choice {mode!r}); leave one out, or send "
+                              "tool_choice 'none'", param=param, code="invalid_value")
+        if mode == "auto" and not self.config.enable_auto_tool_choice:
+            raise ClientError("tool_choice 'auto' (the default when tools are given) needs a server started with "
+                              "--enable-auto-tool-choice; send tool_choice 'required', a named function or 'none', "
+                              "or restart the server with that flag", param="tool_choice",
+                              code="unsupported_parameter")
+        specs = req.tool_dicts()
+        checks = [(tools.named_constraint(t), f"tools.{i}.function.parameters") for i, t in enumerate(specs)]
+        if mode == "required":
+            constraint = tools.required_constraint(specs, parallel=req.parallel_tool_calls is not False)
+            checks.append((constraint, "tools"))
+            return constraint, checks
+        if mode == "named":
+            name = req.tool_choice.function.name  # type: ignore[union-attr]
+            i = next(i for i, t in enumerate(specs) if t["function"]["name"] == name)
+            return checks[i][0], checks
+        return None, checks
+
     # ------------------------------------------------------------------ request -> engine requests
-    def completion_requests(self, req: CompletionRequest, request_id: str) -> list[EngineRequest]:
+    def completion_requests(self, req: CompletionRequest, request_id: str,
+                            structured: StructuredOutputsParams | None = None) -> list[EngineRequest]:
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts: list[Any] = [prompt]
@@ -162,14 +211,26 @@ class _Server:
             max_tokens = self.max_tokens_for(ids, req.max_tokens,
                                              self.sampling_defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                              "max_tokens", param)
-            params = _sampling_params(req, max_tokens, req.logprobs, self.sampling_defaults)
+            params = _sampling_params(req, max_tokens, req.logprobs, self.sampling_defaults, structured)
             out.append(EngineRequest(f"{request_id}-{i}", ids, params, self.loras.get(req.model)))
         return out
 
-    def chat_requests(self, req: ChatCompletionRequest, request_id: str) -> list[EngineRequest]:
+    def chat_requests(self, req: ChatCompletionRequest, request_id: str,
+                      structured: StructuredOutputsParams | None = None) -> list[EngineRequest]:
         try:
-            ids = self.tokenizer.encode_chat(req.template_messages(),
-                                             add_generation_prompt=req.add_generation_prompt is not False)
+            messages = req.template_messages(native_tools=self.native_tools)
+            kwargs: dict[str, Any] = {}
+            if req.tool_mode != "none":
+                if self.native_tools:
+                    kwargs["tools"] = req.tool_dicts()
+                else:  # the template has no place for tools: list them in the system prompt (serve/tools.py)
+                    prompt = tools.hermes_system_prompt(req.tool_dicts())
+                    if messages[0]["role"] == "system":
+                        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+                    else:
+                        messages.insert(0, {"role": "system", "content": prompt})
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                             **kwargs)
         except ClientError:
             raise
         except ValueError as e:  # no chat template, or the template rejected the conversation
@@ -181,14 +242,15 @@ class _Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_capacity(req.n or 1, "n")
         return [EngineRequest(f"{request_id}-0", ids,
-                              _sampling_params(req, max_tokens, logprobs, self.sampling_defaults),
+                              _sampling_params(req, max_tokens, logprobs, self.sampling_defaults, structured),
                               self.loras.get(req.model))]
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                     logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
+                     logprobs: int | None, defaults: SamplingDefaults,
+                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
-        return req.to_sampling_params(max_tokens, logprobs, defaults)
+        return req.to_sampling_params(max_tokens, logprobs, defaults, structured)
     except ValueError as e:  # SamplingParams' messages start with the field name ("top_p must be ...")
         name = str(e).split(" ", 1)[0]
         raise ClientError(str(e), param=name if name in type(req).model_fields else None,
@@ -371,7 +433,11 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         req.check()
         ctx = responses.Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
                                 server.tokenizer, req.n or 1, _holdback(req.stop))
-        stream = server.engine.open_stream(server.completion_requests(req, ctx.request_id), request.receive)
+        structured, param = req.structured_request()
+        engine_requests = server.completion_requests(req, ctx.request_id, structured)
+        if structured is not None:
+            await run_in_threadpool(server.check_constraints, [(structured, param)])
+        stream = server.engine.open_stream(engine_requests, request.receive)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return _sse(responses.completion_events(stream, ctx, req.logprobs, include_usage), stream)
@@ -387,8 +453,14 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         req = parse_request(ChatCompletionRequest, await read_json(request))
         req.check()
         ctx = responses.Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
-                                server.tokenizer, req.n or 1, _holdback(req.stop))
-        stream = server.engine.open_stream(server.chat_requests(req, ctx.request_id), request.receive)
+                                server.tokenizer, req.n or 1, _holdback(req.stop), tool_mode=req.tool_mode)
+        if req.tool_mode == "named":
+            ctx.tool_name = req.tool_choice.function.name  # type: ignore[union-attr]
+        structured, checks = server.chat_constraints(req)
+        engine_requests = server.chat_requests(req, ctx.request_id, structured)
+        if checks:
+            await run_in_threadpool(server.check_constraints, checks)
+        stream = server.engine.open_stream(engine_requests, request.receive)
         top = (req.top_logprobs or 0) if req.logprobs else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from brisk.engine.outputs import CompletionOutput, RequestOutput
 from brisk.model.tokenizer import Tokenizer
+from brisk.serve import tools
 from brisk.serve.async_engine import ClientDisconnected, EngineError, RequestStream
 from brisk.serve.protocol import (
     ChatChoice,
@@ -28,9 +29,13 @@ from brisk.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
@@ -48,6 +53,8 @@ class Context:
     # Characters of text to hold back while a choice is unfinished: a stop string may be completing there,
     # and the final text is cut before it. (len(longest stop) - 1; 0 without stop strings.)
     holdback: int = 0
+    tool_mode: str = "none"  # none | auto | required | named (serve/tools.py)
+    tool_name: str | None = None  # the function of tool_choice "named"
 
 
 class _Cursor:
@@ -216,6 +223,29 @@ async def completion_events(stream: RequestStream, ctx: Context, logprobs: int |
 
 
 # ---------------------------------------------------------------------------------------------- chat
+def _tool_calls_out(calls: list[tools.ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def _message(ctx: Context, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message and finish_reason, its tool calls parsed out (OpenAI's finish_reason is
+    "tool_calls" when the model chose to call, "stop" when tool_choice named the function)."""
+    finish = _finish_reason(c)
+    if ctx.tool_mode == "auto":
+        content, calls = tools.parse_hermes(c.text)
+    elif ctx.tool_mode == "required":
+        calls = tools.parse_required(c.text)
+        content = None if calls else c.text
+    elif ctx.tool_mode == "named":
+        return ChatResponseMessage(content=None, tool_calls=_tool_calls_out(
+            [tools.ToolCall(ctx.tool_name or "", c.text)])), finish
+    else:
+        return ChatResponseMessage(content=c.text), finish
+    if calls:
+        return ChatResponseMessage(content=content, tool_calls=_tool_calls_out(calls)), "tool_calls"
+    return ChatResponseMessage(content=content), finish
+
+
 def chat_response(outputs: dict[int, RequestOutput], ctx: Context, top_logprobs: int | None) -> ChatCompletionResponse:
     choices = []
     for index in sorted(outputs):
@@ -223,8 +253,9 @@ def chat_response(outputs: dict[int, RequestOutput], ctx: Context, top_logprobs:
             lp = None
             if top_logprobs is not None:
                 lp = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [], top_logprobs)
-            choices.append(ChatChoice(index=index * ctx.n + c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=lp, finish_reason=_finish_reason(c)))
+            message, finish = _message(ctx, c)
+            choices.append(ChatChoice(index=index * ctx.n + c.index, message=message, logprobs=lp,
+                                      finish_reason=finish))
     return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
                                   usage=_usage(outputs))
 
@@ -238,6 +269,7 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
     done: set[int] = set()
     last: dict[int, RequestOutput] = {}
     cursor = _Cursor(ctx.holdback)
+    streamers: dict[int, _ToolStreamer] = {}
     try:
         # OpenAI opens every choice with the role, before any content
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -256,8 +288,14 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
                 lp = None
                 if top_logprobs is not None and ids:
                     lp = chat_logprobs(ctx.tokenizer, ids, entries, top_logprobs)
-                choices.append(ChatStreamChoice(index=ci, delta=DeltaMessage(content=text or None),
-                                                logprobs=lp, finish_reason=_finish_reason(c)))
+                finish = _finish_reason(c)
+                delta = DeltaMessage(content=text or None)
+                if ctx.tool_mode != "none":
+                    streamer = streamers.setdefault(ci, _ToolStreamer(ctx))
+                    delta, called = streamer.update(c.text[:cursor.num_chars[ci]], c.finished)
+                    if c.finished and called:
+                        finish = "tool_calls"
+                choices.append(ChatStreamChoice(index=ci, delta=delta, logprobs=lp, finish_reason=finish))
                 if c.finished:
                     done.add(ci)
             if choices:
@@ -272,6 +310,49 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
         yield "data: [DONE]\n\n"
     finally:
         stream.close()
+
+
+class _ToolStreamer:
+    """One streamed choice's deltas with tools: what reassembles to _message's answer for the final text.
+
+    auto: content as it comes, each Hermes call in one delta once its block closes (tools.HermesStreamer);
+    named: the call's id and name first, then its arguments as the text grows; required: the calls at the end
+    (the array parses only once complete)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.hermes = tools.HermesStreamer()
+        self.sent = 0
+        self.num_calls = 0
+
+    def update(self, text: str, finished: bool) -> tuple[DeltaMessage, bool]:
+        """(the delta, whether the answer is tool calls: its finish_reason is then tool_calls)."""
+        mode = self.ctx.tool_mode
+        if mode == "named":
+            head = self.sent == 0 and self.num_calls == 0
+            args, self.sent = text[self.sent:], len(text)
+            self.num_calls = 1
+            call = DeltaToolCall(index=0, id=tools.new_call_id() if head else None, type="function" if head else None,
+                                 function=DeltaFunctionCall(name=self.ctx.tool_name if head else None,
+                                                            arguments=args))
+            return DeltaMessage(tool_calls=[call] if head or args else None), False
+        if mode == "required":
+            if not finished:
+                return DeltaMessage(), False
+            calls = tools.parse_required(text)
+            if not calls:
+                return DeltaMessage(content=text or None), False
+            return DeltaMessage(tool_calls=self._deltas(calls)), True
+        content, calls = self.hermes.update(text, finished)
+        return DeltaMessage(content=content or None, tool_calls=self._deltas(calls) or None), bool(self.hermes.calls)
+
+    def _deltas(self, calls: list[tools.ToolCall]) -> list[DeltaToolCall]:
+        out = []
+        for call in calls:
+            out.append(DeltaToolCall(index=self.num_calls, id=call.id, type="function",
+                                     function=DeltaFunctionCall(name=call.name, arguments=call.arguments)))
+            self.num_calls += 1
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- SSE
