@@ -112,8 +112,9 @@ def test_bench_compare_checks_every_precision_before_any_work(monkeypatch, sourc
 
 
 def test_run_compare_reports_load_time_memory_and_bandwidth(tmp_path):
-    """Both engines on the tiny file at q8_0 (re-typed, then loaded by both), each run a child process: the figures are there, the JSON
-    callback sees every run as it finishes, and each batch-1 row has its GB/s against the bandwidth given."""
+    """Both engines on the tiny file at q8_0 (re-typed, then loaded by both), each run a child process: the figures
+    are there, the JSON callback sees every run as it finishes, and each batch-1 row has its GB/s against the
+    bandwidth given."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional extra) is not installed")
     from hf_utils import make_tiny_hf_model
 
