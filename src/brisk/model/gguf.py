@@ -391,7 +391,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     fused = FusedBuffers(config, dtype) if fuse else None
     base = mapped.map_file(f.path) if mmap_weights else None
     fh = open(f.path, "rb")  # noqa: SIM115 - closed below, after the loop
-    tensors, used = {}, False
+    tensors, used, trim = {}, False, _Trim()
     for name, (hf_name, shape) in expected.items():
         if name in to_pack:
             continue
@@ -416,6 +416,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 slot = fused.slot(hf_name, shape) if place and fused is not None and not unpermute else None
                 out = slot if slot is not None else torch.empty(shape, dtype=dtype)
                 _dequantize_into(fh, info, out)
+                trim.done(info.n_bytes)
                 if unpermute:
                     heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
                     out = _unpermute_rows(out, heads)
@@ -449,6 +450,7 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
     set) into a transient buffer; Q/K rows take llama.cpp's permutation back as they are repacked."""
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     packed, types = {}, {}
+    trim = _Trim()
     with open(f.path, "rb") as fh:
         for name in (n for n in expected if n in names):
             hf_name, shape = expected[name]
@@ -465,10 +467,27 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
                 raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
             types[module] = info.qtype.name
             del raw
+            trim.done(info.n_bytes)
     return packed, types
 
 
 _CHUNK_BYTES = 1 << 24  # raw bytes read and dequantized at a time
+
+
+class _Trim:
+    """Free heap pages back to the kernel every `every` bytes of tensors converted: the chunks' temporaries sit
+    between the final buffers, and glibc keeps their pages resident otherwise (model/hugepages.py)."""
+
+    def __init__(self, every: int = 32 << 20) -> None:
+        self.every, self.since = every, 0
+
+    def done(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since >= self.every:
+            from brisk.model.hugepages import release_free_memory
+
+            release_free_memory()
+            self.since = 0
 
 
 def _dequantize_into(fh: BinaryIO, info: GGUFTensorInfo, out: torch.Tensor) -> None:
