@@ -462,7 +462,8 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
             raw = mapped.read_tensor(fh, info.offset, (info.n_bytes,), torch.uint8)
             module = hf_name.removesuffix(".weight")
             try:
-                packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
+                with _intra_op_threads(1):  # chunks of 4 M weights: below _PARALLEL_MIN_NUMEL, one thread
+                    packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
             except GGUFError as e:
                 raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
             types[module] = info.qtype.name
