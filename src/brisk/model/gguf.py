@@ -495,6 +495,9 @@ def _dequantize_into(fh: BinaryIO, info: GGUFTensorInfo, out: torch.Tensor) -> N
     """Tensor `info` of the open file, dequantized into `out` (contiguous, its shape; any float dtype) a chunk of
     rows at a time: the same values as `dequantize(...).to(out.dtype)` (ggml blocks never straddle rows)."""
     shape = info.shape
+    if _FLOAT_TYPES.get(info.qtype) == out.dtype:  # stored as it runs: read(2) straight into the buffer
+        mapped.read_tensor(fh, info.offset, tuple(shape), out.dtype, out=out)
+        return
     rows = shape[0] if len(shape) > 1 else 1
     row_bytes = info.n_bytes // rows
     step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
