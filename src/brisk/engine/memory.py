@@ -5,16 +5,20 @@
            + activations of one step (--max-num-batched-tokens tokens, logits of --max-num-seqs rows)
            + runtime (RoPE tables, kernel and allocator workspace)
 
-Everything comes from headers and settings: the GGUF header, the HF config.json and safetensors headers, or the
-dummy shape; no weight is read. `check_memory` refuses a configuration whose estimate exceeds the available
-memory (psutil's, and the cgroup's limit when one is set) with the estimate and the settings that would fit,
-instead of the kernel killing the process midway through loading. `--no-memory-check` skips it.
+Every tensor is priced in the precision it runs in: a GGUF file's quantized matrices that brisk repacks
+(model/gguf_repack.py, under `--dtype auto`) at their packed size, codes and group parameters; every other GGUF
+tensor, an HF folder's float tensors and random weights at the runtime dtype; a quantized checkpoint's packed
+codes and scales as stored. Everything comes from headers and settings: the GGUF header, the HF config.json and
+safetensors headers, or the dummy shape; no weight is read. `check_memory` refuses a configuration whose estimate
+exceeds the available memory (psutil's, and the cgroup's limit when one is set) with the estimate and the settings
+that would fit, instead of the kernel killing the process midway through loading. `--no-memory-check` skips it.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +55,9 @@ class ModelFootprint:
     fixed_bytes: int  # kept in their stored dtype (quantized checkpoints)
     float_linear_params: int  # float weights of linear layers (lm_head included): what --prepack-weights copies
     source: str  # what was measured, for the message
+    # a GGUF file loaded with a float --dtype: its footprint under --dtype auto (the file's own precision), for the
+    # message to offer; None elsewhere
+    native: ModelFootprint | None = None
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         return self.float_params * _itemsize(dtype) + self.fixed_bytes
@@ -85,8 +92,10 @@ def _gib(n: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the model's weights
-def model_footprint(model: str | None, load_format: str = "auto", shape: str | None = None) -> ModelFootprint:
-    """The weights' footprint of what `load_model(model, load_format=..., shape=...)` would build."""
+def model_footprint(model: str | None, load_format: str = "auto", shape: str | None = None,
+                    keep_quantized: bool = False) -> ModelFootprint:
+    """The weights' footprint of what `load_model(model, load_format=..., shape=..., keep_quantized=...)` would
+    build (`keep_quantized`: a GGUF file in its own precision, as `--dtype auto` loads it)."""
     from brisk.model.loader import model_shape, resolve_model
 
     if load_format == "dummy":
@@ -95,9 +104,36 @@ def model_footprint(model: str | None, load_format: str = "auto", shape: str | N
     path = resolve_model(model)
     if path.is_dir():
         return _safetensors_footprint(path)
-    from brisk.model.gguf import read_gguf_config
+    native = gguf_footprint(path, keep_quantized=True)
+    return native if keep_quantized else replace(gguf_footprint(path, keep_quantized=False), native=native)
 
-    return _float_footprint(read_gguf_config(path), path.name)
+
+def gguf_footprint(path: Path, keep_quantized: bool) -> ModelFootprint:
+    """From the GGUF header: with `keep_quantized`, each matrix of a type brisk repacks (and not of a mixture of
+    experts, whose stacked experts are dequantized) at its packed size (codes + group parameters,
+    gguf_repack.packed_bytes_per_weight), every other tensor at the runtime dtype."""
+    from brisk.model.gguf import _config_from_gguf, read_gguf
+    from brisk.model.gguf_repack import packed_bytes_per_weight, repackable
+
+    f = read_gguf(path)
+    config = _config_from_gguf(f)
+    float_params = fixed = linear = 0
+    embedding_packed = False
+    for name, info in f.tensors.items():
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if keep_quantized and not config.is_moe and len(info.shape) == 2 and repackable(info.qtype, info.shape):
+            fixed += math.ceil(numel * packed_bytes_per_weight(info.qtype))
+            embedding_packed |= name == "token_embd.weight"
+            continue
+        float_params += numel
+        if len(info.shape) == 2 and name != "token_embd.weight":
+            linear += numel
+    if config.tie_word_embeddings and not embedding_packed:
+        linear += config.vocab_size * config.hidden_size  # the head is a float linear on the embedding's weight
+    kind = ", in its own precision" if keep_quantized and fixed else ""
+    return ModelFootprint(config, float_params, fixed, linear, f"{path.name}{kind}")
 
 
 def _float_footprint(config: ModelConfig, source: str) -> ModelFootprint:
@@ -217,7 +253,8 @@ def check_memory(config: EngineConfig, available: int | None = None) -> MemoryEs
     `available` bytes (default: measured). Returns the estimate; None when config.memory_check is off."""
     if not config.memory_check:
         return None
-    footprint = model_footprint(config.model, config.load_format, config.shape)
+    footprint = model_footprint(config.model, config.load_format, config.shape,
+                                keep_quantized=config.dtype == "auto")  # as llm_engine.load_engine_model loads it
     estimate = estimate_memory(config, footprint)
     source = "given"
     if available is None:
@@ -231,7 +268,8 @@ def check_memory(config: EngineConfig, available: int | None = None) -> MemoryEs
     if fits:
         lines.append("Settings that fit:")
         lines += [f"  {flags}   (about {_gib(est.total)})" for flags, est in fits]
-    if not footprint.fixed_bytes and config.load_format != "dummy":  # a float model: quantizing it is another way
+    if not footprint.fixed_bytes and footprint.native is None and config.load_format != "dummy":
+        # a float model: quantizing it is another way
         linear = footprint.float_linear_params
         int4 = footprint.weight_bytes(torch.bfloat16) - linear * 2 + linear * (0.5 + 4 / 64)
         lines.append(f"Or quantize it first (weights about {_gib(int(int4))} at 4 bits): "
@@ -252,19 +290,23 @@ def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: 
     mc, cache = footprint.config, config.cache
     assert config.scheduler is not None
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
-    dtypes = [None] + ([torch.bfloat16] if config.torch_dtype == torch.float32 and not footprint.fixed_bytes
-                       else [])
+    # (flag, runtime dtype, footprint): the configured one; bfloat16 for a float32 float model; the file's own
+    # precision for a GGUF file given a float --dtype (its quantized matrices stay packed: usually the smallest)
+    dtypes: list[tuple[str | None, torch.dtype | None, ModelFootprint]] = [(None, None, footprint)]
+    if config.torch_dtype == torch.float32 and not footprint.fixed_bytes:
+        dtypes.append(("--dtype bfloat16", torch.bfloat16, footprint))
+    if footprint.native is not None and footprint.native.fixed_bytes:
+        dtypes.append(("--dtype auto", torch.float32, footprint.native))
     prepacks = [None] + (["off"] if config.prepack_weights != "off" else [])
     seqs = [None] + ([_SMALL_M] if config.scheduler.max_num_seqs > _SMALL_M else [])
     found: list[tuple[int, str, MemoryEstimate]] = []
-    for dtype, prepack, num_seqs, shrink_kv in itertools.product(dtypes, prepacks, seqs, (False, True)):
-        changes = ([f"--dtype {str(dtype).removeprefix('torch.')}"] if dtype else []) \
-            + ([f"--prepack-weights {prepack}"] if prepack else []) \
+    for (flag, dtype, fp), prepack, num_seqs, shrink_kv in itertools.product(dtypes, prepacks, seqs, (False, True)):
+        changes = ([flag] if flag else []) + ([f"--prepack-weights {prepack}"] if prepack else []) \
             + ([f"--max-num-seqs {num_seqs}"] if num_seqs else [])
-        est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, max_num_seqs=num_seqs)
-        if prepack and not estimate_memory(config, footprint, dtype=dtype, max_num_seqs=num_seqs).packed:
+        est = estimate_memory(config, fp, dtype=dtype, prepack_weights=prepack, max_num_seqs=num_seqs)
+        if prepack and not estimate_memory(config, fp, dtype=dtype, max_num_seqs=num_seqs).packed:
             continue  # no packed copies to drop under this dtype: the same option without the flag
-        if num_seqs and (prepack or not estimate_memory(config, footprint, dtype=dtype).packed):
+        if num_seqs and (prepack or not estimate_memory(config, fp, dtype=dtype).packed):
             continue  # it drops no packed copy here (or two flags would drop the same ones): not worth a change
         if shrink_kv:
             # the largest pool that leaves a tenth of the headroom spare; if it holds less than one sequence of
@@ -278,7 +320,7 @@ def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: 
             changes.append(f"--kv-cache-memory {pool // MiB}MiB")
             if holds < max_model_len:
                 changes.append(f"--max-model-len {1 << (holds.bit_length() - 1)}")
-            est = estimate_memory(config, footprint, dtype=dtype, prepack_weights=prepack, cache=smaller,
+            est = estimate_memory(config, fp, dtype=dtype, prepack_weights=prepack, cache=smaller,
                                   max_num_seqs=num_seqs)
         if changes and est.total <= available:
             found.append((len(changes), " ".join(changes), est))

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -397,7 +397,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     unfused_layers = {hf.rsplit(".", 2)[0] for name, (hf, _) in expected.items() if name in to_pack}
     fused = FusedBuffers(config, dtype) if fuse else None
     base = mapped.map_file(f.path) if mmap_weights else None
-    tensors, used = {}, False
+    fh = open(f.path, "rb")  # noqa: SIM115 - closed below, after the loop
+    tensors, used, trim = {}, False, _Trim()
     for name, (hf_name, shape) in expected.items():
         if name in to_pack:
             continue
@@ -416,6 +417,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 progress(info.n_bytes)
             continue
         with _intra_op_threads(1 if np.prod(shape) < _PARALLEL_MIN_NUMEL else torch.get_num_threads()):
+            if not shifted and not (".mlp." in hf_name and config.is_moe):
+                # read with read(2) and dequantized a chunk of rows at a time into the final buffer (the fused
+                # slot, or the tensor's own at `dtype`): no float32 copy of the tensor, no mapped pages
+                slot = fused.slot(hf_name, shape) if place and fused is not None and not unpermute else None
+                out = slot if slot is not None else torch.empty(shape, dtype=dtype)
+                _dequantize_into(fh, info, out)
+                trim.done(info.n_bytes)
+                if unpermute:
+                    heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+                    out = _unpermute_rows(out, heads)
+                    out = fused.place(hf_name, out) if place and fused is not None else out
+                tensors[hf_name] = out
+                if progress is not None:
+                    progress(info.n_bytes)
+                continue
             w = dequantize(f.tensor_bytes(name), info.qtype, shape)
             if permuted and ".attn_q." in name:
                 w = _unpermute_rows(w, config.num_attention_heads)
@@ -429,6 +445,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
                 tensors[hf_name] = fused.place(hf_name, w) if place and fused is not None else w.to(dtype)
         if progress is not None:
             progress(info.n_bytes)
+    fh.close()
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
                           mapped=[base] if used and base is not None else [], packed=packed,
                           packed_types=packed_types)
@@ -440,6 +457,7 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
     set) into a transient buffer; Q/K rows take llama.cpp's permutation back as they are repacked."""
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     packed, types = {}, {}
+    trim = _Trim()
     with open(f.path, "rb") as fh:
         for name in (n for n in expected if n in names):
             hf_name, shape = expected[name]
@@ -451,12 +469,51 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
             raw = mapped.read_tensor(fh, info.offset, (info.n_bytes,), torch.uint8)
             module = hf_name.removesuffix(".weight")
             try:
-                packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
+                with _intra_op_threads(1):  # chunks of 4 M weights: below _PARALLEL_MIN_NUMEL, one thread
+                    packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
             except GGUFError as e:
                 raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
             types[module] = info.qtype.name
             del raw
+            trim.done(info.n_bytes)
     return packed, types
+
+
+_CHUNK_BYTES = 1 << 24  # raw bytes read and dequantized at a time
+
+
+class _Trim:
+    """Free heap pages back to the kernel every `every` bytes of tensors converted: the chunks' temporaries sit
+    between the final buffers, and glibc keeps their pages resident otherwise (model/hugepages.py)."""
+
+    def __init__(self, every: int = 32 << 20) -> None:
+        self.every, self.since = every, 0
+
+    def done(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since >= self.every:
+            from brisk.model.hugepages import release_free_memory
+
+            release_free_memory()
+            self.since = 0
+
+
+def _dequantize_into(fh: BinaryIO, info: GGUFTensorInfo, out: torch.Tensor) -> None:
+    """Tensor `info` of the open file, dequantized into `out` (contiguous, its shape; any float dtype) a chunk of
+    rows at a time: the same values as `dequantize(...).to(out.dtype)` (ggml blocks never straddle rows)."""
+    shape = info.shape
+    if _FLOAT_TYPES.get(info.qtype) == out.dtype:  # stored as it runs: read(2) straight into the buffer
+        mapped.read_tensor(fh, info.offset, tuple(shape), out.dtype, out=out)
+        return
+    rows = shape[0] if len(shape) > 1 else 1
+    row_bytes = info.n_bytes // rows
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    flat = out.view(rows, -1)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        raw = mapped.read_tensor(fh, info.offset + r0 * row_bytes, ((r1 - r0) * row_bytes,), torch.uint8)
+        part = (r1 - r0, *shape[1:]) if len(shape) > 1 else shape
+        flat[r0:r1].copy_(dequantize(raw, info.qtype, part).view(r1 - r0, -1))
 
 
 # Dequantizing one tensor is ~10 elementwise ops. Below this size each op is short enough that the intra-op

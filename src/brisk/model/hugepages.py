@@ -14,6 +14,12 @@ Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_huge
 absent), on other platforms, when switched off (`settings.enabled`: BRISK_HUGE_PAGES=0 at start-up, or
 `configure(enabled=False)` / `with override(enabled=False):` in-process), or when the weights exceed half of the
 available memory (the copy holds them twice for a moment).
+
+Memory given back as the copy goes: a tensor's old storage is freed as soon as its copy is made, but glibc keeps
+freed blocks below its mmap threshold (which it raises as large blocks come and go) in its heap, so the process's
+resident set would still hold the whole model twice at the end of the copy. `release_free_memory`
+(malloc_trim) hands free heap pages back to the kernel every `_TRIM_EVERY` bytes copied, and the loader calls it
+after each stage that frees temporaries, so that the peak stays near the weights plus one step's worth.
 """
 
 from __future__ import annotations
@@ -33,6 +39,21 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _ALIGN = 64  # each tensor starts on a cache line
+_TRIM_EVERY = 16 << 20  # bytes copied into the arena between two release_free_memory calls
+
+
+def release_free_memory() -> bool:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim); whether it could be called (False
+    elsewhere than on glibc). Freed tensors leave their pages resident in the heap otherwise."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +190,7 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096, skip: Collection[int]
         total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     if total == 0 or total > _available_bytes() // 2:
         return 0  # (the copy briefly holds the weights twice: not where that could run the machine out of memory)
+    release_free_memory()  # what the loader's fusion and tiling freed: not resident while the arena fills
     arena = _arena(total)
     if arena is None:
         return 0  # the kernel refused: keep the model as it is
@@ -182,10 +204,13 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096, skip: Collection[int]
         # each tensor's holders move to its copy as soon as it is made, so that its old storage is freed then
         # (a Parameter keeps its object, so nothing else holds the old storage): the copy holds one tensor twice
         # at a time, not the whole model
-        for key, (t, offset) in list(moved.items()):
+        since_trim = 0
+        for key in list(moved):  # (the keys only: a list of the items would hold every old tensor to the end)
+            t, offset = moved.pop(key)
             view = buf[start + offset:start + offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)  # first touch: faults in huge pages
-            del moved[key], t
+            since_trim += t.nbytes
+            del t
             # (a moved storage has one view: each holder's tensor has the view's shape and dtype)
             for owner, where, held in holders_of.pop(key):
                 kind, name = where.split(":", 1)
@@ -195,4 +220,8 @@ def to_huge_pages(model: nn.Module, min_bytes: int = 4096, skip: Collection[int]
                     owner._buffers[name] = view  # type: ignore[attr-defined]
                 else:
                     setattr(owner, name, view)
+            if since_trim >= _TRIM_EVERY:  # the old storages just freed: their pages back to the kernel
+                release_free_memory()
+                since_trim = 0
+    release_free_memory()
     return total

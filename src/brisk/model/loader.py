@@ -178,6 +178,9 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
     config = ckpt.config
+    from brisk.model.hugepages import release_free_memory
+
+    release_free_memory()  # the readers' temporaries (dequantized / repacked chunks): their pages back
     # weights that are views of a memory-mapped file (model/mapped.py) stay there: not copied to huge pages
     mapped_storages = storage_ptrs(getattr(ckpt, "mapped", []))
     quantization = getattr(ckpt, "quantization", None)
@@ -185,6 +188,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     # that fusion below frees each layer's parts as it concatenates them instead of keeping a second copy.
     tensors, ckpt.tensors = ckpt.tensors, {}
     packed = getattr(ckpt, "packed", None)
+    any_packed = bool(packed)  # (apply_packed_modules consumes the dict)
     if packed:  # a GGUF in its own precision (model/gguf_native.py)
         from brisk.model.gguf_native import apply_packed_modules, packed_module_names, take_biases
 
@@ -209,16 +213,22 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.ops.sparse import sparsify_model
 
         sparsify_model(net)
-    if quantization is not None or packed:
+    if quantization is not None or any_packed:
         from brisk.quant.layers import tile_quantized_layers
 
-        tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the AVX-512 kernels
+        release_free_memory()  # the parts that fusion concatenated
+
+        from brisk.model.gguf import _intra_op_threads
+
+        with _intra_op_threads(1):  # (chunks of 4 M weights: one thread, as the readers convert them)
+            tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the AVX-512 kernels
     use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
     if torch.device(device).type == "cpu":
         from brisk.model.hugepages import to_huge_pages
 
         # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
         to_huge_pages(net, skip=mapped_storages)
+    release_free_memory()  # what fusion and tiling replaced
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
                        generation_config=dict(getattr(ckpt, "generation_config", {})),
                        dummy_shape=getattr(ckpt, "shape", None))

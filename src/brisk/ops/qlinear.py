@@ -276,6 +276,9 @@ def _from_tiled(data: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
     return torch.stack([d & 0xF, d >> 4], dim=-2).reshape(n, in_features)  # [t, r, c, h, j]
 
 
+_TILE_CHUNK_WEIGHTS = 1 << 22  # set_tiled converts this many weights (whole tiles) at a time
+
+
 def _tileable(pw: PackedWeight) -> bool:
     """8- or 4-bit affine codes, or 4-bit codebook (NF4) codes, in the blocked layout, in whole 16-row tiles."""
     codes = pw.bits in (8, 4) if pw.codebook is None else pw.bits == 4
@@ -299,20 +302,28 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
                          f"multiple of {TILE_ROWS} rows can be tiled (this weight: {pw.bits}-bit, "
                          f"{pw.out_features} rows)")
     k, bits = pw.in_features, pw.bits
+    # Both layouts keep each 16-row tile in the same byte range (a row-local permutation), so the weight is
+    # converted a chunk of whole tiles at a time: the temporaries are a chunk's, not the matrix's (an 8B model's
+    # head is 525 M codes)
+    step = max(TILE_ROWS, _TILE_CHUNK_WEIGHTS // max(k, 1) // TILE_ROWS * TILE_ROWS)
     # inference mode: weights made under it (inference tensors) take in-place writes only there, and others do too
     with torch.inference_mode():
-        if tiled:
-            data = _to_tiled(_from_blocked(pw.data, bits, k), bits)
-            scales = _tile_rows(pw.scales)
-            zeros = None if pw.zeros is None else _tile_rows(pw.zeros)
-        else:
-            data = _to_blocked(_from_tiled(pw.data, bits, k), bits)
-            scales = _untile_rows(pw.scales)
-            zeros = None if pw.zeros is None else _untile_rows(pw.zeros)
-        for dst, src in ((pw.data, data.view_as(pw.data)), (pw.scales, scales), (pw.zeros, zeros)):
-            if dst is not None:  # a permutation that is a view of its source (one group a row) is copied first
-                same = src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
-                dst.copy_(src.clone() if same else src)
+        for r0 in range(0, pw.out_features, step):
+            r1 = min(pw.out_features, r0 + step)
+            part = pw.data.view(pw.out_features, -1)[r0:r1]
+            if tiled:
+                data = _to_tiled(_from_blocked(part, bits, k), bits)
+                scales = _tile_rows(pw.scales[r0:r1])
+                zeros = None if pw.zeros is None else _tile_rows(pw.zeros[r0:r1])
+            else:
+                data = _to_blocked(_from_tiled(part, bits, k), bits)
+                scales = _untile_rows(pw.scales[r0:r1])
+                zeros = None if pw.zeros is None else _untile_rows(pw.zeros[r0:r1])
+            for dst, src in ((part, data.view_as(part)), (pw.scales[r0:r1], scales),
+                             (None if pw.zeros is None else pw.zeros[r0:r1], zeros)):
+                if dst is not None and src is not None:  # a permutation that is a view of its source is copied first
+                    same = src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+                    dst.copy_(src.clone() if same else src)
     pw.tiled = tiled
     return True
 
