@@ -4,7 +4,7 @@ Every linear whose GGUF tensor has a packed form runs as a `QuantLinear` on it (
 parts share a format, as a quantized checkpoint's are). The embedding table stays packed too: a `PackedEmbedding`
 dequantizes only the rows a step looks up, and when the head is tied to the embedding (SmolLM2) the head is a
 `QuantLinear` on the very same packed tensors, so the table is held once, in its quantized size. Tensors without a
-packed form (norms, Q6_K/Q3_K/Q2_K, F16/BF16/F32 matrices) were dequantized by the loader and stay float.
+packed form (norms, F16/BF16/F32 matrices, stacked MoE experts) were dequantized by the loader and stay float.
 """
 
 from __future__ import annotations
