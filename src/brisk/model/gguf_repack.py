@@ -37,6 +37,9 @@ cache out of this process's resident set) straight into its final buffers; no fl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -65,6 +68,19 @@ REPACKED: dict[GGMLQuantizationType, tuple[int, int, str]] = {
 _CHUNK_WEIGHTS = 1 << 22
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Each op of a repack is a short pass over one chunk: with intra-op threads their end-of-op barriers dominate,
+    worst on a busy machine. Gemma-3-270M's 127 tensors (2-core machine, load average ~4.5): 2 threads 7.5-28 s,
+    1 thread 2.7 s."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def repackable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     """Whether a tensor of this type and shape becomes a packed weight (a matrix whose rows hold whole groups)."""
     return qtype in REPACKED and len(shape) == 2 and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0
@@ -75,9 +91,8 @@ def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
     """Blocks [n, type_size] uint8 -> (codes [n, block_size] uint8 in the container's coding, scales [n, groups]
     float32, minimums [n, groups] float32 or None for symmetric codes). Field layouts: model/gguf_dequant.py."""
     n = b.shape[0]
-    if qtype == T.Q8_0:  # d f16 | qs int8[32]
-        q = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return q, _f16(b[:, 0:2]), None
+    if qtype == T.Q8_0:  # d f16 | qs int8[32]; q + 128 (mod 256) flips the sign bit of the two's complement byte
+        return b[:, 2:34] ^ 0x80, _f16(b[:, 0:2]), None
     if qtype == T.Q4_0:  # d f16 | qs[16]: x = d (q - 8)
         return _nibbles(b[:, 2:18]), _f16(b[:, 0:2]), None
     if qtype == T.Q4_1:  # d f16 | m f16 | qs[16]: x = d q + m
@@ -167,18 +182,19 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: t
     scales = torch.empty(n, ngroups, dtype=torch.float32)
     mins = torch.empty(n, ngroups, dtype=torch.float32) if form == "min" else None
     step = max(1, _CHUNK_WEIGHTS // k)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        blocks = rows[r0:r1].reshape(-1, type_size)  # [(r1 - r0) * K / block_size, type_size]
-        q, s, m = _codes_and_params(blocks, qtype)
-        out[r0:r1] = _to_blocked(q.reshape(r1 - r0, k), bits)
-        scales[r0:r1] = s.reshape(r1 - r0, ngroups)
+    with _one_thread():
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            blocks = rows[r0:r1].reshape(-1, type_size)  # [(r1 - r0) * K / block_size, type_size]
+            q, s, m = _codes_and_params(blocks, qtype)
+            out[r0:r1] = _to_blocked(q.reshape(r1 - r0, k), bits)
+            scales[r0:r1] = s.reshape(r1 - r0, ngroups)
+            if mins is not None:
+                assert m is not None
+                mins[r0:r1] = m.reshape(r1 - r0, ngroups)
+        scales = scales.to(_param_dtype(scales))
         if mins is not None:
-            assert m is not None
-            mins[r0:r1] = m.reshape(r1 - r0, ngroups)
-    scales = scales.to(_param_dtype(scales))
-    if mins is not None:
-        mins = mins.to(_param_dtype(mins))
+            mins = mins.to(_param_dtype(mins))
     return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
                         zeros=mins, codebook=None, blocked=True)
 
@@ -192,11 +208,13 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
 
-    scales = cat([p.scales for p in parts])
-    assert scales is not None
+    with _one_thread():  # a few MB each: the copy is shorter than two threads' barrier on a busy machine
+        scales, zeros = cat([p.scales for p in parts]), cat([p.zeros for p in parts])
+        data = cat([p.data for p in parts])
+    assert scales is not None and data is not None
     return PackedWeight(bits=first.bits, group_size=first.group_size, out_features=sum(p.out_features for p in parts),
-                        in_features=first.in_features, data=torch.cat([p.data for p in parts]), scales=scales,
-                        zeros=cat([p.zeros for p in parts]), codebook=None, blocked=first.blocked)
+                        in_features=first.in_features, data=data, scales=scales, zeros=zeros, codebook=None,
+                        blocked=first.blocked)
 
 
 def _same_format(a: PackedWeight, b: PackedWeight) -> bool:
