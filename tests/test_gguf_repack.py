@@ -186,3 +186,26 @@ def test_export_then_native_load_of_the_default_models_q4_k(tmp_path) -> None:
     export_gguf(src, out, "q4_k")
     ckpt = load_gguf(out, keep_quantized=True)
     assert set(ckpt.packed_types.values()) == {"Q5_0"}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # (qwen2_moe's tiny shared expert: rows of 48, no Q8_0)
+def test_native_moe_experts_are_repacked_per_expert(tmp_path, arch: str) -> None:
+    # stacked ffn_*_exps [E, N, K] tensors: one packed weight per expert, each its slice of the stack bit for bit;
+    # the routers stay float; logits as the dequantized float path's up to the kernels' summation order
+    from test_moe import make_tiny_moe, prefill_logits, write_moe_gguf
+
+    make_tiny_moe(tmp_path / "hf", arch, seed=1)
+    path = write_moe_gguf(tmp_path / "moe.gguf", tmp_path / "hf", qtype=T.Q8_0)
+    native = load_gguf(path, keep_quantized=True)
+    plain = load_gguf(path)
+    assert "model.layers.0.mlp.experts.7.down_proj" in native.packed
+    assert not any(n.endswith(("mlp.gate", "shared_expert_gate")) for n in native.packed)
+    for module, pw in native.packed.items():
+        assert _bits_equal(dequantize_packed(pw), plain.tensors[f"{module}.weight"]), module
+    loaded = load_model(path, keep_quantized=True)
+    block = loaded.model.model.layers[1].mlp
+    assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear)
+               for e in block.experts)
+    reference = load_model(path)
+    ids = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(prefill_logits(loaded, ids), prefill_logits(reference, ids), atol=1e-4, rtol=1e-4)

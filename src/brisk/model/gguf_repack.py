@@ -86,6 +86,15 @@ def repackable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     return qtype in REPACKED and len(shape) == 2 and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0
 
 
+def repackable_tensor(qtype: GGMLQuantizationType, hf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the loader repacks this GGUF tensor (transformers name `hf_name`, torch shape): a linear layer's
+    matrix, or a stack of expert matrices (`*` in the name, shape [E, N, K]: repacked one expert at a time). MoE
+    routers stay float (RouterWeight, not a linear), as llama.cpp keeps them."""
+    if not hf_name.endswith(".weight") or hf_name.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):
+        return False
+    return repackable(qtype, tuple(shape[1:]) if "*" in hf_name and len(shape) == 3 else tuple(shape))
+
+
 def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Blocks [n, type_size] uint8 -> (codes [n, block_size] uint8 in the container's coding, scales [n, groups]
