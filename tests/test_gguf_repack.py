@@ -25,7 +25,7 @@ from gguf_utils import (
 
 from brisk.model.gguf import GGUFError, load_gguf
 from brisk.model.gguf_export import export_gguf
-from brisk.model.gguf_kquants import quantize_q4_k, quantize_q5_k
+from brisk.model.gguf_kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from brisk.model.gguf_native import PackedEmbedding, gather_rows
 from brisk.model.gguf_repack import REPACKED, repack
 from brisk.model.loader import load_model
@@ -33,7 +33,10 @@ from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import can_tile, dequantize_packed, quant_linear, set_tiled
 from brisk.ops.qlinear_q8 import covers, quant_linear_q8, quant_q8_reference
 
-_K_ENCODER = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k}  # brisk's encoders (gguf has none)
+_K_ENCODER = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}  # brisk's (gguf has none)
+_NO_ENCODER = (T.Q3_K, T.Q2_K)  # neither gguf nor brisk encodes these: random blocks only
+# byte offset of a block's float16 d (and dmin / m right after it, where the type has one)
+_PARAM_AT = {T.Q6_K: 208, T.Q3_K: 108, T.Q2_K: 80}
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,8 +54,9 @@ def _random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, size=(n, k // block_size * type_size), dtype=np.uint8)
     blocks = raw.reshape(-1, type_size)
     params = (rng.standard_normal((blocks.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
-    width = 2 if qtype in (T.Q8_0, T.Q4_0, T.Q5_0) else 4  # d, or d and m / dmin, at the block's start
-    blocks[:, :width] = params.reshape(-1, 4)[:, :width]
+    width = 2 if qtype in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K, T.Q3_K) else 4  # d, or d and m / dmin
+    at = _PARAM_AT.get(qtype, 0)  # at the block's start, or (Q6_K / Q3_K / Q2_K) after the codes and scales
+    blocks[:, at:at + width] = params.reshape(-1, 4)[:, :width]
     return raw
 
 
@@ -61,7 +65,8 @@ def test_repacked_dequantization_is_gguf_reference_bit_for_bit(qtype: T) -> None
     # real shapes of a model whose rows hold whole K-quant super-blocks; weights from the type's own quantizer, and
     # random bytes (every code, sub-scale and sign pattern the format can hold)
     w = torch.randn(48, 512, generator=torch.Generator().manual_seed(0)).numpy() * 0.05
-    for raw in (_encode(w, qtype), _random_blocks(qtype, 48, 512, seed=1)):
+    raws = [] if qtype in _NO_ENCODER else [_encode(w, qtype)]
+    for raw in (*raws, _random_blocks(qtype, 48, 512, seed=1)):
         ref = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(48, 512).astype(np.float32))
         pw = repack(torch.from_numpy(raw), qtype, (48, 512))
         assert (pw.bits, pw.group_size) == REPACKED[qtype][:2]
@@ -71,7 +76,7 @@ def test_repacked_dequantization_is_gguf_reference_bit_for_bit(qtype: T) -> None
             assert _bits_equal(dequantize_packed(pw), ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_1, T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
 def test_kernels_on_repacked_weights_match_the_reference_product(qtype: T) -> None:
     # the float-minimum form (float16 / float32 minimums, float32 scales) through every kernel: blocked and tiled,
     # few rows (in-kernel decode) and many (C++ dequantize + GEMM); float32 rounding of the sums only
@@ -89,13 +94,16 @@ def test_kernels_on_repacked_weights_match_the_reference_product(qtype: T) -> No
     set_tiled(pw, True)
     for rows in (1, 5, 300):
         torch.testing.assert_close(quant_linear(x[:rows], pw, bias).double(), expected[:rows], rtol=0, atol=tol)
+    if pw.group_size < 32:  # 16-weight groups: the float-activation kernels only
+        assert not covers(pw)
+        return
     # int8 activations: the kernel against its exact oracle (integer dots of the rounded activations)
     assert covers(pw)
     torch.testing.assert_close(quant_linear_q8(x[:3], pw, bias), quant_q8_reference(x[:3], pw, bias),
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q2_K], ids=lambda t: t.name)
 def test_gather_rows_reads_any_layout(qtype: T) -> None:
     raw = _random_blocks(qtype, 48, 256, seed=4)
     pw = repack(torch.from_numpy(raw), qtype, (48, 256))
@@ -111,8 +119,8 @@ def test_repack_refuses_bad_input() -> None:
     raw = torch.zeros(4 * 18, dtype=torch.uint8)  # 4 Q4_0 blocks
     with pytest.raises(GGUFError, match="needs 144 bytes, got 72"):
         repack(raw, T.Q4_0, (4, 64))
-    with pytest.raises(GGUFError, match="Q6_K has no packed form; types that do: Q8_0, Q4_0, Q4_1"):
-        repack(raw, T.Q6_K, (1, 256))
+    with pytest.raises(GGUFError, match="BF16 has no packed form; types that do: Q8_0, Q4_0, Q4_1"):
+        repack(raw, T.BF16, (1, 256))
 
 
 def _write_k_model(path, qtype: T, config, state) -> None:
@@ -132,7 +140,7 @@ def _write_k_model(path, qtype: T, config, state) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_native_model_holds_the_files_weights(tmp_path, qtype: T) -> None:
     # K-quants need rows of 256: a wider tiny model for them
     wide = qtype in _K_ENCODER
@@ -178,3 +186,26 @@ def test_export_then_native_load_of_the_default_models_q4_k(tmp_path) -> None:
     export_gguf(src, out, "q4_k")
     ckpt = load_gguf(out, keep_quantized=True)
     assert set(ckpt.packed_types.values()) == {"Q5_0"}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # (qwen2_moe's tiny shared expert: rows of 48, no Q8_0)
+def test_native_moe_experts_are_repacked_per_expert(tmp_path, arch: str) -> None:
+    # stacked ffn_*_exps [E, N, K] tensors: one packed weight per expert, each its slice of the stack bit for bit;
+    # the routers stay float; logits as the dequantized float path's up to the kernels' summation order
+    from test_moe import make_tiny_moe, prefill_logits, write_moe_gguf
+
+    make_tiny_moe(tmp_path / "hf", arch, seed=1)
+    path = write_moe_gguf(tmp_path / "moe.gguf", tmp_path / "hf", qtype=T.Q8_0)
+    native = load_gguf(path, keep_quantized=True)
+    plain = load_gguf(path)
+    assert "model.layers.0.mlp.experts.7.down_proj" in native.packed
+    assert not any(n.endswith(("mlp.gate", "shared_expert_gate")) for n in native.packed)
+    for module, pw in native.packed.items():
+        assert _bits_equal(dequantize_packed(pw), plain.tensors[f"{module}.weight"]), module
+    loaded = load_model(path, keep_quantized=True)
+    block = loaded.model.model.layers[1].mlp
+    assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear)
+               for e in block.experts)
+    reference = load_model(path)
+    ids = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(prefill_logits(loaded, ids), prefill_logits(reference, ids), atol=1e-4, rtol=1e-4)

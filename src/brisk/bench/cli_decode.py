@@ -195,7 +195,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
 
     brisk_figures = _latency_figures(ours, bytes_per_token, context, membw_gbps, ours_rss)
     # the process's peak over load and runs (the counter was restarted after the load)
-    after_run = max(load["peak_rss_after_load_bytes"], ours_rss)
+    after_run = max(load["peak_rss_after_load_bytes"], ours_rss or 0)  # None: two engines were held
     results: dict[str, Any] = {"model": model_facts, "membw_read_gbps": membw_gbps,
                                "membw": bw.to_dict() if bw else None,
                                "brisk": {**brisk_figures, **load, "peak_rss_after_run_bytes": after_run,

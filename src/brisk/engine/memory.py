@@ -109,8 +109,8 @@ def model_footprint(model: str | None, load_format: str = "auto", shape: str | N
 
 
 def gguf_footprint(path: Path, keep_quantized: bool) -> ModelFootprint:
-    """From the GGUF header: with `keep_quantized`, each matrix of a type brisk repacks (and not of a mixture of
-    experts, whose stacked experts are dequantized) at its packed size (codes + group parameters,
+    """From the GGUF header: with `keep_quantized`, each matrix of a type brisk repacks (a stack of experts
+    [E, N, K] as E matrices; MoE routers stay float) at its packed size (codes + group parameters,
     gguf_repack.packed_bytes_per_weight), every other tensor at the runtime dtype."""
     from brisk.model.gguf import _config_from_gguf, read_gguf
     from brisk.model.gguf_repack import packed_bytes_per_weight, repackable
@@ -123,7 +123,9 @@ def gguf_footprint(path: Path, keep_quantized: bool) -> ModelFootprint:
         numel = 1
         for d in info.shape:
             numel *= d
-        if keep_quantized and not config.is_moe and len(info.shape) == 2 and repackable(info.qtype, info.shape):
+        shape = tuple(info.shape)
+        matrix = shape[1:] if len(shape) == 3 and "_exps." in name else shape
+        if keep_quantized and "ffn_gate_inp" not in name and repackable(info.qtype, matrix):
             fixed += math.ceil(numel * packed_bytes_per_weight(info.qtype))
             embedding_packed |= name == "token_embd.weight"
             continue

@@ -35,7 +35,7 @@ from brisk.model.config import ModelConfig, UnsupportedModelError
 from brisk.model.fuse import FusedBuffers
 from brisk.model.generation_config import generation_config_from_gguf_metadata
 from brisk.model.gguf_dequant import SUPPORTED_TYPES, GGUFError, dequantize
-from brisk.model.gguf_repack import repack, repackable
+from brisk.model.gguf_repack import repack, repackable_tensor
 from brisk.model.gguf_tokenizer import tokenizer_from_gguf_metadata
 from brisk.model.moe import gguf_moe_config, gguf_moe_layer_tensors, place_gguf_moe_tensor
 from brisk.model.phi3_gguf import phi3_rope_scaling, split_phi3_tensors
@@ -390,8 +390,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     if config.is_gemma:
         from brisk.model.gemma import GGUF_NORM_SHIFT, is_gguf_norm
     to_pack = {name for name, (hf, shape) in expected.items()
-               if keep_quantized and not config.is_moe  # stacked experts: dequantized (model/moe.py)
-               and hf.endswith(".weight") and repackable(f.tensors[name].qtype, shape)}
+               if keep_quantized and repackable_tensor(f.tensors[name].qtype, hf, shape)}
     packed, packed_types = _repack_tensors(f, config, expected, to_pack) if to_pack else ({}, {})
     # a float part whose layer also has packed parts is not fused (its siblings are quantized layers)
     unfused_layers = {hf.rsplit(".", 2)[0] for name, (hf, _) in expected.items() if name in to_pack}
@@ -468,12 +467,16 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
                 perm = _unpermute_rows(torch.arange(shape[0]), heads)
             raw = mapped.read_tensor(fh, info.offset, (info.n_bytes,), torch.uint8)
             module = hf_name.removesuffix(".weight")
-            try:
-                with _intra_op_threads(1):  # chunks of 4 M weights: below _PARALLEL_MIN_NUMEL, one thread
-                    packed[module] = repack(raw, info.qtype, shape, rows_perm=perm)
-            except GGUFError as e:
-                raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
-            types[module] = info.qtype.name
+            # stacked experts [E, N, K] (model/moe.py): one packed weight per expert, from its run of bytes
+            parts = ([(module.replace("*", str(j)), raw.view(shape[0], -1)[j], shape[1:]) for j in range(shape[0])]
+                     if "*" in module else [(module, raw, shape)])
+            for part, part_raw, part_shape in parts:
+                try:
+                    with _intra_op_threads(1):  # chunks of 4 M weights: below _PARALLEL_MIN_NUMEL, one thread
+                        packed[part] = repack(part_raw, info.qtype, part_shape, rows_perm=perm)
+                except GGUFError as e:
+                    raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
+                types[part] = info.qtype.name
             del raw
             trim.done(info.n_bytes)
     return packed, types

@@ -4,7 +4,7 @@ Every linear whose GGUF tensor has a packed form runs as a `QuantLinear` on it (
 parts share a format, as a quantized checkpoint's are). The embedding table stays packed too: a `PackedEmbedding`
 dequantizes only the rows a step looks up, and when the head is tied to the embedding (SmolLM2) the head is a
 `QuantLinear` on the very same packed tensors, so the table is held once, in its quantized size. Tensors without a
-packed form (norms, Q6_K/Q3_K/Q2_K, F16/BF16/F32 matrices) were dequantized by the loader and stay float.
+packed form (norms, F16/BF16/F32 matrices, stacked MoE experts) were dequantized by the loader and stay float.
 """
 
 from __future__ import annotations
@@ -101,37 +101,35 @@ def take_biases(tensors: dict[str, torch.Tensor], packed: dict[str, PackedWeight
 def apply_packed_modules(model: LlamaForCausalLM, config: ModelConfig, packed: dict[str, PackedWeight],
                          biases: dict[str, torch.Tensor], dtype: torch.dtype, fuse: bool = True) -> int:
     """Swap every module `packed` names for its quantized version, fusing q/k/v and gate/up when all parts are
-    packed in one format. Consumes `packed`; returns the number of modules swapped."""
+    packed in one format (in attention blocks and MLPs wherever they sit: a MoE layer's experts and shared expert
+    too). Consumes `packed`; returns the number of modules swapped."""
     count = 0
-    for idx, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{idx}"
-        groups = [(layer.self_attn, "qkv_proj", ["q_proj", "k_proj", "v_proj"], "self_attn"),
-                  (layer.mlp, "gate_up_proj", ["gate_proj", "up_proj"], "mlp")]
-        for parent, fused_name, names, sub in groups:
-            full = [f"{prefix}.{sub}.{n}" for n in names]
-            parts = [packed.get(f) for f in full]
-            has_bias = [f in biases for f in full]
-            if fuse and can_concat(parts) and (all(has_bias) or not any(has_bias)):
-                pw = concat_rows([packed.pop(f) for f in full])
-                bias = torch.cat([biases.pop(f) for f in full]) if all(has_bias) else None
-                setattr(parent, fused_name, _quant_linear(pw, bias, dtype))
-                for n in names:
-                    setattr(parent, n, None)
-                count += len(full)
-        for sub, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-            for child, module in list(parent.named_children()):
-                full = f"{prefix}.{sub}.{child}"
-                if full in packed and isinstance(module, nn.Linear):
-                    setattr(parent, child, _quant_linear(packed.pop(full), biases.pop(full, None), dtype))
-                    count += 1
     if EMBEDDING in packed:
         pw = packed.pop(EMBEDDING)
         model.model.embed_tokens = PackedEmbedding(pw, dtype, layer_spec(pw).label)
         count += 1
         if config.tie_word_embeddings:  # the head computes from the same packed tensors
             model.lm_head = _quant_linear(pw, None, dtype)
-    if "lm_head" in packed:
-        model.lm_head = _quant_linear(packed.pop("lm_head"), None, dtype)
-        count += 1
+    groups = (("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", ["gate_proj", "up_proj"]))
+    for prefix, parent in list(model.named_modules()):
+        for fused_name, names in groups:
+            if not fuse or not all(isinstance(getattr(parent, n, None), nn.Linear) for n in names):
+                continue
+            full = [f"{prefix}.{n}" for n in names]
+            parts = [packed.get(f) for f in full]
+            has_bias = [f in biases for f in full]
+            if can_concat(parts) and (all(has_bias) or not any(has_bias)):
+                pw = concat_rows([packed.pop(f) for f in full])
+                bias = torch.cat([biases.pop(f) for f in full]) if all(has_bias) else None
+                setattr(parent, fused_name, _quant_linear(pw, bias, dtype))
+                for n in names:
+                    setattr(parent, n, None)
+                count += len(full)
+    for name, module in list(model.named_modules()):
+        if name in packed and isinstance(module, nn.Linear):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, _quant_linear(packed.pop(name), biases.pop(name, None), dtype))
+            count += 1
     assert not packed, f"apply_packed_modules: modules the model does not have: {sorted(packed)[:5]}"
     return count

@@ -14,16 +14,22 @@ dequantization bit for bit in float32 (tests/test_gguf_repack.py checks every ty
     Q5_1       5-bit          int8 g32, float16 scale d and float16 minimum m                  1.125     0.75
     Q4_K       4-bit          int4 g32, per sub-block scale d * sc_j and minimum -dmin * m_j   0.75      0.5625
     Q5_K       5-bit          int8 g32, the same parameters as Q4_K                            1.25      0.6875
+    Q6_K       6-bit          int8 g16 symmetric: code = q + 96, scale = d * sc_j (int8 sc_j)   1.25      0.8203
+    Q3_K       3-bit          int4 g16 symmetric: code = q + 8 (q in -4..3), scale d * sc_j    0.75      0.4297
+    Q2_K       2-bit          int4 g16, scale d * sc_j and minimum -dmin * m_j (4-bit each)    1.0       0.3281
 
-The K-quants' sub-block scale d * sc_j is an 11-bit float16 significand times a 6-bit integer: exact in float32
+The K-quants' sub-block scale d * sc_j is an 11-bit float16 significand times a 4- to 8-bit integer: exact in float32
 but not, in general, in float16, so those parameters are float32 (float16 when every value of the tensor is
-exactly a float16). 5-bit codes live in the 8-bit container because brisk has no 5-bit kernels: exact, at the
-cost of the bytes in the table. Q6_K, Q3_K and Q2_K scale sub-blocks of 16 weights, which brisk's kernels (groups
-of 32 or more) cannot express; they are dequantized at load (to the model's float dtype), as are F16/BF16/F32.
+exactly a float16). 5- and 6-bit codes live in the 8-bit container, 3- and 2-bit ones in the 4-bit container
+(the tiled AVX-512 kernels read 8- and 4-bit codes only): exact, at the cost of the bytes in the table. Q6_K, Q3_K
+and Q2_K scale sub-blocks of 16 weights: groups of 16, which the float-activation kernels take (two groups per
+32-column block; the int8-activation kernels want groups of 32 and leave these layers to the float ones).
+F16/BF16/F32 matrices are dequantized at load (to the model's float dtype).
 
-Arithmetic order. gguf computes x = (d * sc) * q - dmin * m (Q4_K) or d * q + m (Q4_1) in float32; the product of
+Arithmetic order. gguf computes x = (d * sc) * q - dmin * m (Q4_K, Q2_K) or d * q + m (Q4_1) in float32; the product of
 an integer code with the group scale is exact in float32 (at most 11 + 6 + 5 significant bits), so the only rounding
-is the final addition of the minimum, which brisk's dequantization (s * q + m) performs once as well.
+is the final addition of the minimum, which brisk's dequantization (s * q + m) performs once as well. The symmetric
+forms (Q6_K: (d * sc) * (q - 32), Q3_K: (d * sc) * q) are one rounded product, as brisk's s * (code - zero).
 
 Memory: a tensor is repacked a chunk of rows at a time from its raw bytes (read with read(2), which leaves the page
 cache out of this process's resident set) straight into its final buffers; no float copy of the tensor exists.
@@ -31,11 +37,14 @@ cache out of this process's resident set) straight into its final buffers; no fl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from brisk.model.gguf_dequant import GGUFError, _bits, _f16, _k4_scale_min, _nibbles
+from brisk.model.gguf_dequant import GGUFError, _bits, _crumbs, _f16, _k4_scale_min, _nibbles, _q3_k_scales
 from brisk.ops.qlinear import BLOCK, PackedWeight, _to_blocked
 
 T = GGMLQuantizationType
@@ -50,15 +59,40 @@ REPACKED: dict[GGMLQuantizationType, tuple[int, int, str]] = {
     T.Q5_1: (8, 32, "min"),
     T.Q4_K: (4, 32, "min"),
     T.Q5_K: (8, 32, "min"),
+    T.Q6_K: (8, 16, "sym"),
+    T.Q3_K: (4, 16, "sym"),
+    T.Q2_K: (4, 16, "min"),
 }
 # repacked weights a chunk of rows at a time: bounds the temporaries (uint8 codes and their permutations) to a few
 # times this many bytes, whatever the tensor's size (an 8B model's embedding is 525 M weights)
 _CHUNK_WEIGHTS = 1 << 22
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Each op of a repack is a short pass over one chunk: with intra-op threads their end-of-op barriers dominate,
+    worst on a busy machine. Gemma-3-270M's 127 tensors (2-core machine, load average ~4.5): 2 threads 7.5-28 s,
+    1 thread 2.7 s."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def repackable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     """Whether a tensor of this type and shape becomes a packed weight (a matrix whose rows hold whole groups)."""
-    return qtype in REPACKED and len(shape) == 2 and shape[1] % REPACKED[qtype][1] == 0
+    return qtype in REPACKED and len(shape) == 2 and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def repackable_tensor(qtype: GGMLQuantizationType, hf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the loader repacks this GGUF tensor (transformers name `hf_name`, torch shape): a linear layer's
+    matrix, or a stack of expert matrices (`*` in the name, shape [E, N, K]: repacked one expert at a time). MoE
+    routers stay float (RouterWeight, not a linear), as llama.cpp keeps them."""
+    if not hf_name.endswith(".weight") or hf_name.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):
+        return False
+    return repackable(qtype, tuple(shape[1:]) if "*" in hf_name and len(shape) == 3 else tuple(shape))
 
 
 def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
@@ -66,9 +100,8 @@ def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
     """Blocks [n, type_size] uint8 -> (codes [n, block_size] uint8 in the container's coding, scales [n, groups]
     float32, minimums [n, groups] float32 or None for symmetric codes). Field layouts: model/gguf_dequant.py."""
     n = b.shape[0]
-    if qtype == T.Q8_0:  # d f16 | qs int8[32]
-        q = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return q, _f16(b[:, 0:2]), None
+    if qtype == T.Q8_0:  # d f16 | qs int8[32]; q + 128 (mod 256) flips the sign bit of the two's complement byte
+        return b[:, 2:34] ^ 0x80, _f16(b[:, 0:2]), None
     if qtype == T.Q4_0:  # d f16 | qs[16]: x = d (q - 8)
         return _nibbles(b[:, 2:18]), _f16(b[:, 0:2]), None
     if qtype == T.Q4_1:  # d f16 | m f16 | qs[16]: x = d q + m
@@ -79,6 +112,8 @@ def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
         if qtype == T.Q5_0:  # x = d (q - 16) = d ((q + 112) - 128)
             return q + 112, _f16(b[:, 0:2]), None
         return q, _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    if qtype in _SIXTEENS:
+        return _SIXTEENS[qtype](b)
     # Q4_K / Q5_K: d f16 | dmin f16 | scales[12] | (qh[32]) | qs[128]; 8 sub-blocks of 32: x = d sc_j q - dmin m_j
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k4_scale_min(b[:, 4:16])
@@ -90,6 +125,39 @@ def _codes_and_params(b: torch.Tensor, qtype: GGMLQuantizationType
         qh = (b[:, 16:48].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, 32 l, 8 j]
         q = q | (qh.transpose(1, 2) << 4)
     return q.reshape(n, QK_K), scales, mins
+
+
+def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    # ql[128] | qh[64] | scales int8[16] | d f16; weight 128 h + 32 s + l: low nibble ql[64 h + 32 (s % 2) + l] >>
+    # 4 (s // 2), bits 4-5 qh[32 h + l] >> 2 s; x = (d sc_j) (q - 32) = s_j ((q + 96) - 128), j = weight // 16
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 1, 64)
+    low = ((ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F).reshape(n, 2, 4, 32)
+    q = low | (_crumbs(b[:, 128:192].reshape(n, 2, 32)) << 4)  # [n, 2 h, 4 s, 32 l] in 0..63
+    scales = _f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()  # [n, 16]: exact
+    return (q + 96).reshape(n, QK_K), scales, None
+
+
+def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    # hmask[32] | qs[64] | scales[12] | d f16; weight 128 h + 32 s + l: q = (qs[32 h + l] >> 2 s & 3) - 4 unless bit
+    # 4 h + s of hmask[l] is set; x = (d sc_j) q = s_j ((q + 8) - 8)
+    n = b.shape[0]
+    low = _crumbs(b[:, 32:96].reshape(n, 2, 32)).reshape(n, QK_K)
+    high = ((b[:, 0:32].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2)  # [n, 8, 32 l]
+    q = low + 4 + (high.reshape(n, QK_K) << 2)  # q + 8 in 4..11
+    return q, _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108]), None
+
+
+def _q2_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16; weight 128 h + 32 s + l: bits 2 s,
+    # 2 s + 1 of qs[32 h + l]; x = (d sc_j) q - dmin m_j
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    q = _crumbs(b[:, 16:80].reshape(n, 2, 32)).reshape(n, QK_K)
+    return q, _f16(b[:, 80:82]) * (sc & 0x0F).float(), -(_f16(b[:, 82:84]) * (sc >> 4).float())
+
+
+_SIXTEENS = {T.Q6_K: _q6_k, T.Q3_K: _q3_k, T.Q2_K: _q2_k}  # the K-quants of 16-weight sub-blocks
 
 
 def _param_dtype(t: torch.Tensor) -> torch.dtype:
@@ -123,18 +191,19 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: t
     scales = torch.empty(n, ngroups, dtype=torch.float32)
     mins = torch.empty(n, ngroups, dtype=torch.float32) if form == "min" else None
     step = max(1, _CHUNK_WEIGHTS // k)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        blocks = rows[r0:r1].reshape(-1, type_size)  # [(r1 - r0) * K / block_size, type_size]
-        q, s, m = _codes_and_params(blocks, qtype)
-        out[r0:r1] = _to_blocked(q.reshape(r1 - r0, k), bits)
-        scales[r0:r1] = s.reshape(r1 - r0, ngroups)
+    with _one_thread():
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            blocks = rows[r0:r1].reshape(-1, type_size)  # [(r1 - r0) * K / block_size, type_size]
+            q, s, m = _codes_and_params(blocks, qtype)
+            out[r0:r1] = _to_blocked(q.reshape(r1 - r0, k), bits)
+            scales[r0:r1] = s.reshape(r1 - r0, ngroups)
+            if mins is not None:
+                assert m is not None
+                mins[r0:r1] = m.reshape(r1 - r0, ngroups)
+        scales = scales.to(_param_dtype(scales))
         if mins is not None:
-            assert m is not None
-            mins[r0:r1] = m.reshape(r1 - r0, ngroups)
-    scales = scales.to(_param_dtype(scales))
-    if mins is not None:
-        mins = mins.to(_param_dtype(mins))
+            mins = mins.to(_param_dtype(mins))
     return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
                         zeros=mins, codebook=None, blocked=True)
 
@@ -148,11 +217,13 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
 
-    scales = cat([p.scales for p in parts])
-    assert scales is not None
+    with _one_thread():  # a few MB each: the copy is shorter than two threads' barrier on a busy machine
+        scales, zeros = cat([p.scales for p in parts]), cat([p.zeros for p in parts])
+        data = cat([p.data for p in parts])
+    assert scales is not None and data is not None
     return PackedWeight(bits=first.bits, group_size=first.group_size, out_features=sum(p.out_features for p in parts),
-                        in_features=first.in_features, data=torch.cat([p.data for p in parts]), scales=scales,
-                        zeros=cat([p.zeros for p in parts]), codebook=None, blocked=first.blocked)
+                        in_features=first.in_features, data=data, scales=scales, zeros=zeros, codebook=None,
+                        blocked=first.blocked)
 
 
 def _same_format(a: PackedWeight, b: PackedWeight) -> bool:
@@ -171,5 +242,5 @@ def can_concat(parts: list[PackedWeight | None]) -> bool:
 def packed_bytes_per_weight(qtype: GGMLQuantizationType) -> float:
     """Resident bytes per weight of a repacked tensor of this type (parameters at their narrowest dtype)."""
     bits, group, form = REPACKED[qtype]
-    param = 4 if qtype in (T.Q4_K, T.Q5_K) else 2
+    param = 4 if qtype in (T.Q4_K, T.Q5_K, *_SIXTEENS) else 2
     return bits / 8 + param * (2 if form == "min" else 1) / group

@@ -32,9 +32,11 @@ MAX_Q8_ROWS = 256
 def covers(pw: PackedWeight) -> bool:
     """Whether the int8-activation kernel takes this weight: 8- or 4-bit affine codes in the blocked layout. Float
     minimums and float32 scales (GGUF's Q4_1 / K-quants as they are) only in the tiled layout, whose kernel reads
-    them; the blocked int8 kernel takes float16 scales and uint8 zero points."""
+    them; the blocked int8 kernel takes float16 scales and uint8 zero points. Groups of 32 columns or more (the
+    activations' blocks): GGUF's 16-weight sub-blocks (Q6_K, Q3_K, Q2_K) take the float-activation kernels."""
     plain = not pw.float_mins and pw.scales.dtype == torch.float16
-    return pw.blocked and pw.bits in (8, 4) and pw.codebook is None and (plain or pw.tiled)
+    return (pw.blocked and pw.bits in (8, 4) and pw.codebook is None and (plain or pw.tiled)
+            and pw.group_size % BLOCK == 0)
 
 
 def _rounded_sums(xq: torch.Tensor, xs: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -1,11 +1,12 @@
 // Weight-only quantized linear: out[M, N] = x[M, K] @ W_hat[N, K]^T (+ bias), W_hat decoded on the fly from
 // 8/4/3/2-bit codes (affine: w = scale * q + min, min = -scale * zero) or 4-bit codebook codes (w = scale * lut[q]).
 //
-// Arithmetic. Per group g of G elements (G a multiple of 32), with s = scale[n, g] and m = min[n, g]:
+// Arithmetic. Per group g of G elements (G a multiple of 32, or 16), with s = scale[n, g] and m = min[n, g]:
 //   dot(x_g, w_g) = s * dot(x_g, q_g) + m * sum(x_g)
 // so the weights are never formed: the inner loop multiplies activations by the codes, s is applied once per
 // (row, group) to the partial dot product (or, for 32-element groups, to the 4 decoded vectors of the block,
-// shared by all activation rows of the tile), and the m term is one short dot(min[n, :], xsum[row, :]) per
+// shared by all activation rows of the tile; 16-element groups, GGUF's Q6_K / Q3_K / Q2_K as they are: vectors 0-1 of
+// a block by one scale, 2-3 by the next), and the m term is one short dot(min[n, :], xsum[row, :]) per
 // output, with xsum[row, g] = sum(x_g) computed once per call and shared by all N rows. Scales are float16 and
 // the mins come from uint8 zero points (min = -scale * zero, exact in float32; simd.h, "Group parameters"); in the
 // float-minimum form (GGUF's Q4_1 / Q5_1 / K-quants as they are, model/gguf_repack.py) `zeros` holds float16 or float32
@@ -78,7 +79,8 @@ struct QW {
   const float* mins32 = nullptr;
   float zero;              // the symmetric zero point 2^(bits-1)
   int64_t ngroups;
-  int64_t blocks_per_group;
+  int64_t group;             // G: a multiple of 32, or 16 (two groups per block)
+  int64_t blocks_per_group;  // G / 32 (1 for G = 16)
   int64_t nblocks;       // K / 32
   __m256 lut_lo, lut_hi; // codebook entries 0-7 and 8-15 (codebook mode)
   // a chunk's group parameters as float32 (tile reads these): rows [row0, row0 + chunk rows), made by run() from
@@ -237,11 +239,12 @@ inline __m256 dot_into(__m256 acc, const float* a, const float* b, int64_t n) {
 // Weight row n against MT activation rows. NV independent accumulators per activation row keep at least 6 FMA
 // chains in flight (FMA latency 4, two per cycle) even for one activation row, without spilling registers.
 // SCALED (32-element groups): the decoded codes are multiplied by the block's scale (4 multiplies per block, shared
-// by the MT rows); otherwise the raw codes are accumulated and the scale applied once per group and activation row.
+// by the MT rows); SCALED = 2 (16-element groups): vectors 0-1 by the block's first scale, 2-3 by its second; otherwise
+// (SCALED = 0) the raw codes are accumulated and the scale applied once per group and activation row.
 // Either way the min term comes from xsum at the end.
 // xq: [MT, K] prescaled activations (row stride K); xsum: [MT, ngroups] (affine codes only); out: [MT, ldo] at
 // column n.
-template <int BITS, bool LUT, bool SCALED, int MT>
+template <int BITS, bool LUT, int SCALED, int MT>
 void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum, float* out, int64_t ldo) {
   constexpr int NV = MT <= 2 ? 4 : 2;
   constexpr int BPB = 32 * BITS / 8;
@@ -261,14 +264,21 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
     __m256 w[4];
     _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, kPrefetchHint);
     decode<BITS, LUT>(wp, wp + BPB == wend, p, w);
-    if constexpr (SCALED) {  // one group per block
+    if constexpr (SCALED == 1) {  // one group per block
       const __m256 s = _mm256_broadcast_ss(sp++);
       for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
+    } else if constexpr (SCALED == 2) {  // two groups per block: elements 0-15 (vectors 0, 1) and 16-31 (2, 3)
+      const __m256 s0 = _mm256_broadcast_ss(sp), s1 = _mm256_broadcast_ss(sp + 1);
+      sp += 2;
+      w[0] = _mm256_mul_ps(w[0], s0);
+      w[1] = _mm256_mul_ps(w[1], s0);
+      w[2] = _mm256_mul_ps(w[2], s1);
+      w[3] = _mm256_mul_ps(w[3], s1);
     }
     for (int m = 0; m < MT; ++m)
       for (int i = 0; i < 4; ++i)
         acc[m][i % NV] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xk + m * K + 8 * i), acc[m][i % NV]);
-    if constexpr (!SCALED) {
+    if constexpr (SCALED == 0) {
       if (--left == 0) {  // end of a group: tot += s * dot(x_g, q_g)
         left = p.blocks_per_group;
         const __m256 s = _mm256_broadcast_ss(sp++);
@@ -283,7 +293,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
   }
   for (int m = 0; m < MT; ++m) {
     __m256 a = tot[m];
-    if constexpr (SCALED) {
+    if constexpr (SCALED != 0) {
       a = acc[m][0];
       for (int i = 1; i < NV; ++i) a = _mm256_add_ps(a, acc[m][i]);
     }
@@ -295,7 +305,7 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
 
 constexpr int kMaxTileRows = 4;
 
-template <int BITS, bool LUT, bool SCALED, int MT>
+template <int BITS, bool LUT, int SCALED, int MT>
 void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t K, const float* xsum, float* out,
                int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) tile<BITS, LUT, SCALED, MT>(p, n, xq, K, xsum, out, ldo);
@@ -304,7 +314,7 @@ void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t K, 
 // Weight rows n0 .. n1-1 against all M activation rows, one tile of up to 4 activation rows at a time. The caller
 // keeps n1 - n0 small enough that those packed rows stay in L1 from one tile to the next, and one tile of
 // activations (4 K floats) stays in L1 across the rows: every byte of weights comes from memory once per call.
-template <int BITS, bool LUT, bool SCALED>
+template <int BITS, bool LUT, int SCALED>
 void run_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t M, int64_t K, const float* xsum,
               float* out, int64_t ldo) {
   int64_t m = 0;
@@ -322,7 +332,7 @@ void run_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t M, i
 template <int BITS, bool LUT>
 void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const float* xsum, float* out) {
   // per-element scaling pays 4 multiplies per block; per-group scaling pays ~2 ops per activation row and group
-  const bool scaled = p.blocks_per_group == 1;
+  const bool half = p.group == 16, scaled = !half && p.blocks_per_group == 1;
   // rows per chunk: their packed codes (<= 4 KiB) stay in L1 while the activation tiles run over them
   const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);
   // grain: rows per task such that a task streams >= ~32 KiB of codes
@@ -342,8 +352,9 @@ void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const fl
       const int64_t c1 = std::min(n1, c + chunk);
       chunk_params(p, c, c1, !LUT, s32.data(), m32.data());
       pc.row0 = c;
-      if (scaled) run_rows<BITS, LUT, true>(pc, c, c1, xq, M, K, xsum, out, N);
-      else run_rows<BITS, LUT, false>(pc, c, c1, xq, M, K, xsum, out, N);
+      if (half) run_rows<BITS, LUT, 2>(pc, c, c1, xq, M, K, xsum, out, N);
+      else if (scaled) run_rows<BITS, LUT, 1>(pc, c, c1, xq, M, K, xsum, out, N);
+      else run_rows<BITS, LUT, 0>(pc, c, c1, xq, M, K, xsum, out, N);
     }
   });
 }
@@ -353,8 +364,9 @@ int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
 QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
-              "quant_linear: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && (group_size % kBlock == 0 || group_size == 16) && group_size > 0 &&
+                  K % group_size == 0,
+              "quant_linear: K must be a multiple of 32 and group_size 16 or a multiple of 32 that divides K");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               "quant_linear: data must be a contiguous uint8 [N, K * bits / 8] tensor");
   const int64_t N = data.size(0);
@@ -382,7 +394,8 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
     else p.mins32 = zeros->data_ptr<float>();
   }
   p.ngroups = ngroups;
-  p.blocks_per_group = group_size / kBlock;
+  p.group = group_size;
+  p.blocks_per_group = std::max<int64_t>(1, group_size / kBlock);
   p.nblocks = K / kBlock;
   p.lut_lo = p.lut_hi = _mm256_setzero_ps();
   if (codebook.has_value() && codebook->defined()) {
@@ -424,12 +437,10 @@ void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xq, float* xs
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < ngroups; ++g) {
       __m256 s = _mm256_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += kBlock) {
-        for (int i = 0; i < 4; ++i) {
-          const __m256 v = load8(x + m * K + k + 8 * i);
-          s = _mm256_add_ps(s, v);
-          _mm256_storeu_ps(xq + m * K + k + 8 * i, _mm256_mul_ps(v, f[i]));
-        }
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  // 8 elements: vector (k % 32) / 8 of their block
+        const __m256 v = load8(x + m * K + k);
+        s = _mm256_add_ps(s, v);
+        _mm256_storeu_ps(xq + m * K + k, _mm256_mul_ps(v, f[(k % kBlock) / 8]));
       }
       if (xsum) xsum[m * ngroups + g] = hsum(s);
     }
@@ -520,13 +531,13 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
         const uint8_t* row = p.data + n * p.row_bytes;
         float* orow = o + n * K;
         for (int64_t blk = 0; blk < p.nblocks; ++blk) {
-          const int64_t g = blk / p.blocks_per_group;
-          const float sc = scale_at(p, n * p.ngroups + g);
-          const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact), or the float minimum
-          const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(min_at(p, n * p.ngroups + g, sc));
           __m256 w[4];
           decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
           for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m
+            const int64_t g = (blk * kBlock + 8 * i) / p.group;  // 16-element groups: two per block
+            const float sc = scale_at(p, n * p.ngroups + g);
+            const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact), or the float minimum
+            const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(min_at(p, n * p.ngroups + g, sc));
             const __m256 q = _mm256_mul_ps(w[i], _mm256_loadu_ps(factor + 8 * i));
             _mm256_storeu_ps(orow + blk * kBlock + 8 * i, _mm256_fmadd_ps(q, s, mn));
           }

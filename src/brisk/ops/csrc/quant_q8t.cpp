@@ -30,7 +30,9 @@
 //   zeros  [N / 16][K / G][16] uint8              (as [N, K / G]), or none for symmetric codes (zero 2^(bits-1))
 // Float-minimum form (GGUF's Q4_1 / Q5_1 / K-quants, loaded as they are: model/gguf_repack.py): `zeros` holds float16
 // or float32 MINIMUMS instead of uint8 zero points, w = s q + m, and the min term below takes m_g for -zero_g s_g;
-// scales may be float32 where float16 cannot hold them exactly (K-quants' d * sc_j).
+// scales may be float32 where float16 cannot hold them exactly (K-quants' d * sc_j). Float activations also take groups
+// of 16 columns (GGUF's Q6_K / Q3_K / Q2_K sub-blocks): 4 lines of 8-bit or 2 of 4-bit codes a group; the int8
+// activation kernel keeps groups of 32 or more (its activation scales are per 32 columns).
 // Activations, as quant_q8.cpp (and bit for bit brisk.ops.sparse_q8.quantize_activations_q8): per 32 columns
 // xs = max|x| / 127, xq = round_half_even(x * 127 / max|x|), here in their natural order; xr_g = sum_{b in g} xs_b *
 // sum(xq_b). Result per row n: sum_g s_g (sum_{b in g} xs_b dot(q_b, xq_b)) - sum_g zero_g s_g xr_g (+ bias).
@@ -73,8 +75,9 @@ struct TW {
   const uint8_t* data;
   const at::Half* scales;
   const uint8_t* zeros;  // null: symmetric (zero 2^(bits-1)), or float minimums below
-  int64_t K, ngroups, bpg, nblocks;
+  int64_t K, ngroups, bpg, nblocks;  // bpg: 32-column blocks per group (int8 activations: G a multiple of 32)
   float zero;  // symmetric codes' zero point
+  int64_t group = 0;  // G; float activations also take G = 16 (GGUF's Q6_K / Q3_K / Q2_K as they are)
   const float* codebook = nullptr;  // 16 float32 values (4-bit codebook codes such as NF4: w = scale * lut[q])
   const float* scales32 = nullptr;  // float32 scales instead of `scales`
   const at::Half* mins16 = nullptr;  // float minimums (w = s q + m) instead of zero points
@@ -261,7 +264,7 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
   constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per activation row
   const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
   const int64_t pi = t * kTile * p.ngroups;  // the tile's first group-parameter index
-  const int64_t group = p.bpg * kBlock, lines = group / kCols;
+  const int64_t group = p.group, lines = group / kCols;  // G = 16: 4 lines (8 bits) or 2 (4 bits) a group
   const __m512 lut = LUT ? _mm512_loadu_ps(p.codebook)
                          : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // 4-bit codes as floats
   __m512 tot[MT];
@@ -359,13 +362,18 @@ struct Call {
 
 Call prepare(const char* name, const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
              const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
-             const std::optional<at::Tensor>& bias) {
+             const std::optional<at::Tensor>& bias, bool groups_of_16) {
   TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), name,
               ": x must be float32 or bfloat16 [..., K]");
   TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, name,
-              ": K and group_size must be multiples of 32, and group_size must divide K");
+  if (groups_of_16 && group_size == 16) {
+    TORCH_CHECK(K > 0 && K % kBlock == 0, name, ": K must be a multiple of 32");
+  } else {
+    TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, name,
+                ": K and group_size must be multiples of 32 (float activations: or group_size 16), and group_size "
+                "must divide K");
+  }
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
                   data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
               name, ": data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
@@ -378,6 +386,7 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& data, cons
   }
   c.p = TW{data.data_ptr<uint8_t>(), nullptr, nullptr, K, ngroups, group_size / kBlock, K / kBlock,
            static_cast<float>(int64_t{1} << (bits - 1))};
+  c.p.group = group_size;
   group_params(name, c.p, scales, zeros, N, ngroups);
   c.M = x.numel() / K;
   c.N = N;
@@ -411,7 +420,7 @@ const float* codebook_of(const char* name, const std::optional<at::Tensor>& code
 at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                             const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                             const std::optional<at::Tensor>& bias) {
-  Call c = prepare("quant_linear_q8t", x, data, scales, zeros, bits, group_size, bias);
+  Call c = prepare("quant_linear_q8t", x, data, scales, zeros, bits, group_size, bias, false);
   const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups, nblocks = K / kBlock;
   if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
@@ -438,7 +447,7 @@ at::Tensor quant_linear_q8t(const at::Tensor& x, const at::Tensor& data, const a
 at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
                           int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
-  Call c = prepare("quant_linear_t", x, data, scales, zeros, bits, group_size, bias);
+  Call c = prepare("quant_linear_t", x, data, scales, zeros, bits, group_size, bias, true);
   c.p.codebook = codebook_of("quant_linear_t", codebook, bits, has_zero_terms(c.p));
   const bool lut = c.p.codebook != nullptr;
   const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups;
@@ -479,8 +488,9 @@ at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, 
                               int64_t in_features, int64_t t0, int64_t t1) {
   const int64_t K = in_features;
   TORCH_CHECK(bits == 4 || bits == 8, "quant_dequantize_t: bits must be 4 or 8");
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
-              "quant_dequantize_t: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && (group_size == 16 || (group_size > 0 && group_size % kBlock == 0)) &&
+                  K % group_size == 0,
+              "quant_dequantize_t: K must be a multiple of 32 and group_size 16 or a multiple of 32 that divides K");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
                   data.size(1) == K * bits / 8 && data.size(0) % kTile == 0,
               "quant_dequantize_t: data must be a contiguous uint8 [N, K * bits / 8] tensor with N a multiple of 16");
