@@ -1,6 +1,6 @@
-"""Token trees and Medusa heads: tree attention equals each root-to-leaf path decoded alone (paged, over a shared
-prefix block); greedy output with Medusa identical to plain decoding, alone, batched and under preemption; no KV
-block leaked after rejected branches; the heads' training loss falls."""
+"""Token trees, Medusa heads and the EAGLE head: tree attention equals each root-to-leaf path decoded alone (paged,
+over a shared prefix block); greedy output with Medusa and EAGLE identical to plain decoding, alone, batched and
+under preemption; no KV block leaked after rejected branches; the heads' training losses fall."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from brisk import LLM, SamplingParams
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import load_model
 from brisk.ops.metadata import AttentionMetadata
+from brisk.spec.eagle import draft_vocabulary, eagle_loss, eagle_windows, fit_eagle, head_for, save_eagle
 from brisk.spec.medusa import (
     MedusaHeads,
     collect_self_distill,
@@ -61,9 +62,23 @@ def heads_dir(model_dir, tmp_path_factory):
     weight = loaded.model.lm_head.weight.detach().float()
     heads = MedusaHeads(3, data.hidden.shape[1])
     torch.manual_seed(0)
-    fit_heads(heads, weight, data, steps=150, batch_size=64, lr=3e-3)
+    fit_heads(heads, weight, data, steps=100, batch_size=64, lr=3e-3)
     out = tmp_path_factory.mktemp("medusa")
     save_heads(heads, out, {"accuracy": rank_accuracy(heads, weight, data.hidden, data.labels)})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(model_dir, tmp_path_factory):
+    """An EAGLE head fitted to the tiny model's own greedy answers to the test prompts."""
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts(), 32, 1, log=lambda m: None)
+    torch.manual_seed(0)
+    head = head_for(loaded.model.config)
+    fit_eagle(head, loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float(), data, steps=120,
+              window=16, batch_size=8, lr=3e-3)
+    out = tmp_path_factory.mktemp("eagle")
+    save_eagle(head, draft_vocabulary(data, VOCAB, 256), out, {})
     return str(out)
 
 
@@ -144,8 +159,8 @@ def test_tree_attention_equals_each_path_alone(model_dir, kv_dtype):
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def medusa_llm(model_dir: str, heads_dir: str, size: int = 8, **kwargs) -> LLM:
-    config = {"method": "medusa", "model": heads_dir, "num_speculative_tokens": size, "disable_by_batch_size": None}
+def medusa_llm(model_dir: str, heads_dir: str, size: int = 8, method: str = "medusa", **kwargs) -> LLM:
+    config = {"method": method, "model": heads_dir, "num_speculative_tokens": size, "disable_by_batch_size": None}
     kwargs.setdefault("max_model_len", 256)
     return LLM(model_dir, speculative_config=config, **kwargs)
 
@@ -215,3 +230,43 @@ def test_head_training_loss_falls(model_dir, tmp_path):
     loaded_heads, info = load_heads(tmp_path, data.hidden.shape[1])
     torch.testing.assert_close(loaded_heads.weight, heads.weight)
     assert info["accuracy"] == [[0.5], [0.2]]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_eagle_greedy_equals_plain(model_dir, eagle_dir, plain, batched):
+    llm = medusa_llm(model_dir, eagle_dir, size=10, method="eagle")
+    prompts = make_prompts()
+    if batched:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    else:
+        got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts[:3]]
+    assert got == plain[:len(got)]
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_no_leak(llm)
+    assert llm.engine.step() == [] and not llm.engine.speculator.proposer.live_ids()
+
+
+def test_eagle_under_preemption_and_sampling(model_dir, eagle_dir, plain):
+    tight = medusa_llm(model_dir, eagle_dir, method="eagle", num_kv_blocks=10, max_model_len=128,
+                       max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in tight.generate(make_prompts(), GREEDY)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_no_leak(tight)
+    out = tight.generate(make_prompts()[:2], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+    assert_no_leak(tight)
+
+
+def test_eagle_training_loss_falls(model_dir):
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts()[:3], 24, 1, log=lambda m: None)
+    feats, toks, _ = eagle_windows(data, 8)
+    assert feats.shape[1] == toks.shape[1] == 9
+    torch.manual_seed(0)
+    head = head_for(loaded.model.config)
+    embed, weight = loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float()
+    before = eagle_loss(head, embed, weight, feats, toks)[0].item()
+    fit_eagle(head, embed, weight, data, steps=40, window=8, batch_size=8, lr=3e-3, seed=1)
+    after = eagle_loss(head, embed, weight, feats, toks)[0].item()
+    assert after < 0.8 * before

@@ -213,8 +213,8 @@ class SchedulerConfig:
         return replace(self, max_model_len=self.max_model_len or max_model_len)
 
 
-SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead", "medusa")
-TREE_METHODS = ("medusa",)  # proposers of token trees (spec/tree.py)
+SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead", "medusa", "eagle")
+TREE_METHODS = ("medusa", "eagle")  # proposers of token trees (spec/tree.py)
 SELF_DRAFT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
@@ -227,7 +227,8 @@ class SpecConfig:
     `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead (Jacobi
     iterations + an n-gram pool, spec/lookahead.py) | medusa (trained heads over the target's hidden state,
     verified as a token tree, spec/medusa.py: `model` is the heads' folder, default next to the model; for it
-    num_speculative_tokens is the tree's node count).
+    num_speculative_tokens is the tree's node count) | eagle (a trained one-layer draft over the target's features,
+    drafting a token tree, spec/eagle.py; `model` as for medusa).
     """
 
     method: str = "ngram"
@@ -249,7 +250,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; use ngram, lookahead, layerskip, "
-                             "medusa[:PATH], draft:PATH, self:int4, self:int8 or self:int2")
+                             "medusa[:PATH], eagle[:PATH], draft:PATH, self:int4, self:int8 or self:int2")
         if self.lookahead_ngram_size < 2 or self.lookahead_pool_size < 1:
             raise ValueError(f"lookahead needs lookahead_ngram_size >= 2 and lookahead_pool_size >= 1, got "
                              f"{self.lookahead_ngram_size} and {self.lookahead_pool_size}")

@@ -197,7 +197,8 @@ class ModelRunner:
             n = s.num_samples
             out.sampled_token_ids[s.req_id] = result.sampled_token_ids[j:j + n]
             if hidden is not None:
-                _keep_hidden(requests[s.req_id], hidden[plain_hidden_rows[i]], 1)
+                row = plain_hidden_rows[i]
+                _keep_hidden(requests[s.req_id], hidden[row:row + 1], 1)
             if result.logprobs is not None and reqs[j].sampling_params.logprobs is not None:
                 out.logprobs[s.req_id] = result.logprobs[j:j + n]
             j += n
@@ -250,8 +251,8 @@ class ModelRunner:
             out.draft_predictions[s.req_id] = pred
             if lps is not None:
                 out.logprobs[s.req_id] = lps
-            if hidden is not None:  # the row that gave the last emitted token
-                _keep_hidden(requests[s.req_id], hidden[spec_rows[at + len(tokens) - 1]], len(tokens))
+            if hidden is not None:  # the rows that gave the emitted tokens
+                _keep_hidden(requests[s.req_id], hidden[spec_rows[at]:spec_rows[at] + len(tokens)], len(tokens))
             at += 1 + s.num_draft_tokens
         if plain:
             logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
@@ -300,12 +301,12 @@ class ModelRunner:
         hidden = self.executor.last_hidden if self.executor.keep_hidden else None
         if hidden is not None:
             for req, rr, ts in zip(reqs, token_rows, tokens, strict=True):
-                _keep_hidden(req, hidden[rows[rr[-1]]], len(ts))
+                _keep_hidden(req, hidden[[rows[r] for r in rr]], len(ts))
 
 
 def _keep_hidden(req: Request, row: torch.Tensor, num_emitted: int) -> None:
-    """Remember the final hidden state of the row that produced the request's last token of this step (read by
-    trained proposers: spec/medusa.py), with the index that token will have."""
+    """Remember the final hidden states [num_emitted, H] of the rows that produced the request's tokens of this
+    step (read by trained proposers: spec/medusa.py, spec/eagle.py), with the index its last token will have."""
     req.spec_hidden = row.detach().clone()
     req.spec_hidden_index = req.num_tokens + num_emitted - 1
 

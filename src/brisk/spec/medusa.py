@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +115,7 @@ class MedusaProposer(Proposer):
                  if r.spec_hidden is not None and r.spec_hidden_index == r.num_tokens - 1]
         if not ready:
             return out
-        h = torch.stack([requests[j].spec_hidden for j in ready]).float()  # [B, H]
+        h = torch.stack([requests[j].spec_hidden[-1] for j in ready]).float()  # [B, H]
         z = self.heads(h)  # [B, K, H]
         weight_dtype = next(self.lm_head.parameters()).dtype
         logits = self.lm_head(z.reshape(-1, z.shape[-1]).to(weight_dtype))  # [B * K, V]
@@ -188,6 +188,8 @@ class SelfDistillData:
     labels: torch.Tensor  # [N, K] the target's token k + 1 steps after that row's own (-1: past the end)
     num_prompts: int
     generate_seconds: float
+    # per answer: (hidden [L, H], tokens [L]) of consecutive rows, hidden[i] the row that produced tokens[i]
+    sequences: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)
 
 
 def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_heads: int,
@@ -214,11 +216,11 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
     while engine.has_unfinished_requests():
         for req in engine.scheduler.running:
             if req.spec_hidden is not None:
-                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden
+                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
         outs = engine.step()
         for req in engine.scheduler.running:
             if req.spec_hidden is not None:
-                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden
+                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
         for o in outs:
             if o.finished:
                 tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
@@ -226,14 +228,20 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
                 if done % 16 == 0:
                     log(f"generated {done}/{len(prompts)} answers")
     seconds = time.perf_counter() - t0
-    hs, labels = [], []
+    hs, labels, sequences = [], [], []
     for rid, by_index in rows.items():
         seq = tokens[rid]
-        for idx, h in sorted(by_index.items()):
+        ordered = sorted(by_index.items())
+        for idx, h in ordered:
             # h produced seq[idx]; head k predicts seq[idx + k]
             labels.append([seq[idx + k] if idx + k < len(seq) else -1 for k in range(1, num_heads + 1)])
             hs.append(h.float())
-    return SelfDistillData(torch.stack(hs), torch.tensor(labels, dtype=torch.int64), len(prompts), seconds)
+        first = ordered[0][0] if ordered else 0
+        run = [h for i, (idx, h) in enumerate(ordered) if idx == first + i]  # consecutive rows (plain decoding)
+        if run:
+            sequences.append((torch.stack(run).float(), seq[first:first + len(run)]))
+    return SelfDistillData(torch.stack(hs), torch.tensor(labels, dtype=torch.int64), len(prompts), seconds,
+                           sequences)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -308,15 +316,37 @@ def fit_heads(heads: MedusaHeads, lm_head_weight: torch.Tensor,
     return history
 
 
-def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 4, num_prompts: int = 128,
-                 max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
-                 text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True
-                 ) -> dict[str, Any]:
-    """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`."""
+def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_tokens: int, num_heads: int,
+                      cache: Path | None = None, log: Callable[[str], None] = print) -> SelfDistillData:
+    """The target's greedy answers to `num_prompts` chat prompts cut from `text`, with their hidden states; read
+    from `cache` when it holds data of these settings, else collected (and written there)."""
+    key = {"model": loaded.name, "prompts": num_prompts, "max_tokens": max_tokens, "text_chars": len(text)}
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        if saved["key"] == key and saved["labels"].shape[1] >= num_heads:
+            log(f"self-distillation data from {cache}")
+            return SelfDistillData(saved["hidden"], saved["labels"][:, :num_heads], saved["num_prompts"],
+                                   saved["generate_seconds"], list(zip(saved["seq_hidden"], saved["seq_tokens"],
+                                                                       strict=True)))
+        log(f"{cache} holds data of other settings: collecting again")
     tok = loaded.tokenizer
     prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in training_prompts(text, num_prompts)]
     log(f"generating {len(prompts)} greedy answers of up to {max_tokens} tokens with the target")
-    data = collect_self_distill(loaded, prompts, max_tokens, num_heads, log=log)
+    data = collect_self_distill(loaded, prompts, max_tokens, max(num_heads, 5), log=log)
+    if cache is not None:
+        torch.save({"key": key, "hidden": data.hidden, "labels": data.labels, "num_prompts": data.num_prompts,
+                    "generate_seconds": data.generate_seconds, "seq_hidden": [h for h, _ in data.sequences],
+                    "seq_tokens": [t for _, t in data.sequences]}, cache)
+    data.labels = data.labels[:, :num_heads]
+    return data
+
+
+def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 4, num_prompts: int = 128,
+                 max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
+                 text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True,
+                 data_cache: Path | None = None) -> dict[str, Any]:
+    """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`."""
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log)
     n = data.hidden.shape[0]
     log(f"{n} rows of hidden states in {data.generate_seconds:.0f} s")
     g = torch.Generator().manual_seed(seed)
