@@ -227,7 +227,8 @@ def test_head_training_loss_falls(model_dir, tmp_path):
     after = head_losses(heads, weight, data.hidden, data.labels).mean().item()
     assert after < 0.8 * before and history[-1] < history[0]
     save_heads(heads, tmp_path, {"accuracy": [[0.5], [0.2]]})
-    loaded_heads, info = load_heads(tmp_path, data.hidden.shape[1])
+    loaded_heads, info, vocab = load_heads(tmp_path, data.hidden.shape[1])
+    assert vocab is None
     torch.testing.assert_close(loaded_heads.weight, heads.weight)
     assert info["accuracy"] == [[0.5], [0.2]]
 

@@ -62,12 +62,14 @@ def layerskip_search(model: str | None, text_path: str, offset: int, tokens: int
 @click.option("--batch-size", type=int, default=128, show_default=True, help="Hidden-state rows per step.")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate (warm-up + cosine).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Most frequent target tokens the heads draft from.")
 @click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Keep the generated self-distillation data in this file (read back when the settings match, "
                    "e.g. by train-eagle).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads.")
 def train_medusa_cmd(model: str, out: Path, text_path: str, num_heads: int, num_prompts: int, max_tokens: int,
-                     steps: int, batch_size: int, lr: float, seed: int, data_cache: Path | None,
+                     steps: int, batch_size: int, lr: float, seed: int, draft_vocab: int, data_cache: Path | None,
                      threads: int | None) -> None:
     """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
     heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
@@ -85,7 +87,8 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_heads: int, num_
     text = Path(text_path).read_text(encoding="utf-8")
     info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
                         steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
-                        log=lambda m: click.echo(m, err=True), data_cache=data_cache)
+                        log=lambda m: click.echo(m, err=True), data_cache=data_cache,
+                        draft_vocab_size=draft_vocab)
     top1 = ", ".join(f"{a[0]:.2f}" for a in info["accuracy"])
     click.echo(f"{num_heads} heads -> {out}: held-out top-1 accuracy per head {top1}; {info['data']['rows']} rows, "
                f"{steps} steps in {info['training']['seconds']:.0f} s")

@@ -64,16 +64,18 @@ def default_heads_dir(model_path: str | Path) -> Path:
     return p / "medusa" if p.is_dir() else p.with_name(p.name + ".medusa")
 
 
-def save_heads(heads: MedusaHeads, out: Path, info: dict[str, Any]) -> None:
+def save_heads(heads: MedusaHeads, out: Path, info: dict[str, Any], draft_vocab: torch.Tensor | None = None) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()},
-              str(out / WEIGHTS_FILE))
+    tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    save_file(tensors, str(out / WEIGHTS_FILE))
     (out / CONFIG_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
 
-def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[str, Any]]:
+def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[str, Any], torch.Tensor | None]:
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -89,7 +91,7 @@ def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[st
     heads = MedusaHeads(k, h)
     heads.load_state_dict({"weight": tensors["weight"].float(), "bias": tensors["bias"].float()})
     heads.requires_grad_(False)
-    return heads, info
+    return heads, info, tensors.get("draft_vocab")
 
 
 class MedusaProposer(Proposer):
@@ -99,10 +101,13 @@ class MedusaProposer(Proposer):
     name = "medusa"
     tree = True
 
-    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, accuracy: Sequence[Sequence[float]],
-                 tree_size: int, draft_cost: float = 0.15) -> None:
+    def __init__(self, heads: MedusaHeads, lm_head_weight: torch.Tensor, accuracy: Sequence[Sequence[float]],
+                 tree_size: int, draft_vocab: torch.Tensor | None = None, draft_cost: float = 0.1) -> None:
         self.heads = heads
-        self.lm_head = lm_head
+        # the heads draft from the target's most frequent tokens only (draft_vocab): a [Vd, H] product per head
+        # instead of the whole lm_head, whose weight read would cost a good part of a target step
+        self.vocab = draft_vocab
+        self.lm_sub = (lm_head_weight if draft_vocab is None else lm_head_weight.index_select(0, draft_vocab)).float()
         self.draft_cost = draft_cost
         self.paths = static_tree([list(a)[:MAX_RANK] for a in accuracy[:heads.num_heads]], tree_size)
         self.parents = tree_parents(self.paths)
@@ -117,9 +122,11 @@ class MedusaProposer(Proposer):
             return out
         h = torch.stack([requests[j].spec_hidden[-1] for j in ready]).float()  # [B, H]
         z = self.heads(h)  # [B, K, H]
-        weight_dtype = next(self.lm_head.parameters()).dtype
-        logits = self.lm_head(z.reshape(-1, z.shape[-1]).to(weight_dtype))  # [B * K, V]
-        top = logits.topk(self.max_rank, dim=-1).indices.view(len(ready), self.heads.num_heads, -1).tolist()
+        logits = z.reshape(-1, z.shape[-1]) @ self.lm_sub.t()  # [B * K, Vd]
+        top = logits.topk(self.max_rank, dim=-1).indices
+        if self.vocab is not None:
+            top = self.vocab[top]
+        top = top.view(len(ready), self.heads.num_heads, -1).tolist()
         for b, j in enumerate(ready):
             req, k = requests[j], num_drafts[j]
             cands = top[b]  # [K][rank]
@@ -134,9 +141,9 @@ class MedusaProposer(Proposer):
 def build_medusa_proposer(path: str | None, engine: LLMEngine, tree_size: int) -> MedusaProposer:
     model = engine.loaded.model
     check_tree_engine(engine, "medusa")
-    heads, info = load_heads(path or default_heads_dir(engine.loaded.path), model.config.hidden_size)
+    heads, info, vocab = load_heads(path or default_heads_dir(engine.loaded.path), model.config.hidden_size)
     engine.runner.executor.keep_hidden = True
-    return MedusaProposer(heads, model.lm_head, info["accuracy"], tree_size)
+    return MedusaProposer(heads, _lm_head_weight(engine.loaded), info["accuracy"], tree_size, vocab)
 
 
 def check_tree_engine(engine: LLMEngine, method: str) -> None:
@@ -344,7 +351,7 @@ def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_toke
 def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 4, num_prompts: int = 128,
                  max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
                  text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True,
-                 data_cache: Path | None = None) -> dict[str, Any]:
+                 data_cache: Path | None = None, draft_vocab_size: int = 8192) -> dict[str, Any]:
     """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`."""
     data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log)
     n = data.hidden.shape[0]
@@ -370,7 +377,11 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
         "training": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
                      "seconds": round(train_seconds, 1), "loss_first": history[0], "loss_last": history[-1]},
     }
-    save_heads(heads, out, info)
+    from brisk.spec.eagle import draft_vocabulary
+
+    vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
+    info["draft_vocab_size"] = int(vocab.numel())
+    save_heads(heads, out, info, vocab)
     (out / "train_log.json").write_text(json.dumps({"loss": history}) + "\n")
     from brisk.train.progress import write_loss_curve
 
