@@ -200,7 +200,7 @@ class SelfDistillData:
 
 
 def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_heads: int,
-                         batch: int = 16, log: Callable[[str], None] = print) -> SelfDistillData:
+                         batch: int = 32, log: Callable[[str], None] = print) -> SelfDistillData:
     """Greedy answers of the target to `prompts` (the engine, plain decoding), keeping each generated row's
     hidden state as computed: row t's hidden state produced token t + 1; head k's label is token t + 1 + k."""
     from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
