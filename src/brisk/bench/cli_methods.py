@@ -145,6 +145,8 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in the concurrent run.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated tokens per request.")
 @click.option("--num-speculative-tokens", type=int, default=4, show_default=True)
+@click.option("--tree-size", type=click.IntRange(1, 64), default=16, show_default=True,
+              help="Nodes of the token tree the medusa and eagle methods draft (instead of the chain's γ).")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
               show_default="the bundled text Emma",
               help="Novel the grounded/chat prompts are cut from (nothing is scored on it).")
@@ -157,7 +159,7 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
-         num_speculative_tokens: int, text_path: str | None, disable_by: str | None, rounds: int,
+         num_speculative_tokens: int, tree_size: int, text_path: str | None, disable_by: str | None, rounds: int,
          threads: int | None, json_path: str | None) -> None:
     """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
     from rich.table import Table
@@ -182,7 +184,8 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
     names = [m.strip() for m in methods.split(",") if m.strip()]
     runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
                           [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
-                          progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides, rounds=rounds)
+                          progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides, rounds=rounds,
+                          tree_size=tree_size)
     table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
                         f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
     for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):

@@ -213,7 +213,8 @@ class SchedulerConfig:
         return replace(self, max_model_len=self.max_model_len or max_model_len)
 
 
-SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead")
+SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead", "medusa", "eagle")
+TREE_METHODS = ("medusa", "eagle")  # proposers of token trees (spec/tree.py)
 SELF_DRAFT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
@@ -224,7 +225,10 @@ class SpecConfig:
     method: ngram (prompt lookup) | draft (a separate model: `model` is its path) | self (an RTN-quantized copy
     of the target built at load: `model` is int8, int4 or int2) | layerskip (the target with some layers skipped:
     `skip_layers`, or the set stored next to the model by `brisk spec layerskip-search`) | lookahead (Jacobi
-    iterations + an n-gram pool, spec/lookahead.py).
+    iterations + an n-gram pool, spec/lookahead.py) | medusa (trained heads over the target's hidden state,
+    verified as a token tree, spec/medusa.py: `model` is the heads' folder, default next to the model; for it
+    num_speculative_tokens is the tree's node count) | eagle (a trained one-layer draft over the target's features,
+    drafting a token tree, spec/eagle.py; `model` as for medusa).
     """
 
     method: str = "ngram"
@@ -246,7 +250,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; use ngram, lookahead, layerskip, "
-                             "draft:PATH, self:int4, self:int8 or self:int2")
+                             "medusa[:PATH], eagle[:PATH], draft:PATH, self:int4, self:int8 or self:int2")
         if self.lookahead_ngram_size < 2 or self.lookahead_pool_size < 1:
             raise ValueError(f"lookahead needs lookahead_ngram_size >= 2 and lookahead_pool_size >= 1, got "
                              f"{self.lookahead_ngram_size} and {self.lookahead_pool_size}")
@@ -257,8 +261,10 @@ class SpecConfig:
             if self.model not in SELF_DRAFT_BITS:
                 raise ValueError(f"self-draft quantization must be one of {', '.join(SELF_DRAFT_BITS)}, "
                                  f"got {self.model!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        most = 64 if self.method in TREE_METHODS else 16  # a token tree's nodes, else a chain's drafts
+        if not 1 <= self.num_speculative_tokens <= most:
+            raise ValueError(f"num_speculative_tokens must be in [1, {most}] for {self.method}, got "
+                             f"{self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -207,8 +207,8 @@ def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list
     dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
     (speculative verification, prefill chunks, mixed steps)."""
     bt = meta.block_tables
-    if bt is None or meta.evicting or meta.stats is not None:
-        return False
+    if bt is None or meta.evicting or meta.stats is not None or meta.tree_masks:
+        return False  # token trees (spec/tree.py) need the module path's tree attention
     decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
     return ((decode_only or meta.query_start_loc is not None)
             and x.dtype == dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor

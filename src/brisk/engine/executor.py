@@ -59,6 +59,10 @@ class Executor:
         self.plan: DecodePlan | None = None
         self.compiled: Any = None  # engine.compiled.CompiledModel
         self.path = "modules"
+        # trained speculation heads (spec/medusa.py) read the final hidden state of the rows whose logits are
+        # computed: kept here after each step when set
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -105,4 +109,7 @@ class Executor:
             hidden = self.compiled.run(x, cos, sin, meta, kv_caches)
         else:
             hidden = model.run_layers(x, cos, sin, meta, kv_caches)
+        if self.keep_hidden:
+            idx = meta.logits_indices
+            self.last_hidden = hidden if idx is None else hidden.index_select(0, idx)  # [N, hidden]
         return model.compute_logits(hidden, meta)  # [N, vocab]

@@ -104,14 +104,22 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         first_row: dict[str, int] = {}
+        trees: list[tuple[int, torch.Tensor]] = []  # token-tree drafts (spec/tree.py): (sequence, in-step mask)
         num_rows = 0
-        for s in order:
+        for b, s in enumerate(order):
             start, q_len = s.num_computed_tokens, len(s.token_ids)
             cache_start = start if s.cache_len is None else s.cache_len
             first_row[s.req_id] = num_rows
             input_ids.extend(s.token_ids)
             if q_len == 1:
                 positions.append(start)
+            elif s.tree_parents is not None:  # a draft's position is its root's plus its depth
+                from brisk.spec.tree import tree_depths, tree_mask
+
+                num_real = q_len - len(s.tree_parents)
+                positions.extend(range(start, start + num_real))
+                positions.extend(start + num_real - 1 + d for d in tree_depths(s.tree_parents))
+                trees.append((b, tree_mask(s.tree_parents, num_real)))
             else:
                 positions.extend(range(start, start + q_len))
             num_rows += q_len
@@ -128,7 +136,7 @@ class ModelRunner:
             sliding_window=self.sliding_window, num_sink_tokens=self.num_sink_tokens,
             evicting=self.kv_policy.evicts, cos_sin=self.model.rope.cos_sin if self.model.rope is not None else None,
             stats=self.kv_policy.begin_step(order, context_lens, self.device), logits_indices=logits_rows,
-            device=self.device)
+            tree_masks=trees, device=self.device)
         token_context_lens = None
         if self.model.rope is not None and self.model.rope.length_dependent:
             q_lens = torch.tensor(query_lens)
@@ -154,8 +162,9 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
             return out
+        plain_hidden_rows = list(range(len(sampling)))  # each plain request's row of executor.last_hidden
         if any(s.num_draft_tokens for s in sampling):
-            logits, sampling = self._verify_drafts(logits, sampling, requests, out)
+            logits, sampling, plain_hidden_rows = self._verify_drafts(logits, sampling, requests, out)
             if not sampling:
                 return out
         # one logits row per sampled token; a fork (n > 1) draws n samples from its prompt's last row
@@ -184,10 +193,14 @@ class ModelRunner:
 
             out.forced_token_ids.update(advance(reqs, result.sampled_token_ids))
         self.last_timing = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        hidden = self.executor.last_hidden if self.executor.keep_hidden else None
         j = 0
-        for s in sampling:
+        for i, s in enumerate(sampling):
             n = s.num_samples
             out.sampled_token_ids[s.req_id] = result.sampled_token_ids[j:j + n]
+            if hidden is not None:
+                row = plain_hidden_rows[i]
+                _keep_hidden(requests[s.req_id], hidden[row:row + 1], 1)
             if result.logprobs is not None and reqs[j].sampling_params.logprobs is not None:
                 out.logprobs[s.req_id] = result.logprobs[j:j + n]
             j += n
@@ -221,19 +234,31 @@ class ModelRunner:
                           torch.full((start,), end))
 
     def _verify_drafts(self, logits: torch.Tensor, sampling: list[ScheduledRequest], requests: Mapping[str, Request],
-                       out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Verify the requests with drafts (spec.verify) into `out`; return the other rows for the sampler."""
+                       out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest], list[int]]:
+        """Verify the requests with drafts (spec.verify; token trees: spec.tree) into `out`; return the other
+        rows for the sampler, those requests, and their rows in the step's logits."""
         from brisk.spec.verify import verify
 
         spec_rows: list[int] = []
         plain_rows: list[int] = []
-        spec, plain = [], []
+        tree_rows: list[int] = []
+        spec, plain, trees = [], [], []
         row = 0
         for s in sampling:
             n = 1 + s.num_draft_tokens
-            (spec_rows if s.num_draft_tokens else plain_rows).extend(range(row, row + n))
-            (spec if s.num_draft_tokens else plain).append(s)
+            if s.tree_parents is not None:
+                tree_rows.extend(range(row, row + n))
+                trees.append(s)
+            else:
+                (spec_rows if s.num_draft_tokens else plain_rows).extend(range(row, row + n))
+                (spec if s.num_draft_tokens else plain).append(s)
             row += n
+        if trees:
+            self._verify_trees(logits, trees, tree_rows, requests, out)
+        if not spec:
+            if plain:
+                logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+            return logits, plain, plain_rows
         reqs = [requests[s.req_id] for s in spec]
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in spec]
         probs = [None if r.spec_draft_probs is None else r.spec_draft_probs[:s.num_draft_tokens]
@@ -248,14 +273,71 @@ class ModelRunner:
         result = verify(spec_logits, reqs, drafts, probs)
         if constrained:
             out.forced_token_ids.update(accept_verified(reqs, result.token_ids))
+        hidden = self.executor.last_hidden if self.executor.keep_hidden else None
+        at = 0
         for s, tokens, lps, pred in zip(spec, result.token_ids, result.logprobs, result.predictions, strict=True):
             out.sampled_token_ids[s.req_id] = tokens
             out.draft_predictions[s.req_id] = pred
             if lps is not None:
                 out.logprobs[s.req_id] = lps
+            if hidden is not None:  # the rows that gave the emitted tokens
+                _keep_hidden(requests[s.req_id], hidden[spec_rows[at]:spec_rows[at] + len(tokens)], len(tokens))
+            at += 1 + s.num_draft_tokens
         if plain:
             logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
-        return logits, plain
+        return logits, plain, plain_rows
+
+    def _verify_trees(self, logits: torch.Tensor, trees: list[ScheduledRequest], rows: list[int],
+                      requests: Mapping[str, Request], out: RunnerOutput) -> None:
+        """Greedy verification of token trees (spec/tree.py), then the accepted nodes' K/V moved to the entries
+        right after the root, where the next step's attention expects them."""
+        from brisk.spec.tree import accepted_moves, verify_tree_greedy
+
+        reqs = [requests[s.req_id] for s in trees]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in trees]
+        parents = [s.tree_parents for s in trees]
+        tree_logits = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+        paths, tokens, token_rows = verify_tree_greedy(tree_logits, reqs, drafts, parents)  # type: ignore[arg-type]
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for s, path, toks in zip(trees, paths, tokens, strict=True):
+            out.sampled_token_ids[s.req_id] = toks
+            root = (s.num_computed_tokens if s.cache_len is None else s.cache_len) + len(s.token_ids) \
+                - s.num_draft_tokens - 1  # the root's cache entry
+            for a, b in accepted_moves(path):
+                src.append(s.block_ids[(root + a) // bs] * bs + (root + a) % bs)
+                dst.append(s.block_ids[(root + b) // bs] * bs + (root + b) % bs)
+        if src:
+            src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            for kv in self.kv_caches:
+                assert not isinstance(kv, QuantizedKVCache), "token trees run on the float cache only"
+                flat = kv.view(2, kv.shape[1] * kv.shape[2], *kv.shape[3:])
+                flat[:, dst_t] = flat[:, src_t]  # a gather, then the scatter: sources are read first
+        if any(r.sampling_params.logprobs is not None for r in reqs):
+            from brisk.engine.sampler import gather_logprobs
+
+            flat_rows = [r for rr in token_rows for r in rr]
+            raw = torch.log_softmax(tree_logits.index_select(0, torch.tensor(flat_rows)), dim=-1)
+            wanted = [r.sampling_params.logprobs for r, rr in zip(reqs, token_rows, strict=True) for _ in rr]
+            lps = gather_logprobs(raw, torch.tensor([t for ts in tokens for t in ts]), wanted,
+                                  max(w for w in wanted if w is not None))
+            at = 0
+            for s, r, ts in zip(trees, reqs, tokens, strict=True):
+                if r.sampling_params.logprobs is not None:
+                    out.logprobs[s.req_id] = [d for d in lps[at:at + len(ts)] if d is not None]
+                at += len(ts)
+        hidden = self.executor.last_hidden if self.executor.keep_hidden else None
+        if hidden is not None:
+            for req, rr, ts in zip(reqs, token_rows, tokens, strict=True):
+                _keep_hidden(req, hidden[[rows[r] for r in rr]], len(ts))
+
+
+def _keep_hidden(req: Request, row: torch.Tensor, num_emitted: int) -> None:
+    """Remember the final hidden states [num_emitted, H] of the rows that produced the request's tokens of this
+    step (read by trained proposers: spec/medusa.py, spec/eagle.py), with the index its last token will have."""
+    req.spec_hidden = row.detach().clone()
+    req.spec_hidden_index = req.num_tokens + num_emitted - 1
 
 
 def batch_order(sched: SchedulerOutput) -> list[ScheduledRequest]:

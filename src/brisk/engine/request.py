@@ -83,6 +83,14 @@ class Request:
         # all_token_ids: a draft only becomes a token when the verifier accepts it.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
+        # a token tree instead of a chain (spec/tree.py): the parent of each drafted token, an index into
+        # spec_token_ids or -1 for the request's last token; parents come before their children. None = a chain
+        self.spec_tree_parents: list[int] | None = None
+        # trained heads (spec/medusa.py, spec/eagle.py): the target's final hidden states [n, H] of the rows that
+        # produced the last step's n tokens, the last of them all_token_ids[spec_hidden_index]; written by the
+        # model runner when a proposer asks for them
+        self.spec_hidden: torch.Tensor | None = None
+        self.spec_hidden_index = -1
         # LoRA (brisk/lora): the engine slot of the request's adapter (-1: none) and the adapter's prefix-cache key,
         # which seeds the block-hash chain so that two adapters never share KV
         self.lora_slot = -1

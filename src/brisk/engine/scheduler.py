@@ -25,6 +25,9 @@ class ScheduledRequest:
     # entries in the request's cache before this step, where token_ids[0]'s K/V goes: num_computed_tokens
     # (None) unless an H2O compaction dropped some (kvcache/manager.py)
     cache_len: int | None = None
+    # the drafts form a token tree (spec/tree.py): each draft's parent, an index into the drafts or -1 for the
+    # last real token; None = a chain
+    tree_parents: list[int] | None = None
 
 
 @dataclass
@@ -225,8 +228,10 @@ class Scheduler:
         if reaches_end:
             num_samples = 1 + len(self.pending_forks.get(req.request_id, ()))
         token_ids = req.all_token_ids[start:start + num_new] + req.spec_token_ids[:num_drafts]
+        # a tree cut to its first num_drafts nodes stays a tree: parents come before their children
+        parents = req.spec_tree_parents[:num_drafts] if num_drafts and req.spec_tree_parents is not None else None
         return ScheduledRequest(req.request_id, token_ids, start, self.kv.get_block_ids(req.request_id), num_samples,
-                                num_drafts, self.kv.get_num_cache_entries(req))
+                                num_drafts, self.kv.get_num_cache_entries(req), parents)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -236,6 +241,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.spec_draft_probs = None
+        victim.spec_tree_parents = None
+        victim.spec_hidden = None
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_req_ids.append(victim.request_id)
@@ -301,6 +308,7 @@ class Scheduler:
         """
         req.spec_token_ids = []
         req.spec_draft_probs = None
+        req.spec_tree_parents = None
         req.num_computed_tokens += len(tokens) - 1
         for j, token in enumerate(tokens):
             self._append(req, token, logprobs[j] if logprobs else None)

@@ -132,7 +132,33 @@ def paged_attention(
         if meta.num_decodes:
             _decode_reference(out, q, kv_cache, meta.num_decodes, ref, scale)
         _prefills_reference(out, q, k, v, kv_cache, ref.prefills, scale, meta.slot_mapping)
+    if meta.tree_masks:
+        tree_attention_reference(out, q, kv_cache, meta, scale)
     return out
+
+
+def tree_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                             scale: float) -> None:
+    """Token-tree rows (meta.tree_masks): each row attends the sequence's earlier cache entries plus the rows of
+    this step its mask names (its ancestors and itself), over K/V gathered from the paged cache. Overwrites those
+    rows of `out`, which the causal path above filled first (so the other sequences keep their kernels)."""
+    assert meta.tree_masks is not None and meta.block_tables is not None and meta.context_lens is not None
+    assert meta.query_start_loc is not None
+    assert meta.sliding_window is None and not meta.evicting, "token trees attend the whole context"
+    bs = cache_block_size(kv_cache)
+    group = q.shape[1] // cache_num_kv_heads(kv_cache)
+    starts = meta.query_start_loc.tolist()
+    for b, tree_mask in meta.tree_masks:
+        first, q_len, ctx = starts[b], starts[b + 1] - starts[b], int(meta.context_lens[b])
+        assert tree_mask.shape == (q_len, q_len), f"tree mask {tuple(tree_mask.shape)} for {q_len} rows"
+        blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).view(-1)[:ctx]
+        kp, vp = gather_kv(kv_cache, slots.to(q.device), q.dtype)  # [ctx, kvh, d]
+        mask = torch.cat([torch.ones(q_len, ctx - q_len, dtype=torch.bool), tree_mask.cpu()], dim=1)
+        qp = q[first:first + q_len].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
+        o = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=mask.to(q.device), scale=scale, enable_gqa=group > 1)
+        out[first:first + q_len] = o.squeeze(0).transpose(0, 1)
 
 
 def _decode_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, num_decodes: int,

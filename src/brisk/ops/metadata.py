@@ -79,6 +79,10 @@ class AttentionMetadata:
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
     # speculative verification); None = all rows
     logits_indices: torch.Tensor | None = None
+    # token-tree verification (spec/tree.py): (sequence b, [query_len, query_len] bool) — among this step's rows of
+    # sequence b, which ones each row attends (its ancestors and itself) instead of the causal triangle; every row
+    # still sees all of the sequence's earlier cache entries. Run by ops/attention.py `tree_attention_reference`.
+    tree_masks: list[tuple[int, torch.Tensor]] | None = None
     _reference: ReferenceIndices | None = field(default=None, repr=False)
     # the same step under other windows (`with_sliding_window`: gemma3's local and global layers), built once
     _windows: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
@@ -109,6 +113,7 @@ class AttentionMetadata:
         cos_sin: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,  # RoPE table lookup
         stats: AttentionStats | None = None,
         logits_indices: list[int] | None = None,  # None: every row
+        tree_masks: list[tuple[int, torch.Tensor]] | None = None,  # token trees: (sequence, in-step mask)
         device: torch.device | str | None = None,
     ) -> AttentionMetadata:
         """The metadata of one step over the paged cache, from plain ints; the one constructor of it.
@@ -150,6 +155,7 @@ class AttentionMetadata:
             evicting=evicting,
             stats=stats,
             logits_indices=None if logits_indices is None else torch.tensor(logits_indices, dtype=torch.int64),
+            tree_masks=tree_masks or None,
         )
         if device is not None and torch.device(device).type != "cpu":
             for name in ("slot_mapping", "query_start_loc", "block_tables", "context_lens", "logits_indices"):

@@ -17,6 +17,14 @@ def build_speculator(config: SpecConfig, engine: LLMEngine) -> Speculator:
         from brisk.spec.ngram import NgramProposer
 
         proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.method == "medusa":
+        from brisk.spec.medusa import build_medusa_proposer
+
+        proposer = build_medusa_proposer(config.model, engine, config.num_speculative_tokens)
+    elif config.method == "eagle":
+        from brisk.spec.eagle import build_eagle_proposer
+
+        proposer = build_eagle_proposer(config.model, engine, config.num_speculative_tokens)
     elif config.method == "lookahead":
         from brisk.spec.lookahead import LookaheadProposer
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from brisk.data import calibration_text_path
-from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from brisk.engine.config import TREE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.sampling_params import SamplingParams
 from brisk.model.loader import LoadedModel
@@ -128,20 +128,22 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 def run_spec_bench(loaded: LoadedModel, methods: list[str], num_prompts: int, max_tokens: int, concurrency: int,
                    num_speculative_tokens: int, sets: list[str] | None = None, max_model_len: int = 1536,
                    kv_memory: str = "96MiB", text_path: Path | None = None, progress=print,
-                   spec_overrides: dict | None = None, rounds: int = 1) -> list[SpecRun]:
+                   spec_overrides: dict | None = None, rounds: int = 1, tree_size: int = 16) -> list[SpecRun]:
     """Every method's engine is built once; each prompt (or concurrent group) then runs under plain decoding and
     every method back to back, so load changes on a shared machine hit all of them alike; with `rounds` > 1 that
     is repeated and each method's fastest round of the group counts (a concurrent group decodes in well under a
     second, so one slow moment of the machine moved single-round speedups by +-20%). Acceptance statistics cover
-    every round. `spec_overrides` sets SpecConfig fields on every method (e.g. disable_by_batch_size)."""
+    every round. `spec_overrides` sets SpecConfig fields on every method (e.g. disable_by_batch_size); token-tree
+    methods (medusa, eagle) draft trees of `tree_size` nodes."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tok = loaded.tokenizer
     conversations = prompt_sets(max(num_prompts, concurrency), text_path)
     names = ["plain", *methods]
-    def spec_config(m: str) -> SpecConfig:
-        return replace(SpecConfig.parse(m, num_speculative_tokens), **(spec_overrides or {}))
+    def spec_config(m: str) -> SpecConfig:  # token-tree methods (medusa, eagle) get tree_size nodes instead of γ
+        tree = m.partition(":")[0] in TREE_METHODS
+        return replace(SpecConfig.parse(m, tree_size if tree else num_speculative_tokens), **(spec_overrides or {}))
 
     engines = {m: _engine(loaded, None if m == "plain" else spec_config(m), max_model_len, kv_memory)
                for m in names}

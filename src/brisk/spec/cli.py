@@ -47,3 +47,90 @@ def layerskip_search(model: str | None, text_path: str, offset: int, tokens: int
     save_search(result, path)
     click.echo(f"skip {result.skip_layers} of {result.num_layers} layers: agreement {result.agreement:.3f}, "
                f"predicted speedup {result.predicted_speedup:.2f}x -> {path}")
+
+
+@spec_group.command("train-medusa")
+@click.argument("model")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma", help="Text the training prompts are cut from.")
+@click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
+@click.option("--prompts", "num_prompts", type=int, default=128, show_default=True,
+              help="Chat prompts the target answers (the self-distillation data).")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Tokens of each answer.")
+@click.option("--steps", type=int, default=400, show_default=True, help="Optimizer steps.")
+@click.option("--batch-size", type=int, default=128, show_default=True, help="Hidden-state rows per step.")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate (warm-up + cosine).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Most frequent target tokens the heads draft from.")
+@click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Keep the generated self-distillation data in this file (read back when the settings match, "
+                   "e.g. by train-eagle).")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
+def train_medusa_cmd(model: str, out: Path, text_path: str, num_heads: int, num_prompts: int, max_tokens: int,
+                     steps: int, batch_size: int, lr: float, seed: int, draft_vocab: int, data_cache: Path | None,
+                     threads: int | None) -> None:
+    """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
+    heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
+    with --speculative medusa:OUT (or just medusa when OUT is the default next to the model)."""
+    import torch
+
+    from brisk.model.loader import load_model
+    from brisk.spec.medusa import train_medusa
+
+    if threads:
+        torch.set_num_threads(threads)
+    if num_heads < 1 or steps < 1 or num_prompts < 1 or max_tokens < 2:
+        raise click.BadParameter("--heads, --steps and --prompts must be at least 1 and --max-tokens at least 2")
+    loaded = load_model(model)
+    text = Path(text_path).read_text(encoding="utf-8")
+    info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
+                        steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
+                        log=lambda m: click.echo(m, err=True), data_cache=data_cache,
+                        draft_vocab_size=draft_vocab)
+    top1 = ", ".join(f"{a[0]:.2f}" for a in info["accuracy"])
+    click.echo(f"{num_heads} heads -> {out}: held-out top-1 accuracy per head {top1}; {info['data']['rows']} rows, "
+               f"{steps} steps in {info['training']['seconds']:.0f} s")
+
+
+@spec_group.command("train-eagle")
+@click.argument("model")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
+              show_default="the bundled calibration text, Emma", help="Text the training prompts are cut from.")
+@click.option("--prompts", "num_prompts", type=int, default=128, show_default=True,
+              help="Chat prompts the target answers (the self-distillation data).")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Tokens of each answer.")
+@click.option("--steps", type=int, default=400, show_default=True, help="Optimizer steps.")
+@click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Windows per step.")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate (warm-up + cosine).")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Most frequent target tokens the head drafts from.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Keep (or read back) the self-distillation data in this file.")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
+def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int, steps: int,
+                    window: int, batch_size: int, lr: float, draft_vocab: int, seed: int, data_cache: Path | None,
+                    threads: int | None) -> None:
+    """Train an EAGLE head for MODEL by self-distillation (feature regression + the target's own next tokens, the
+    target frozen) and store it in OUT. Decode with --speculative eagle:OUT."""
+    import torch
+
+    from brisk.model.loader import load_model
+    from brisk.spec.eagle import train_eagle
+
+    if threads:
+        torch.set_num_threads(threads)
+    if steps < 1 or num_prompts < 1 or window < 2 or max_tokens <= window:
+        raise click.BadParameter("need --steps and --prompts >= 1, --window >= 2 and --max-tokens > --window")
+    loaded = load_model(model)
+    text = Path(text_path).read_text(encoding="utf-8")
+    info = train_eagle(loaded, text, out, num_prompts=num_prompts, max_tokens=max_tokens, steps=steps, window=window,
+                       batch_size=batch_size, lr=lr, seed=seed, draft_vocab_size=draft_vocab,
+                       text_name=Path(text_path).name, log=lambda m: click.echo(m, err=True), data_cache=data_cache)
+    t = info["training"]
+    click.echo(f"EAGLE head -> {out}: loss {t['loss_first']:.3f} -> {t['loss_last']:.3f}; "
+               f"{info['data']['rows']} rows, {steps} steps in {info['training']['seconds']:.0f} s")

@@ -19,6 +19,9 @@ class Draft:
     # [len(token_ids), V] the processed distributions q each token was drawn from; None = point masses
     # (a deterministic proposer, or greedy drafting for a greedy request: the verifier ignores q there)
     probs: torch.Tensor | None = None
+    # a token tree (spec/tree.py): each token's parent, an index into token_ids or -1 for the request's last
+    # token (parents first); None = a chain. Trees are verified greedily, so only greedy requests get them.
+    parents: list[int] | None = None
 
 
 class Proposer(ABC):
@@ -29,6 +32,7 @@ class Proposer(ABC):
     """
 
     name = "proposer"
+    tree = False  # drafts token trees: the draft size is the tree's node count, not chosen by adaptive γ
     draft_cost = 0.0
     forward_seconds = 0.0  # a draft model's last steady-state forward (measured cost for adaptive γ); 0 = none
 

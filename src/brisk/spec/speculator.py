@@ -63,13 +63,17 @@ class Speculator:
         for req in scheduler.running:
             req.spec_token_ids = []
             req.spec_draft_probs = None
+            req.spec_tree_parents = None
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still in prefill: it has no last token to continue from yet
             params = req.sampling_params
             room = scheduler.config.max_model_len - req.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - req.num_output_tokens - 1)
-            k = 0 if busy else min(self.gamma.gamma(req.request_id, cost), room)
+            if self.proposer.tree:  # a tree's size is its own (the static tree's best nodes), not a chain's γ
+                k = 0 if busy else min(self.gamma.max_gamma, room)
+            else:
+                k = 0 if busy else min(self.gamma.gamma(req.request_id, cost), room)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
@@ -80,6 +84,7 @@ class Speculator:
             for req, draft in zip(reqs, drafts, strict=True):
                 req.spec_token_ids = draft.token_ids
                 req.spec_draft_probs = draft.probs
+                req.spec_tree_parents = draft.parents
         self.costs.start()  # the target step that follows: schedule, forward, verify
 
     def observe(self, sched: SchedulerOutput, result: RunnerOutput, scheduler: Scheduler) -> None:

@@ -1,0 +1,400 @@
+"""Medusa heads (Cai et al., 2024): K extra decoding heads over the target's last hidden state, verified as a tree.
+
+Head k (k = 1..K) reads the final-normed hidden state h_t of the row that produced token x_{t+1} and predicts
+x_{t+1+k}:   logits_k = lm_head(SiLU(W_k h_t + b_k) + h_t),   the target's own lm_head, shared and frozen
+(W_k starts at zero, so an untrained head repeats the target's next-token guess). The proposer takes each head's
+top candidates and lays them out as the static tree of spec/tree.py (`static_tree`, from the per-rank accuracy
+measured on held-out data at training time); the engine verifies the tree in one forward.
+
+Training (`train_medusa`, `brisk spec train-medusa`) is self-distillation on the target's own greedy outputs:
+the target answers chat prompts cut from real text (plain greedy decoding in the engine), and the hidden state of
+every generated row is kept as it is computed. Head k's label at row t is the token the target itself generated
+k steps later (the argmax it would verify), so the heads learn the target's greedy continuation, never the text's.
+The target is never backpropagated through: only the heads' W_k, b_k train, over the cached hidden states.
+
+Stored as OUT/medusa.safetensors (the heads) + OUT/medusa.json (shape, per-rank accuracy, training record).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.spec.proposer import Draft, Proposer
+from brisk.spec.tree import static_tree, tree_parents
+
+if TYPE_CHECKING:
+    from brisk.engine.llm_engine import LLMEngine
+    from brisk.engine.request import Request
+    from brisk.model.loader import LoadedModel
+
+WEIGHTS_FILE = "medusa.safetensors"
+CONFIG_FILE = "medusa.json"
+MAX_RANK = 8  # candidates per head the accuracy table (and so the tree) considers
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks over the hidden state: [..., H] -> [..., K, H], each to be fed to the shared lm_head."""
+
+    def __init__(self, num_heads: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, H_out, H_in]
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = torch.einsum("...i,koi->...ko", h, self.weight) + self.bias  # [..., K, H]
+        return F.silu(z) + h.unsqueeze(-2)
+
+
+def default_heads_dir(model_path: str | Path) -> Path:
+    """Where `--speculative medusa` looks without a path: inside a model folder, or next to a .gguf file."""
+    p = Path(model_path)
+    return p / "medusa" if p.is_dir() else p.with_name(p.name + ".medusa")
+
+
+def save_heads(heads: MedusaHeads, out: Path, info: dict[str, Any], draft_vocab: torch.Tensor | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[str, Any], torch.Tensor | None]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no Medusa heads in {path} ({WEIGHTS_FILE} + {CONFIG_FILE}); train them with "
+                                f"`brisk spec train-medusa MODEL {path}` or pass --speculative medusa:PATH")
+    info = json.loads((path / CONFIG_FILE).read_text())
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    k, h, _ = tensors["weight"].shape
+    if h != hidden_size:
+        raise ValueError(f"the Medusa heads in {path} are for hidden size {h}, the model has {hidden_size}: "
+                         "train heads for this model")
+    heads = MedusaHeads(k, h)
+    heads.load_state_dict({"weight": tensors["weight"].float(), "bias": tensors["bias"].float()})
+    heads.requires_grad_(False)
+    return heads, info, tensors.get("draft_vocab")
+
+
+class MedusaProposer(Proposer):
+    """Drafts a static token tree from the heads' top candidates (greedy requests), or the heads' top-1 chain
+    (sampled or constrained requests: verified by exact speculative sampling with point-mass drafts)."""
+
+    name = "medusa"
+    tree = True
+
+    def __init__(self, heads: MedusaHeads, lm_head_weight: torch.Tensor, accuracy: Sequence[Sequence[float]],
+                 tree_size: int, draft_vocab: torch.Tensor | None = None, draft_cost: float = 0.1) -> None:
+        self.heads = heads
+        # the heads draft from the target's most frequent tokens only (draft_vocab): a [Vd, H] product per head
+        # instead of the whole lm_head, whose weight read would cost a good part of a target step
+        self.vocab = draft_vocab
+        self.lm_sub = (lm_head_weight if draft_vocab is None else lm_head_weight.index_select(0, draft_vocab)).float()
+        self.draft_cost = draft_cost
+        self.paths = static_tree([list(a)[:MAX_RANK] for a in accuracy[:heads.num_heads]], tree_size)
+        self.parents = tree_parents(self.paths)
+        self.max_rank = 1 + max((c for p in self.paths for c in p), default=0)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:
+        out = [Draft([]) for _ in requests]
+        ready = [j for j, r in enumerate(requests)
+                 if r.spec_hidden is not None and r.spec_hidden_index == r.num_tokens - 1]
+        if not ready:
+            return out
+        h = torch.stack([requests[j].spec_hidden[-1] for j in ready]).float()  # [B, H]
+        z = self.heads(h)  # [B, K, H]
+        logits = z.reshape(-1, z.shape[-1]) @ self.lm_sub.t()  # [B * K, Vd]
+        top = logits.topk(self.max_rank, dim=-1).indices
+        if self.vocab is not None:
+            top = self.vocab[top]
+        top = top.view(len(ready), self.heads.num_heads, -1).tolist()
+        for b, j in enumerate(ready):
+            req, k = requests[j], num_drafts[j]
+            cands = top[b]  # [K][rank]
+            if req.sampling_params.temperature < 1e-5 and req.structured is None:
+                n = min(k, len(self.paths))
+                out[j] = Draft([cands[len(p) - 1][p[-1]] for p in self.paths[:n]], parents=self.parents[:n])
+            else:
+                out[j] = Draft([cands[d][0] for d in range(min(k, self.heads.num_heads))])
+        return out
+
+
+def build_medusa_proposer(path: str | None, engine: LLMEngine, tree_size: int) -> MedusaProposer:
+    model = engine.loaded.model
+    check_tree_engine(engine, "medusa")
+    heads, info, vocab = load_heads(path or default_heads_dir(engine.loaded.path), model.config.hidden_size)
+    engine.runner.executor.keep_hidden = True
+    return MedusaProposer(heads, _lm_head_weight(engine.loaded), info["accuracy"], tree_size, vocab)
+
+
+def check_tree_engine(engine: LLMEngine, method: str) -> None:
+    """Token trees need the float paged cache, full attention and one process (what tree verification covers)."""
+    cache = engine.config.cache
+    problems = []
+    if cache.kv_cache_dtype not in ("auto", "bfloat16"):
+        problems.append(f"--kv-cache-dtype {cache.kv_cache_dtype} (use auto or bfloat16)")
+    if cache.kv_policy not in (None, "full", "none"):
+        problems.append(f"--kv-policy {cache.kv_policy} (tree attention sees the whole cache)")
+    if engine.model_config.sliding_window is not None:
+        problems.append("a sliding-window model")
+    rope = engine.loaded.model.rope
+    if rope is not None and rope.length_dependent:
+        problems.append("length-dependent RoPE scaling")
+    if engine.config.tensor_parallel_size * engine.config.pipeline_parallel_size > 1:
+        problems.append("tensor/pipeline parallelism")
+    if problems:
+        raise ValueError(f"--speculative {method} verifies token trees, which do not support " + ", ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------- training data
+
+PROMPT_TEMPLATES = [
+    "Continue this story in your own words: \"{s}\"",
+    "What is happening in this sentence from a novel? \"{s}\"",
+    "Rewrite this sentence in modern English: \"{s}\"",
+    "Write a short paragraph that begins with: \"{s}\"",
+    "Give me a few thoughts on this line: \"{s}\"",
+    "Explain this to a child: \"{s}\"",
+]
+
+
+def training_prompts(text: str, num: int) -> list[list[dict[str, str]]]:
+    """`num` chat prompts, each a template around one sentence taken from evenly spaced places of `text`."""
+    flat = " ".join(text.split())
+    out = []
+    for i in range(num):
+        at = flat.find(". ", (i + 1) * len(flat) // (num + 1)) + 2
+        end = flat.find(". ", at + 40)
+        sentence = flat[at:end + 1 if end > 0 else at + 200][:300]
+        out.append([{"role": "user", "content": PROMPT_TEMPLATES[i % len(PROMPT_TEMPLATES)].format(s=sentence)}])
+    return out
+
+
+@dataclass
+class SelfDistillData:
+    hidden: torch.Tensor  # [N, H] final hidden state of each generated row
+    labels: torch.Tensor  # [N, K] the target's token k + 1 steps after that row's own (-1: past the end)
+    num_prompts: int
+    generate_seconds: float
+    # per answer: (hidden [L, H], tokens [L]) of consecutive rows, hidden[i] the row that produced tokens[i]
+    sequences: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)
+
+
+def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_heads: int,
+                         batch: int = 32, log: Callable[[str], None] = print) -> SelfDistillData:
+    """Greedy answers of the target to `prompts` (the engine, plain decoding), keeping each generated row's
+    hidden state as computed: row t's hidden state produced token t + 1; head k's label is token t + 1 + k."""
+    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from brisk.engine.llm_engine import LLMEngine
+    from brisk.engine.sampling_params import SamplingParams
+
+    max_len = max(len(p) for p in prompts) + max_tokens + 8
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
+                                    scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
+                                    cache=CacheConfig(kv_cache_memory="256MiB")), loaded)
+    engine.runner.executor.keep_hidden = True
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    tokens: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for p in prompts:
+        rid = engine.add_request(None, p, params)
+        rows[rid] = {}
+    done = 0
+    while engine.has_unfinished_requests():
+        for req in engine.scheduler.running:
+            if req.spec_hidden is not None:
+                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
+        outs = engine.step()
+        for req in engine.scheduler.running:
+            if req.spec_hidden is not None:
+                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
+        for o in outs:
+            if o.finished:
+                tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                done += 1
+                if done % 16 == 0:
+                    log(f"generated {done}/{len(prompts)} answers")
+    seconds = time.perf_counter() - t0
+    hs, labels, sequences = [], [], []
+    for rid, by_index in rows.items():
+        seq = tokens[rid]
+        ordered = sorted(by_index.items())
+        for idx, h in ordered:
+            # h produced seq[idx]; head k predicts seq[idx + k]
+            labels.append([seq[idx + k] if idx + k < len(seq) else -1 for k in range(1, num_heads + 1)])
+            hs.append(h.float())
+        first = ordered[0][0] if ordered else 0
+        run = [h for i, (idx, h) in enumerate(ordered) if idx == first + i]  # consecutive rows (plain decoding)
+        if run:
+            sequences.append((torch.stack(run).float(), seq[first:first + len(run)]))
+    return SelfDistillData(torch.stack(hs), torch.tensor(labels, dtype=torch.int64), len(prompts), seconds,
+                           sequences)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def head_losses(heads: MedusaHeads, lm_head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor
+                ) -> torch.Tensor:
+    """Cross-entropy of each head to its labels (the target's own later tokens): [K]."""
+    z = heads(hidden)  # [B, K, H]
+    losses = []
+    for k in range(heads.num_heads):
+        logits = z[:, k] @ lm_head_weight.t()  # [B, V]
+        losses.append(F.cross_entropy(logits.float(), labels[:, k], ignore_index=-1))
+    return torch.stack(losses)
+
+
+@torch.no_grad()
+def rank_accuracy(heads: MedusaHeads, lm_head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
+                  max_rank: int = MAX_RANK, batch: int = 512) -> list[list[float]]:
+    """accuracy[k][c]: fraction of rows whose head-k label is that head's rank-c candidate."""
+    hits = torch.zeros(heads.num_heads, max_rank)
+    counts = torch.zeros(heads.num_heads)
+    for i in range(0, hidden.shape[0], batch):
+        z = heads(hidden[i:i + batch])
+        lab = labels[i:i + batch]
+        for k in range(heads.num_heads):
+            top = (z[:, k] @ lm_head_weight.t()).topk(max_rank, dim=-1).indices  # [B, R]
+            valid = lab[:, k] >= 0
+            hits[k] += (top[valid] == lab[valid, k:k + 1]).float().sum(0)
+            counts[k] += valid.sum()
+    return (hits / counts.clamp_min(1).unsqueeze(1)).tolist()
+
+
+@dataclass
+class HeadTrainResult:
+    losses: list[float]  # mean head loss per logged step
+    accuracy: list[list[float]]
+    seconds: float
+
+
+def fit_heads(heads: MedusaHeads, lm_head_weight: torch.Tensor,
+              train: SelfDistillData | tuple[torch.Tensor, torch.Tensor], steps: int, batch_size: int = 128,
+              lr: float = 1e-3, seed: int = 0, log_every: int = 10,
+              log: Callable[[str], None] | None = None, progress: bool = False) -> list[float]:
+    """AdamW on the heads only (warm-up + cosine, the trainer's schedule); rows drawn by a seeded generator."""
+    from brisk.train.progress import TrainProgress
+    from brisk.train.trainer import TrainConfig, lr_at
+
+    hidden, labels = (train.hidden, train.labels) if isinstance(train, SelfDistillData) else train
+    config = TrainConfig(max_steps=steps, lr=lr, warmup_steps=max(1, steps // 20), batch_size=batch_size)
+    heads.requires_grad_(True)
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(seed)
+    history: list[float] = []
+    t0 = time.perf_counter()
+    with TrainProgress(steps, 0, enabled=progress) as bar:
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, config)
+            idx = torch.randint(0, hidden.shape[0], (batch_size,), generator=g)
+            loss = head_losses(heads, lm_head_weight, hidden[idx], labels[idx]).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+            opt.step()
+            history.append(loss.item())
+            tps = (step + 1) * batch_size / max(1e-9, time.perf_counter() - t0)
+            bar.update(step + 1, history[-1], tps)
+            if log is not None and (step + 1) % log_every == 0:
+                log(f"step {step + 1}/{steps}: loss {sum(history[-log_every:]) / log_every:.3f}")
+    heads.requires_grad_(False)
+    return history
+
+
+def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_tokens: int, num_heads: int,
+                      cache: Path | None = None, log: Callable[[str], None] = print) -> SelfDistillData:
+    """The target's greedy answers to `num_prompts` chat prompts cut from `text`, with their hidden states; read
+    from `cache` when it holds data of these settings, else collected (and written there)."""
+    key = {"model": loaded.name, "prompts": num_prompts, "max_tokens": max_tokens, "text_chars": len(text)}
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        if saved["key"] == key and saved["labels"].shape[1] >= num_heads:
+            log(f"self-distillation data from {cache}")
+            return SelfDistillData(saved["hidden"], saved["labels"][:, :num_heads], saved["num_prompts"],
+                                   saved["generate_seconds"], list(zip(saved["seq_hidden"], saved["seq_tokens"],
+                                                                       strict=True)))
+        log(f"{cache} holds data of other settings: collecting again")
+    tok = loaded.tokenizer
+    prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in training_prompts(text, num_prompts)]
+    log(f"generating {len(prompts)} greedy answers of up to {max_tokens} tokens with the target")
+    data = collect_self_distill(loaded, prompts, max_tokens, max(num_heads, 5), log=log)
+    if cache is not None:
+        torch.save({"key": key, "hidden": data.hidden, "labels": data.labels, "num_prompts": data.num_prompts,
+                    "generate_seconds": data.generate_seconds, "seq_hidden": [h for h, _ in data.sequences],
+                    "seq_tokens": [t for _, t in data.sequences]}, cache)
+    data.labels = data.labels[:, :num_heads]
+    return data
+
+
+def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 4, num_prompts: int = 128,
+                 max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
+                 text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True,
+                 data_cache: Path | None = None, draft_vocab_size: int = 8192) -> dict[str, Any]:
+    """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`."""
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log)
+    n = data.hidden.shape[0]
+    log(f"{n} rows of hidden states in {data.generate_seconds:.0f} s")
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=g)
+    held = max(1, n // 10)
+    test_idx, train_idx = perm[:held], perm[held:]
+    weight = _lm_head_weight(loaded)
+    heads = MedusaHeads(num_heads, data.hidden.shape[1])
+    before = rank_accuracy(heads, weight, data.hidden[test_idx], data.labels[test_idx])
+    t0 = time.perf_counter()
+    history = fit_heads(heads, weight, (data.hidden[train_idx], data.labels[train_idx]), steps, batch_size, lr, seed,
+                        log_every=max(1, steps // 10), log=log, progress=progress)
+    train_seconds = time.perf_counter() - t0
+    accuracy = rank_accuracy(heads, weight, data.hidden[test_idx], data.labels[test_idx])
+    info = {
+        "method": "medusa", "num_heads": num_heads, "hidden_size": data.hidden.shape[1],
+        "source_model": loaded.name, "accuracy": accuracy, "accuracy_untrained": before,
+        "data": {"text": text_name, "prompts": num_prompts, "max_tokens": max_tokens, "rows": n, "held_out": held,
+                 "labels": "the target's own greedy tokens (self-distillation)",
+                 "generate_seconds": round(data.generate_seconds, 1)},
+        "training": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+                     "seconds": round(train_seconds, 1), "loss_first": history[0], "loss_last": history[-1]},
+    }
+    from brisk.spec.eagle import draft_vocabulary
+
+    vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
+    info["draft_vocab_size"] = int(vocab.numel())
+    save_heads(heads, out, info, vocab)
+    (out / "train_log.json").write_text(json.dumps({"loss": history}) + "\n")
+    from brisk.train.progress import write_loss_curve
+
+    write_loss_curve(out / "loss.png", [{"step": i + 1, "loss": v} for i, v in enumerate(history)])
+    return info
+
+
+def _lm_head_weight(loaded: LoadedModel) -> torch.Tensor:
+    """The target's lm_head as a dense float [V, H] matrix (frozen; its kernels may hold a packed copy)."""
+    lm = loaded.model.lm_head
+    w = getattr(lm, "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point() and w.layout == torch.strided:
+        return w.detach().float()
+    eye = torch.eye(loaded.model.config.hidden_size)
+    with torch.inference_mode():
+        return lm(eye).t().contiguous().float().clone()  # the lm_head applied to the basis: its columns

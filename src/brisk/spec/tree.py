@@ -1,0 +1,158 @@
+"""Token trees: drafts that branch, verified by the target in one forward with a tree attention mask.
+
+A tree draft for a request whose last token is r (the root, not yet in the cache) is a list of tokens x_0..x_{N-1}
+and their parents: parent[i] is another draft's index (always < i) or -1 for the root. The step computes the
+root and all N drafts as one chunk of N + 1 rows:
+
+    rows:       | r | x_0 | x_1 | ... | x_{N-1} |
+    positions:  | p | p + depth(x_0) | ...        (depth of a child of the root = 1)
+    cache:      | p | p + 1 | p + 2 | ... | p + N |  (rows take consecutive cache entries, as any chunk)
+
+and each row attends to the request's earlier cache and to its own ancestors and itself only (`tree_mask`), so
+row i's logits are the target's distribution after the root-to-x_i path, exactly as if that path alone had been
+decoded (tested against that in tests/test_spec_tree.py).
+
+Greedy verification (`accept_tree_greedy`) walks from the root: while some child of the current node carries the
+target's argmax at that node, step into it. The emitted tokens are the accepted path's drafts plus the argmax at
+its last node, which is plain greedy decoding token for token. The accepted nodes' K/V then moves from their
+tree entries to p + 1, p + 2, ... (`accepted_moves`); entries past the path are left to be overwritten and their
+blocks freed by the scheduler, as for rejected chain drafts.
+
+Static trees (`static_tree`): Medusa's choice of paths. A path (c_1, ..., c_d) takes the c_k-th ranked candidate
+of head k at depth k; with a_k(c) the measured probability that head k's rank-c candidate is the target's token,
+a path is accepted with probability about prod_k a_k(c_k). The N paths of highest product form the tree; a prefix
+has at least its extension's product, so the set is closed under prefixes, and ordered by decreasing product
+every parent comes before its children and the first n nodes are the best n-node tree (adaptive tree size).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each draft (a child of the root has depth 1)."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        assert -1 <= p < i, f"draft {i}'s parent {p} must be an earlier draft or -1 (the root)"
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_mask(parents: Sequence[int], num_real: int = 1) -> torch.Tensor:
+    """[num_real + N, num_real + N] bool over a chunk of num_real ordinary tokens (causal among themselves)
+    followed by the N drafts: each draft sees every real token, its ancestors and itself."""
+    n = len(parents)
+    size = num_real + n
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[:num_real, :num_real] = torch.ones(num_real, num_real, dtype=torch.bool).tril()
+    mask[num_real:, :num_real] = True
+    for i, p in enumerate(parents):
+        row = num_real + i
+        if p >= 0:
+            mask[row] = mask[num_real + p]
+        mask[row, row] = True
+    return mask
+
+
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """The drafts from the root's child down to `node` (indices), or [] for the root (-1)."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def accept_tree_greedy(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]
+                       ) -> tuple[list[int], list[int]]:
+    """(accepted drafts' indices root to leaf, emitted tokens). argmax[0] is the target's argmax at the root,
+    argmax[1 + i] at draft i; emitted = the accepted drafts' tokens + the argmax at the last accepted node."""
+    assert len(argmax) == len(tokens) + 1 == len(parents) + 1
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path: list[int] = []
+    node = -1
+    while True:
+        want = int(argmax[node + 1])
+        nxt = next((c for c in children.get(node, ()) if tokens[c] == want), None)
+        if nxt is None:
+            return path, [tokens[i] for i in path] + [want]
+        path.append(nxt)
+        node = nxt
+
+
+def accepted_moves(path: Sequence[int]) -> list[tuple[int, int]]:
+    """(from, to) offsets after the root's cache entry: accepted draft i sits at root + 1 + i and belongs at
+    root + depth. Ascending, and every source lies at or after its destination, so copying in order is safe."""
+    return [(1 + node, d) for d, node in enumerate(path, start=1) if 1 + node != d]
+
+
+def static_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[tuple[int, ...]]:
+    """The `size` paths of highest estimated acceptance, best first (parents before children).
+
+    accuracy[k][c]: probability that head k's rank-c candidate is the target's token (depth k + 1)."""
+    depth_max = len(accuracy)
+    if size < 1 or depth_max == 0:
+        return []
+    out: list[tuple[int, ...]] = []
+    # best-first search: a path's children have at most its probability, so popping in order yields the top ones
+    heap: list[tuple[float, int, tuple[int, ...]]] = [(-float(accuracy[0][c]), 1, (c,)) for c in
+                                                      range(len(accuracy[0]))]
+    heapq.heapify(heap)
+    while heap and len(out) < size:
+        neg, _, path = heapq.heappop(heap)
+        out.append(path)
+        d = len(path)
+        if d < depth_max:
+            for c in range(len(accuracy[d])):
+                heapq.heappush(heap, (neg * float(accuracy[d][c]), d + 1, (*path, c)))
+    return out
+
+
+def tree_parents(paths: Sequence[tuple[int, ...]]) -> list[int]:
+    """Each path's parent: the index of its prefix among `paths` (-1 for a depth-1 path)."""
+    index = {p: i for i, p in enumerate(paths)}
+    parents = []
+    for i, p in enumerate(paths):
+        parent = -1 if len(p) == 1 else index[p[:-1]]
+        assert parent < i, f"path {p} comes before its prefix"
+        parents.append(parent)
+    return parents
+
+
+def verify_tree_greedy(logits: torch.Tensor, requests: Sequence, drafts: Sequence[list[int]],
+                       parents: Sequence[list[int]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Greedy verification of token trees: logits [R, V] hold 1 + len(drafts[j]) rows per request j (root, then
+    drafts). Returns per request (accepted draft indices, emitted tokens, the rows of the emitted tokens).
+
+    Each row's argmax is taken after the min_tokens ban and penalties, with the root-to-node path counted as
+    generated (spec/verify.py position_metadata for a chain)."""
+    from brisk.engine.sampler import SamplingMetadata
+    from brisk.spec.verify import processed_logits
+
+    params, outputs, prompts, eos = [], [], [], []
+    for req, draft, par in zip(requests, drafts, parents, strict=True):
+        assert req.sampling_params.temperature < 1e-5, "token trees are verified greedily only"
+        for node in range(-1, len(draft)):
+            params.append(req.sampling_params)
+            outputs.append(req.output_token_ids + [draft[i] for i in path_to(par, node)])
+            prompts.append(req.prompt_token_ids)
+            eos.append(req.eos_token_ids)
+    meta = SamplingMetadata.from_params(params, outputs, prompts, {}, vocab_size=logits.shape[1],
+                                        eos_token_ids=eos, device=logits.device)
+    argmax = processed_logits(logits, meta).argmax(dim=-1).tolist()
+    paths, tokens, rows = [], [], []
+    start = 0
+    for draft, par in zip(drafts, parents, strict=True):
+        n = len(draft) + 1
+        path, emitted = accept_tree_greedy(draft, par, argmax[start:start + n])
+        paths.append(path)
+        tokens.append(emitted)
+        rows.append([start] + [start + 1 + i for i in path])
+        start += n
+    return paths, tokens, rows

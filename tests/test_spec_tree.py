@@ -1,0 +1,273 @@
+"""Token trees, Medusa heads and the EAGLE head: tree attention equals each root-to-leaf path decoded alone (paged,
+over a shared prefix block); greedy output with Medusa and EAGLE identical to plain decoding, alone, batched and
+under preemption; no KV block leaked after rejected branches; the heads' training losses fall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_utils import make_tiny_hf_model
+
+from brisk import LLM, SamplingParams
+from brisk.kvcache.quant import make_kv_caches
+from brisk.model.loader import load_model
+from brisk.ops.metadata import AttentionMetadata
+from brisk.spec.eagle import draft_vocabulary, eagle_loss, eagle_windows, fit_eagle, head_for, save_eagle
+from brisk.spec.medusa import (
+    MedusaHeads,
+    collect_self_distill,
+    fit_heads,
+    head_losses,
+    load_heads,
+    rank_accuracy,
+    save_heads,
+)
+from brisk.spec.tree import (
+    accept_tree_greedy,
+    accepted_moves,
+    path_to,
+    static_tree,
+    tree_depths,
+    tree_mask,
+    tree_parents,
+)
+
+VOCAB = 384
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tree")
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=VOCAB, num_hidden_layers=3)
+    return str(path)
+
+
+def make_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 30, 3, 41, 12)]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    llm = LLM(model_dir, max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(make_prompts(), GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def heads_dir(model_dir, tmp_path_factory):
+    """Heads fitted to the tiny model's own greedy answers to the test prompts (so many drafts are accepted)."""
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts(), 32, 3, log=lambda m: None)
+    weight = loaded.model.lm_head.weight.detach().float()
+    heads = MedusaHeads(3, data.hidden.shape[1])
+    torch.manual_seed(0)
+    fit_heads(heads, weight, data, steps=100, batch_size=64, lr=3e-3)
+    out = tmp_path_factory.mktemp("medusa")
+    save_heads(heads, out, {"accuracy": rank_accuracy(heads, weight, data.hidden, data.labels)})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(model_dir, tmp_path_factory):
+    """An EAGLE head fitted to the tiny model's own greedy answers to the test prompts."""
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts(), 32, 1, log=lambda m: None)
+    torch.manual_seed(0)
+    head = head_for(loaded.model.config)
+    fit_eagle(head, loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float(), data, steps=120,
+              window=16, batch_size=8, lr=3e-3)
+    out = tmp_path_factory.mktemp("eagle")
+    save_eagle(head, draft_vocabulary(data, VOCAB, 256), out, {})
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------------------- tree structure
+
+
+def test_tree_helpers():
+    parents = [-1, -1, 0, 0, 2, 1]
+    assert tree_depths(parents) == [1, 1, 2, 2, 3, 2]
+    assert path_to(parents, 4) == [0, 2, 4] and path_to(parents, -1) == []
+    m = tree_mask(parents, num_real=2)
+    assert m[0].tolist() == [True, False] + [False] * 6
+    assert m[2 + 4].tolist() == [True, True, True, False, True, False, True, False]  # root, 0, 2, itself
+    tokens = [10, 11, 12, 13, 14, 15]
+    # argmax at root=10 -> node 0; at node 0 = 12 -> node 2; at node 2 = 99 -> no child: emit 99
+    argmax = [10, 12, 0, 99, 0, 0, 0]
+    path, emitted = accept_tree_greedy(tokens, parents, argmax)
+    assert path == [0, 2] and emitted == [10, 12, 99]
+    assert accepted_moves([1, 5]) == [(2, 1), (6, 2)]
+    assert accepted_moves([0, 2]) == [(3, 2)]
+
+
+def test_static_tree_best_first_and_prefix_closed():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    paths = static_tree(acc, 10)
+    assert paths[0] == (0,) and paths[1] == (0, 0)
+    assert len(paths) == 10 and len(set(paths)) == 10
+    probs = []
+    for p in paths:
+        assert len(p) == 1 or p[:-1] in paths[:paths.index(p)]  # parent first
+        prob = 1.0
+        for k, c in enumerate(p):
+            prob *= acc[k][c]
+        probs.append(prob)
+    assert probs == sorted(probs, reverse=True)
+    parents = tree_parents(paths)
+    assert all(p < i for i, p in enumerate(parents))
+
+
+# ---------------------------------------------------------------------------------------------- tree attention
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_tree_attention_equals_each_path_alone(model_dir, kv_dtype):
+    loaded = load_model(model_dir)
+    model, c = loaded.model, loaded.model.config
+    bs = 16
+    caches = make_kv_caches(kv_dtype, c.num_hidden_layers, 24, bs, c.num_key_value_heads, c.head_dim,
+                            loaded.dtype)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, VOCAB, (21,), generator=g).tolist()
+    root = 77
+    parents = [-1, -1, -1, 0, 0, 1, 3, 3, 6, 2]
+    drafts = torch.randint(3, VOCAB, (len(parents),), generator=g).tolist()
+
+    def run(ids: list[int], positions: list[int], cache_len: int, blocks: list[int], mask=None) -> torch.Tensor:
+        meta = AttentionMetadata.for_sequences([len(ids)], [cache_len + len(ids)], [blocks], bs,
+                                               positions=torch.tensor(positions),
+                                               tree_masks=None if mask is None else [(0, mask)])
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.tensor(positions), meta, caches).float()
+
+    tree_blocks = [5, 2, 7]  # paged and out of order
+    run(prompt, list(range(len(prompt))), 0, tree_blocks)
+    n = len(prompt)
+    depths = tree_depths(parents)
+    tree_logits = run([root] + drafts, [n] + [n + d for d in depths], n, tree_blocks, tree_mask(parents))
+    for node in range(-1, len(parents)):
+        path = [drafts[i] for i in path_to(parents, node)]
+        # the path alone, reusing the prompt's first (full) block as a prefix-cache hit would, its own blocks after
+        ids = prompt[bs:] + [root] + path
+        want = run(ids, list(range(bs, bs + len(ids))), bs, [5, 11 + node + 1, 20])[-1]
+        got = tree_logits[node + 1]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        assert int(got.argmax()) == int(want.argmax())
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def medusa_llm(model_dir: str, heads_dir: str, size: int = 8, method: str = "medusa", **kwargs) -> LLM:
+    config = {"method": method, "model": heads_dir, "num_speculative_tokens": size, "disable_by_batch_size": None}
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(model_dir, speculative_config=config, **kwargs)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.kv_manager.block_pool.get_num_free_blocks() == engine.num_blocks
+    assert not engine.scheduler.requests and not engine.groups
+
+
+def test_medusa_greedy_batched_equals_plain(model_dir, heads_dir, plain):
+    llm = medusa_llm(model_dir, heads_dir)
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens > 0  # trees with accepted branches, their K/V moved into place
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and rejected branches, dropped
+    assert_no_leak(llm)
+
+
+def test_medusa_greedy_alone_and_under_preemption(model_dir, heads_dir, plain):
+    prompts = make_prompts()
+    llm = medusa_llm(model_dir, heads_dir, size=12)
+    for p, want in zip(prompts[:3], plain[:3], strict=True):
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == want
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    tight = medusa_llm(model_dir, heads_dir, num_kv_blocks=10, max_model_len=128,
+                       max_num_batched_tokens=64)
+    outs = tight.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_no_leak(tight)
+
+
+def test_medusa_sampling_falls_back_to_a_chain(model_dir, heads_dir):
+    """Sampled requests get the heads' top-1 chain, verified by exact speculative sampling (no tree)."""
+    llm = medusa_llm(model_dir, heads_dir)
+    params = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
+    out = llm.generate(make_prompts()[:2], params)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_medusa_refuses_what_trees_do_not_cover(model_dir, heads_dir, tmp_path):
+    with pytest.raises(ValueError, match="token trees"):
+        medusa_llm(model_dir, heads_dir, kv_cache_dtype="int8")
+    with pytest.raises(FileNotFoundError, match="train-medusa"):
+        medusa_llm(model_dir, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def test_head_training_loss_falls(model_dir, tmp_path):
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts()[:3], 16, 2, log=lambda m: None)
+    assert data.hidden.shape[0] == data.labels.shape[0] >= 3 * 15
+    weight = loaded.model.lm_head.weight.detach().float()
+    heads = MedusaHeads(2, data.hidden.shape[1])
+    before = head_losses(heads, weight, data.hidden, data.labels).mean().item()
+    history = fit_heads(heads, weight, data, steps=40, batch_size=32, lr=3e-3, seed=1)
+    after = head_losses(heads, weight, data.hidden, data.labels).mean().item()
+    assert after < 0.8 * before and history[-1] < history[0]
+    save_heads(heads, tmp_path, {"accuracy": [[0.5], [0.2]]})
+    loaded_heads, info, vocab = load_heads(tmp_path, data.hidden.shape[1])
+    assert vocab is None
+    torch.testing.assert_close(loaded_heads.weight, heads.weight)
+    assert info["accuracy"] == [[0.5], [0.2]]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_eagle_greedy_equals_plain(model_dir, eagle_dir, plain, batched):
+    llm = medusa_llm(model_dir, eagle_dir, size=10, method="eagle")
+    prompts = make_prompts()
+    if batched:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    else:
+        got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts[:3]]
+    assert got == plain[:len(got)]
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_no_leak(llm)
+    assert llm.engine.step() == [] and not llm.engine.speculator.proposer.live_ids()
+
+
+def test_eagle_under_preemption_and_sampling(model_dir, eagle_dir, plain):
+    tight = medusa_llm(model_dir, eagle_dir, method="eagle", num_kv_blocks=10, max_model_len=128,
+                       max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in tight.generate(make_prompts(), GREEDY)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_no_leak(tight)
+    out = tight.generate(make_prompts()[:2], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+    assert_no_leak(tight)
+
+
+def test_eagle_training_loss_falls(model_dir):
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts()[:3], 24, 1, log=lambda m: None)
+    feats, toks, _ = eagle_windows(data, 8)
+    assert feats.shape[1] == toks.shape[1] == 9
+    torch.manual_seed(0)
+    head = head_for(loaded.model.config)
+    embed, weight = loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float()
+    before = eagle_loss(head, embed, weight, feats, toks)[0].item()
+    fit_eagle(head, embed, weight, data, steps=40, window=8, batch_size=8, lr=3e-3, seed=1)
+    after = eagle_loss(head, embed, weight, feats, toks)[0].item()
+    assert after < 0.8 * before
