@@ -232,7 +232,8 @@ def _register_commands() -> None:
     from brisk.spec.cli import spec_group
     from brisk.train.cli import distill
 
-    for command in (advise_command, bench, distill, eval_group, export, finetune, kernels_group, prune, quantize, spec_group):
+    for command in (advise_command, bench, distill, eval_group, export, finetune, kernels_group, prune, quantize,
+                    spec_group):
         main.add_command(command)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from brisk.engine.memory import GiB, MiB, MemoryEstimate, ModelFootprint, estimate_memory, model_footprint
+from brisk.engine.memory import GiB, MemoryEstimate, MiB, ModelFootprint, estimate_memory, model_footprint
 
 # resident bytes of `python -c "import brisk.engine.llm"` plus the kernels' shared objects once loaded, over the
 # engine's own runtime term (measured on the default model; docs/advise.md)

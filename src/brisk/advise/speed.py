@@ -151,7 +151,7 @@ def measure_factors(model: str | None, formats: tuple[str, ...] = FACTOR_FORMATS
                 build_checkpoint(setting, Path(path), model)
             engines[name] = LLM(path, kv_cache_memory="64MiB", enable_prefix_caching=False, max_model_len=512,
                                 **kw)
-        for r in range(rounds):
+        for _r in range(rounds):
             for name, llm in engines.items():
                 cal = calibrate(llm, name, read, log=log)
                 if name not in best or cal.decode_tok_s > best[name].decode_tok_s:
