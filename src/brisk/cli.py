@@ -223,6 +223,7 @@ def convert_gguf_command(outtype: str, model: str, out: str) -> None:
 def _register_commands() -> None:
     from brisk.advise.cli import advise_command
     from brisk.bench.cli import bench
+    from brisk.bench.report_cmd import report_command
     from brisk.eval.cli import eval_group
     from brisk.lora.cli import finetune
     from brisk.model.export_cli import export
@@ -233,7 +234,7 @@ def _register_commands() -> None:
     from brisk.train.cli import distill
 
     for command in (advise_command, bench, distill, eval_group, export, finetune, kernels_group, prune, quantize,
-                    spec_group):
+                    report_command, spec_group):
         main.add_command(command)
 
 

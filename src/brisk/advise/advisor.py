@@ -223,9 +223,10 @@ def _folder_name(src: str, p: mem.Precision) -> str:
 def advise(model: str | None, memory_budget: int, goal: str, max_ppl_increase: float, context: int = 4096,
            concurrency: int | None = None, measure_quality: bool = False, validate: bool = False,
            validate_seconds: float = 60.0, read_gbps: float | None = None,
-           quality_window: int = 512, quality_windows: int = 8,
+           quality_window: int = 512, quality_windows: int = 8, calibration: spd.Calibration | None = None,
            log: Callable[[str], None] = lambda m: None) -> Advice:
-    """Rank every candidate for `model`; NothingFitsError when none fits the budgets."""
+    """Rank every candidate for `model`; NothingFitsError when none fits the budgets (before any probe runs when
+    none fits the memory). `calibration`: a probe of this model already made (else one runs now)."""
     if goal not in GOALS:
         raise ValueError(f"--goal must be latency or throughput, got {goal!r}")
     if concurrency is None:
@@ -238,9 +239,13 @@ def advise(model: str | None, memory_budget: int, goal: str, max_ppl_increase: f
     if context > max_pos:
         raise ValueError(f"--context {context} is longer than the model's context ({max_pos} tokens); give at most "
                          f"{max_pos}")
-    table, source = _quality_table(model, shape, measure_quality, quality_window, quality_windows, log)
     factors = spd.stored_factors()
-    cal = _calibrate(model, shape, read_gbps, log)
+    unprobed = spd.Calibration(read_gbps or 1.0, "float32", 1.0, 1.0, 1, 0, 0.0, 1.0)
+    sized = build_candidates(shape, unprobed, factors, None, context, concurrency)
+    if all(c.memory.total > memory_budget for c in sized):  # refused before minutes of quality and probe runs
+        raise NothingFitsError(_refusal(sized, memory_budget, max_ppl_increase, context, concurrency))
+    table, source = _quality_table(model, shape, measure_quality, quality_window, quality_windows, log)
+    cal = calibration or _calibrate(model, shape, read_gbps, log)
     cands = build_candidates(shape, cal, factors, table, context, concurrency)
     ranked, rejected = rank(cands, goal, memory_budget, max_ppl_increase)
     name = shape.path.name if shape.path else str(model)
