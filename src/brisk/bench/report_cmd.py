@@ -59,6 +59,8 @@ class Params:
     paged_max_len: int = 1024
     kv_prompt: int = 1024
     calibrated: bool = True  # GPTQ and AWQ rows
+    calib_samples: int = 16  # their calibration windows (`brisk quantize --num-samples / --seq-len`)
+    calib_seq_len: int = 256
     sparsity: bool = True
 
     @classmethod
@@ -159,8 +161,9 @@ def weights_rows(model: str | None, p: Params, tmp: Path, log: Callable[[str], N
     builds = {"int8 RTN per channel": ["--method", "rtn", "--bits", "8", "--group-size", "-1"],
               "int4 RTN g64": ["--method", "rtn", "--bits", "4", "--group-size", "64"]}
     if p.calibrated:
-        builds |= {"int4 GPTQ g64": ["--method", "gptq", "--bits", "4", "--group-size", "64"],
-                   "int4 AWQ g64": ["--method", "awq", "--bits", "4", "--group-size", "64"]}
+        calib = ["--num-samples", str(p.calib_samples), "--seq-len", str(p.calib_seq_len)]
+        builds |= {"int4 GPTQ g64": ["--method", "gptq", "--bits", "4", "--group-size", "64", *calib],
+                   "int4 AWQ g64": ["--method", "awq", "--bits", "4", "--group-size", "64", *calib]}
     loaded = {"float32": load_model(model, show_progress=False),
               "bfloat16": load_model(model, dtype=torch.bfloat16, show_progress=False)}
     for i, (name, args) in enumerate(builds.items()):
@@ -351,16 +354,31 @@ def kv_rows(model: str | None, p: Params, log: Callable[[str], None]) -> list[Ro
 
 def best_combinations(model: str | None, log: Callable[[str], None]) -> dict[str, Any]:
     from brisk.advise.advisor import advise
+    from brisk.advise.speed import calibrate
+    from brisk.engine.llm import LLM
     from brisk.engine.memory import available_memory
+    from brisk.model.gguf import read_gguf_config
+    from brisk.model.loader import resolve_model
 
     budget, _ = available_memory()
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        max_pos = read_gguf_config(path).max_position_embeddings
+    else:
+        max_pos = json.loads((path / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
+    context = min(2048, max_pos)
+    probe = LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=min(512, max_pos),
+                enable_prefix_caching=False)
+    cal = calibrate(probe, "float32", prompt_len=min(128, max_pos // 4), log=log)  # one probe for both goals
+    del probe
     out = {}
     for goal, concurrency in (("latency", 1), ("throughput", 32)):
-        a = advise(model, budget, goal, 0.02, context=2048, concurrency=concurrency, log=log)
+        a = advise(model, budget, goal, 0.02, context=context, concurrency=concurrency, calibration=cal, log=log)
         top = a.ranked[0]
         out[goal] = {"name": top.name, "weights": top.precision.label, "memory_bytes": top.memory.total,
                      "ppl_increase": top.quality, "predicted_tok_s": top.figure(goal), "commands": a.commands,
-                     "budget_bytes": budget, "concurrency": concurrency, "context": 2048}
+                     "budget_bytes": budget, "concurrency": concurrency, "context": context,
+                     "quality_source": a.quality_source}
     return out
 
 
