@@ -65,7 +65,10 @@ def check_estimates(model: str | None = None, targets: list[tuple[str, mem.Preci
             if p.bits is not None:
                 run["dtype"] = "auto"  # a quantized folder runs in float32 activations either way
             log(f"memory: {name}: estimate {est.describe()}; measuring ...")
-            rss = measure_peak_rss(run, num_prompts=concurrency, prompt_len=min(prompt_len, context - 8))
+            # one sequence: a prompt of the whole context, so that the step's activations (priced at the full token
+            # budget) really are allocated; many: short prompts, whose prefill fills the token budget together
+            length = min(context - 8, 2040) if concurrency == 1 else min(prompt_len, context - 8)
+            rss = measure_peak_rss(run, num_prompts=concurrency, prompt_len=length)
             check = MemoryCheck(name, est.total, {"weights": est.weights, "packed": est.packed,
                                                   "kv_pool": est.kv_pool, "activations": est.activations,
                                                   "runtime": est.runtime},

@@ -10,7 +10,8 @@ format; the weights term is priced here, per format, from the model's shape:
     GGUF codes             brisk's repacked form of each tensor's type (model/gguf_repack.py's table);
                            types it cannot repack are dequantized to the runtime dtype
 
-Quantized formats keep the embedding (and an untied lm_head) at int8 per channel, as `brisk quantize` writes them.
+Quantized formats keep the embedding (and an untied lm_head) at int8 per channel, as `brisk quantize` writes them;
+a tied table is held twice once loaded (the lookup's and lm_head's copies).
 
 `PROCESS_BASE_BYTES` corrects the estimate for what a Python process holds before any model: the interpreter,
 torch and brisk's libraries and the compiled kernels (measured resident: see docs/advise.md), which the engine's
@@ -144,7 +145,10 @@ def weight_bytes(shape: ModelShape, p: Precision) -> int:
     if p.bits is None:
         return (shape.decoder_linear + shape.tables + shape.other) * item
     linear = int(shape.decoder_linear * int_bytes_per_weight(p.bits, p.group_size, c.hidden_size))
-    tables = int(shape.tables * int_bytes_per_weight(8, -1, c.hidden_size, sym=True))
+    # a tied table is quantized once on disk, but the lookup and lm_head each hold their own int8 copy in memory
+    # (measured: the loaded int8 / int4 default model's tensors are one [vocab, hidden] int8 table over the file)
+    copies = shape.tables * (2 if c.tie_word_embeddings else 1)
+    tables = int(copies * int_bytes_per_weight(8, -1, c.hidden_size, sym=True))
     return linear + tables + shape.other * item
 
 
