@@ -61,6 +61,7 @@ class Params:
     calibrated: bool = True  # GPTQ and AWQ rows
     calib_samples: int = 16  # their calibration windows (`brisk quantize --num-samples / --seq-len`)
     calib_seq_len: int = 256
+    calib_text: str | None = None  # default: the bundled calibration text
     sparsity: bool = True
 
     @classmethod
@@ -162,6 +163,8 @@ def weights_rows(model: str | None, p: Params, tmp: Path, log: Callable[[str], N
               "int4 RTN g64": ["--method", "rtn", "--bits", "4", "--group-size", "64"]}
     if p.calibrated:
         calib = ["--num-samples", str(p.calib_samples), "--seq-len", str(p.calib_seq_len)]
+        if p.calib_text:
+            calib += ["--calib-text", p.calib_text]
         builds |= {"int4 GPTQ g64": ["--method", "gptq", "--bits", "4", "--group-size", "64", *calib],
                    "int4 AWQ g64": ["--method", "awq", "--bits", "4", "--group-size", "64", *calib]}
     loaded = {"float32": load_model(model, show_progress=False),
