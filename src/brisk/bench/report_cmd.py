@@ -389,7 +389,9 @@ SECTIONS = ("weights", "speculative", "paged", "sparsity", "fusion", "kv", "best
 
 
 def run_report(model: str | None, p: Params, sections: tuple[str, ...] = SECTIONS,
-               log: Callable[[str], None] = print) -> Report:
+               log: Callable[[str], None] = print, on_section: Callable[[Report], None] | None = None) -> Report:
+    """Every section in turn; `on_section` sees the report after each (the CLI saves it, so a run stopped midway
+    keeps what it measured)."""
     from brisk.model.loader import resolve_model
 
     report = Report(resolve_model(model).name, asdict(p))
@@ -417,6 +419,8 @@ def run_report(model: str | None, p: Params, sections: tuple[str, ...] = SECTION
                 report.rows += result
             report.seconds[name] = round(time.perf_counter() - start, 1)
             gc.collect()
+            if on_section is not None:
+                on_section(report)
     return report
 
 
@@ -542,7 +546,11 @@ def report_command(model: str | None, quick: bool, out_dir: str, sections: str, 
     console = stderr_console()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     start = time.perf_counter()
-    report = run_report(model, p, names, log=lambda m: console.print(f"[dim]{m}"))
+    partial = out / "report.partial.json"
+    report = run_report(model, p, names, log=lambda m: console.print(f"[dim]{m}"),
+                        on_section=lambda r: partial.write_text(json.dumps(r.to_dict(), indent=2, default=str),
+                                                                encoding="utf-8"))
+    partial.unlink(missing_ok=True)
     report.seconds["total"] = round(time.perf_counter() - start, 1)
     plots = plot_report(report, out)
     machine = machine_info()
