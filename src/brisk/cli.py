@@ -241,7 +241,9 @@ def convert_gguf_command(outtype: str, model: str, out: str) -> None:
 
 
 def _register_commands() -> None:
+    from brisk.advise.cli import advise_command
     from brisk.bench.cli import bench
+    from brisk.bench.report_cmd import report_command
     from brisk.eval.cli import eval_group
     from brisk.lora.cli import finetune
     from brisk.model.export_cli import export
@@ -251,7 +253,8 @@ def _register_commands() -> None:
     from brisk.spec.cli import spec_group
     from brisk.train.cli import distill
 
-    for command in (bench, distill, eval_group, export, finetune, kernels_group, prune, quantize, spec_group):
+    for command in (advise_command, bench, distill, eval_group, export, finetune, kernels_group, prune, quantize,
+                    report_command, spec_group):
         main.add_command(command)
 
 

@@ -1,0 +1,111 @@
+"""`brisk advise`: candidates priced by format, ranked within the budgets, refusals, commands, --validate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_utils import make_tiny_hf_model
+
+from brisk.advise import memory as mem
+from brisk.advise import quality as qual
+from brisk.advise.advisor import NothingFitsError, advise, parse_percent, precisions
+from brisk.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("advise") / "tiny"
+    make_tiny_hf_model(path, "llama", seed=3, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+    return str(path)
+
+
+def _table(tiny_ppl: dict[str, float]) -> dict:
+    return {"model": "tiny", "protocol": {"text": "t", "window": 64, "max_windows": 2}, "ppl": tiny_ppl}
+
+
+def test_weight_bytes_follow_the_format(tiny):
+    shape = mem.model_shape(tiny)
+    f32 = mem.weight_bytes(shape, mem.Precision("float32", torch.float32))
+    assert f32 == shape.footprint.config.num_params * 4
+    assert mem.weight_bytes(shape, mem.Precision("bfloat16", torch.bfloat16)) * 2 == f32
+    int8 = mem.weight_bytes(shape, mem.Precision("int8", torch.float32, 8, -1))
+    g32 = mem.weight_bytes(shape, mem.Precision("int4-rtn-g32", torch.float32, 4, 32))
+    g64 = mem.weight_bytes(shape, mem.Precision("int4-rtn-g64", torch.float32, 4, 64))
+    assert f32 > int8 > g32 > g64
+    # codes + a float16 scale and a uint8 zero point per group of 32: 0.5 + 3/32 bytes per decoder weight
+    assert g32 - g64 == int(shape.decoder_linear * (3 / 32)) - int(shape.decoder_linear * (3 / 64))
+
+
+def test_kv_pool_holds_context_times_concurrency(tiny):
+    shape = mem.model_shape(tiny)
+    p = mem.Precision("float32", torch.float32)
+    one = mem.kv_pool_bytes(shape, p, "auto", 256, 1)
+    assert mem.kv_pool_bytes(shape, p, "auto", 256, 8) >= 8 * one - 8 * 2**20
+    assert mem.kv_pool_bytes(shape, p, "int8", 256, 64) < mem.kv_pool_bytes(shape, p, "auto", 256, 64)
+
+
+def test_quality_combines_log_increases():
+    table = _table({"float32": 10.0, "int8": 10.1, "kv-int8": 10.2})
+    assert qual.relative_cost(table, "int8") == pytest.approx(0.01)
+    assert qual.relative_cost(table, "speculative") == 0.0
+    assert qual.combined_cost(table, ["int8", "kv-int8"]) == pytest.approx(1.01 * 1.02 - 1)
+    assert qual.combined_cost(table, ["int4-rtn-g64"]) is None
+    assert qual.applies("int4-rtn-g128", 576, 1536) is False and qual.applies("int4-rtn-g64", 576, 1536)
+
+
+def test_parse_percent():
+    assert parse_percent("2%") == pytest.approx(0.02) and parse_percent("0.5") == 0.5
+    with pytest.raises(ValueError, match="percentage"):
+        parse_percent("two")
+
+
+def test_a_quantized_checkpoint_is_priced_as_it_is(tiny, tmp_path):
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", tiny, str(out), "--bits", "4", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    shape = mem.model_shape(str(out))
+    assert [p.name for p in precisions(shape)] == ["given"]
+
+
+def test_advise_ranks_within_budgets_and_refuses(tiny, monkeypatch):
+    # a quality table measured now, on the tiny model (two windows)
+    table = qual.measure_quality_table(tiny, ["int8", "int4-rtn-g32", "kv-int8"], window=64, max_windows=2,
+                                       log=lambda m: None)
+    assert set(table["ppl"]) == {"float32", "int8", "int4-rtn-g32", "kv-int8"}
+    monkeypatch.setattr(qual, "stored_table", lambda model: table)  # this model's table, as if shipped
+    a = advise(tiny, 2**30, "latency", 10.0, context=256, read_gbps=20.0)
+    cal = a.calibration
+    assert cal.decode_tok_s > 0 and cal.prefill_tok_s > 0 and 0 < cal.efficiency
+    names = [c.name for c in a.ranked]
+    assert "int8" in names and "float32" in names and all(c.memory.total <= 2**30 for c in a.ranked)
+    figures = [c.figure("latency") for c in a.ranked]
+    assert figures == sorted(figures, reverse=True)
+    assert any(line.startswith("brisk serve") for line in a.commands)
+    # a budget below every candidate: refused with the smallest one and its size
+    with pytest.raises(NothingFitsError, match="smallest configuration"):
+        advise(tiny, 2**20, "latency", 10.0, context=256, read_gbps=20.0, calibration=cal)
+    # no lossy technique within 0%: only the float32 rows remain
+    strict = advise(tiny, 2**30, "throughput", 0.0, context=256, concurrency=4, read_gbps=20.0, calibration=cal)
+    assert {c.precision.name for c in strict.ranked} == {"float32"}
+
+
+def test_cli_validate_and_json(tiny, tmp_path):
+    out = tmp_path / "advise.json"
+    result = CliRunner().invoke(main, ["advise", tiny, "--memory", "2GiB", "--goal", "throughput", "--context",
+                                       "128", "--concurrency", "2", "--validate", "--validate-seconds", "0.2",
+                                       "--membw", "20", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["validated"] and doc["ranked"][0]["measured"]["tok_s"] > 0
+    assert "only lossless" in doc["quality_source"]
+    assert "recommended:" in result.output and "brisk serve --model" in result.output
+
+
+def test_cli_bad_input(tiny):
+    r = CliRunner().invoke(main, ["advise", tiny, "--memory", "lots"])
+    assert r.exit_code != 0 and "--memory must be a size" in r.output
+    r = CliRunner().invoke(main, ["advise", tiny, "--context", "100000", "--membw", "20"])
+    assert r.exit_code != 0 and "longer than the model's context" in r.output
