@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,15 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
                           env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A build killed mid-way leaves its lock file; the next build removes it once it is older than any build
+    takes, and leaves a young one (another process building now) alone."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not kernels._clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert kernels._clear_stale_lock(tmp_path) and not lock.exists()
+    assert not kernels._clear_stale_lock(tmp_path)  # nothing to remove

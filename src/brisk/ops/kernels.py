@@ -162,6 +162,25 @@ class BuildResult:
     error: str | None = None
 
 
+STALE_LOCK_SECONDS = 20 * 60  # a build of one file takes seconds to a few minutes; a lock older than this is left over
+
+
+def _clear_stale_lock(folder: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock a killed build left behind (torch's FileBaton waits for it forever otherwise); a lock
+    younger than `max_age` belongs to a build still running in another process and is left alone."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age:
+        return False
+    logger.warning("brisk: removing a stale kernel build lock (%.0f min old, left by a killed build): %s", age / 60,
+                   lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build(source: Path) -> BuildResult:
     """Compile (or load the cached build of) one source file; its TORCH_LIBRARY_FRAGMENT registers its ops."""
     from torch.utils import cpp_extension
@@ -169,6 +188,7 @@ def _build(source: Path) -> BuildResult:
     tier = kernel_tier()
     library = library_path(source, tier)
     library.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(library.parent)
     before = library.stat().st_mtime if library.exists() else None
     t0 = time.perf_counter()
     cpp_extension.load(name=library.stem, sources=[str(source)], extra_cflags=[*_CFLAGS, *tier.cflags],
