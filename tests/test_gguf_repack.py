@@ -76,6 +76,40 @@ def test_repacked_dequantization_is_gguf_reference_bit_for_bit(qtype: T) -> None
             assert _bits_equal(dequantize_packed(pw), ref)
 
 
+def _same_packed(a, b) -> bool:
+    return (torch.equal(a.data, b.data) and _bits_equal(a.scales.float(), b.scales.float())
+            and a.scales.dtype == b.scales.dtype and (a.zeros is None) == (b.zeros is None)
+            and (a.zeros is None or (a.zeros.dtype == b.zeros.dtype and _bits_equal(a.zeros.float(), b.zeros.float()))))
+
+
+@pytest.mark.parametrize("qtype", list(REPACKED), ids=lambda t: t.name)
+def test_repack_kernel_equals_the_pytorch_path(qtype: T) -> None:
+    # ops/csrc/repack.cpp against the PyTorch reference: the same bytes, scales and minimums, with and without a
+    # row permutation (llama.cpp's Q/K order); then tiling and untiling in C++ against the PyTorch shuffles
+    from brisk.ops import kernels
+
+    if kernels.get_op("gguf_repack") is None:
+        pytest.skip("the C++ kernels are not built here")
+    raw = torch.from_numpy(_random_blocks(qtype, 48, 512, seed=7))
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(8))
+    for rows_perm in (None, perm):
+        fast = repack(raw, qtype, (48, 512), rows_perm=rows_perm)
+        with kernels.disabled():
+            slow = repack(raw, qtype, (48, 512), rows_perm=rows_perm)
+        assert _same_packed(fast, slow)
+        if fast.bits in (8, 4):
+            set_tiled(fast, True)
+            with kernels.disabled():
+                slow.tiled = False
+                from brisk.ops.qlinear import _from_blocked, _tile_rows, _to_tiled
+
+                tiled = _to_tiled(_from_blocked(slow.data, slow.bits, 512), slow.bits)
+            assert torch.equal(fast.data, tiled.view_as(fast.data))
+            assert _bits_equal(fast.scales.float(), _tile_rows(slow.scales).float())
+            set_tiled(fast, False)
+            assert torch.equal(fast.data, slow.data) and _bits_equal(fast.scales.float(), slow.scales.float())
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_1, T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
 def test_kernels_on_repacked_weights_match_the_reference_product(qtype: T) -> None:
     # the float-minimum form (float16 / float32 minimums, float32 scales) through every kernel: blocked and tiled,

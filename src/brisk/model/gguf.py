@@ -472,8 +472,7 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
                      if "*" in module else [(module, raw, shape)])
             for part, part_raw, part_shape in parts:
                 try:
-                    with _intra_op_threads(1):  # chunks of 4 M weights: below _PARALLEL_MIN_NUMEL, one thread
-                        packed[part] = repack(part_raw, info.qtype, part_shape, rows_perm=perm)
+                    packed[part] = repack(part_raw, info.qtype, part_shape, rows_perm=perm)
                 except GGUFError as e:
                     raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
                 types[part] = info.qtype.name

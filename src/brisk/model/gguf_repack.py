@@ -31,8 +31,10 @@ an integer code with the group scale is exact in float32 (at most 11 + 6 + 5 sig
 is the final addition of the minimum, which brisk's dequantization (s * q + m) performs once as well. The symmetric
 forms (Q6_K: (d * sc) * (q - 32), Q3_K: (d * sc) * q) are one rounded product, as brisk's s * (code - zero).
 
-Memory: a tensor is repacked a chunk of rows at a time from its raw bytes (read with read(2), which leaves the page
-cache out of this process's resident set) straight into its final buffers; no float copy of the tensor exists.
+Memory: a tensor is repacked from its raw bytes (read with read(2), which leaves the page cache out of this process's
+resident set) straight into its final buffers; no float copy of the tensor exists. The work is the C++ kernel
+`gguf_repack` (ops/csrc/repack.cpp: one pass, a row of codes as its only temporary); without the kernels, the
+PyTorch reference below does the same a chunk of rows at a time.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from brisk.model.gguf_dequant import GGUFError, _bits, _crumbs, _f16, _k4_scale_min, _nibbles, _q3_k_scales
+from brisk.ops.kernels import get_op
 from brisk.ops.qlinear import BLOCK, PackedWeight, _to_blocked
 
 T = GGMLQuantizationType
@@ -184,12 +187,30 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: t
     if data.numel() != n * row_bytes:
         raise GGUFError(f"{qtype.name} tensor of shape {tuple(shape)} needs {n * row_bytes} bytes, got {data.numel()}")
     rows = data.view(n, row_bytes)  # [N, row_bytes]
-    if rows_perm is not None:
-        rows = rows[rows_perm]
     ngroups = k // group
     out = torch.empty(n, k // BLOCK * 4 * bits, dtype=torch.uint8)  # blocked layout, as _to_blocked makes it
     scales = torch.empty(n, ngroups, dtype=torch.float32)
     mins = torch.empty(n, ngroups, dtype=torch.float32) if form == "min" else None
+    kernel = get_op("gguf_repack") if rows.is_cpu else None
+    if kernel is not None:  # ops/csrc/repack.cpp: one pass, the same bits as the loop below
+        kernel(rows.contiguous(), int(qtype), k, rows_perm, out, scales, mins)
+    else:
+        _repack_reference(rows if rows_perm is None else rows[rows_perm], qtype, out, scales, mins)
+    with _one_thread():
+        scales = scales.to(_param_dtype(scales))
+        if mins is not None:
+            mins = mins.to(_param_dtype(mins))
+    return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
+                        zeros=mins, codebook=None, blocked=True)
+
+
+def _repack_reference(rows: torch.Tensor, qtype: GGMLQuantizationType, out: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor | None) -> None:
+    """The PyTorch path of `repack` (no C++ kernels): rows [N, row_bytes] -> out, scales, mins, a chunk at a time."""
+    bits, group, _ = REPACKED[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n, k = rows.shape[0], rows.shape[1] // type_size * block_size
+    ngroups = k // group
     step = max(1, _CHUNK_WEIGHTS // k)
     with _one_thread():
         for r0 in range(0, n, step):
@@ -201,11 +222,6 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: t
             if mins is not None:
                 assert m is not None
                 mins[r0:r1] = m.reshape(r1 - r0, ngroups)
-        scales = scales.to(_param_dtype(scales))
-        if mins is not None:
-            mins = mins.to(_param_dtype(mins))
-    return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
-                        zeros=mins, codebook=None, blocked=True)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:

@@ -143,7 +143,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built around an empty weight: nn.Embedding's own random init, run on the meta device, goes through
+        # torch's reference decompositions and imports torch._dynamo (3-19 s of every start-up); the checkpoint's
+        # tensor replaces the weight anyway
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         if config.is_gemma:
             from brisk.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
 

@@ -302,6 +302,7 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
                          f"multiple of {TILE_ROWS} rows can be tiled (this weight: {pw.bits}-bit, "
                          f"{pw.out_features} rows)")
     k, bits = pw.in_features, pw.bits
+    kernel = get_op("packed_retile") if pw.data.is_cpu and pw.data.is_contiguous() else None
     # Both layouts keep each 16-row tile in the same byte range (a row-local permutation), so the weight is
     # converted a chunk of whole tiles at a time: the temporaries are a chunk's, not the matrix's (an 8B model's
     # head is 525 M codes)
@@ -311,15 +312,20 @@ def set_tiled(pw: PackedWeight, tiled: bool) -> bool:
         for r0 in range(0, pw.out_features, step):
             r1 = min(pw.out_features, r0 + step)
             part = pw.data.view(pw.out_features, -1)[r0:r1]
-            if tiled:
+            if kernel is not None:  # ops/csrc/repack.cpp: the codes in place, a tile at a time
+                kernel(part, bits, k, tiled)
+                data = None
+            elif tiled:
                 data = _to_tiled(_from_blocked(part, bits, k), bits)
+            else:
+                data = _to_blocked(_from_tiled(part, bits, k), bits)
+            if tiled:
                 scales = _tile_rows(pw.scales[r0:r1])
                 zeros = None if pw.zeros is None else _tile_rows(pw.zeros[r0:r1])
             else:
-                data = _to_blocked(_from_tiled(part, bits, k), bits)
                 scales = _untile_rows(pw.scales[r0:r1])
                 zeros = None if pw.zeros is None else _untile_rows(pw.zeros[r0:r1])
-            for dst, src in ((part, data.view_as(part)), (pw.scales[r0:r1], scales),
+            for dst, src in ((part, None if data is None else data.view_as(part)), (pw.scales[r0:r1], scales),
                              (None if pw.zeros is None else pw.zeros[r0:r1], zeros)):
                 if dst is not None and src is not None:  # a permutation that is a view of its source is copied first
                     same = src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()

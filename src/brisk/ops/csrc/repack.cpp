@@ -1,0 +1,293 @@
+// Load-time byte shuffles of brisk's packed weights, in C++ because in PyTorch each is a dozen elementwise passes
+// over the whole matrix (a 1B model's GGUF took ~25 s to repack and ~15 s to tile that way on 2 cores).
+//
+// gguf_repack: GGML-encoded rows [N, row_bytes] -> brisk's blocked layout (ops/qlinear.py `_to_blocked`) plus
+// float32 group scales and minimums, one pass, no temporaries beyond one row of codes. The decoding of each block
+// follows model/gguf_repack.py `_codes_and_params` (the PyTorch reference, which tests/test_gguf_repack.py checks
+// against gguf's own dequantization); the parameters are computed with the same float32 operations (one product
+// d * sc, one negation), so both paths give the same bits.
+//
+// packed_retile: the blocked layout <-> the tiled layout of the AVX-512 kernels (ops/qlinear.py `_to_tiled`,
+// ops/csrc/quant_q8t.cpp) for 8- and 4-bit codes, in place, one 16-row tile at a time.
+//
+// Plain scalar loops: the work is memory-bound byte moves that the compiler vectorises where it can; the same
+// source builds on every tier.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // columns per block of brisk's layouts
+constexpr int64_t kTileRows = 16;  // rows per tile of the tiled layout
+
+// GGML type ids (gguf's GGMLQuantizationType)
+enum GgmlType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+};
+
+struct Format {
+  int64_t block_size, type_size, bits, group;
+  bool mins;
+};
+
+Format format_of(int64_t qtype) {
+  switch (qtype) {
+    case Q8_0: return {32, 34, 8, 32, false};
+    case Q4_0: return {32, 18, 4, 32, false};
+    case Q4_1: return {32, 20, 4, 32, true};
+    case Q5_0: return {32, 22, 8, 32, false};
+    case Q5_1: return {32, 24, 8, 32, true};
+    case Q4_K: return {256, 144, 4, 32, true};
+    case Q5_K: return {256, 176, 8, 32, true};
+    case Q6_K: return {256, 210, 8, 16, false};
+    case Q3_K: return {256, 110, 4, 16, false};
+    case Q2_K: return {256, 84, 4, 16, true};
+    default: TORCH_CHECK(false, "gguf_repack: GGML type ", qtype, " has no packed form");
+  }
+  return {};
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ggml's get_scale_min_k4: 12 bytes -> 8 6-bit scales and 8 6-bit minimums
+inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One GGML block -> codes q[block_size] in the container's coding, scales s[groups], minimums m[groups].
+void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* m) {
+  switch (qtype) {
+    case Q8_0:  // d f16 | qs int8[32]: code = q + 128, the sign bit flipped
+      s[0] = f16(b);
+      for (int i = 0; i < 32; ++i) q[i] = b[2 + i] ^ 0x80;
+      return;
+    case Q4_0:  // d f16 | qs[16]: low nibbles are weights 0..15, high nibbles 16..31
+    case Q4_1: {  // d f16 | m f16 | qs[16]
+      const int off = qtype == Q4_1 ? 4 : 2;
+      s[0] = f16(b);
+      if (qtype == Q4_1) m[0] = f16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = b[off + i] & 0x0F;
+        q[16 + i] = b[off + i] >> 4;
+      }
+      return;
+    }
+    case Q5_0:  // d f16 | qh u32 | qs[16]: bit 4 of weight j is bit j of qh; Q5_0's code is q + 112
+    case Q5_1: {  // d f16 | m f16 | qh u32 | qs[16]
+      const int off = qtype == Q5_1 ? 4 : 2;
+      s[0] = f16(b);
+      if (qtype == Q5_1) m[0] = f16(b + 2);
+      const uint8_t* qh = b + off;
+      const uint8_t* qs = b + off + 4;
+      const uint8_t add = qtype == Q5_0 ? 112 : 0;
+      for (int j = 0; j < 32; ++j) {
+        const uint8_t low = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+        const uint8_t high = (qh[j / 8] >> (j % 8)) & 1;
+        q[j] = static_cast<uint8_t>((low | (high << 4)) + add);
+      }
+      return;
+    }
+    case Q4_K:  // d f16 | dmin f16 | scales[12] | (qh[32]) | qs[128]; sub-block j = 2 c + h of 32 weights
+    case Q5_K: {
+      const float d = f16(b), dmin = f16(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k4_scale_min(b + 4, j, sc, mn);
+        s[j] = d * static_cast<float>(sc);
+        m[j] = -(dmin * static_cast<float>(mn));
+      }
+      const uint8_t* qs = qtype == Q5_K ? b + 48 : b + 16;
+      for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) q[64 * c + 32 * h + l] = (qs[32 * c + l] >> (4 * h)) & 0x0F;
+      if (qtype == Q5_K) {  // bit 4 of weight 32 j + l is bit j of qh[l]
+        const uint8_t* qh = b + 16;
+        for (int j = 0; j < 8; ++j)
+          for (int l = 0; l < 32; ++l) q[32 * j + l] |= static_cast<uint8_t>(((qh[l] >> j) & 1) << 4);
+      }
+      return;
+    }
+    case Q6_K: {  // ql[128] | qh[64] | scales int8[16] | d f16; weight 128 h + 32 s + l; code q + 96
+      const float d = f16(b + 208);
+      for (int j = 0; j < 16; ++j) s[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+      for (int h = 0; h < 2; ++h)
+        for (int sb = 0; sb < 4; ++sb)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t low = (b[64 * h + 32 * (sb % 2) + l] >> (4 * (sb / 2))) & 0x0F;
+            const uint8_t high = (b[128 + 32 * h + l] >> (2 * sb)) & 3;
+            q[128 * h + 32 * sb + l] = static_cast<uint8_t>((low | (high << 4)) + 96);
+          }
+      return;
+    }
+    case Q3_K: {  // hmask[32] | qs[64] | scales[12] | d f16; weight 128 h + 32 s + l; code q + 8
+      const float d = f16(b + 108);
+      const uint8_t* sc = b + 96;
+      for (int i = 0; i < 16; ++i) {
+        const int low = i < 8 ? (sc[i] & 0x0F) : (sc[i - 8] >> 4);
+        const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        s[i] = d * static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(low | (high << 4))) - 32);
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int sb = 0; sb < 4; ++sb)
+          for (int l = 0; l < 32; ++l) {
+            const int low = (b[32 + 32 * h + l] >> (2 * sb)) & 3;
+            const int high = (b[l] >> (4 * h + sb)) & 1;
+            q[128 * h + 32 * sb + l] = static_cast<uint8_t>(low + 4 + (high << 2));
+          }
+      return;
+    }
+    case Q2_K: {  // scales[16] | qs[64] | d f16 | dmin f16; weight 128 h + 32 s + l
+      const float d = f16(b + 80), dmin = f16(b + 82);
+      for (int j = 0; j < 16; ++j) {
+        s[j] = d * static_cast<float>(b[j] & 0x0F);
+        m[j] = -(dmin * static_cast<float>(b[j] >> 4));
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int sb = 0; sb < 4; ++sb)
+          for (int l = 0; l < 32; ++l) q[128 * h + 32 * sb + l] = (b[16 + 32 * h + l] >> (2 * sb)) & 3;
+      return;
+    }
+    default: TORCH_CHECK(false, "gguf_repack: GGML type ", qtype, " has no packed form");
+  }
+}
+
+// codes q[K] of one row -> the blocked layout (8 bits: word l, byte i = q[8 i + l]; 4 bits: word j < 4, byte i =
+// q[8 i + j] | q[8 i + j + 4] << 4)
+void to_blocked(const uint8_t* q, int64_t k, int64_t bits, uint8_t* out) {
+  for (int64_t b = 0; b < k / kBlock; ++b, q += kBlock) {
+    if (bits == 8) {
+      for (int l = 0; l < 8; ++l)
+        for (int i = 0; i < 4; ++i) out[32 * b + 4 * l + i] = q[8 * i + l];
+    } else {
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i)
+          out[16 * b + 4 * j + i] = static_cast<uint8_t>(q[8 * i + j] | (q[8 * i + j + 4] << 4));
+    }
+  }
+}
+
+
+
+
+// raw [N, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> data [N, K / 32 * 4 * bits]
+// uint8 (blocked), scales [N, K / group] float32, mins [N, K / group] float32 for the forms with a minimum.
+void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& perm,
+                 const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+  const Format f = format_of(qtype);
+  const int64_t n = raw.size(0), k = in_features;
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
+              "gguf_repack: raw must be contiguous CPU uint8 [N, row_bytes]");
+  TORCH_CHECK(k % f.block_size == 0 && raw.size(1) == k / f.block_size * f.type_size,
+              "gguf_repack: rows of ", raw.size(1), " bytes do not hold ", k, " weights of this type");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == n * k / kBlock * 4 * f.bits,
+              "gguf_repack: data must be contiguous uint8 [N, K / 32 * 4 * bits]");
+  const int64_t groups = k / f.group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
+              "gguf_repack: scales must be contiguous float32 [N, K / group]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(has_mins == f.mins, "gguf_repack: this type ", f.mins ? "needs" : "takes no", " minimums");
+  if (has_mins)
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * groups,
+                "gguf_repack: mins must be contiguous float32 [N, K / group]");
+  const int64_t* p = nullptr;
+  at::Tensor perm_c;
+  if (perm.has_value() && perm->defined()) {
+    perm_c = perm->to(at::kLong).contiguous();
+    TORCH_CHECK(perm_c.numel() == n, "gguf_repack: perm must have N entries");
+    p = perm_c.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < n, "gguf_repack: perm entry out of range");
+  }
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = data.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  float* mp = has_mins ? mins->data_ptr<float>() : nullptr;
+  const int64_t row_bytes = raw.size(1), out_bytes = k / kBlock * 4 * f.bits;
+  const int64_t per_block = f.block_size / f.group;
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> q(k);
+    float dummy[16];
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = src + (p ? p[r] : r) * row_bytes;
+      for (int64_t b = 0; b < k / f.block_size; ++b) {
+        const int64_t g = r * groups + b * per_block;
+        decode_block(qtype, row + b * f.type_size, q.data() + b * f.block_size, sp + g, mp ? mp + g : dummy);
+      }
+      to_blocked(q.data(), k, f.bits, dst + r * out_bytes);
+    }
+  });
+}
+
+// Both layouts are byte permutations of each other, row by row within a 16-row tile (no code is decoded):
+//   4 bits: blocked byte 16 b + 4 j + i (codes 32 b + 8 i + j, + 4) is byte j of tiled word c = 4 b + i of row r;
+//   8 bits: blocked byte 32 b + 4 l + i (code 32 b + 8 i + l) is byte l % 4 of tiled word c = 8 b + 2 i + l / 4.
+// Tiled word c of row r sits at bytes (16 c + r) * 4 of the tile.
+inline int64_t tiled_offset(int64_t bits, int64_t blocked_byte, int64_t r) {
+  int64_t c, j;
+  if (bits == 4) {
+    const int64_t b = blocked_byte / 16, jj = (blocked_byte / 4) % 4, i = blocked_byte % 4;
+    c = 4 * b + i;
+    j = jj;
+  } else {
+    const int64_t b = blocked_byte / 32, l = (blocked_byte / 4) % 8, i = blocked_byte % 4;
+    c = 8 * b + 2 * i + l / 4;
+    j = l % 4;
+  }
+  return (c * kTileRows + r) * 4 + j;
+}
+
+// data [N, K * bits / 8] uint8 (N % 16 == 0), blocked <-> tiled, in place
+void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bool to_tiled) {
+  TORCH_CHECK(bits == 8 || bits == 4, "packed_retile: 8- or 4-bit codes only");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu(),
+              "packed_retile: data must be contiguous CPU uint8");
+  const int64_t k = in_features, row_bytes = k * bits / 8;
+  TORCH_CHECK(k % kBlock == 0 && data.numel() % (kTileRows * row_bytes) == 0,
+              "packed_retile: data must hold whole 16-row tiles of ", k, " columns");
+  const int64_t tiles = data.numel() / (kTileRows * row_bytes);
+  // the permutation of one block's bytes (32 columns, any row r: add r * 4), the same for every block
+  const int64_t block_bytes = 4 * bits, block_span = kTileRows * block_bytes;
+  std::vector<int64_t> offset(block_bytes);
+  for (int64_t x = 0; x < block_bytes; ++x) offset[x] = tiled_offset(bits, x, 0);
+  uint8_t* base = data.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> copy(kTileRows * row_bytes);
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = base + t * kTileRows * row_bytes;
+      std::memcpy(copy.data(), tile, copy.size());
+      for (int64_t b = 0; b < k / kBlock; ++b) {  // a block's bytes of all 16 rows: block_span bytes of the tile
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          const int64_t blocked = r * row_bytes + b * block_bytes, tiled = b * block_span + r * 4;
+          if (to_tiled) {
+            for (int64_t x = 0; x < block_bytes; ++x) tile[tiled + offset[x]] = copy[blocked + x];
+          } else {
+            for (int64_t x = 0; x < block_bytes; ++x) tile[blocked + x] = copy[tiled + offset[x]];
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("gguf_repack(Tensor raw, int qtype, int in_features, Tensor? perm, Tensor(a!) data, Tensor(b!) scales, "
+        "Tensor(c!)? mins) -> ()", &gguf_repack);
+  m.def("packed_retile(Tensor(a!) data, int bits, int in_features, bool to_tiled) -> ()", &packed_retile);
+}
