@@ -74,7 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         if arch == "gemma3":
             make_tiny_gemma3(path, seed=2)
         elif arch in MOE_ARCHITECTURES:
-            make_tiny_moe(path, arch, seed=2)
+            make_tiny_moe(path, arch, seed=2, num_experts=4)
         else:
             make_tiny_hf_model(path, arch, seed=2, num_hidden_layers=3)
         out[arch] = path
@@ -97,7 +97,9 @@ def _expected_linears(config) -> int:  # noqa: ANN001 - ModelConfig
     return sum(per_layer)
 
 
-UNSTRUCTURED = [(arch, method) for arch in ARCHS for method in ("magnitude", "wanda-2:4", "sparsegpt")]
+# every method on a dense and a MoE model, every architecture twice with the CLI runs below
+UNSTRUCTURED = [("qwen3", "wanda-2:4"), ("phi3", "sparsegpt"), ("gemma3", "sparsegpt-2:4"), ("mixtral", "magnitude"),
+                ("qwen2_moe", "wanda"), ("qwen3_moe", "sparsegpt-2:4")]
 
 
 @pytest.mark.parametrize("arch,name", UNSTRUCTURED, ids=[f"{a}-{m}" for a, m in UNSTRUCTURED])
@@ -123,7 +125,7 @@ def test_unstructured_prunes_every_linear_and_reloads(models: dict[str, Path], t
         assert any(".experts." in n for n in record["modules"])
         assert routers and all(torch.equal(p, loaded.model.get_parameter(n)) for n, p in routers.items())
         if method != "magnitude":
-            assert record["experts_by_magnitude"] == []  # 128 tokens reach all 8 experts of these models
+            assert record["experts_by_magnitude"] == []  # 128 tokens reach all 4 experts of these models
     reloaded = load_model(tmp_path / "out")  # no flags: fused, sparse kernels where >= 30% zeros
     assert reloaded.config.architecture == arch
     prompt = _prompt(config.vocab_size)
@@ -150,21 +152,23 @@ def test_phi3_checkpoint_is_fused_and_transformers_reads_it(models: dict[str, Pa
 @pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_experts_no_token_reaches_are_pruned_by_magnitude(models: dict[str, Path], tmp_path: Path,
                                                           method: str) -> None:
-    """Layer 0's router is set so that only experts 0-3 can win: experts 4-7 get no calibration rows."""
+    """Layer 0 routes each token to one expert and its router is set so that only experts 0 and 1 can win:
+    experts 2 and 3 get no calibration rows."""
     loaded = load_model(models["mixtral"], fuse=False)
     block = loaded.model.model.layers[0]
     assert isinstance(block.mlp, SparseMoeBlock)
     with torch.no_grad():
-        # the router's input is channel 0 alone (norm weight), and experts 4-7 score 0 against +-5 or +-10
+        # the router's input is channel 0 alone (norm weight): experts 0 / 1 score +-10 x_0, experts 2 / 3 zero
         block.post_attention_layernorm.weight.zero_()
         block.post_attention_layernorm.weight[0] = 1.0
         block.mlp.gate.weight.zero_()
-        block.mlp.gate.weight[:4, 0] = torch.tensor([10.0, -10.0, 5.0, -5.0])
+        block.mlp.gate.weight[:2, 0] = torch.tensor([10.0, -10.0])
+    block.mlp.top_k = 1
     before = {j: {p: getattr(block.mlp.experts[j], p).weight.detach().clone() for p in ("gate_proj", "down_proj")}
-              for j in range(4, 8)}
+              for j in (2, 3)}
     prune_and_save(loaded, tmp_path / "out", method, 0.5, ids=_ids(loaded.config.vocab_size), progress=False)
     record = json.loads((tmp_path / "out" / "config.json").read_text())["sparsity_config"]
-    assert record["experts_by_magnitude"] == [f"model.layers.0.mlp.experts.{j}" for j in range(4, 8)]
+    assert record["experts_by_magnitude"] == [f"model.layers.0.mlp.experts.{j}" for j in (2, 3)]
     for j, weights in before.items():
         for proj, w in weights.items():
             # wanda: |W| per output row; sparsegpt with H = I: |W| over the (single, < 128 columns) block
