@@ -133,6 +133,21 @@ def test_unstructured_prunes_every_linear_and_reloads(models: dict[str, Path], t
                                rtol=2e-4)
 
 
+def test_sparsegpt_with_bits_quantizes_the_experts(models: dict[str, Path], tmp_path: Path) -> None:
+    """Joint pruning + 8-bit quantization on a MoE model: the quantized folder (embedding and head at 8 bits too)
+    stays close to the pruned float model in memory. Measured 31 dB here (mixtral 26, dense qwen3 36: the 8-bit
+    embedding and head flip a few near-tied routing choices); a wrong expert layout lands near 0 dB."""
+    loaded = load_model(models["qwen2_moe"], fuse=False)
+    ids = _ids(loaded.config.vocab_size)
+    prune_and_save(loaded, tmp_path / "out", "sparsegpt", 0.5, bits=8, group_size=16, ids=ids, progress=False)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.layers.1.mlp.experts.3.down_proj" in saved["quantization_config"]["modules"]
+    prompt = _prompt(loaded.config.vocab_size)
+    want, got = prefill_logits(loaded, prompt), prefill_logits(load_model(tmp_path / "out"), prompt)
+    sqnr = float(10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean()))
+    assert sqnr > 15.0, f"logits SQNR {sqnr:.1f} dB"
+
+
 def test_phi3_checkpoint_is_fused_and_transformers_reads_it(models: dict[str, Path], tmp_path: Path) -> None:
     import transformers
 
