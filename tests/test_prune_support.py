@@ -148,6 +148,18 @@ def test_sparsegpt_with_bits_quantizes_the_experts(models: dict[str, Path], tmp_
     assert sqnr > 15.0, f"logits SQNR {sqnr:.1f} dB"
 
 
+def test_widths_are_checked_before_calibration(models: dict[str, Path], tmp_path: Path) -> None:
+    loaded = load_model(models["qwen2_moe"], fuse=False)
+    ids = torch.zeros(1, 4, dtype=torch.long)  # never used: the refusal comes first
+    with pytest.raises(PruneConfigError, match=r"--group-size for model.layers.0.mlp.shared_expert.down_proj: group "
+                                               r"size 32 does not divide the input dimension 48"):
+        prune_and_save(loaded, tmp_path / "out", "sparsegpt", 0.5, bits=4, group_size=32, ids=ids, progress=False)
+    with pytest.raises(PruneConfigError, match="--pattern 2:32 needs every input dimension to be a multiple of 32; "
+                                               "model.layers.0.mlp.shared_expert.down_proj has 48"):
+        prune_and_save(loaded, tmp_path / "out", "wanda", 0.5, pattern=NMPattern(2, 32), ids=ids, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_phi3_checkpoint_is_fused_and_transformers_reads_it(models: dict[str, Path], tmp_path: Path) -> None:
     import transformers
 

@@ -7,14 +7,21 @@ from typing import Any
 
 import torch
 
+from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel
 from brisk.prune import structured as st
 from brisk.prune.checkpoint import add_sparsity_config, model_tensors, save_pruned
 from brisk.prune.masks import NMPattern, PruneConfigError
 from brisk.prune.support import check_prune_supports
-from brisk.prune.unstructured import magnitude_prune, measured_sparsity, sparsegpt_prune_model, wanda_prune
+from brisk.prune.unstructured import (
+    magnitude_prune,
+    measured_sparsity,
+    prunable_linears,
+    sparsegpt_prune_model,
+    wanda_prune,
+)
 from brisk.quant.calib import CalibConfig
-from brisk.quant.config import LayerQuant, QuantizationConfig
+from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
 
 
 def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: float,
@@ -49,6 +56,7 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     packed: dict[str, dict[str, torch.Tensor]] = {}
     unreached: list[str] = []  # MoE: linears of experts no calibration row was routed to
     quant = LayerQuant(bits=bits, group_size=group_size, sym=sym) if bits is not None else None
+    check_shapes(model, pattern, quant)
     if method == "magnitude":
         names = magnitude_prune(model, sparsity, pattern, per_row=scope == "per_row")
     elif method == "wanda":
@@ -94,3 +102,18 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     save_quantized(out, config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
     add_sparsity_config(out, record)
     return summary + f", {quant.label} in the same sweep"
+
+
+def check_shapes(model: LlamaForCausalLM, pattern: NMPattern | None, quant: LayerQuant | None) -> None:
+    """Every linear to prune takes the N:M pattern and the quantization groups, checked before calibration (a MoE
+    model's experts and shared expert have widths of their own)."""
+    for name, module in prunable_linears(model).items():
+        k = module.in_features
+        if pattern is not None and k % pattern.m:
+            raise PruneConfigError(f"--pattern {pattern} needs every input dimension to be a multiple of "
+                                   f"{pattern.m}; {name} has {k}")
+        if quant is not None:
+            try:
+                quant.groups(k)
+            except QuantConfigError as e:
+                raise PruneConfigError(f"--group-size for {name}: {e}") from None
