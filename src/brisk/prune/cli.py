@@ -102,9 +102,6 @@ def _check_settings(method: str, sparsity: float, pattern: str, scope: str | Non
         raise PruneConfigError(f"--pattern applies to unstructured methods; --method {method} removes whole "
                                "heads, channels and layers (drop --pattern)")
     if method == "structured":
-        if nm is not None:
-            raise PruneConfigError("--pattern applies to unstructured methods; structured pruning removes whole "
-                                   "heads, channels and layers (drop --pattern)")
         if not (0.0 < sparsity < 1.0):
             raise PruneConfigError(f"--sparsity for structured pruning is the fraction of parameters removed, in "
                                    f"(0, 1); got {sparsity}")

@@ -16,8 +16,10 @@ Public API (stable; other methods code against it):
   checkpoint's quantization_config records under "calibration".
 - `load_calibration_ids(tokenizer, config) -> LongTensor [num_samples, seq_len]`: seeded random windows of the
   tokenized text (no special tokens, like the perplexity protocol). Raises CalibrationError for a text too short.
-- `run_layerwise(model, ids, apply, batch_size=8, progress=True, label="calibrate") -> None`: the driver above.
-  `model` must be UNFUSED (load_model(..., fuse=False)) so q/k/v and gate/up are separate linears.
+- `run_layerwise(model, ids, apply, batch_size=8, progress=True, label="calibrate", moe_experts=False) -> None`:
+  the driver above. `model` must be UNFUSED (load_model(..., fuse=False)) so q/k/v and gate/up are separate
+  linears. A MoE model is refused unless `moe_experts` (the method handles routed experts: each expert's hooks
+  see only the rows routed to it; Wanda and SparseGPT do, prune/unstructured.py).
 - `BlockContext` (what `apply` gets), for block `ctx.index` of `ctx.num_blocks`:
     ctx.block, ctx.prefix ("model.layers.3"), ctx.inputs [N, L, hidden] (the block's input hidden states),
     ctx.linears() -> {short name: nn.Linear} in forward order ("self_attn.q_proj", ..., "mlp.down_proj"),
