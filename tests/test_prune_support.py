@@ -17,6 +17,7 @@ from test_gemma import LAYER_TYPES, make_tiny_gemma3
 from test_moe import make_tiny_moe, prefill_logits
 
 from brisk.cli import main
+from brisk.eval.sparsity import sparsity_report
 from brisk.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from brisk.model.loader import load_model
 from brisk.model.moe import SparseMoeBlock
@@ -126,6 +127,9 @@ def test_unstructured_prunes_every_linear_and_reloads(models: dict[str, Path], t
         assert routers and all(torch.equal(p, loaded.model.get_parameter(n)) for n, p in routers.items())
         if method != "magnitude":
             assert record["experts_by_magnitude"] == []  # 128 tokens reach all 4 experts of these models
+    report = sparsity_report(str(tmp_path / "out"))  # brisk eval sparsity: experts counted too
+    assert sorted(m.name for m in report.modules) == sorted(record["modules"])
+    assert report.linear_sparsity == pytest.approx(record["measured_sparsity"], abs=1e-6)
     reloaded = load_model(tmp_path / "out")  # no flags: fused, sparse kernels where >= 30% zeros
     assert reloaded.config.architecture == arch
     prompt = _prompt(config.vocab_size)
