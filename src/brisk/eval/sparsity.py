@@ -19,8 +19,9 @@ import torch
 from brisk.prune.masks import nm_conforms
 
 PATTERNS = ((2, 4), (4, 8))
-_LINEAR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
-                     r"down_proj)$")
+# a decoder linear; a MoE layer's routed experts (mlp.experts.{j}.*) and shared expert (mlp.shared_expert.*) too
+_LINEAR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(?:(?:experts\.\d+|shared_expert)\.)?"
+                     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
 
 
 @dataclass
@@ -133,7 +134,7 @@ def sparsity_report(model: str | None) -> SparsityReport:
         modules.append(ModuleSparsity(key, int(match.group(1)), match.group(3), is_zero.numel(),
                                       int(is_zero.sum()), patterns))
     order = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    modules.sort(key=lambda m: (m.layer, order.index(m.short)))
+    modules.sort(key=lambda m: (m.layer, order.index(m.short), m.name))
     return SparsityReport(name, modules, total, zeros, config)
 
 
@@ -152,7 +153,11 @@ def print_sparsity_report(report: SparsityReport) -> None:
     for m in report.modules:
         by_layer.setdefault(m.layer, []).append(m)
     for layer, mods in sorted(by_layer.items()):
-        cells = {m.short: f"{m.sparsity:.1%}" for m in mods}
+        per_short: dict[str, list[int]] = {}  # short -> [zeros, params], a MoE layer's experts summed
+        for m in mods:
+            acc = per_short.setdefault(m.short, [0, 0])
+            acc[0], acc[1] = acc[0] + m.num_zeros, acc[1] + m.num_params
+        cells = {k: f"{z / max(n, 1):.1%}" for k, (z, n) in per_short.items()}
         params, zero = sum(m.num_params for m in mods), sum(m.num_zeros for m in mods)
         table.add_row(str(layer), *[cells.get(s, "-") for s in shorts], f"{zero / max(params, 1):.2%}")
     console = Console()

@@ -2,7 +2,9 @@
 
 Unstructured and N:M pruning keep every tensor's shape and store the removed weights as exact zeros, so the
 folder loads like any float checkpoint (`brisk generate --model OUT`, `LLM(model=OUT)`, transformers) and can be
-quantized further (`brisk quantize OUT OUT-int4`). Structured pruning writes a smaller model whose config.json
+quantized further (`brisk quantize OUT OUT-int4`). Tensors keep the source architecture's HF names: phi3's q/k/v
+and gate/up (split at load) are written fused again as qkv_proj / gate_up_proj, MoE experts as mlp.experts.{j}.
+Structured pruning writes a smaller model whose config.json
 (hidden sizes, head counts, number of layers) describes it. `sparsity_config` records how the folder was made:
 
     "sparsity_config": {
@@ -43,12 +45,31 @@ def model_tensors(model: LlamaForCausalLM, config: ModelConfig) -> dict[str, tor
     return state
 
 
+def hf_checkpoint_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors under the names the architecture's HF checkpoints use: phi3 fuses q/k/v into qkv_proj
+    ([q heads | k heads | v heads] rows) and gate/up into gate_up_proj ([gate | up] rows), the inverse of
+    model.fuse.split_fused_tensors; every other architecture's names are brisk's already."""
+    if config.architecture != "phi3":
+        return tensors
+    out = dict(tensors)
+    fusions = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for i in range(config.num_hidden_layers):
+        for fused, parts in fusions.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
+                if all(n in out for n in names):
+                    out[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])  # [rows, K]
+    return out
+
+
 def save_pruned(folder: str | Path, config: ModelConfig, tokenizer: Tokenizer, tensors: dict[str, torch.Tensor],
                 sparsity_config: dict[str, Any], generation_config: Mapping[str, Any] | None = None) -> Path:
     """Write model.safetensors, the tokenizer files, generation_config.json (the source model's
     `generation_config` carried on) and config.json (with `sparsity_config`) to `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    tensors = hf_checkpoint_tensors(tensors, config)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt", "pruning": "brisk"})
     tokenizer.save(folder, generation_config)

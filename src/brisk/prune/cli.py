@@ -68,8 +68,12 @@ def prune(model: str, out: Path, method: str, sparsity: float, pattern: str, sco
 
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
-    if loaded.config.architecture not in ("llama", "mistral", "qwen2"):
-        raise click.ClickException(f"cannot prune architecture {loaded.config.architecture}")
+    from brisk.prune.support import check_prune_supports
+
+    try:  # each method's architectures (and MoE experts): prune/support.py, before any calibration
+        check_prune_supports(method, loaded.config)
+    except PruneConfigError as e:
+        raise click.ClickException(str(e)) from None
     ids = None
     calib = None
     if method != "magnitude":
@@ -92,10 +96,12 @@ def _check_settings(method: str, sparsity: float, pattern: str, scope: str | Non
                     bits: str | None, drop_head_groups: int, drop_layers: int) -> dict[str, Any]:
     """Every flag combination checked before the model loads; PruneConfigError says what to change."""
     nm = parse_pattern(pattern)
+    from brisk.prune.support import prune_support
+
+    if nm is not None and not prune_support(method).nm:
+        raise PruneConfigError(f"--pattern applies to unstructured methods; --method {method} removes whole "
+                               "heads, channels and layers (drop --pattern)")
     if method == "structured":
-        if nm is not None:
-            raise PruneConfigError("--pattern applies to unstructured methods; structured pruning removes whole "
-                                   "heads, channels and layers (drop --pattern)")
         if not (0.0 < sparsity < 1.0):
             raise PruneConfigError(f"--sparsity for structured pruning is the fraction of parameters removed, in "
                                    f"(0, 1); got {sparsity}")

@@ -7,13 +7,21 @@ from typing import Any
 
 import torch
 
+from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel
 from brisk.prune import structured as st
 from brisk.prune.checkpoint import add_sparsity_config, model_tensors, save_pruned
 from brisk.prune.masks import NMPattern, PruneConfigError
-from brisk.prune.unstructured import magnitude_prune, measured_sparsity, sparsegpt_prune_model, wanda_prune
+from brisk.prune.support import check_prune_supports
+from brisk.prune.unstructured import (
+    magnitude_prune,
+    measured_sparsity,
+    prunable_linears,
+    sparsegpt_prune_model,
+    wanda_prune,
+)
 from brisk.quant.calib import CalibConfig
-from brisk.quant.config import LayerQuant, QuantizationConfig
+from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
 
 
 def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: float,
@@ -23,6 +31,7 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     """Prune `loaded.model` (changed in place; structured leaves it unchanged) and write `out`; returns a
     one-line summary. ids [num_samples, seq_len]: calibration tokens (every method but magnitude)."""
     model, config = loaded.model, loaded.config
+    check_prune_supports(method, config)
     if method != "magnitude" and ids is None:
         raise PruneConfigError(f"method {method} needs calibration ids")
     record: dict[str, Any] = {"method": method, "calibration": calib.to_dict() if calib else None}
@@ -45,16 +54,19 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     if pattern is not None:
         sparsity = pattern.sparsity
     packed: dict[str, dict[str, torch.Tensor]] = {}
+    unreached: list[str] = []  # MoE: linears of experts no calibration row was routed to
     quant = LayerQuant(bits=bits, group_size=group_size, sym=sym) if bits is not None else None
+    check_shapes(model, pattern, quant)
     if method == "magnitude":
         names = magnitude_prune(model, sparsity, pattern, per_row=scope == "per_row")
     elif method == "wanda":
         assert ids is not None
-        names = wanda_prune(model, ids, sparsity, pattern, progress=progress)
+        names = wanda_prune(model, ids, sparsity, pattern, progress=progress, unreached=unreached)
         scope = "per_row"
     elif method == "sparsegpt":
         assert ids is not None
-        names, packed = sparsegpt_prune_model(model, ids, sparsity, pattern, quant=quant, progress=progress)
+        names, packed = sparsegpt_prune_model(model, ids, sparsity, pattern, quant=quant, progress=progress,
+                                              unreached=unreached)
         scope = "per_block"
     else:
         raise PruneConfigError(f"unknown pruning method {method!r}")
@@ -62,6 +74,11 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     record.update(sparsity=sparsity, pattern=str(pattern) if pattern else "unstructured",
                   scope="n:m" if pattern else scope, modules=names, measured_sparsity=round(measured, 6))
     summary = f"{len(names)} linears at {measured:.2%} sparsity ({record['pattern']})"
+    if config.is_moe and method != "magnitude":
+        # experts no calibration row was routed to were pruned by magnitude (prune/support.py)
+        record["experts_by_magnitude"] = sorted({n.rsplit(".", 1)[0] for n in unreached})
+        if unreached:
+            summary += f", {len(record['experts_by_magnitude'])} experts unreached by calibration (by magnitude)"
     if quant is None:
         save_pruned(out, config, loaded.tokenizer, model_tensors(model, config), record,
                     loaded.generation_config)
@@ -85,3 +102,18 @@ def prune_and_save(loaded: LoadedModel, out: str | Path, method: str, sparsity: 
     save_quantized(out, config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
     add_sparsity_config(out, record)
     return summary + f", {quant.label} in the same sweep"
+
+
+def check_shapes(model: LlamaForCausalLM, pattern: NMPattern | None, quant: LayerQuant | None) -> None:
+    """Every linear to prune takes the N:M pattern and the quantization groups, checked before calibration (a MoE
+    model's experts and shared expert have widths of their own)."""
+    for name, module in prunable_linears(model).items():
+        k = module.in_features
+        if pattern is not None and k % pattern.m:
+            raise PruneConfigError(f"--pattern {pattern} needs every input dimension to be a multiple of "
+                                   f"{pattern.m}; {name} has {k}")
+        if quant is not None:
+            try:
+                quant.groups(k)
+            except QuantConfigError as e:
+                raise PruneConfigError(f"--group-size for {name}: {e}") from None

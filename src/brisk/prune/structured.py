@@ -14,6 +14,12 @@ The same number of groups and channels is removed in every kept layer, so the st
 (num_attention_heads, num_key_value_heads, intermediate_size, num_hidden_layers; head_dim kept explicit)
 still describes the result and every loader reads it. The first and last layers are never removed.
 
+Per architecture (prune/support.py): qwen3's and gemma3's q/k norms are per head over head_dim, shared by all
+heads, so they keep their shape; gemma3's four sandwich norms act on the hidden size and go only with their
+layer; gemma3's `layer_types` loses the entries of dropped layers, so every kept layer keeps its own sliding or
+global attention (and RoPE table); phi3's fused qkv / gate_up are split at load and cut like q/k/v and gate/up
+(the checkpoint fuses them again). Mixture-of-experts models are refused: their MLPs are routed experts.
+
 Importance (activation-based, one calibration pass of the dense model through the shared driver):
 
     channel j of a linear with input X and weight W:   I_j = ||X_j||^2 * ||W[:, j]||^2
@@ -69,23 +75,28 @@ class Removals:
 
 
 def count_parameters(config: ModelConfig) -> int:
-    """Parameters of a Llama-family model described by `config` (a tied head counted once)."""
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    attn = h * q * 2 + h * kv * 2 + (q + 2 * kv if config.attention_bias else 0)
-    mlp = 3 * h * config.intermediate_size
-    per_layer = attn + mlp + 2 * h
-    head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    return config.vocab_size * h + config.num_hidden_layers * per_layer + h + head
+    """Parameters of the model described by `config` (a tied head counted once; q/k norms and gemma3's extra
+    norms included)."""
+    return config.num_params
 
 
-def pruned_config(config: ModelConfig, plan: StructuredPlan) -> ModelConfig:
-    """The config that describes the model after `plan` (head_dim stays what it was)."""
+def pruned_config(config: ModelConfig, plan: StructuredPlan, removed_layers: list[int] | None = None
+                  ) -> ModelConfig:
+    """The config that describes the model after `plan` (head_dim stays what it was). `removed_layers`: which
+    layers go, so gemma3's layer_types keeps the kept layers' entries; None (counting only): the last inner ones."""
+    assert not config.is_moe, "structured pruning of mixture-of-experts layers is refused (prune/support.py)"
     r = config.num_attention_heads // config.num_key_value_heads
-    return replace(config, num_hidden_layers=config.num_hidden_layers - plan.num_layers_removed,
+    n = config.num_hidden_layers
+    if removed_layers is None:
+        removed_layers = list(range(n - 1 - plan.num_layers_removed, n - 1))
+    assert len(removed_layers) == plan.num_layers_removed, f"{removed_layers} vs {plan.num_layers_removed} layers"
+    layer_types = config.layer_types
+    if layer_types is not None:
+        layer_types = [t for i, t in enumerate(layer_types) if i not in removed_layers]
+    return replace(config, num_hidden_layers=n - plan.num_layers_removed,
                    num_key_value_heads=config.num_key_value_heads - plan.num_groups_removed,
                    num_attention_heads=config.num_attention_heads - r * plan.num_groups_removed,
-                   intermediate_size=config.intermediate_size - plan.num_channels_removed)
+                   intermediate_size=config.intermediate_size - plan.num_channels_removed, layer_types=layer_types)
 
 
 def plan_structured(config: ModelConfig, fraction: float, num_groups: int = 0, num_layers: int = 0,
@@ -165,7 +176,7 @@ def apply_removals(model: LlamaForCausalLM, config: ModelConfig, removals: Remov
                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The smaller model's config and its HF-named tensors (sliced copies; `model` is left unchanged)."""
     d, r = config.head_dim, config.num_attention_heads // config.num_key_value_heads
-    new_config = pruned_config(config, plan)
+    new_config = pruned_config(config, plan, removals.layers)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     out = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
     if config.tie_word_embeddings:

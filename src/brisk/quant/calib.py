@@ -16,8 +16,10 @@ Public API (stable; other methods code against it):
   checkpoint's quantization_config records under "calibration".
 - `load_calibration_ids(tokenizer, config) -> LongTensor [num_samples, seq_len]`: seeded random windows of the
   tokenized text (no special tokens, like the perplexity protocol). Raises CalibrationError for a text too short.
-- `run_layerwise(model, ids, apply, batch_size=8, progress=True, label="calibrate") -> None`: the driver above.
-  `model` must be UNFUSED (load_model(..., fuse=False)) so q/k/v and gate/up are separate linears.
+- `run_layerwise(model, ids, apply, batch_size=8, progress=True, label="calibrate", moe_experts=False) -> None`:
+  the driver above. `model` must be UNFUSED (load_model(..., fuse=False)) so q/k/v and gate/up are separate
+  linears. A MoE model is refused unless `moe_experts` (the method handles routed experts: each expert's hooks
+  see only the rows routed to it; Wanda and SparseGPT do, prune/unstructured.py).
 - `BlockContext` (what `apply` gets), for block `ctx.index` of `ctx.num_blocks`:
     ctx.block, ctx.prefix ("model.layers.3"), ctx.inputs [N, L, hidden] (the block's input hidden states),
     ctx.linears() -> {short name: nn.Linear} in forward order ("self_attn.q_proj", ..., "mlp.down_proj"),
@@ -326,17 +328,21 @@ def _progress(label: str, total: int, enabled: bool) -> Iterator[tuple[Callable[
 
 
 def run_layerwise(model: LlamaForCausalLM, ids: torch.Tensor, apply: Callable[[BlockContext], None],
-                  batch_size: int = 8, progress: bool = True, label: str = "calibrate") -> None:
+                  batch_size: int = 8, progress: bool = True, label: str = "calibrate", moe_experts: bool = False
+                  ) -> None:
     """Walk the decoder block by block: apply(ctx) may observe and change the block's weights; the block is then
-    re-run on its modified weights to give the next block's inputs. ids: [N, L] calibration token ids."""
+    re-run on its modified weights to give the next block's inputs. ids: [N, L] calibration token ids.
+
+    moe_experts: the method handles routed experts (a MoE model is refused otherwise). An expert's linears are
+    hooked like any other, so its observer sees exactly the rows the router sent to it (possibly none)."""
     if ids.dim() != 2:
         raise CalibrationError(f"calibration ids must be [num_samples, seq_len], got shape {tuple(ids.shape)}")
-    if model.config.is_moe:
-        raise CalibrationError(f"calibration-based methods (GPTQ, AWQ, Wanda, SparseGPT) do not handle the routed "
-                               f"experts of a mixture-of-experts model ({model.config.architecture}) yet: each expert "
-                               "would need the statistics of the tokens routed to it; use --method rtn")
-    if any(layer.self_attn.qkv_proj is not None or layer.mlp.gate_up_proj is not None
-           for layer in model.model.layers):
+    if model.config.is_moe and not moe_experts:
+        raise CalibrationError(f"calibrated quantization (GPTQ, AWQ, SmoothQuant, LLM.int8) does not handle the "
+                               f"routed experts of a mixture-of-experts model ({model.config.architecture}) yet: each "
+                               "expert would need the statistics of the tokens routed to it; use --method rtn")
+    if any(layer.self_attn.qkv_proj is not None or getattr(m, "gate_up_proj", None) is not None
+           for layer in model.model.layers for m in layer.mlp.modules()):  # the MLP, or a MoE block's experts
         raise CalibrationError("the model has fused q/k/v or gate/up projections; calibrate a model loaded with "
                                "load_model(..., fuse=False)")
     with torch.no_grad():
