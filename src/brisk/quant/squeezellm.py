@@ -17,8 +17,9 @@ Per decoder linear with weight W [N, K]:
 3. Per output row, a 2^bits-entry table by sensitivity-weighted k-means (paper eq. 4):
        minimise  sum_k F_nk (W_nk - c_{q_nk})^2     over the table c and the codes q
    Lloyd's algorithm in one dimension: codes = nearest centroid (the midpoints between sorted centroids cut the
-   line, so the assignment is one `searchsorted`), centroids = the F-weighted mean of their weights (a centroid
-   with no weight keeps its place). The outliers take no part (weight 0). Deterministic: the start is the
+   line, so a cluster is an interval of the sorted row), centroids = the F-weighted mean of their weights (a
+   centroid with no weight keeps its place); with the row sorted once and prefix-summed, an iteration costs two
+   lookups per centroid. The outliers take no part (weight 0). Deterministic: the start is the
    F-weighted quantiles (i + 1/2) / 2^bits of the row, the iteration count is fixed, and all rows of a chunk run
    at once (no loop over rows). The table is rounded to float16 (the checkpoint's precision) and the codes chosen
    once more against the rounded table.
@@ -47,7 +48,7 @@ SUPPORT = MethodSupport("squeezellm", TRAINABLE_ARCHITECTURES,
 DEFAULT_OUTLIERS = 0.0045  # the paper's 0.45%
 MAX_OUTLIERS = 0.1  # beyond 10% the sparse part outweighs the dense codes it is meant to help
 LUT_BITS = (3, 4)
-_KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds its temporaries (~8 per weight)
+_KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds its temporaries (~40 bytes each)
 
 
 @dataclass(frozen=True)
@@ -123,18 +124,45 @@ def fisher_diagonal(model: nn.Module, ids: torch.Tensor, names: list[str], chunk
 # ------------------------------------------------------------------------------------------------ k-means
 
 def _assign(w: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest-centroid codes [R, K] (int64) of w [R, K] for sorted centroids [R, C]: the midpoints cut the line."""
+    """Nearest-centroid codes [R, K] (int64) of w [R, K] for sorted centroids [R, C]: the number of midpoints
+    below each weight (a weight on a midpoint takes the lower centroid)."""
     mids = (centroids[:, 1:] + centroids[:, :-1]) * 0.5  # [R, C - 1], sorted
     return torch.searchsorted(mids.contiguous(), w.contiguous())  # [R, K] in [0, C - 1]
 
 
-def _quantile_init(w: torch.Tensor, weights: torch.Tensor, num_centroids: int) -> torch.Tensor:
-    """The weighted quantiles (i + 1/2) / C of each row of w [R, K] (weights [R, K] >= 0, some > 0): [R, C]."""
+def _kmeans_chunk(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, iters: int) -> torch.Tensor:
+    """Sorted centroids [R, C] of rows w [R, K] (weights [R, K], each row with some weight > 0).
+
+    In one dimension a cluster of the nearest-centroid assignment is an interval of the sorted row, so once each
+    row is sorted and its weights and weighted values are prefix-summed (float64: the sums are differenced), an
+    iteration costs O(C log K) a row, not O(K): the cluster boundaries are the midpoints' places in the sorted row
+    (`searchsorted`), and a cluster's sums are two prefix-sum lookups.
+
+        sorted row:   | cluster 0 : ws <= m_0 | cluster 1 : m_0 < ws <= m_1 | ... | cluster C-1 : ws > m_{C-2} |
+        edges:        0                       b_0                           b_1 ...                          K
+    """
+    r, k = w.shape
     ws, order = torch.sort(w, dim=1)  # [R, K]
-    cum = torch.cumsum(torch.gather(weights, 1, order), dim=1)  # [R, K]
-    targets = (torch.arange(num_centroids, dtype=w.dtype) + 0.5) / num_centroids * cum[:, -1:]  # [R, C]
-    idx = torch.searchsorted(cum.contiguous(), targets.contiguous()).clamp_(max=w.shape[1] - 1)  # [R, C]
-    return torch.gather(ws, 1, idx)
+    fs = torch.gather(weights, 1, order).double()  # [R, K]
+    zero = torch.zeros(r, 1, dtype=torch.float64)
+    cum_f = torch.cat([zero, torch.cumsum(fs, dim=1)], dim=1)  # [R, K + 1]: cum_f[:, i] = sum of the first i
+    cum_fw = torch.cat([zero, torch.cumsum(fs * ws.double(), dim=1)], dim=1)  # [R, K + 1]
+    # start: the weighted quantiles (i + 1/2) / C, i.e. the first sorted weight whose cumulative weight reaches them
+    targets = (torch.arange(num_centroids, dtype=torch.float64) + 0.5) / num_centroids * cum_f[:, -1:]  # [R, C]
+    idx = torch.searchsorted(cum_f[:, 1:].contiguous(), targets.contiguous()).clamp_(max=k - 1)  # [R, C]
+    c = torch.gather(ws, 1, idx)  # [R, C], ascending
+    first = torch.zeros(r, 1, dtype=torch.int64)
+    last = torch.full((r, 1), k, dtype=torch.int64)
+    for _ in range(iters):
+        mids = (c[:, 1:] + c[:, :-1]) * 0.5  # [R, C - 1]
+        b = torch.searchsorted(ws, mids.contiguous(), right=True)  # [R, C - 1]: weights <= each midpoint
+        edges = torch.cat([first, b, last], dim=1)  # [R, C + 1]
+        lo, hi = edges[:, :-1], edges[:, 1:]  # [R, C]: cluster j is sorted positions lo_j .. hi_j - 1
+        den = cum_f.gather(1, hi) - cum_f.gather(1, lo)  # [R, C]: sum of F
+        num = cum_fw.gather(1, hi) - cum_fw.gather(1, lo)  # [R, C]: sum of F * w
+        c = torch.where(den > 0, (num / den.clamp_min(1e-300)).float(), c)  # a centroid with no weight stays
+        c = torch.sort(c, dim=1).values  # means of ordered intervals stay ordered; kept centroids may not
+    return c
 
 
 def weighted_kmeans(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, iters: int = 30
@@ -149,20 +177,9 @@ def weighted_kmeans(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, 
     weights = torch.where(dead, torch.ones_like(weights), weights)
     r, k = w.shape
     step = max(1, _KMEANS_CHUNK_WEIGHTS // max(k, 1))
-    cents, codes = [], []
-    for r0 in range(0, r, step):
-        wc, fc = w[r0:r0 + step], weights[r0:r0 + step]  # [R', K]
-        c = _quantile_init(wc, fc, num_centroids)  # [R', C]
-        fw = fc * wc
-        for _ in range(iters):
-            q = _assign(wc, c)  # [R', K]
-            num = torch.zeros_like(c).scatter_add_(1, q, fw)  # [R', C]: sum of F * w per centroid
-            den = torch.zeros_like(c).scatter_add_(1, q, fc)  # [R', C]: sum of F
-            c = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), c)
-            c = torch.sort(c, dim=1).values  # means of ordered intervals stay ordered; kept centroids may not
-        cents.append(c)
-        codes.append(_assign(wc, c))
-    return torch.cat(cents), torch.cat(codes)
+    cents = torch.cat([_kmeans_chunk(w[r0:r0 + step], weights[r0:r0 + step], num_centroids, iters)
+                       for r0 in range(0, r, step)])
+    return cents, _assign(w, cents)
 
 
 # ------------------------------------------------------------------------------------------------ one layer
