@@ -349,7 +349,7 @@ def size_table(report: SizeReport) -> Table:
     if report.file_bytes is not None:
         title += f", {format_bytes(report.file_bytes)} on disk"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="B/param: bytes per parameter; overhead: scales, zero points, block minimums")
+                  caption="B/param: bytes per parameter; overhead: scales, zero points, block minimums, tables")
     headers = ("kind", "params", "payload", "overhead", "total", "payload\nB/param", "overhead\nB/param",
                "total\nB/param", "storage")
     for header in headers:
