@@ -18,7 +18,7 @@ from brisk.model.config import SUPPORTED_ARCHITECTURES
 from brisk.model.loader import load_model
 from brisk.quant.support import check_method_supports, method_support
 
-METHODS = ("rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8")
+METHODS = ("rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8", "squeezellm")
 MOE = {"mixtral": {}, "qwen2_moe": {"shared_expert_intermediate_size": 32}, "qwen3_moe": {}}
 # what each method is expected to take (written out here, not derived from the declarations)
 ACCEPTS = {
@@ -28,6 +28,7 @@ ACCEPTS = {
     "awq": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
     "smoothquant": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
     "qat": {"llama", "mistral", "qwen2"},
+    "squeezellm": {"llama", "mistral", "qwen2"},
 }
 
 
@@ -94,6 +95,8 @@ RUNS = [
     ("phi3", "smoothquant", CALIB, 15.0),
     ("qwen3", "llm-int8", CALIB, 15.0),
     ("gemma3", "llm-int8", CALIB, 15.0),
+    # 4-bit tables per row: like RTN 4-bit on phi3 above, these random models keep only ~10 dB at 4 bits
+    ("mistral", "squeezellm", ["--bits", "4", *CALIB], 5.0),
 ]
 
 
@@ -114,7 +117,8 @@ def test_quantize_cli_reloads_with_close_logits(tmp_path: Path, arch: str, metho
 
 
 REFUSED = [("mixtral", "gptq", "routed experts"), ("qwen3_moe", "awq", "routed experts"),
-           ("gemma3", "awq", "(1 + w)"), ("qwen3", "qat", "training forward")]
+           ("gemma3", "awq", "(1 + w)"), ("qwen3", "qat", "training forward"),
+           ("phi3", "squeezellm", "training forward")]
 
 
 @pytest.mark.parametrize("arch,method,reason", REFUSED, ids=[f"{r[0]}-{r[1]}" for r in REFUSED])

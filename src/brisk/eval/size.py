@@ -10,8 +10,10 @@ Bytes are split in two:
   codes: a brisk module's packed `qweight` (`packed_data` once loaded), or the q-bits of a GGML block
   (Q8_0 = 32 of its 34 bytes per 32 values, Q4_1 = 16 of 20).
 - overhead: what the codes need to be decoded: a brisk module's `scales` and `qzeros` (once loaded: float32
-  scales and mins), a GGML block's scales and minimums. Other GGML block formats (IQ*, TQ*, ...) are counted
-  as payload only.
+  scales and mins), a SqueezeLLM module's per-row tables (`lut`), a GGML block's scales and minimums.
+  Other GGML block formats (IQ*, TQ*, ...) are counted as payload only.
+- a SqueezeLLM module's outliers (its sparse float part: `outlier_values`, `outlier_cols`, `outlier_row_ptr`)
+  are weights kept aside, so they count as payload, their column indices and row pointers included.
 
 Parameters are logical weights: a brisk quantized module with `qweight` [N, K * bits / 8] counts N * K.
 The count comes from `in_features` / `out_features` (the loaded module's, or its config entry's when it
@@ -47,7 +49,9 @@ KINDS = ("embedding", "attention", "mlp", "lm_head", "norms", "other")
 # a quantized module's tensors: the checkpoint's (and QuantEmbedding's) qweight / scales / qzeros, and a
 # loaded QuantLinear's runtime buffers (ops/qlinear.py PackedWeight: data, scales, zeros, codebook)
 _PAYLOAD_SUFFIXES = ("qweight", "packed_data")
-_OVERHEAD_SUFFIXES = ("scales", "qzeros", "packed_scales", "packed_zeros", "packed_codebook")
+_OVERHEAD_SUFFIXES = ("scales", "qzeros", "packed_scales", "packed_zeros", "packed_codebook", "lut", "packed_lut")
+# SqueezeLLM's outliers (quant/checkpoint.py, ops/layers.py LutLinear): a CSR matrix counted with the codes
+_SPARSE_SUFFIXES = ("outlier_values", "outlier_cols", "outlier_row_ptr")
 
 # checked in order: "attn_norm" is a norm, "output_norm" is not the lm_head
 _KIND_PATTERNS = [
@@ -282,7 +286,8 @@ def _group(stored: dict[str, _Stored], qcfg: dict[str, Any],
         module, _, suffix = name.rpartition(".")
         if suffix in _PAYLOAD_SUFFIXES:
             out.append(_quantized_module(module, suffix, stored, qcfg, (modules or {}).get(module)))
-        elif not (suffix in _OVERHEAD_SUFFIXES and any(f"{module}.{p}" in stored for p in _PAYLOAD_SUFFIXES)):
+        elif not (suffix in _OVERHEAD_SUFFIXES + _SPARSE_SUFFIXES
+                  and any(f"{module}.{p}" in stored for p in _PAYLOAD_SUFFIXES)):
             out.append(TensorSize(name, tensor_kind(name), s.dtype, math.prod(s.shape), s.nbytes))
     return out
 
@@ -292,6 +297,7 @@ def _quantized_module(module: str, payload_suffix: str, stored: dict[str, _Store
     """One quantized module: codes as payload, scales / zeros / mins / codebook as overhead, N * K params."""
     payload = stored[f"{module}.{payload_suffix}"]  # codes: [N, K * bits / 8] uint8 (or a blocked layout)
     overhead = sum(stored[f"{module}.{s}"].nbytes for s in _OVERHEAD_SUFFIXES if f"{module}.{s}" in stored)
+    sparse = sum(stored[f"{module}.{s}"].nbytes for s in _SPARSE_SUFFIXES if f"{module}.{s}" in stored)
     defaults = {k: v for k, v in qcfg.items() if k != "modules"}
     entry = {**defaults, **(qcfg.get("modules") or {}).get(module, {})}
     spec = getattr(mod, "spec", None)  # a loaded QuantLinear / QuantEmbedding's LayerQuant
@@ -311,8 +317,8 @@ def _quantized_module(module: str, payload_suffix: str, stored: dict[str, _Store
         raise SizeError(f"{module} is quantized (it has a {payload_suffix}) but neither its bits nor its "
                         "in/out features are recorded; its config.json needs a quantization_config with "
                         "'bits' (or per-module 'in_features' / 'out_features')")
-    label = _quant_label(module, entry, spec, params, payload, stored)
-    return TensorSize(module, tensor_kind(module + ".weight"), label, params, payload.nbytes, overhead)
+    label = _quant_label(module, entry, spec, params, payload, stored) + (" + outliers" if sparse else "")
+    return TensorSize(module, tensor_kind(module + ".weight"), label, params, payload.nbytes + sparse, overhead)
 
 
 def _quant_label(module: str, entry: dict[str, Any], spec: Any, params: int, payload: _Stored,
@@ -343,7 +349,7 @@ def size_table(report: SizeReport) -> Table:
     if report.file_bytes is not None:
         title += f", {format_bytes(report.file_bytes)} on disk"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="B/param: bytes per parameter; overhead: scales, zero points, block minimums")
+                  caption="B/param: bytes per parameter; overhead: scales, zero points, block minimums, tables")
     headers = ("kind", "params", "payload", "overhead", "total", "payload\nB/param", "overhead\nB/param",
                "total\nB/param", "storage")
     for header in headers:

@@ -23,9 +23,10 @@ one descriptor, so the three cannot drift apart: the same kernel with the same t
     6 QUANT_TILED         data, scales, zeros, codebook, bias            quant_linear_t
     7 W8A8                data, w_scale, shift_terms, input_scale, bias  (none: w8a8_linear at every row count)
     8 W8A8_OUTLIER        data, w_scale, shift_terms, -, bias            (none: LLM.int8(), ops/w8a8.py)
+    9 LUT                 codes, lut, row_ptr, cols, values, bias        lut_linear        (SqueezeLLM, ops/lut.py)
 
-Kinds 7 and 8 (ops/w8a8.py Int8Linear) have no small-row kernel the C++ layer loop calls: their descriptors give no
-loop dtypes, so the decode plan refuses them and the executor runs the model's modules.
+Kinds 7 to 9 (ops/w8a8.py Int8Linear, LutLinear here) have no small-row kernel the C++ layer loop calls: their
+descriptors give no loop dtypes, so the decode plan refuses them and the executor runs the model's modules.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from brisk.ops import kernels, qlinear, qlinear_q8, sparse, sparse_q8
+from brisk.ops import kernels, lut, qlinear, qlinear_q8, sparse, sparse_q8
 from brisk.ops.linear import MAX_SMALL_M as FLOAT_MAX_ROWS
 from brisk.ops.linear import linear
+from brisk.ops.lut import LutWeight, lut_linear
 from brisk.ops.qlinear import PackedWeight, quant_linear
 from brisk.ops.sparse import SparseWeight, sparse_linear
 
@@ -65,6 +67,7 @@ class LinearKind(IntEnum):
     QUANT_TILED = 6
     W8A8 = 7
     W8A8_OUTLIER = 8
+    LUT = 9
 
 
 ANY_ROWS = sys.maxsize
@@ -87,6 +90,8 @@ MAX_ROWS: dict[LinearKind, int] = {
     # the integer GEMM takes every row count (ops/w8a8.py)
     LinearKind.W8A8: ANY_ROWS,
     LinearKind.W8A8_OUTLIER: ANY_ROWS,
+    # 16: as QUANT, a table decode inside the GEMV against dequantize + GEMM (not measured apart)
+    LinearKind.LUT: lut.MAX_SMALL_M,
 }
 
 
@@ -204,6 +209,41 @@ class QuantLinear(_CachedKernel, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}"
+
+
+class LutLinear(_CachedKernel, nn.Module):
+    """y = x @ W^T + b for SqueezeLLM's dense-and-sparse weight (ops/lut.py LutWeight: per-row tables, 4-bit codes,
+    float outliers). The tensors are buffers, so state_dict() and `brisk eval size` see what is held."""
+
+    def __init__(self, weight: LutWeight, bias: Tensor | None, spec: LayerQuant) -> None:
+        super().__init__()
+        self.lut_weight = weight
+        self.spec = spec
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("packed_data", weight.codes)  # [N, K / 2] uint8
+        self.register_buffer("packed_lut", weight.lut)  # [N, 2^bits] float32
+        for name in ("row_ptr", "cols", "values"):
+            self.register_buffer(f"outlier_{name}", getattr(weight, name))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def _kernel_key(self) -> tuple[Any, ...]:
+        return id(self.lut_weight), id(self.bias)
+
+    def _build_kernel(self, ops: Any) -> LinearKernel:
+        lw, b = self.lut_weight, self.bias
+        op = getattr(ops, "lut_linear", None) if lw.in_features % 8 == 0 else None
+        small = None if op is None else (lambda x2: op(x2, lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, b))
+        # the decode plan and the C++ layer loop do not take this kind (loop_dtypes empty): the executor runs the
+        # model's modules, whose forward takes `small` for decode rows
+        return LinearKernel(LinearKind.LUT, _slots(lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, b), lw.bits, -1,
+                            MAX_ROWS[LinearKind.LUT], lw.out_features, small, lambda x: lut_linear(x, lw, b), ())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernel()(x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}, "
+                f"{self.lut_weight.nnz} outliers")
 
 
 class SparseLinear(_CachedKernel, nn.Module):

@@ -11,6 +11,14 @@ and whose `model.safetensors` holds, for every quantized module X (HF names, bef
                                            quant/community.py): the codes' column j is input feature order[j]
     X.input_scale float32 [1]              static per-tensor activation scale (SmoothQuant W8A8, quant/w8a8.py)
 
+A module of scheme "lut" (SqueezeLLM, quant/squeezellm.py) has no scales or zero points; instead
+
+    X.qweight  uint8    [N, K * bits / 8]  codes (3 or 4 bits), packed as above
+    X.lut      float16  [N, 2^bits]        the row's table: w = lut[n, q]
+    X.outlier_row_ptr int32 [N + 1]        the outliers, a CSR matrix added to the table values (absent when
+    X.outlier_cols    int32 [nnz]          none were kept): row n's are outlier_cols / outlier_values
+    X.outlier_values  float16 [nnz]        [row_ptr[n] : row_ptr[n + 1]]
+
 and every other tensor as in a float checkpoint. The tokenizer, chat template and generation config travel in
 the same folder, so `brisk generate --model OUT` and `LLM(model=OUT)` need no other flags.
 """
@@ -29,7 +37,8 @@ from torch import nn
 from brisk.model.config import ModelConfig
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.tokenizer import Tokenizer
-from brisk.ops.layers import QuantLinear
+from brisk.ops.layers import LutLinear, QuantLinear
+from brisk.ops.lut import LutWeight, concat_rows, csr_from_dense, pack_nibbles
 from brisk.ops.qlinear import PackedWeight, prepack, prepack_nf4
 from brisk.quant import primitives
 from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
@@ -46,6 +55,23 @@ def encode_layer(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     if spec.scheme == "int" and not spec.sym:
         assert zero is not None
         out["qzeros"] = zero.round().to(torch.uint8).contiguous()
+    return out
+
+
+LUT_SUFFIXES = ("lut", "outlier_row_ptr", "outlier_cols", "outlier_values")
+_OUTLIER_SUFFIXES = LUT_SUFFIXES[1:]
+
+
+def encode_lut_layer(q: torch.Tensor, lut: torch.Tensor, sparse: torch.Tensor | None, spec: LayerQuant
+                     ) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one scheme-"lut" layer: codes q [N, K] (uint8), its table lut [N, 2^bits] and the
+    outliers as a dense [N, K] matrix, zero off them (None or all zero: no outliers)."""
+    assert spec.scheme == "lut", f"encode_lut_layer writes scheme lut, not {spec.scheme}"
+    out = {"qweight": primitives.pack(q.to(torch.uint8), spec.bits).contiguous(),
+           "lut": lut.to(torch.float16).contiguous()}
+    if sparse is not None and bool((sparse != 0).any()):
+        row_ptr, cols, values = csr_from_dense(sparse)
+        out.update(outlier_row_ptr=row_ptr, outlier_cols=cols, outlier_values=values.half())
     return out
 
 
@@ -88,6 +114,8 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
                        ) -> dict[str, torch.Tensor]:
     """Pop and check one quantized module's tensors; the error names the tensor and what was expected."""
     n, k = module_shape(config, name)
+    if spec.scheme == "lut":
+        return _take_lut_tensors(tensors, name, spec, n, k)
     groups = spec.groups(k)
     if spec.scheme == "int" and k * spec.bits % 8:
         raise QuantConfigError(f"{name}: {k} {spec.bits}-bit codes do not fill whole bytes")
@@ -129,6 +157,62 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     return out
 
 
+def _take_lut_tensors(tensors: dict[str, torch.Tensor], name: str, spec: LayerQuant, n: int, k: int
+                      ) -> dict[str, torch.Tensor]:
+    """Pop and check one scheme-"lut" module's tensors (qweight, lut, the optional outlier CSR, bias)."""
+    if k % 8:
+        raise QuantConfigError(f"{name}: {spec.label} needs in_features divisible by 8, got {k}")
+    expected = {"qweight": ((n, k * spec.bits // 8), torch.uint8), "lut": ((n, 1 << spec.bits), None)}
+    out = {}
+    for suffix, (shape, dtype) in expected.items():
+        key = f"{name}.{suffix}"
+        if key not in tensors:
+            raise QuantConfigError(f"checkpoint lacks {key}, which quantization_config ({spec.label}) implies; "
+                                   "the checkpoint and its config.json do not belong together")
+        t = tensors.pop(key)
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or (dtype is None and
+                                                                                 not t.is_floating_point()):
+            raise QuantConfigError(f"{key} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, but "
+                                   f"quantization_config says {name} is {spec.label} with in_features {k}, which "
+                                   f"needs {str(dtype or 'float').removeprefix('torch.')} {list(shape)}")
+        out[suffix] = t
+    found = {s: tensors.pop(f"{name}.{s}") for s in _OUTLIER_SUFFIXES if f"{name}.{s}" in tensors}
+    if found and len(found) != len(_OUTLIER_SUFFIXES):
+        missing = [f"{name}.{s}" for s in _OUTLIER_SUFFIXES if s not in found]
+        raise QuantConfigError(f"{name}: the outliers' CSR matrix lacks {', '.join(missing)}")
+    if found:
+        row_ptr, cols, values = found["outlier_row_ptr"], found["outlier_cols"], found["outlier_values"]
+        nnz = values.numel()
+        ok = (row_ptr.dtype == torch.int32 and tuple(row_ptr.shape) == (n + 1,) and cols.dtype == torch.int32
+              and tuple(cols.shape) == (nnz,) and values.is_floating_point() and values.dim() == 1)
+        ok = ok and int(row_ptr[0]) == 0 and int(row_ptr[-1]) == nnz and bool((row_ptr[1:] >= row_ptr[:-1]).all())
+        ok = ok and (nnz == 0 or (int(cols.min()) >= 0 and int(cols.max()) < k))
+        if not ok:
+            raise QuantConfigError(f"{name}: outlier_row_ptr / outlier_cols / outlier_values are not a CSR matrix "
+                                   f"of {n} rows and {k} columns (int32 [{n + 1}] from 0 to nnz, int32 [nnz] "
+                                   "columns below in_features, float [nnz])")
+        out.update(found)
+    bias = tensors.pop(f"{name}.bias", None)
+    if bias is not None:
+        out["bias"] = bias
+    return out
+
+
+def lut_weight(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int) -> LutWeight:
+    """The runtime LutWeight of one or more scheme-"lut" layers' checkpoint tensors, rows concatenated."""
+    weights = []
+    for p in parts:
+        codes = p["qweight"] if spec.bits == 4 else pack_nibbles(primitives.unpack(p["qweight"], spec.bits,
+                                                                                   in_features))
+        sparse = {}
+        if "outlier_values" in p:
+            sparse = {"row_ptr": p["outlier_row_ptr"].contiguous(), "cols": p["outlier_cols"].contiguous(),
+                      "values": p["outlier_values"].float().contiguous()}
+        weights.append(LutWeight(bits=spec.bits, out_features=p["qweight"].shape[0], in_features=in_features,
+                                 codes=codes.contiguous(), lut=p["lut"].float().contiguous(), **sparse))
+    return concat_rows(weights)
+
+
 def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int) -> PackedWeight:
     """One PackedWeight from one or more layers' checkpoint tensors, rows concatenated (load-time fusion)."""
     qweight = torch.cat([p["qweight"] for p in parts])  # [sum(N), K * bits / 8]
@@ -148,6 +232,8 @@ def _quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_fea
         assert qconfig is not None
         return build_int8_linear(parts, qconfig, in_features, name)
     bias = torch.cat([p["bias"] for p in parts]).to(dtype) if "bias" in parts[0] else None
+    if spec.scheme == "lut":
+        return LutLinear(lut_weight(parts, spec, in_features), bias, spec)
     linear = QuantLinear(_packed(parts, spec, in_features), bias, spec)
     if "input_order" not in parts[0]:
         return linear

@@ -22,14 +22,17 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.command("quantize")
 @click.argument("model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8"]), default="rtn",
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8", "squeezellm"]),
+              default="rtn",
               show_default=True,
               help="How the codes are chosen. rtn: round to nearest, no data; gptq: error-compensating rounding "
                    "(Frantar et al. 2023); awq: activation-aware scaling + clipping (Lin et al. 2024); qat: "
                    "quantization-aware training (learned step sizes, distilled from the float model); "
                    "smoothquant: W8A8, int8 weights and activations after smoothing (Xiao et al. 2023); llm-int8: "
-                   "vector-wise int8 with outlier columns in float (Dettmers et al. 2022). gptq, awq, smoothquant "
-                   "and llm-int8 calibrate on --calib-text; qat trains on it.")
+                   "vector-wise int8 with outlier columns in float (Dettmers et al. 2022); squeezellm: a table of "
+                   "2^bits levels per output row by sensitivity-weighted k-means, the largest weights kept in "
+                   "float (Kim et al. 2023). gptq, awq, smoothquant, llm-int8 and squeezellm calibrate on "
+                   "--calib-text; qat trains on it.")
 @click.option("--bits", type=click.Choice(["8", "4", "3", "2"]), default="4", show_default=True,
               help="Bits per weight of the decoder's linear layers.")
 @click.option("--group-size", type=int, default=64, show_default=True,
@@ -73,12 +76,16 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
                    "layer input, calibrated (static).")
 @click.option("--threshold", type=float, default=6.0, show_default=True,
               help="llm-int8: input columns with |x| above this in any token of a forward run in float.")
+@click.option("--outliers", default=None, metavar="FRACTION",
+              help="squeezellm: share of each matrix's weights, the largest in magnitude, kept in float in a sparse "
+                   "matrix, as a percentage (0.45%) or a fraction (0.0045); 0 = dense only. [default: 0.45%]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
-             alpha: float | None, activations: str, threshold: float, temperature: float, force: bool) -> None:
+             alpha: float | None, activations: str, threshold: float, outliers: str | None, temperature: float,
+             force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -101,7 +108,20 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     if method != "rtn" and calib_text is None:
         raise click.ClickException(f"--method {method} needs calibration data: pass --calib-text FILE (a UTF-8 "
                                    "text, never the one you evaluate on)")
-    default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
+    if outliers is not None and method != "squeezellm":
+        raise click.ClickException("--outliers is SqueezeLLM's dense-and-sparse split; use it with --method "
+                                   "squeezellm")
+    outlier_fraction = 0.0
+    if method == "squeezellm":
+        from brisk.quant.squeezellm import DEFAULT_OUTLIERS, parse_outliers
+
+        try:
+            outlier_fraction = DEFAULT_OUTLIERS if outliers is None else parse_outliers(outliers)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        default = _squeezellm_default(bits, scheme)
+    else:
+        default = LayerQuant(bits=int(bits), group_size=group_size, sym=sym or scheme == "nf4", scheme=scheme)
     if method in ("smoothquant", "llm-int8"):
         source = click.get_current_context().get_parameter_source
         given = [f"--{n.replace('_', '-')}" for n in ("bits", "group_size", "sym", "scheme")
@@ -128,6 +148,9 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         raise click.ClickException("no module left to quantize: the --skip patterns match every layer")
     if method == "rtn":
         tensors, qconfig = rtn_quantize(loaded, plan, default)
+    elif method == "squeezellm":
+        tensors, qconfig = _squeezellm(loaded, plan, default, str(calib_text), outlier_fraction, num_samples,
+                                       seq_len, seed)
     elif method == "qat":
         tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr,
                                 1.0 if alpha is None else alpha, temperature,
@@ -154,6 +177,39 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                   f"embedding/head {'float' if head_bits == 'none' else HEAD_DEFAULT.label}), "
                   f"{size / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s")
     console.print(f"run it:  brisk generate --model {out} 'Hello'     size:  brisk eval size --model {out}")
+
+
+def _squeezellm_default(bits: str, scheme: str) -> LayerQuant:
+    """SqueezeLLM's layer setting: a table per output row, so no group size, zero point or scheme to choose."""
+    from brisk.quant.squeezellm import LUT_BITS
+
+    if int(bits) not in LUT_BITS:
+        raise click.ClickException(f"--method squeezellm stores a table of 2^bits values per output row: use --bits "
+                                   f"{' or '.join(map(str, LUT_BITS))} (got --bits {bits})")
+    source = click.get_current_context().get_parameter_source
+    given = [f"--{n.replace('_', '-')}" for n in ("group_size", "sym") if source(n) is not
+             click.core.ParameterSource.DEFAULT]
+    if given:
+        raise click.ClickException(f"--method squeezellm keeps one table per output row (no groups, no zero "
+                                   f"points); drop {', '.join(given)}")
+    assert scheme == "int", "checked before: calibrated methods take --scheme int"
+    return LayerQuant(bits=int(bits), group_size=-1, sym=True, scheme="lut")
+
+
+def _squeezellm(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, text: str,
+                outliers: float, num_samples: int, seq_len: int, seed: int
+                ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+    """SqueezeLLM: Fisher sensitivities on the calibration text, then each planned linear's tables and outliers."""
+    from brisk.quant.calib import CalibConfig, CalibrationError
+    from brisk.quant.squeezellm import SqueezeLLMConfig, squeezellm_quantize
+    from brisk.train.forward import UntrainableModelError
+
+    try:
+        config = SqueezeLLMConfig(outliers=outliers)
+        calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed)
+        return squeezellm_quantize(loaded, plan, default, calib, config)
+    except (CalibrationError, UntrainableModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, out: Path, text: str, init: str,

@@ -29,10 +29,11 @@ from typing import Any
 QUANT_METHOD = "brisk"
 FORMAT_VERSION = 1
 SUPPORTED_BITS = (2, 3, 4, 8)
-SCHEMES = ("int", "nf4")
-METHODS = ("rtn", "gptq", "awq", "sparsegpt", "qat", "smoothquant", "llm-int8")  # sparsegpt: joint prune +
-# quantize (brisk prune); qat: quantization-aware training (brisk quantize --method qat); smoothquant, llm-int8:
-# int8 weights with int8 activations (quant/w8a8.py)
+SCHEMES = ("int", "nf4", "lut")  # lut: a table per output row (SqueezeLLM, quant/squeezellm.py)
+METHODS = ("rtn", "gptq", "awq", "sparsegpt", "qat", "smoothquant", "llm-int8", "squeezellm")
+# sparsegpt: joint prune + quantize (brisk prune); qat: quantization-aware training (brisk quantize --method qat);
+# smoothquant, llm-int8: int8 weights with int8 activations (quant/w8a8.py); squeezellm: per-row tables + float
+# outliers (scheme lut, quant/squeezellm.py)
 
 
 class QuantConfigError(ValueError):
@@ -46,7 +47,9 @@ class LayerQuant:
     bits: int
     group_size: int = -1
     sym: bool = False
-    scheme: str = "int"  # "int": uniform affine; "nf4": NormalFloat-4 codebook with a per-group absmax
+    # "int": uniform affine; "nf4": NormalFloat-4 codebook with a per-group absmax; "lut": a 2^bits-entry table
+    # per output row (non-uniform levels, SqueezeLLM), 3 or 4 bits, per channel, with optional float outliers
+    scheme: str = "int"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -60,6 +63,9 @@ class LayerQuant:
                 f"group_size must be a positive integer or -1 (per channel), got {self.group_size!r}")
         if self.scheme == "nf4" and self.group_size == -1:
             raise QuantConfigError("scheme nf4 needs a group size (QLoRA uses 64)")
+        if self.scheme == "lut" and (self.bits not in (3, 4) or self.group_size != -1):
+            raise QuantConfigError(f"scheme lut is a table of 8 or 16 values per output row: bits 3 or 4 and "
+                                   f"group_size -1, got bits={self.bits}, group_size={self.group_size}")
 
     def groups(self, in_features: int) -> int:
         """Groups per output row; checks that the group size divides the row."""
@@ -74,10 +80,12 @@ class LayerQuant:
 
     @property
     def label(self) -> str:
-        """Short human form: int4-g64-asym, int8-ch-sym, nf4-g64."""
+        """Short human form: int4-g64-asym, int8-ch-sym, nf4-g64, lut3-ch."""
         g = "ch" if self.group_size == -1 else f"g{self.group_size}"
         if self.scheme == "nf4":
             return f"nf4-{g}"
+        if self.scheme == "lut":
+            return f"lut{self.bits}-ch"
         return f"int{self.bits}-{g}-{'sym' if self.sym else 'asym'}"
 
 

@@ -10,6 +10,7 @@ refused before any work starts, with the reason and the methods that do handle t
     awq          dense architectures with Llama-style RMSNorm: its scales are folded into the norm weights
     smoothquant  the same folds as awq
     qat          the architectures the training forward runs (train/forward.py)
+    squeezellm   the same: its sensitivities are gradients of the LM loss through that forward
 
 The calibrated methods refuse MoE experts: each expert would need the statistics of the tokens routed to it.
 """
@@ -28,7 +29,7 @@ DENSE_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in MOE_A
 # --method name -> the module that declares its SUPPORT
 _METHOD_MODULES = {"rtn": "brisk.quant.rtn", "gptq": "brisk.quant.gptq", "awq": "brisk.quant.awq",
                    "qat": "brisk.quant.qat", "smoothquant": "brisk.quant.smoothquant",
-                   "llm-int8": "brisk.quant.llm_int8"}
+                   "llm-int8": "brisk.quant.llm_int8", "squeezellm": "brisk.quant.squeezellm"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,247 @@
+"""SqueezeLLM (Kim et al., "SqueezeLLM: Dense-and-Sparse Quantization", 2023): non-uniform codes from
+sensitivity-weighted k-means, with the largest weights kept aside in a sparse float matrix.
+
+Per decoder linear with weight W [N, K]:
+
+1. Sensitivity (paper §3.1). The loss change of a small weight perturbation is, to second order, weighted by the
+   Hessian of the loss; SqueezeLLM approximates its diagonal by the Fisher information, the squared gradients of
+   the LM loss on calibration text:
+       F_nk = (1 / S) sum_s (dL_s / dW_nk)^2        one sequence s at a time (the empirical Fisher)
+   computed with autograd through brisk's training forward (train/forward.py) with activation checkpointing, one
+   `chunk_size` of sequences per backward, so memory stays that of one chunk. Only the planned linears' weights
+   take gradients. Unlike GPTQ's layer-wise walk this is one pass over the float model: the paper does the same.
+2. Dense-and-sparse decomposition (paper §3.2): W = D + S, S holding the `outliers` fraction of W's weights
+   largest in magnitude (0.45% by default, the paper's main setting). D is quantized below; S is stored as a CSR
+   matrix of float16 values, and we keep in S the *residual* w - D_hat at those positions, so an outlier is
+   reconstructed to float16 precision whatever code the dense part gives it.
+3. Per output row, a 2^bits-entry table by sensitivity-weighted k-means (paper eq. 4):
+       minimise  sum_k F_nk (W_nk - c_{q_nk})^2     over the table c and the codes q
+   Lloyd's algorithm in one dimension: codes = nearest centroid (the midpoints between sorted centroids cut the
+   line, so a cluster is an interval of the sorted row), centroids = the F-weighted mean of their weights (a
+   centroid with no weight keeps its place); with the row sorted once and prefix-summed, an iteration costs two
+   lookups per centroid. The outliers take no part (weight 0). Deterministic: the start is the
+   F-weighted quantiles (i + 1/2) / 2^bits of the row, the iteration count is fixed, and all rows of a chunk run
+   at once (no loop over rows). The table is rounded to float16 (the checkpoint's precision) and the codes chosen
+   once more against the rounded table.
+
+The embedding and the head take RTN's 8-bit codes, as with the other methods (quant/rtn.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from brisk.model.loader import LoadedModel
+from brisk.quant.calib import CalibConfig, load_calibration_ids
+from brisk.quant.checkpoint import encode_lut_layer
+from brisk.quant.config import LayerQuant, QuantizationConfig
+from brisk.quant.support import MethodSupport
+from brisk.train.forward import TRAINABLE_ARCHITECTURES
+
+SUPPORT = MethodSupport("squeezellm", TRAINABLE_ARCHITECTURES,
+                        limit="its sensitivities are gradients through brisk's training forward, which runs "
+                              + ", ".join(TRAINABLE_ARCHITECTURES))
+
+DEFAULT_OUTLIERS = 0.0045  # the paper's 0.45%
+MAX_OUTLIERS = 0.1  # beyond 10% the sparse part outweighs the dense codes it is meant to help
+LUT_BITS = (3, 4)
+_KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds its temporaries (~40 bytes each)
+
+
+@dataclass(frozen=True)
+class SqueezeLLMConfig:
+    outliers: float = DEFAULT_OUTLIERS  # fraction of each matrix's weights (largest |w|) kept in the sparse part
+    kmeans_iters: int = 30  # Lloyd iterations per row table; 1-D k-means from a quantile start settles in a few tens
+    chunk_size: int = 1  # sequences per backward: 1 is the per-sequence (empirical) Fisher of the paper
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= MAX_OUTLIERS:
+            raise ValueError(f"the outlier fraction must be in [0, {MAX_OUTLIERS:g}] ({MAX_OUTLIERS:.0%}; the paper "
+                             f"keeps 0.45%), got {self.outliers!r}")
+        for name in ("kmeans_iters", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def parse_outliers(text: str) -> float:
+    """'0.45%' or '0.0045' -> 0.0045; a ValueError naming the accepted forms otherwise."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise ValueError(f"--outliers {text!r} is not a number: give a percentage such as 0.45% or a fraction "
+                         "such as 0.0045") from None
+    if not 0 <= value <= MAX_OUTLIERS:
+        raise ValueError(f"--outliers {text!r}: the fraction of weights kept in float must be between 0 and "
+                         f"{MAX_OUTLIERS:.0%} (the paper keeps 0.45%)")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ sensitivity
+
+def fisher_diagonal(model: nn.Module, ids: torch.Tensor, names: list[str], chunk_size: int = 1,
+                    progress: bool = False) -> dict[str, torch.Tensor]:
+    """F [N, K] float32 per named linear: the mean over chunks of ids [S, L] of the squared gradient of the
+    next-token loss with respect to its weight (module docstring, step 1). `model` must be unfused and float."""
+    from brisk.train.forward import causal_lm_forward, check_trainable
+    from brisk.train.losses import next_token_ce
+
+    check_trainable(model)  # type: ignore[arg-type]
+    weights = [model.get_submodule(n).weight for n in names]
+    flags = {p: p.requires_grad for p in model.parameters()}
+    fisher = [torch.zeros(w.shape, dtype=torch.float32) for w in weights]
+    chunks = list(range(0, ids.shape[0], chunk_size))
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for w in weights:
+            w.requires_grad_(True)
+        with torch.enable_grad():
+            for i, start in enumerate(chunks):
+                batch = ids[start:start + chunk_size]  # [B, L]
+                logits = causal_lm_forward(model, batch, activation_checkpointing=True).logits  # [B, L, V]
+                loss = next_token_ce(logits, batch)
+                grads = torch.autograd.grad(loss, weights)
+                for f, g in zip(fisher, grads, strict=True):
+                    f.addcmul_(g.float(), g.float())
+                if progress:
+                    print(f"\rSqueezeLLM sensitivities: {i + 1}/{len(chunks)} chunks", end="", flush=True)
+        if progress:
+            print()
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    return {n: f.div_(len(chunks)) for n, f in zip(names, fisher, strict=True)}
+
+
+# ------------------------------------------------------------------------------------------------ k-means
+
+def _assign(w: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Nearest-centroid codes [R, K] (int64) of w [R, K] for sorted centroids [R, C]: the number of midpoints
+    below each weight (a weight on a midpoint takes the lower centroid)."""
+    mids = (centroids[:, 1:] + centroids[:, :-1]) * 0.5  # [R, C - 1], sorted
+    return torch.searchsorted(mids.contiguous(), w.contiguous())  # [R, K] in [0, C - 1]
+
+
+def _kmeans_chunk(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, iters: int) -> torch.Tensor:
+    """Sorted centroids [R, C] of rows w [R, K] (weights [R, K], each row with some weight > 0).
+
+    In one dimension a cluster of the nearest-centroid assignment is an interval of the sorted row, so once each
+    row is sorted and its weights and weighted values are prefix-summed (float64: the sums are differenced), an
+    iteration costs O(C log K) a row, not O(K): the cluster boundaries are the midpoints' places in the sorted row
+    (`searchsorted`), and a cluster's sums are two prefix-sum lookups.
+
+        sorted row:   | cluster 0 : ws <= m_0 | cluster 1 : m_0 < ws <= m_1 | ... | cluster C-1 : ws > m_{C-2} |
+        edges:        0                       b_0                           b_1 ...                          K
+    """
+    r, k = w.shape
+    ws, order = torch.sort(w, dim=1)  # [R, K]
+    fs = torch.gather(weights, 1, order).double()  # [R, K]
+    zero = torch.zeros(r, 1, dtype=torch.float64)
+    cum_f = torch.cat([zero, torch.cumsum(fs, dim=1)], dim=1)  # [R, K + 1]: cum_f[:, i] = sum of the first i
+    cum_fw = torch.cat([zero, torch.cumsum(fs * ws.double(), dim=1)], dim=1)  # [R, K + 1]
+    # start: the weighted quantiles (i + 1/2) / C, i.e. the first sorted weight whose cumulative weight reaches them
+    targets = (torch.arange(num_centroids, dtype=torch.float64) + 0.5) / num_centroids * cum_f[:, -1:]  # [R, C]
+    idx = torch.searchsorted(cum_f[:, 1:].contiguous(), targets.contiguous()).clamp_(max=k - 1)  # [R, C]
+    c = torch.gather(ws, 1, idx)  # [R, C], ascending
+    first = torch.zeros(r, 1, dtype=torch.int64)
+    last = torch.full((r, 1), k, dtype=torch.int64)
+    for _ in range(iters):
+        mids = (c[:, 1:] + c[:, :-1]) * 0.5  # [R, C - 1]
+        b = torch.searchsorted(ws, mids.contiguous(), right=True)  # [R, C - 1]: weights <= each midpoint
+        edges = torch.cat([first, b, last], dim=1)  # [R, C + 1]
+        lo, hi = edges[:, :-1], edges[:, 1:]  # [R, C]: cluster j is sorted positions lo_j .. hi_j - 1
+        den = cum_f.gather(1, hi) - cum_f.gather(1, lo)  # [R, C]: sum of F
+        num = cum_fw.gather(1, hi) - cum_fw.gather(1, lo)  # [R, C]: sum of F * w
+        c = torch.where(den > 0, (num / den.clamp_min(1e-300)).float(), c)  # a centroid with no weight stays
+        c = torch.sort(c, dim=1).values  # means of ordered intervals stay ordered; kept centroids may not
+    return c
+
+
+def weighted_kmeans(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, iters: int = 30
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row weighted 1-D k-means (module docstring, step 3). w, weights [R, K] (weights >= 0; a row whose
+    weights are all 0 is treated as uniformly weighted) -> (centroids [R, C] float32, ascending; codes [R, K]
+    int64). Rows run together, in chunks that bound the temporaries."""
+    assert w.shape == weights.shape and w.dim() == 2, "w and weights are [R, K]"
+    w = w.detach().float()
+    weights = weights.detach().float().clamp_min(0)
+    dead = weights.sum(1, keepdim=True) == 0  # [R, 1]
+    weights = torch.where(dead, torch.ones_like(weights), weights)
+    r, k = w.shape
+    step = max(1, _KMEANS_CHUNK_WEIGHTS // max(k, 1))
+    cents = torch.cat([_kmeans_chunk(w[r0:r0 + step], weights[r0:r0 + step], num_centroids, iters)
+                       for r0 in range(0, r, step)])
+    return cents, _assign(w, cents)
+
+
+# ------------------------------------------------------------------------------------------------ one layer
+
+def outlier_mask(w: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool [N, K]: the round(fraction * N * K) weights of largest magnitude (ties: topk's choice)."""
+    count = round(fraction * w.numel())
+    mask = torch.zeros(w.numel(), dtype=torch.bool)
+    if count:
+        mask[torch.topk(w.detach().abs().flatten().float(), count, sorted=False).indices] = True
+    return mask.view(w.shape)
+
+
+@dataclass
+class LutCodes:
+    """One layer's SqueezeLLM result: codes [N, K] uint8, table [N, 2^bits] (float16 values, held as float32),
+    the outliers' residual S [N, K] (float16 values, zero elsewhere) and w_hat = table[codes] + S."""
+
+    codes: torch.Tensor
+    lut: torch.Tensor
+    sparse: torch.Tensor
+    w_hat: torch.Tensor
+
+
+def squeezellm_quantize_weight(weight: torch.Tensor, sensitivity: torch.Tensor, bits: int,
+                               outliers: float = DEFAULT_OUTLIERS, iters: int = 30) -> LutCodes:
+    """SqueezeLLM of one weight [N, K] given its sensitivity F [N, K] (module docstring, steps 2 and 3)."""
+    if bits not in LUT_BITS:
+        raise ValueError(f"SqueezeLLM tables are 3- or 4-bit here (8 or 16 entries a row), got {bits} bits")
+    w = weight.detach().float()
+    mask = outlier_mask(w, outliers)  # [N, K]
+    f = torch.where(mask, torch.zeros_like(w), sensitivity.detach().float())  # outliers take no part
+    lut, _ = weighted_kmeans(w, f, 1 << bits, iters)
+    lut = torch.sort(lut.half().float(), dim=1).values  # the checkpoint's float16 table, and codes against it
+    codes = _assign(w, lut)  # [N, K]
+    dense = torch.gather(lut, 1, codes)  # [N, K]
+    sparse = torch.where(mask, (w - dense).half().float(), torch.zeros_like(w))
+    return LutCodes(codes.to(torch.uint8), lut, sparse, dense + sparse)
+
+
+def sensitivity_weighted_error(weight: torch.Tensor, w_hat: torch.Tensor, sensitivity: torch.Tensor) -> float:
+    """sum F (W - W_hat)^2: the paper's objective, the second-order estimate of the loss change (up to 1/2)."""
+    return float((sensitivity.float() * (weight.float() - w_hat.float()).square()).sum())
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+def squeezellm_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, calib: CalibConfig,
+                        config: SqueezeLLMConfig = SqueezeLLMConfig(), progress: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+    """Checkpoint tensors and config: every planned decoder linear (scheme "lut") in SqueezeLLM's format, the
+    embedding/head with RTN's codes. `loaded` must be unfused (load_model(..., fuse=False)), float."""
+    from brisk.quant.rtn import _progress, checkpoint_tensors
+
+    names = [n for n, spec in plan.items() if spec.scheme == "lut"]
+    ids = load_calibration_ids(loaded.tokenizer, calib)  # [S, L]
+    fisher = fisher_diagonal(loaded.model, ids, names, config.chunk_size, progress=progress)
+    encoded: dict[str, dict[str, torch.Tensor]] = {}
+    for name in _progress(names, progress, "SqueezeLLM"):
+        result = squeezellm_quantize_weight(loaded.model.get_submodule(name).weight, fisher.pop(name),
+                                            plan[name].bits, config.outliers, config.kmeans_iters)
+        encoded[name] = encode_lut_layer(result.codes, result.lut, result.sparse, plan[name])
+    qconfig = QuantizationConfig(method="squeezellm", default=default, modules=dict(plan),
+                                 calibration=calib.to_dict(), method_config=config.to_dict())
+    return checkpoint_tensors(loaded, plan, encoded), qconfig

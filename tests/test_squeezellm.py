@@ -1,0 +1,317 @@
+"""SqueezeLLM: the LUT kernel against gather-then-matmul, weighted k-means against a plain loop, the dense-and-sparse
+split, better than RTN on real weights with real sensitivities, and its checkpoint reloading to the same outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from conftest import ops_with
+from hf_utils import make_tiny_hf_model
+from test_model import prefill_logits
+
+from brisk import LLM, SamplingParams
+from brisk.cli import main
+from brisk.data import calibration_text_path
+from brisk.eval.size import model_size
+from brisk.model.loader import LoadedModel, load_model
+from brisk.ops import kernels
+from brisk.ops.layers import LutLinear
+from brisk.ops.lut import LutWeight, csr_from_dense, dequantize_lut, lut_linear, pack_nibbles, unpack_nibbles
+from brisk.quant import primitives
+from brisk.quant.calib import CalibConfig, load_calibration_ids
+from brisk.quant.checkpoint import encode_lut_layer, lut_weight, save_quantized
+from brisk.quant.config import LayerQuant, QuantConfigError, QuantizationConfig
+from brisk.quant.rtn import plan_layers
+from brisk.quant.squeezellm import (
+    SqueezeLLMConfig,
+    fisher_diagonal,
+    outlier_mask,
+    parse_outliers,
+    sensitivity_weighted_error,
+    squeezellm_quantize,
+    squeezellm_quantize_weight,
+    weighted_kmeans,
+)
+
+TEXT = calibration_text_path()
+IDS = torch.tensor([5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 8, 120])
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201 - torch.ops.brisk
+    return ops_with("lut_linear")
+
+
+def random_lut_weight(bits: int, n: int, k: int, nnz: int, seed: int = 0) -> LutWeight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    lut = torch.sort(torch.randn(n, 1 << bits, generator=gen), dim=1).values
+    sparse = torch.zeros(n * k)
+    sparse[torch.randperm(n * k, generator=gen)[:nnz]] = torch.randn(nnz, generator=gen) * 3
+    parts = csr_from_dense(sparse.view(n, k)) if nnz else (None, None, None)
+    return LutWeight(bits, n, k, pack_nibbles(q), lut, *parts)
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("nnz", [0, 37])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_lut_kernel_equals_gather_then_matmul(ops, bits: int, nnz: int, rows: int) -> None:
+    lw = random_lut_weight(bits, 40, 96, nnz, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(40)
+    want = F.linear(x, dequantize_lut(lw), bias)  # the oracle: a gather from the tables, then the matmul
+    got = ops.lut_linear(x, lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, bias)
+    # float32 sums of 96 products in another order: a few ulps of the |sum| (~10) apart
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(lut_linear(x, lw, bias), want, rtol=1e-5, atol=2e-5)  # the dispatcher takes it too
+    xb = x.bfloat16()  # bfloat16 activations: widened exactly, float32 arithmetic, the result rounded once
+    torch.testing.assert_close(ops.lut_linear(xb, lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, None),
+                               F.linear(xb.float(), dequantize_lut(lw)).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lut_dequantize_and_the_large_row_path_are_exact(ops, bits: int) -> None:
+    lw = random_lut_weight(bits, 50, 64, 41)
+    ref = dequantize_lut(lw)
+    assert torch.equal(ops.lut_dequantize(lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, 7, 33), ref[7:33])
+    assert torch.equal(dequantize_lut(lw, slice(7, 33)), ref[7:33])
+    x = torch.randn(40, 64)  # past MAX_SMALL_M rows: dequantize + GEMM
+    torch.testing.assert_close(lut_linear(x, lw), F.linear(x, ref), rtol=1e-5, atol=1e-5)
+
+
+def test_lut_reference_path_without_kernels(kernel_settings) -> None:
+    lw = random_lut_weight(4, 24, 40, 9)  # K = 40: a multiple of 8, so the kernels would take it
+    x = torch.randn(2, 40)
+    kernel_settings(enabled=False)
+    assert torch.equal(lut_linear(x, lw), F.linear(x, dequantize_lut(lw)))
+
+
+def test_nibble_packing_round_trips_and_matches_the_4_bit_checkpoint_layout() -> None:
+    q = torch.randint(0, 16, (5, 24), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    assert torch.equal(pack_nibbles(q), primitives.pack(q, 4))  # 4-bit checkpoints load as they are
+
+
+# ---------------------------------------------------------------------------------------------- k-means
+
+def nearest(v: float, cent: list[float]) -> int:
+    """The closest centroid, the lower one on a tie."""
+    return min(range(len(cent)), key=lambda i: (abs(v - cent[i]), i))
+
+
+def plain_weighted_kmeans(w: torch.Tensor, f: torch.Tensor, c: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same algorithm, one row and one weight at a time in Python floats."""
+    cents, codes = [], []
+    for row, fr in zip(w.tolist(), f.tolist(), strict=True):
+        if sum(fr) == 0:
+            fr = [1.0] * len(fr)
+        pairs = sorted(zip(row, fr, strict=True))
+        total, cum, cent = sum(fr), 0.0, []
+        targets = [(i + 0.5) / c * total for i in range(c)]
+        acc = []
+        for _, weight in pairs:
+            cum += weight
+            acc.append(cum)
+        for t in targets:
+            j = next((j for j, a in enumerate(acc) if a >= t), len(acc) - 1)
+            cent.append(pairs[j][0])
+
+        for _ in range(iters):
+            num, den = [0.0] * c, [0.0] * c
+            for v, weight in zip(row, fr, strict=True):
+                i = nearest(v, cent)
+                num[i] += weight * v
+                den[i] += weight
+            cent = sorted(num[i] / den[i] if den[i] > 0 else cent[i] for i in range(c))
+        cents.append(cent)
+        codes.append([nearest(v, cent) for v in row])
+    return torch.tensor(cents), torch.tensor(codes)
+
+
+def test_weighted_kmeans_matches_a_plain_loop() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 48, generator=gen)
+    f = torch.rand(6, 48, generator=gen) ** 3  # skewed, as squared gradients are
+    f[2] = 0  # a row with no sensitivity anywhere: plain (unweighted) k-means
+    cents, codes = weighted_kmeans(w, f, 8, iters=12)
+    want_cents, want_codes = plain_weighted_kmeans(w, f, 8, 12)
+    torch.testing.assert_close(cents, want_cents, rtol=1e-5, atol=1e-6)
+    assert torch.equal(codes, want_codes)
+    assert bool((cents[:, 1:] >= cents[:, :-1]).all())
+
+
+def test_weighted_kmeans_follows_the_weights() -> None:
+    w = torch.linspace(-1, 1, 64).repeat(2, 1)
+    f = torch.ones(2, 64)
+    f[1, 10] = 1e6  # one weight that matters far more than the rest: a centroid lands on it
+    cents, codes = weighted_kmeans(w, f, 4, iters=20)
+    assert not torch.isclose(cents[0], w[1, 10]).any()
+    assert torch.isclose(cents[1, codes[1, 10]], w[1, 10], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- dense-and-sparse
+
+def test_dense_and_sparse_reconstruction() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=gen) * 0.02
+    spots = torch.randperm(w.numel(), generator=gen)[:20]
+    w.view(-1)[spots] = torch.randn(20, generator=gen).sign() * (1 + torch.rand(20, generator=gen))  # 50-100x
+    f = torch.rand(32, 128, generator=gen)
+    fraction = 20 / w.numel()
+    mask = outlier_mask(w, fraction)
+    assert int(mask.sum()) == 20 and bool(mask.view(-1)[spots].all())  # exactly the planted ones
+    result = squeezellm_quantize_weight(w, f, 3, outliers=fraction)
+    # the outliers come back to float16 precision (their residual w - table value is stored), the rest from tables
+    torch.testing.assert_close(result.w_hat[mask], w[mask], rtol=2e-3, atol=1e-3)
+    assert torch.equal(result.w_hat[~mask], torch.gather(result.lut, 1, result.codes.long())[~mask])
+    assert int((result.sparse != 0).sum()) <= 20 and bool((result.sparse[~mask] == 0).all())
+    dense_only = squeezellm_quantize_weight(w, f, 3, outliers=0.0)
+    assert (sensitivity_weighted_error(w, result.w_hat, f) < 0.2 * sensitivity_weighted_error(w, dense_only.w_hat, f))
+    # the checkpoint tensors decode to exactly w_hat, through the reference and the kernel's layout alike
+    spec = LayerQuant(bits=3, group_size=-1, sym=True, scheme="lut")
+    tensors = encode_lut_layer(result.codes, result.lut, result.sparse, spec)
+    assert tensors["qweight"].shape == (32, 128 * 3 // 8) and tensors["outlier_values"].dtype == torch.float16
+    assert torch.equal(dequantize_lut(lut_weight([tensors], spec, 128)), result.w_hat)
+
+
+# ---------------------------------------------------------------------------------------------- real weights
+
+def test_squeezellm_beats_rtn_on_real_weights_and_sensitivities() -> None:
+    """The default model's own weights and Fisher sensitivities from the calibration text (two of the last
+    layers, so the backward stops early), 3 bits: the objective SqueezeLLM minimises, sum F (W - W_hat)^2."""
+    loaded = load_model(None, fuse=False, show_progress=False)
+    ids = load_calibration_ids(loaded.tokenizer, CalibConfig(str(TEXT), num_samples=2, seq_len=48, seed=1))
+    last = loaded.config.num_hidden_layers - 1
+    names = [f"model.layers.{last - 1}.self_attn.q_proj", f"model.layers.{last}.mlp.down_proj"]
+    fisher = fisher_diagonal(loaded.model, ids, names)
+    assert all(not p.requires_grad for p in loaded.model.parameters())  # the model is left as it was
+    for name in names:
+        w, f = loaded.model.get_submodule(name).weight.detach(), fisher[name]
+        assert float(f.min()) >= 0 and float(f.max()) > 0
+        sq = sensitivity_weighted_error(w, squeezellm_quantize_weight(w, f, 3).w_hat, f)
+        rtn = {}
+        for group in (None, 64):
+            s, z = primitives.choose_qparams(w.float(), 3, group_size=group)
+            rtn[group] = sensitivity_weighted_error(w, primitives.dequantize(primitives.quantize(w, s, z, 3), s, z), f)
+        # measured 3-5x below per-channel RTN (the same layout: one set of levels per row) and ~2x below RTN g64
+        # (which spends 0.5 bit a weight more on its group scales and zero points)
+        assert sq < 0.5 * rtn[None], (name, sq, rtn)
+        assert sq < rtn[64], (name, sq, rtn)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf_model(path, arch="qwen2", num_kv_heads=2, num_attention_heads=4, tie_word_embeddings=True)
+    (path / "calib.txt").write_text(TEXT.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return path
+
+
+def squeeze(tiny: Path, bits: int) -> tuple[LoadedModel, dict[str, LayerQuant], dict[str, torch.Tensor],
+                                             QuantizationConfig]:
+    loaded = load_model(tiny, fuse=False)
+    spec = LayerQuant(bits=bits, group_size=-1, sym=True, scheme="lut")
+    plan = plan_layers(loaded.model, True, spec)
+    calib = CalibConfig(str(tiny / "calib.txt"), num_samples=3, seq_len=32)
+    tensors, qconfig = squeezellm_quantize(loaded, plan, spec, calib, SqueezeLLMConfig(outliers=0.01),
+                                           progress=False)
+    return loaded, plan, tensors, qconfig
+
+
+@pytest.fixture(scope="module")
+def squeezed3(tiny: Path) -> tuple[LoadedModel, dict[str, LayerQuant], dict[str, torch.Tensor], QuantizationConfig]:
+    return squeeze(tiny, 3)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_checkpoint_reloads_with_equal_outputs(tiny: Path, squeezed3, tmp_path: Path, bits: int) -> None:  # noqa: ANN001
+    loaded, plan, tensors, qconfig = squeezed3 if bits == 3 else squeeze(tiny, bits)
+    loaded = load_model(tiny, fuse=False)  # a fresh float model to turn into the float twin
+    out = save_quantized(tmp_path / "sq", loaded.config, loaded.tokenizer, qconfig, tensors)
+    written = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert written["method"] == "squeezellm" and written["scheme"] == "lut" and written["bits"] == bits
+    assert written["method_config"]["outliers"] == 0.01
+    # the float twin: every decoder linear's weight replaced by what its tensors decode to, the embedding by RTN's
+    for name, spec_ in plan.items():
+        module = loaded.model.get_submodule(name)
+        if spec_.scheme == "lut":
+            assert f"{name}.outlier_values" in tensors
+            module.weight.data.copy_(dequantize_lut(lut_weight([{k.removeprefix(name + "."): v for k, v in
+                                                                 tensors.items() if k.startswith(name + ".")}],
+                                                               spec_, module.in_features)))
+        else:
+            q = primitives.unpack(tensors[f"{name}.qweight"], 8, module.weight.shape[1])
+            scale = tensors[f"{name}.scales"].float()
+            module.weight.data.copy_(primitives.dequantize(q, scale, torch.full_like(scale, 128)))
+    want = prefill_logits(loaded, IDS)
+    # 1e-3: the 8-bit head runs its own kernels, and every kernel sums in its own order (logits ~ 10)
+    for fuse in (True, False):  # fused q/k/v and gate/up (their CSR matrices concatenated) and one by one
+        qloaded = load_model(out, fuse=fuse)
+        assert any(isinstance(m, LutLinear) for m in qloaded.model.modules())
+        torch.testing.assert_close(prefill_logits(qloaded, IDS), want, rtol=1e-3, atol=1e-3)
+    with kernels.disabled():  # the reference path gives the same numbers
+        torch.testing.assert_close(prefill_logits(load_model(out), IDS), want, rtol=1e-3, atol=1e-3)
+    llm = LLM(model=str(out))  # no flags: the folder says what it is
+    got = llm.generate(["Emma was"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 6
+    # eval size counts the outliers (values, columns, row pointers) with the codes, the tables as overhead
+    report = {t.name: t for t in model_size(out).tensors}
+    q_proj = "model.layers.0.self_attn.q_proj"
+    stored = {k: v for k, v in tensors.items() if k.startswith(q_proj + ".")}
+    row = report[q_proj]
+    assert row.payload_bytes == sum(stored[f"{q_proj}.{s}"].nbytes for s in ("qweight", "outlier_values",
+                                                                             "outlier_cols", "outlier_row_ptr"))
+    assert row.overhead_bytes == stored[f"{q_proj}.lut"].nbytes
+    assert row.params == 64 * 64 and row.dtype == f"lut{bits}-ch + outliers"
+    loaded_row = {t.name: t for t in model_size(load_model(out, fuse=False)).tensors}[q_proj]
+    assert loaded_row.params == 64 * 64 and loaded_row.payload_bytes > 64 * 64 // 2  # 4-bit fields + outliers
+
+
+def test_checkpoint_mismatch_is_named(squeezed3, tmp_path: Path) -> None:  # noqa: ANN001
+    loaded, _, tensors, qconfig = squeezed3
+    tensors = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.outlier_cols"}
+    out = save_quantized(tmp_path / "bad", loaded.config, loaded.tokenizer, qconfig, tensors)
+    with pytest.raises(QuantConfigError, match="up_proj.*outlier_cols"):
+        load_model(out)
+    with pytest.raises(QuantConfigError, match="bits 3 or 4 and group_size -1"):
+        LayerQuant(bits=4, group_size=64, scheme="lut")
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    calib = ["--calib-text", str(tiny / "calib.txt"), "--num-samples", "2", "--seq-len", "16"]
+
+    def run(*args: str):  # noqa: ANN202 - click Result
+        return runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "q"), "--method", "squeezellm", *args])
+
+    for args, message in [(["--bits", "2"], "--bits 3 or 4"), (["--bits", "8"], "--bits 3 or 4"),
+                          (["--outliers", "20%"], "between 0 and 10%"), (["--outliers", "-1"], "between 0 and 10%"),
+                          (["--outliers", "lots"], "not a number"), (["--group-size", "32"], "drop --group-size")]:
+        res = run(*args, *calib)
+        assert res.exit_code != 0 and message in res.output, (args, res.output)
+    res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--outliers", "1%"])
+    assert res.exit_code != 0 and "--method squeezellm" in res.output
+    res = run("--bits", "3", "--outliers", "0.5%", *calib)
+    assert res.exit_code == 0, res.output
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["method"] == "squeezellm" and qc["bits"] == 3 and qc["method_config"]["outliers"] == 0.005
+    assert qc["modules"]["model.embed_tokens"]["scheme"] == "int"  # the embedding / head: RTN int8
+
+
+def test_parse_outliers() -> None:
+    assert parse_outliers("0.45%") == pytest.approx(0.0045)
+    assert parse_outliers("0.0045") == pytest.approx(0.0045)
+    assert parse_outliers("0") == 0.0
+    with pytest.raises(ValueError, match="0.45%"):
+        parse_outliers("0.45 percent")
