@@ -109,6 +109,27 @@ class _HeaderCursor:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e}); the file is damaged") from None
 
+    def _strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in one loop (a tokenizer's vocabulary: 50-260 k of them), as `string` reads each."""
+        buf, pos, size, unpack = self.buf, self.pos, self.size, struct.Struct("<Q").unpack_from
+        out = []
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    break
+                (n,) = unpack(buf, pos)
+                end = pos + 8 + n
+                if end > size:
+                    break
+                out.append(buf[pos + 8:end].decode("utf-8"))
+                pos = end
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e}); the file is damaged") from None
+        self.pos = pos
+        if len(out) < count:  # the same error as `string` would give
+            self.string(what)
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype == _STRING:
             return self.string(what)
@@ -122,6 +143,8 @@ class _HeaderCursor:
                 self.pos += count * itemsize
                 return (arr.astype(bool) if etype == 7 else arr).tolist()
             self._need(count * 8, what)  # every string or array element is at least 8 bytes long
+            if etype == _STRING:
+                return self._strings(count, what)
             return [self.value(etype, what) for _ in range(count)]
         if vtype not in _SCALAR_FMT:
             raise GGUFError(f"{self.path}: {what} has unknown value type {vtype}; the file is damaged")
