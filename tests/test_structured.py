@@ -85,6 +85,41 @@ def test_truncated_object_finishes_with_length(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("{")
 
 
+def _digit_loving_walk(state, max_steps: int = 400) -> str:
+    """Drive a state as a model that always writes a digit other than 0 when the mask allows one (else the lowest
+    allowed token): the model that runs an unbounded integer on forever."""
+    tok, eos = state.compiler.ll_tokenizer, state.compiler.eos_token_ids
+    for _ in range(max_steps):
+        if state.is_stopped:
+            break
+        allowed = [int(t) for t in np.flatnonzero(state.allowed()) if int(t) not in eos]
+        digits = [t for t in allowed if tok.decode_bytes([t]).isdigit() and not tok.decode_bytes([t]).startswith(b"0")]
+        assert allowed, "the mask allows nothing"
+        assert state.accept([(digits or allowed)[0]])
+    return tok.decode_bytes(state.tokens).decode()
+
+
+def test_unbounded_digit_runs_are_capped_and_stay_valid(llm):
+    from brisk.structured.backend import MAX_DIGIT_RUN
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                               "k": {"type": "integer", "minimum": 0}},
+              "required": ["n", "x", "k"], "additionalProperties": False}
+    state = llm.engine.grammar_compiler().new_state(StructuredOutputsParams(json=schema))
+    text = _digit_loving_walk(state)
+    assert state.is_stopped, text
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    runs = [len(r) for r in re.findall(r"[0-9]+", text)]
+    assert max(runs) == MAX_DIGIT_RUN and len(str(value["n"])) == MAX_DIGIT_RUN, text
+
+
+def test_digit_cap_yields_where_the_grammar_needs_more_digits(llm):
+    state = llm.engine.grammar_compiler().new_state(StructuredOutputsParams(regex="[0-9]{50}"))
+    text = _digit_loving_walk(state)
+    assert state.is_stopped and re.fullmatch("[0-9]{50}", text), text
+
+
 def test_mixed_batch_equals_each_sequence_alone(llm):
     """Constrained and free greedy sequences in one batch: each equals its own run alone (free rows untouched)."""
     params = [constrained(max_tokens=24) if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=24)
