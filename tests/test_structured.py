@@ -224,6 +224,28 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm, so, field, w
     assert not llm.engine.groups and not llm.engine.scheduler.requests
 
 
+def test_the_grammar_compiler_is_made_once_under_concurrent_first_use(llm):
+    import threading
+
+    engine, saved = llm.engine, llm.engine._grammar_compiler
+    engine._grammar_compiler = None  # as a fresh engine: built on first use
+    barrier, got = threading.Barrier(4), []
+
+    def first_use() -> None:
+        barrier.wait()
+        got.append(engine.grammar_compiler())
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 4 and all(c is got[0] for c in got) and engine.grammar_compiler() is got[0]
+    finally:
+        engine._grammar_compiler = saved
+
+
 def test_grammars_are_compiled_once(llm):
     compiler = llm.engine.grammar_compiler()
     schema = {"type": "object", "properties": {"unique_key_for_cache_test": {"type": "boolean"}}}
