@@ -263,11 +263,14 @@ def test_bench_structured_runs_every_arm_and_validates(model_dir, tmp_path):
     report = tmp_path / "structured.json"
     r = CliRunner().invoke(main, ["bench", "structured", "--model", model_dir, "--max-model-len", "256",
                                   "--kv-cache-memory", "8MiB", "--batch-sizes", "2", "--repeats", "1",
-                                  "--max-tokens", "24", "--validate", "14", "--json", str(report)],
+                                  "--max-tokens", "24", "--validate", "15", "--json", str(report)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "jf-auto output identical to mask: yes" in r.output and "grammar compile: cold" in r.output
+    assert "free output identical to free-plain: yes" in r.output
     data = json.loads(report.read_text())
-    assert set(data["batches"]["2"]["median"]) == {"free", "mask", "jf-auto", "jf-on"}
+    assert set(data["batches"]["2"]["median"]) == {"free-plain", "free", "mask", "jf-auto", "jf-on"}
     v = data["validation"]
-    assert v["requests"] == 14 and v["valid"] == v["finished"] and v["finished"] + v["truncated"] == 14
+    assert v["requests"] == 15 and set(v["per_kind"]) == {"json", "regex", "choice", "tools"}
+    for kind, row in v["per_kind"].items():  # every answer that was not cut validates
+        assert row["valid"] == row["requests"] - row["cut_at_length"], (kind, row)
