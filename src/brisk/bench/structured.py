@@ -167,8 +167,9 @@ def structured(batch_sizes: str, max_tokens: int, repeats: int, num_validate: in
             if arm in cut:
                 line += f"   wall {m['wall_s']:.3f} s, {med['mask']['wall_s'] / m['wall_s']:.2f}x mask's speed"
             click.echo(line)
-        click.echo(f"  free output identical to free-plain: {'yes' if same_free else 'NO'}; jf-auto output identical to mask: yes; jf-on outputs "
-                   f"valid: {valid_on}/{bs}; cut at --max-tokens: " + ", ".join(f"{a} {n}" for a, n in cut.items()))
+        click.echo(f"  free output identical to free-plain: {'yes' if same_free else 'NO'}; jf-auto output identical "
+                   f"to mask: yes; jf-on outputs valid: {valid_on}/{bs}; cut at --max-tokens: "
+                   + ", ".join(f"{a} {n}" for a, n in cut.items()))
         report["batches"][str(bs)] = {"arms": arms, "median": med, "tokens_per_answer": lengths,
                                       "jf_on_valid": valid_on, "cut_at_length": cut, "free_identical": same_free}
     engine.config.jump_forward = "auto"
