@@ -85,6 +85,41 @@ def test_truncated_object_finishes_with_length(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("{")
 
 
+def _digit_loving_walk(state, max_steps: int = 400) -> str:
+    """Drive a state as a model that always writes a digit other than 0 when the mask allows one (else the lowest
+    allowed token): the model that runs an unbounded integer on forever."""
+    tok, eos = state.compiler.ll_tokenizer, state.compiler.eos_token_ids
+    for _ in range(max_steps):
+        if state.is_stopped:
+            break
+        allowed = [int(t) for t in np.flatnonzero(state.allowed()) if int(t) not in eos]
+        digits = [t for t in allowed if tok.decode_bytes([t]).isdigit() and not tok.decode_bytes([t]).startswith(b"0")]
+        assert allowed, "the mask allows nothing"
+        assert state.accept([(digits or allowed)[0]])
+    return tok.decode_bytes(state.tokens).decode()
+
+
+def test_unbounded_digit_runs_are_capped_and_stay_valid(llm):
+    from brisk.structured.backend import MAX_DIGIT_RUN
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                               "k": {"type": "integer", "minimum": 0}},
+              "required": ["n", "x", "k"], "additionalProperties": False}
+    state = llm.engine.grammar_compiler().new_state(StructuredOutputsParams(json=schema))
+    text = _digit_loving_walk(state)
+    assert state.is_stopped, text
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    runs = [len(r) for r in re.findall(r"[0-9]+", text)]
+    assert max(runs) == MAX_DIGIT_RUN and len(str(value["n"])) == MAX_DIGIT_RUN, text
+
+
+def test_digit_cap_yields_where_the_grammar_needs_more_digits(llm):
+    state = llm.engine.grammar_compiler().new_state(StructuredOutputsParams(regex="[0-9]{50}"))
+    text = _digit_loving_walk(state)
+    assert state.is_stopped and re.fullmatch("[0-9]{50}", text), text
+
+
 def test_mixed_batch_equals_each_sequence_alone(llm):
     """Constrained and free greedy sequences in one batch: each equals its own run alone (free rows untouched)."""
     params = [constrained(max_tokens=24) if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=24)
@@ -189,6 +224,28 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm, so, field, w
     assert not llm.engine.groups and not llm.engine.scheduler.requests
 
 
+def test_the_grammar_compiler_is_made_once_under_concurrent_first_use(llm):
+    import threading
+
+    engine, saved = llm.engine, llm.engine._grammar_compiler
+    engine._grammar_compiler = None  # as a fresh engine: built on first use
+    barrier, got = threading.Barrier(4), []
+
+    def first_use() -> None:
+        barrier.wait()
+        got.append(engine.grammar_compiler())
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 4 and all(c is got[0] for c in got) and engine.grammar_compiler() is got[0]
+    finally:
+        engine._grammar_compiler = saved
+
+
 def test_grammars_are_compiled_once(llm):
     compiler = llm.engine.grammar_compiler()
     schema = {"type": "object", "properties": {"unique_key_for_cache_test": {"type": "boolean"}}}
@@ -206,11 +263,14 @@ def test_bench_structured_runs_every_arm_and_validates(model_dir, tmp_path):
     report = tmp_path / "structured.json"
     r = CliRunner().invoke(main, ["bench", "structured", "--model", model_dir, "--max-model-len", "256",
                                   "--kv-cache-memory", "8MiB", "--batch-sizes", "2", "--repeats", "1",
-                                  "--max-tokens", "24", "--validate", "14", "--json", str(report)],
+                                  "--max-tokens", "24", "--validate", "15", "--json", str(report)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "jf-auto output identical to mask: yes" in r.output and "grammar compile: cold" in r.output
+    assert "free output identical to free-plain: yes" in r.output
     data = json.loads(report.read_text())
-    assert set(data["batches"]["2"]["median"]) == {"free", "mask", "jf-auto", "jf-on"}
+    assert set(data["batches"]["2"]["median"]) == {"free-plain", "free", "mask", "jf-auto", "jf-on"}
     v = data["validation"]
-    assert v["requests"] == 14 and v["valid"] == v["finished"] and v["finished"] + v["truncated"] == 14
+    assert v["requests"] == 15 and set(v["per_kind"]) == {"json", "regex", "choice", "tools"}
+    for kind, row in v["per_kind"].items():  # every answer that was not cut validates
+        assert row["valid"] == row["requests"] - row["cut_at_length"], (kind, row)

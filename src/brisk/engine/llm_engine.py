@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -178,6 +179,8 @@ class LLMEngine:
             self.lora_manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
             self.lora_manager.attach(self.runner)  # after the executor was built on the base layers
         self._grammar_compiler: GrammarCompiler | None = None
+        # the server checks constraints on its event loop while the engine thread adds requests: one compiler
+        self._grammar_compiler_lock = threading.Lock()
         self.speculator = None
         if config.spec is not None:
             from brisk.spec import build_speculator
@@ -240,12 +243,16 @@ class LLMEngine:
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-outputs compiler of this model's vocabulary (built on first use: ~0.2 s), whose cache
         holds every constraint compiled so far."""
-        if self._grammar_compiler is None:
-            from brisk.structured.backend import GrammarCompiler
+        compiler = self._grammar_compiler
+        if compiler is not None:
+            return compiler
+        with self._grammar_compiler_lock:  # two threads asking first must not build (and cache in) two compilers
+            if self._grammar_compiler is None:
+                from brisk.structured.backend import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer.to_str(),
-                                                     self.model_config.vocab_size, self.tokenizer.eos_token_ids)
-        return self._grammar_compiler
+                self._grammar_compiler = GrammarCompiler(self.tokenizer.hf_tokenizer.to_str(),
+                                                         self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+            return self._grammar_compiler
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests wherever they are; their KV blocks are freed at once."""

@@ -29,6 +29,15 @@ _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_sep
 _JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _ANY_OBJECT = {"type": "object"}
 
+# The longest run of digits the mask lets a sequence write where the grammar itself does not stop it. An integer a
+# schema leaves unbounded (and the fraction or exponent of any number) is a digit run of any length to the grammar,
+# and a small model can go on emitting digits until max_tokens, so the answer never closes. Past MAX_DIGIT_RUN
+# digits in a row the mask forbids every token that would lengthen the run, which leaves the grammar's way out
+# (`,`, `}`, `.`, `"`...): the value stays valid, the answer ends. Where the grammar allows nothing but more digits
+# (a regex or pattern that asks for a longer run, an integer minimum of more than 40 digits) the cap is not applied.
+# 40 digits is past any integer a program reads back (int64 has 19, a double's mantissa 17 significant).
+MAX_DIGIT_RUN = 40
+
 
 def _llguidance():  # noqa: ANN202 - the module
     try:
@@ -76,6 +85,14 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the server validates on the event loop and compiles on the engine thread
         self.num_compiled = 0
         self.compile_seconds = 0.0
+        self._digits: _DigitTables | None = None
+
+    def digit_tables(self) -> _DigitTables:
+        """Per-token digit counts of this vocabulary, for the MAX_DIGIT_RUN cap (built on first use)."""
+        with self._lock:
+            if self._digits is None:
+                self._digits = _DigitTables(self.ll_tokenizer, self.vocab_size)
+            return self._digits
 
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled (unadvanced) llguidance matcher for `params`; StructuredOutputError if it cannot be
@@ -122,6 +139,49 @@ def _error_message(kind: str, detail: str) -> str:
     return f"the {what} does not compile: {detail}"
 
 
+class _DigitTables:
+    """What each token does to a run of digits: `full[t]` its length when every byte is an ASCII digit (else -1),
+    `trailing[t]` the digits it ends with, `leading[t]` those it starts with; `forbid(k)` the bitmask of tokens that
+    start with more than k digits (they would lengthen a run that has k digits left before the cap)."""
+
+    def __init__(self, ll_tokenizer: object, vocab_size: int) -> None:
+        full, trailing, leading = [-1] * vocab_size, [0] * vocab_size, np.zeros(vocab_size, dtype=np.int16)
+        for t in range(vocab_size):
+            b = ll_tokenizer.decode_bytes([t])  # type: ignore[attr-defined]
+            if not b or b[0] == 0xFF:  # empty, or a special token (llguidance marks those with a 0xFF byte)
+                continue
+            lead = len(b) - len(b.lstrip(b"0123456789"))
+            leading[t] = lead
+            trailing[t] = len(b) - len(b.rstrip(b"0123456789"))
+            if lead == len(b):
+                full[t] = lead
+        self.full, self.trailing, self.leading = full, trailing, leading
+        self.max_leading = int(leading.max()) if vocab_size else 0
+        self.num_words = (vocab_size + 31) // 32
+        self._forbid: dict[int, np.ndarray] = {}
+
+    def run_length(self, tokens: Sequence[int]) -> int:
+        """The digits at the end of the text of `tokens` (counted up to just past MAX_DIGIT_RUN)."""
+        run = 0
+        for t in reversed(tokens):
+            n = self.full[t] if 0 <= t < len(self.full) else -1
+            if n < 0:
+                return run + (self.trailing[t] if 0 <= t < len(self.trailing) else 0)
+            run += n
+            if run > MAX_DIGIT_RUN:
+                break
+        return run
+
+    def forbid(self, k: int) -> np.ndarray:
+        mask = self._forbid.get(k)
+        if mask is None:
+            bits = np.zeros(self.num_words * 32, dtype=bool)
+            bits[:len(self.leading)] = self.leading > k
+            mask = np.packbits(bits, bitorder="little").view(np.int32)  # [W], bit t % 32 of word t // 32
+            self._forbid[k] = mask
+        return mask
+
+
 class StructuredState:
     """One sequence's position in its grammar. Invariant: the matcher has consumed exactly the request's output
     tokens (`num_tokens == len(output_token_ids)`), so its mask is the set of tokens allowed next. Brisk's
@@ -145,6 +205,17 @@ class StructuredState:
             bitmask_row[:] = self._mask
             return
         self.matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)  # type: ignore[attr-defined]
+        self._cap_digit_run(bitmask_row)
+
+    def _cap_digit_run(self, bitmask_row: np.ndarray) -> None:
+        """Forbid the tokens that would take a run of digits past MAX_DIGIT_RUN, if the grammar leaves any other."""
+        digits = self.compiler.digit_tables()
+        run = digits.run_length(self.tokens)
+        if run + digits.max_leading <= MAX_DIGIT_RUN:
+            return
+        capped = bitmask_row & ~digits.forbid(max(0, MAX_DIGIT_RUN - run))
+        if capped.any():
+            bitmask_row[:] = capped
 
     def allowed(self) -> np.ndarray:
         """Bool [vocab_size]: the tokens allowed next (tests and the jump-forward check; the sampler uses bitmasks)."""
