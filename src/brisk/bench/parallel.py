@@ -4,7 +4,8 @@ Two parts, run one after the other:
 
   * probes: N ranks of our own (torch.multiprocessing, spawn; gloo on 127.0.0.1), every rank with threads // N
     torch threads, all at once (the way a parallel engine's ranks share the machine):
-        all_reduce and send/recv of float32 messages from one hidden-state row to a prefill chunk of them
+        all_reduce and send/recv of float32 messages of one hidden-state row, a decode batch's rows and a prefill
+        chunk's
         (median of repeats; latency = the smallest message's time, bandwidth from the largest's);
         memory read bandwidth and matmul flop/s of one rank (the cost model's BW_r, F_r);
         the per-rank compute of the model cut as tensor parallelism (shard_model) and pipeline parallelism
@@ -26,8 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROW_SIZES = (1, 8, 64, 512)  # hidden-state rows per message: one decode token ... a prefill chunk
-
 
 def _median_s(fn: Any, reps: int) -> float:
     fn()
@@ -39,16 +38,16 @@ def _median_s(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def _link_probe(rank: int, hidden: int, reps: int) -> dict[str, list[dict[str, float]]]:
+def _link_probe(rank: int, hidden: int, rows: tuple[int, ...], reps: int) -> dict[str, list[dict[str, float]]]:
     """all_reduce and send/recv (rank 0 <-> rank 1) of rows x hidden float32; every rank runs it."""
     out: dict[str, list[dict[str, float]]] = {"all_reduce": [], "send_recv": []}
-    for rows in ROW_SIZES:
-        x = torch.randn(rows, hidden)
+    for n in rows:
+        x = torch.randn(n, hidden)
         dist.barrier()
         s = _median_s(lambda x=x: dist.all_reduce(x), reps)
-        out["all_reduce"].append({"rows": rows, "bytes": x.numel() * 4, "seconds": s})
-    for rows in ROW_SIZES:
-        x = torch.randn(rows, hidden)
+        out["all_reduce"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
+    for n in rows:
+        x = torch.randn(n, hidden)
 
         def ping(x: torch.Tensor = x) -> None:  # one way = half a round trip
             if rank == 0:
@@ -60,7 +59,7 @@ def _link_probe(rank: int, hidden: int, reps: int) -> dict[str, list[dict[str, f
 
         dist.barrier()
         s = _median_s(ping, reps) / 2
-        out["send_recv"].append({"rows": rows, "bytes": x.numel() * 4, "seconds": s})
+        out["send_recv"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
     return out
 
 
@@ -161,7 +160,7 @@ def _probe_main(rank: int, world: int, port: int, threads: int, engine_kw: dict[
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = {"rank": rank, "threads": threads, **_link_probe(rank, hidden, reps), **_speed_probe(reps),
+        result = {"rank": rank, "threads": threads, **_link_probe(rank, hidden, rows, reps), **_speed_probe(reps),
                   "compute": _compute_probe(engine_kw, rank, world, rows, reps)}
         queue.put(result)
     except BaseException as e:
