@@ -50,7 +50,7 @@ def test_single_and_tensor_parallel_step_hand_computed():
     assert tp.compute_s == pytest.approx(1.5)
     assert tp.comm_s == pytest.approx(4 * 0.042 + 0.201)
     assert tp.step_s == pytest.approx(0.01 + 1.5 + 0.369)
-    assert tp.weight_bytes_per_rank == pytest.approx(1500)
+    assert tp.read_bytes_per_rank == pytest.approx(1500)
 
 
 def test_pipeline_overlap_hand_computed():
@@ -70,7 +70,7 @@ def test_more_bandwidth_is_faster_and_more_ranks_split_the_weights():
     assert times == sorted(times, reverse=True) and times[0] > times[-1]
     pp = [predict(shape, "pp", 8, 8, rank, Link(5e-6, bw)).step_s for bw in (1e9, 25e9)]
     assert pp[0] > pp[1]
-    per_rank = [predict(shape, "tp", n, 1, rank, Link(0.0, 1e15)).weight_bytes_per_rank for n in (1, 2, 4, 8)]
+    per_rank = [predict(shape, "tp", n, 1, rank, Link(0.0, 1e15)).read_bytes_per_rank for n in (1, 2, 4, 8)]
     assert per_rank == pytest.approx([per_rank[0] / n for n in (1, 2, 4, 8)])
     # a faster link, a higher speed-up; a slower rank (fewer threads each), a lower one
     fast = speedup(shape, "tp", 8, 1, rank, rank, Link(5e-6, 100e9))
@@ -131,3 +131,19 @@ def test_bench_parallel_refuses_bad_options():
 
     result = CliRunner().invoke(bench, ["parallel", "--ranks", "1"])
     assert result.exit_code != 0 and "--ranks >= 2" in result.output
+
+
+def test_bench_parallel_predict_writes_the_table(tmp_path):
+    from brisk.bench.cli import bench
+
+    out = tmp_path / "predict.json"
+    result = CliRunner().invoke(bench, ["parallel", "--predict", "llama-3.1-8b", "--ranks", "8", "--context", "0",
+                                        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["predicted"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for b in (1, 8) for m in ("single", "tp", "pp")]
+    single, tp = rows[0], rows[1]
+    # 1 rank of 200 GB/s reading 2 bytes x the matmul parameters, + 1 ms host
+    params = model_shape("llama-3.1-8b").matmul_params
+    assert single["step_s"] == pytest.approx(2 * params / 200e9 + 1e-3)
+    assert tp["speedup"] == pytest.approx(single["step_s"] / tp["step_s"])

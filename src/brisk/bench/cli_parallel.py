@@ -27,11 +27,13 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _predictions(shape: Any, single_t: dict[str, float], single_compute: dict[str, float],
+def _predictions(shape: Any, decode: dict[str, Any], single_compute: dict[str, float],
                  probes: list[dict[str, Any]], link: Any, batches: tuple[int, ...], prefill: int,
                  bytes_per_param: float, single_linear_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The cost model fitted here: effective bandwidth and flop/s of the linears (decode rows, prefill rows) from
-    the compute probes, host seconds a step from the single process (its measured step minus its linears)."""
+    """The cost model fitted here. Effective bandwidth and flop/s of the linears (decode rows, prefill rows) from
+    the compute probes. Host seconds: the single process's = its measured step less its linears; a rank's = per
+    layer, from the module-path process on a rank's threads (its step less the whole model's linears at those
+    threads: the PP stages' probes added up), divided by the layers."""
     from brisk.parallel.cost import RankSpeed, predict
 
     flops_prefill = 2 * shape.matmul_params * prefill
@@ -45,15 +47,47 @@ def _predictions(shape: Any, single_t: dict[str, float], single_compute: dict[st
                for sh, p in zip(share, probes, strict=True)]
         speeds[mode] = RankSpeed(_mean(bws), _mean(fls))
     preds: dict[str, Any] = {}
+    hosts: dict[str, Any] = {}
     for b in batches:
-        host = max(0.0, b / single_t[str(b)] - single_compute[str(b)])  # everything a step does but the linears
+        host = max(0.0, b / decode[f"single/{b}"]["tok_s"] - single_compute[str(b)])
+        rank_linears = sum(p["compute"]["pp"]["seconds"][str(b)] for p in probes)
+        layer_host = max(0.0, b / decode[f"modules/{b}"]["tok_s"] - rank_linears) / shape.num_layers
+        hosts[str(b)] = {"single_step_s": host, "rank_layer_s": layer_host}
         for mode in ("single", "tp", "pp"):
             sp = speeds[mode]
-            sp = RankSpeed(sp.mem_bandwidth, sp.flops, step_overhead_s=host)
+            sp = (RankSpeed(sp.mem_bandwidth, sp.flops, step_overhead_s=host) if mode == "single"
+                  else RankSpeed(sp.mem_bandwidth, sp.flops, layer_overhead_s=layer_host))
             ranks = 1 if mode == "single" else len(probes)
             preds[f"{mode}/{b}"] = predict(shape, mode, ranks, b, sp, link if mode != "single" else None,
                                            bytes_per_param=bytes_per_param).to_dict()
-    return preds, {k: {"mem_bandwidth": v.mem_bandwidth, "flops": v.flops} for k, v in speeds.items()}
+    fitted = {k: {"mem_bandwidth": v.mem_bandwidth, "flops": v.flops} for k, v in speeds.items()}
+    return preds, {**fitted, "host": hosts}
+
+
+def _print_predictions(shape_name: str, ranks: int, batches: tuple[int, ...], link_gbps: float, link_us: float,
+                       rank_gbps: float, rank_tflops: float, host_ms: float, bytes_per_param: float, context: int,
+                       json_path: str | None) -> None:
+    """--predict: the cost model alone, on the stated machine (no measurement)."""
+    from brisk.parallel.cost import Link, RankSpeed, model_shape, prediction_rows
+
+    shape = model_shape(shape_name)
+    speed = RankSpeed(rank_gbps * 1e9, rank_tflops * 1e12, step_overhead_s=host_ms * 1e-3)
+    link = Link(link_us * 1e-6, link_gbps * 1e9)
+    rows = prediction_rows(shape, ranks, batches, speed, speed, link, bytes_per_param=bytes_per_param,
+                           context=context)
+    t = Table(title=f"predicted: {shape_name}, {bytes_per_param:g} bytes a weight, {ranks} ranks of {rank_gbps:g} GB/s "
+                    f"and {rank_tflops:g} TFLOP/s each, link {link_gbps:g} GB/s + {link_us:g} us, host {host_ms:g} ms "
+                    f"a step, context {context}")
+    for col in ("engine", "batch", "GB read/rank", "compute ms", "comm ms", "step ms", "tok/s", "speed-up"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        name = "1 rank" if r["mode"] == "single" else f"{str(r['mode']).upper()}{ranks}"
+        t.add_row(name, str(r["batch"]), f"{float(r['read_bytes_per_rank']) / 1e9:.2f}",
+                  f"{float(r['compute_s']) * 1e3:.2f}", f"{float(r['comm_s']) * 1e3:.2f}",
+                  f"{float(r['step_s']) * 1e3:.2f}", f"{float(r['tok_s']):.1f}", f"{float(r['speedup']):.2f}")
+    Console().print(t)
+    if json_path:
+        report.write_json(json_path, "parallel-predict", click.get_current_context().params, {"predicted": rows})
 
 
 @click.command("parallel")
@@ -63,9 +97,29 @@ def _predictions(shape: Any, single_t: dict[str, float], single_compute: dict[st
               help="Prompt tokens of every request; also the prefill chunk of the compute probe.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per request.")
 @click.option("--reps", type=int, default=20, show_default=True, help="Repeats of every probe (median).")
-@click.option("--short", is_flag=True, help="A quick pass: 8 tokens out, 5 repeats (for a smoke test).")
+@click.option("--runs", type=int, default=3, show_default=True,
+              help="Decode runs of every engine and batch; the fastest is reported.")
+@click.option("--short", is_flag=True, help="A quick pass: 8 tokens out, 5 repeats, 1 run (for a smoke test).")
+@click.option("--predict", "predict_shape", default=None,
+              help="Measure nothing: print the cost model's predictions for this shape (a name in model/dummy.py or "
+                   "an HF config.json) on --ranks ranks of the machine the options below describe.")
+@click.option("--link-gbps", type=float, default=25.0, show_default=True, help="--predict: link bandwidth, GB/s.")
+@click.option("--link-latency-us", type=float, default=10.0, show_default=True,
+              help="--predict: link latency, microseconds.")
+@click.option("--rank-gbps", type=float, default=200.0, show_default=True,
+              help="--predict: memory bandwidth one rank reaches, GB/s.")
+@click.option("--rank-tflops", type=float, default=2.0, show_default=True,
+              help="--predict: matmul TFLOP/s one rank reaches.")
+@click.option("--host-ms", type=float, default=1.0, show_default=True,
+              help="--predict: host milliseconds a step (scheduling, sampling, Python).")
+@click.option("--bytes-per-param", type=float, default=2.0, show_default=True,
+              help="--predict: bytes a weight (2: bf16; about 0.56: 4-bit, group-64 scales).")
+@click.option("--context", type=int, default=1024, show_default=True,
+              help="--predict: positions each request attends to (its K/V is read every step).")
 @engine_flags(defaults={"enable_prefix_caching": False})
-def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int, short: bool, **kw: Any) -> None:
+def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int, runs: int, short: bool,
+             predict_shape: str | None, link_gbps: float, link_latency_us: float, rank_gbps: float,
+             rank_tflops: float, host_ms: float, bytes_per_param: float, context: int, **kw: Any) -> None:
     """Tensor and pipeline parallelism here: all-reduce and send/recv latency and bandwidth, per-rank compute of
     a decode step and a prefill chunk, decode tok/s of single process, TP and PP at batch 1 and --batch, weight
     bytes per rank; predicted (parallel/cost.py, fitted to the probes) against measured."""
@@ -73,11 +127,17 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     from brisk.engine.settings import engine_kwargs
     from brisk.parallel.cost import Link, model_shape
 
+    if predict_shape is not None:
+        if ranks < 2 or batch < 1 or context < 0:
+            raise ValueError(f"need --ranks >= 2, --batch >= 1 and --context >= 0; got {ranks}, {batch}, {context}")
+        _print_predictions(predict_shape, ranks, (1, batch) if batch > 1 else (1,), link_gbps, link_latency_us,
+                           rank_gbps, rank_tflops, host_ms, bytes_per_param, context, kw.get("json_path"))
+        return
     if short:
-        output_len, reps = min(output_len, 8), min(reps, 5)
-    if ranks < 2 or batch < 1 or input_len < 1 or output_len < 2 or reps < 1:
-        raise ValueError(f"need --ranks >= 2, --batch >= 1, --input-len >= 1, --output-len >= 2, --reps >= 1; got "
-                         f"{ranks}, {batch}, {input_len}, {output_len}, {reps}")
+        output_len, reps, runs = min(output_len, 8), min(reps, 5), 1
+    if ranks < 2 or batch < 1 or input_len < 1 or output_len < 2 or reps < 1 or runs < 1:
+        raise ValueError(f"need --ranks >= 2, --batch >= 1, --input-len >= 1, --output-len >= 2, --reps >= 1, "
+                         f"--runs >= 1; got {ranks}, {batch}, {input_len}, {output_len}, {reps}, {runs}")
     if kw["tensor_parallel_size"] != 1 or kw["pipeline_parallel_size"] != 1:
         raise ValueError("bench parallel runs the single, TP and PP engines itself: leave --tensor-parallel-size "
                          "and --pipeline-parallel-size at 1 and give --ranks")
@@ -92,11 +152,16 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     decode: dict[str, Any] = {}
     weights: dict[str, list[int]] = {}
     model_facts: dict[str, Any] = {}
-    total = 3 * len(batches) * sum(batches) * output_len
-    with report.progress_bar(f"decode: single, TP{ranks}, PP{ranks} at batch {', '.join(map(str, batches))}",
+    rank_threads = max(1, threads // ranks)
+    total = 4 * runs * sum(batches) * output_len
+    with report.progress_bar(f"decode: single, TP{ranks}, PP{ranks}, modules at batch {', '.join(map(str, batches))}",
                              total) as advance:
-        for mode in ("single", "tp", "pp"):
-            sizes = {"tp": {"tensor_parallel_size": ranks}, "pp": {"pipeline_parallel_size": ranks}}.get(mode, {})
+        for mode in ("single", "tp", "pp", "modules"):
+            # modules: the calibration of the cost model's host time, one process on the path and threads a rank
+            # runs (the module path, threads // ranks), off the single process's fast path
+            sizes = {"tp": {"tensor_parallel_size": ranks}, "pp": {"pipeline_parallel_size": ranks},
+                     "modules": {"execution": "modules", "num_threads": rank_threads}}.get(mode, {})
+            torch.set_num_threads(threads)
             llm = build_llm({**kw, **sizes})
             try:
                 if mode == "single":
@@ -105,14 +170,17 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                     config = loaded.config
                 for b in batches:
                     run_decode(llm, b, input_len, min(output_len, 4), seed=1)  # warm-up
-                    res = run_decode(llm, b, input_len, output_len)
-                    decode[f"{mode}/{b}"] = {"batch": b, "tok_s": res.tok_s, "decode_tokens": res.decode_tokens,
-                                             "decode_s": res.decode_s}
-                    advance(b * output_len)
+                    # best of --runs: another process's load only ever makes a run slower
+                    res = [run_decode(llm, b, input_len, output_len, seed=2 + r) for r in range(runs)]
+                    best = max(res, key=lambda d: d.tok_s)
+                    decode[f"{mode}/{b}"] = {"batch": b, "tok_s": best.tok_s, "decode_tokens": best.decode_tokens,
+                                             "decode_s": best.decode_s, "tok_s_all": [d.tok_s for d in res]}
+                    advance(runs * b * output_len)
                 weights[mode] = llm.engine.rank_weight_bytes()
             finally:
                 llm.engine.shutdown()
             del llm
+    torch.set_num_threads(threads)
 
     # the single process's linears with every thread (a fresh load: the engine may have converted its own)
     from brisk.engine.llm_engine import load_engine_model
@@ -133,8 +201,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                          for i in range(len(probes[0]["send_recv"]))])
     link = Link(link_fit["latency_s"], link_fit["bandwidth"])
     bytes_per_param = single_linear_bytes / shape.matmul_params
-    single_t = {k.split("/")[1]: v["tok_s"] for k, v in decode.items() if k.startswith("single/")}
-    preds, speeds = _predictions(shape, single_t, single_compute, probes, link, batches, input_len,
+    preds, speeds = _predictions(shape, decode, single_compute, probes, link, batches, input_len,
                                  bytes_per_param, single_linear_bytes)
 
     # ------------------------------------------------------------------ tables
@@ -174,7 +241,11 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                   + " GB/s; float32 matmul " + ", ".join(f"{p['flops'] / 1e9:.0f}" for p in probes)
                   + " GFLOP/s. The linears' effective rates (cost model's BW, F): "
                   + "; ".join(f"{k} {v['mem_bandwidth'] / 1e9:.1f} GB/s, {v['flops'] / 1e9:.0f} GFLOP/s"
-                              for k, v in speeds.items()))
+                              for k, v in speeds.items() if k != "host")
+                  + "; host a step, single process: " + ", ".join(
+                      f"{h['single_step_s'] * 1e3:.1f} ms (batch {b})" for b, h in speeds["host"].items())
+                  + f"; a rank, per layer ({rank_threads} thread(s), module path): " + ", ".join(
+                      f"{h['rank_layer_s'] * 1e3:.2f} ms (batch {b})" for b, h in speeds["host"].items()))
 
     t = Table(title=f"decode tok/s: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens -> "
                     f"{output_len}, same run; predicted = parallel/cost.py fitted here")
@@ -182,9 +253,13 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                 "speed-up predicted"):
         t.add_column(col, justify="right")
     summary: dict[str, Any] = {}
-    for mode in ("single", "tp", "pp"):
+    for mode in ("single", "modules", "tp", "pp"):
         for b in batches:
             key = f"{mode}/{b}"
+            if mode == "modules":
+                t.add_row(f"modules, {rank_threads} thr", str(b), f"{decode[key]['tok_s']:.1f}", "(fit)", "",
+                          f"{decode[key]['tok_s'] / decode[f'single/{b}']['tok_s']:.2f}", "")
+                continue
             m, pr = decode[key]["tok_s"], preds[key]["tok_s"]
             base_m, base_p = decode[f"single/{b}"]["tok_s"], preds[f"single/{b}"]["tok_s"]
             summary[key] = {"measured_tok_s": m, "predicted_tok_s": pr, "error": pr / m - 1,

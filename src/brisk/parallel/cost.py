@@ -139,7 +139,7 @@ class Prediction:
     comm_s: float  # collectives on the critical path (PP: per micro-batch hand-offs of the slowest stage)
     step_s: float  # seconds for every request of the batch to get one token (PP: one round)
     tok_s: float
-    weight_bytes_per_rank: float  # the largest rank's streamed weight bytes
+    read_bytes_per_rank: float  # the largest rank's bytes read a step (weights, K/V)
 
     def to_dict(self) -> dict[str, float | int | str]:
         from dataclasses import asdict
@@ -205,3 +205,15 @@ def speedup(model: ModelShape, mode: str, ranks: int, batch: int, single: RankSp
     ours = predict(model, mode, ranks, batch, rank, link, **kw)
     base = predict(model, "single", 1, batch, single, **kw)
     return ours.tok_s / base.tok_s
+
+
+def prediction_rows(model: ModelShape, ranks: int, batches: tuple[int, ...], single: RankSpeed, rank: RankSpeed,
+                    link: Link, **kw: float) -> list[dict[str, float | int | str]]:
+    """For each batch: the single process's, TP's and PP's predictions on `ranks`, each with its speed-up."""
+    rows = []
+    for b in batches:
+        base = predict(model, "single", 1, b, single, **kw)
+        for mode in MODES:
+            p = base if mode == "single" else predict(model, mode, ranks, b, rank, link, **kw)
+            rows.append({**p.to_dict(), "speedup": p.tok_s / base.tok_s})
+    return rows
