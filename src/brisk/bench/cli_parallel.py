@@ -14,13 +14,15 @@ from brisk.bench import report
 from brisk.bench.options import build_llm, describe_model, engine_flags, set_threads
 
 
-def fit_link(points: list[dict[str, float]]) -> dict[str, float]:
-    """Latency = the smallest message's one-way seconds; bandwidth = the extra bytes of the largest over its extra
-    seconds (least sensitive to the fixed cost)."""
+def fit_link(points: list[dict[str, float]], ranks: int) -> dict[str, float]:
+    """The Link whose ring all-reduce (parallel/cost.py all_reduce_s) matches the measured one at the smallest and
+    the largest message: t = 2 (N-1) a + 2 (N-1)/N x bytes / b."""
     small, big = points[0], points[-1]
+    steps = 2 * (ranks - 1)
     extra_s = big["seconds"] - small["seconds"]
-    bw = (big["bytes"] - small["bytes"]) / extra_s if extra_s > 0 else big["bytes"] / big["seconds"]
-    return {"latency_s": small["seconds"], "bandwidth": bw}
+    extra_b = (big["bytes"] - small["bytes"]) * steps / ranks
+    bw = extra_b / extra_s if extra_s > 0 else big["bytes"] * steps / ranks / big["seconds"]
+    return {"latency_s": small["seconds"] / steps, "bandwidth": bw}
 
 
 def _mean(xs: list[float]) -> float:
@@ -197,8 +199,8 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
         advance(1)
 
     shape = model_shape(config)
-    link_fit = fit_link([{k: _mean([p["send_recv"][i][k] for p in probes[:2]]) for k in ("bytes", "seconds")}
-                         for i in range(len(probes[0]["send_recv"]))])
+    link_fit = fit_link([{k: _mean([p["all_reduce"][i][k] for p in probes]) for k in ("bytes", "seconds")}
+                         for i in range(len(probes[0]["all_reduce"]))], ranks)
     link = Link(link_fit["latency_s"], link_fit["bandwidth"])
     bytes_per_param = single_linear_bytes / shape.matmul_params
     preds, speeds = _predictions(shape, decode, single_compute, probes, link, batches, input_len,
@@ -208,7 +210,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     from brisk.parallel.cost import all_reduce_s, send_s
 
     t = Table(title=f"link: gloo, {ranks} ranks on this machine; fitted latency {link.latency_s * 1e6:.0f} us, "
-                    f"bandwidth {link.bandwidth / 1e9:.2f} GB/s (send/recv)")
+                    f"bandwidth {link.bandwidth / 1e9:.2f} GB/s (fitted to the all-reduce; means of --reps)")
     for col in ("rows x hidden", "bytes", "all-reduce us", "model us", "all-reduce GB/s", "send/recv us",
                 "model us ", "send/recv GB/s"):
         t.add_column(col, justify="right")

@@ -6,7 +6,7 @@ Two parts, run one after the other:
     torch threads, all at once (the way a parallel engine's ranks share the machine):
         all_reduce and send/recv of float32 messages of one hidden-state row, a decode batch's rows and a prefill
         chunk's
-        (median of repeats; latency = the smallest message's time, bandwidth from the largest's);
+        (mean of repeats; the link's latency and bandwidth are fitted to the all-reduce's smallest and largest);
         memory read bandwidth and matmul flop/s of one rank (the cost model's BW_r, F_r);
         the per-rank compute of the model cut as tensor parallelism (shard_model) and pipeline parallelism
         (take_stage) cut it: every linear layer of the rank's share (and its lm_head share) run on a decode step's
@@ -28,14 +28,24 @@ import torch
 import torch.distributed as dist
 
 
-def _median_s(fn: Any, reps: int) -> float:
+def _times(fn: Any, reps: int) -> list[float]:
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_s(fn: Any, reps: int) -> float:
+    return statistics.median(_times(fn, reps))
+
+
+def _mean_s(fn: Any, reps: int) -> float:
+    """The mean, not the median: an engine step waits on dozens of collectives in a row, so a peer's late
+    (descheduled) turn counts at its full weight."""
+    return statistics.fmean(_times(fn, reps))
 
 
 def _link_probe(rank: int, hidden: int, rows: tuple[int, ...], reps: int) -> dict[str, list[dict[str, float]]]:
@@ -44,7 +54,7 @@ def _link_probe(rank: int, hidden: int, rows: tuple[int, ...], reps: int) -> dic
     for n in rows:
         x = torch.randn(n, hidden)
         dist.barrier()
-        s = _median_s(lambda x=x: dist.all_reduce(x), reps)
+        s = _mean_s(lambda x=x: dist.all_reduce(x), reps)
         out["all_reduce"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
     for n in rows:
         x = torch.randn(n, hidden)
@@ -58,7 +68,7 @@ def _link_probe(rank: int, hidden: int, rows: tuple[int, ...], reps: int) -> dic
                 dist.send(x, 0)
 
         dist.barrier()
-        s = _median_s(ping, reps) / 2
+        s = _mean_s(ping, reps) / 2
         out["send_recv"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
     return out
 
