@@ -17,7 +17,8 @@ from brisk.model.dummy import SHAPES, ShapeError, shape_config
 from brisk.model.loader import load_model
 
 # the parameter counts the models' publishers give (exact)
-PUBLISHED_PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248}
+PUBLISHED_PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+                    "llama-3.1-70b": 70_553_706_496}
 # the Qwen model cards give rounded figures: (total, without the embeddings, active per token), in billions
 PUBLISHED_ROUNDED = {"qwen3-0.6b": (0.6, 0.44, 0.6), "qwen3-4b": (4.0, 3.6, 4.0),
                      "qwen1.5-moe-a2.7b": (14.3, None, 2.7)}

@@ -33,11 +33,12 @@ def bench() -> None:
 def _register_commands() -> None:
     from brisk.bench.cli_decode import latency, membw, throughput
     from brisk.bench.cli_methods import compare, kv, quant, sparse, spec
+    from brisk.bench.cli_parallel import parallel
     from brisk.bench.cli_serve import serve
     from brisk.bench.lora import lora
     from brisk.bench.structured import structured
 
-    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare, lora, structured,
+    for command in (membw, latency, throughput, serve, quant, sparse, spec, kv, compare, lora, structured, parallel,
                     ab, ab_kernels, profile_command):  # the last three: same-process A/Bs, a decode-step profile
         bench.add_command(command)
 
