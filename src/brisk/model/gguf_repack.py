@@ -197,9 +197,11 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType, shape: t
     else:
         _repack_reference(rows if rows_perm is None else rows[rows_perm], qtype, out, scales, mins)
     with _one_thread():
-        scales = scales.to(_param_dtype(scales))
+        # the legacy types' parameters are stored float16 values (exact as float16); the K-quants' are products
+        exact16 = qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+        scales = scales.to(torch.float16 if exact16 else _param_dtype(scales))
         if mins is not None:
-            mins = mins.to(_param_dtype(mins))
+            mins = mins.to(torch.float16 if exact16 else _param_dtype(mins))
     return PackedWeight(bits=bits, group_size=group, out_features=n, in_features=k, data=out, scales=scales,
                         zeros=mins, codebook=None, blocked=True)
 

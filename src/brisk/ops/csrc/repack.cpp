@@ -237,20 +237,6 @@ void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, cons
 //   4 bits: blocked byte 16 b + 4 j + i (codes 32 b + 8 i + j, + 4) is byte j of tiled word c = 4 b + i of row r;
 //   8 bits: blocked byte 32 b + 4 l + i (code 32 b + 8 i + l) is byte l % 4 of tiled word c = 8 b + 2 i + l / 4.
 // Tiled word c of row r sits at bytes (16 c + r) * 4 of the tile.
-inline int64_t tiled_offset(int64_t bits, int64_t blocked_byte, int64_t r) {
-  int64_t c, j;
-  if (bits == 4) {
-    const int64_t b = blocked_byte / 16, jj = (blocked_byte / 4) % 4, i = blocked_byte % 4;
-    c = 4 * b + i;
-    j = jj;
-  } else {
-    const int64_t b = blocked_byte / 32, l = (blocked_byte / 4) % 8, i = blocked_byte % 4;
-    c = 8 * b + 2 * i + l / 4;
-    j = l % 4;
-  }
-  return (c * kTileRows + r) * 4 + j;
-}
-
 // data [N, K * bits / 8] uint8 (N % 16 == 0), blocked <-> tiled, in place
 void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bool to_tiled) {
   TORCH_CHECK(bits == 8 || bits == 4, "packed_retile: 8- or 4-bit codes only");
@@ -260,10 +246,8 @@ void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bo
   TORCH_CHECK(k % kBlock == 0 && data.numel() % (kTileRows * row_bytes) == 0,
               "packed_retile: data must hold whole 16-row tiles of ", k, " columns");
   const int64_t tiles = data.numel() / (kTileRows * row_bytes);
-  // the permutation of one block's bytes (32 columns, any row r: add r * 4), the same for every block
+  // one 32-column block of a row: block_bytes bytes; of all 16 rows of a tile: block_span bytes in either layout
   const int64_t block_bytes = 4 * bits, block_span = kTileRows * block_bytes;
-  std::vector<int64_t> offset(block_bytes);
-  for (int64_t x = 0; x < block_bytes; ++x) offset[x] = tiled_offset(bits, x, 0);
   uint8_t* base = data.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> copy(kTileRows * row_bytes);
@@ -272,11 +256,20 @@ void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bo
       std::memcpy(copy.data(), tile, copy.size());
       for (int64_t b = 0; b < k / kBlock; ++b) {  // a block's bytes of all 16 rows: block_span bytes of the tile
         for (int64_t r = 0; r < kTileRows; ++r) {
-          const int64_t blocked = r * row_bytes + b * block_bytes, tiled = b * block_span + r * 4;
-          if (to_tiled) {
-            for (int64_t x = 0; x < block_bytes; ++x) tile[tiled + offset[x]] = copy[blocked + x];
-          } else {
-            for (int64_t x = 0; x < block_bytes; ++x) tile[blocked + x] = copy[tiled + offset[x]];
+          uint8_t* blocked = (to_tiled ? copy.data() : tile) + r * row_bytes + b * block_bytes;
+          uint8_t* tiled = (to_tiled ? tile : copy.data()) + b * block_span + r * 4;
+          // groups of 4 blocked words whose bytes i make tiled word i: a 4x4 byte transpose (one group for 4 bits,
+          // two for 8 bits: words l = 4 h .. 4 h + 3 give tiled words 2 i + h)
+          for (int64_t h = 0; h < bits / 4; ++h) {
+            for (int64_t i = 0; i < 4; ++i) {
+              uint8_t* word = tiled + (bits == 4 ? i : 2 * i + h) * kTileRows * 4;
+              const uint8_t* src = blocked + 16 * h + i;
+              if (to_tiled) {
+                for (int64_t j = 0; j < 4; ++j) word[j] = src[4 * j];
+              } else {
+                for (int64_t j = 0; j < 4; ++j) blocked[16 * h + 4 * j + i] = word[j];
+              }
+            }
           }
         }
       }
