@@ -12,8 +12,8 @@
     LoRATrainLinear.forward(x) = base(x) + (alpha / r) * dropout(x) @ A^T @ B^T
 
 The loss is next-token cross-entropy over the labelled positions only (all of them for plain text, the
-assistant turns for chat data: data.py), computed over chunks of positions with the head recomputed in the
-backward, so the [B, T, vocab] logits of a whole batch are never held at once.
+assistant turns for chat data: data.py), the head's logits formed a chunk of positions at a time
+(train/losses.py head_loss), so the [B, T, vocab] logits of a whole batch are never held at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from brisk.lora.adapter import LoRAAdapter, module_path
 from brisk.lora.frozen import FrozenQuantLinear
@@ -34,10 +33,11 @@ from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import prepack, prepack_nf4
 from brisk.quant.config import LayerQuant
 from brisk.quant.rtn import quantize_layer
+from brisk.train.forward import causal_lm_forward
+from brisk.train.losses import head_loss, next_token_labels
 
 BASES = ("nf4", "int4", "int8", "float")
 BASE_SPECS = {"nf4": LayerQuant(4, 64, scheme="nf4"), "int4": LayerQuant(4, 64), "int8": LayerQuant(8, -1, sym=True)}
-_LOSS_CHUNK = 512  # positions whose logits are formed at once in the loss
 
 
 class LoRATrainLinear(nn.Module):
@@ -168,30 +168,6 @@ def adapter_of(model: nn.Module, targets: list[str], r: int, alpha: float, dropo
                        lora_dropout=dropout, use_rslora=use_rslora, base_model_name_or_path=base_name)
 
 
-def hidden_forward(model: nn.Module, ids: torch.Tensor, activation_checkpointing: bool) -> torch.Tensor:
-    """The training forward (train/forward.py) up to the final norm: [B, T] -> [B, T, hidden]."""
-    from brisk.ops.fused import rms_norm_reference
-    from brisk.ops.metadata import causal_mask
-    from brisk.train.forward import _layer_forward
-
-    t = ids.shape[1]
-    cos, sin = model.rope.cos_sin(torch.arange(t))  # [T, d/2]
-    window = model.config.sliding_window
-    mask = causal_mask(t, t, window) if window is not None and window < t else None
-    x = model.model.embed_tokens(ids)  # [B, T, hidden]
-    for layer in model.model.layers:
-        if activation_checkpointing and torch.is_grad_enabled():
-            x = checkpoint(_layer_forward, layer, x, cos, sin, mask, use_reentrant=False)
-        else:
-            x = _layer_forward(layer, x, cos, sin, mask)
-    return rms_norm_reference(x, model.model.norm.weight, model.model.norm.eps)
-
-
-def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden) if not isinstance(head, nn.Linear) else F.linear(hidden, head.weight, head.bias)
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
-
-
 def decode_labels(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of data.py's encoding (id >= 0: a labelled token, -1 - id: context only) -> (ids, labelled mask)."""
     labelled = batch >= 0
@@ -203,17 +179,11 @@ def make_lora_loss(activation_checkpointing: bool = False):  # noqa: ANN201 - tr
 
     def loss_fn(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         ids, labelled = decode_labels(batch)
-        hidden = hidden_forward(model, ids, activation_checkpointing)  # [B, T, hidden]
-        want = labelled[:, 1:]  # position t predicts token t + 1
-        h = hidden[:, :-1][want]  # [M, hidden]
-        labels = ids[:, 1:][want]  # [M]
-        if labels.numel() == 0:
-            return hidden.sum() * 0.0, {"tokens": 0.0}
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for s in range(0, labels.numel(), _LOSS_CHUNK):
-            total = total + checkpoint(_head_ce_sum, model.lm_head, h[s:s + _LOSS_CHUNK], labels[s:s + _LOSS_CHUNK],
-                                       use_reentrant=False)
-        return total / labels.numel(), {"tokens": float(labels.numel())}
+        hidden = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing, head=False)
+        rows = hidden.last_hidden.reshape(-1, hidden.last_hidden.shape[-1])  # [B*T, hidden]
+        labels = next_token_labels(ids, labelled)  # position t predicts token t + 1
+        loss, _, _ = head_loss(model.lm_head, rows, labels)
+        return loss, {"tokens": float((labels != -100).sum())}
 
     return loss_fn
 

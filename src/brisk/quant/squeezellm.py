@@ -90,8 +90,8 @@ def fisher_diagonal(model: nn.Module, ids: torch.Tensor, names: list[str], chunk
                     progress: bool = False) -> dict[str, torch.Tensor]:
     """F [N, K] float32 per named linear: the mean over chunks of ids [S, L] of the squared gradient of the
     next-token loss with respect to its weight (module docstring, step 1). `model` must be unfused and float."""
-    from brisk.train.forward import causal_lm_forward, check_trainable
-    from brisk.train.losses import next_token_ce
+    from brisk.train.distill import lm_loss
+    from brisk.train.forward import check_trainable
 
     check_trainable(model)  # type: ignore[arg-type]
     weights = [model.get_submodule(n).weight for n in names]
@@ -106,8 +106,7 @@ def fisher_diagonal(model: nn.Module, ids: torch.Tensor, names: list[str], chunk
         with torch.enable_grad():
             for i, start in enumerate(chunks):
                 batch = ids[start:start + chunk_size]  # [B, L]
-                logits = causal_lm_forward(model, batch, activation_checkpointing=True).logits  # [B, L, V]
-                loss = next_token_ce(logits, batch)
+                loss = lm_loss(model, batch, activation_checkpointing=True)  # type: ignore[arg-type]
                 grads = torch.autograd.grad(loss, weights)
                 for f, g in zip(fisher, grads, strict=True):
                     f.addcmul_(g.float(), g.float())

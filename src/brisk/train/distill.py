@@ -21,7 +21,7 @@ from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel, build_model
 from brisk.prune.checkpoint import model_tensors
 from brisk.train.forward import causal_lm_forward
-from brisk.train.losses import distillation_loss, hidden_state_loss, next_token_ce
+from brisk.train.losses import head_loss, hidden_state_loss, next_token_labels
 from brisk.train.trainer import LossFn
 
 
@@ -102,10 +102,14 @@ def make_distill_loss(teacher: LlamaForCausalLM, alpha: float, temperature: floa
 
     def loss_fn(student: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.no_grad():
-            t = causal_lm_forward(teacher, ids, output_hidden_states=hidden_weight > 0)
+            t = causal_lm_forward(teacher, ids, output_hidden_states=hidden_weight > 0, head=False)
         s = causal_lm_forward(student, ids, output_hidden_states=hidden_weight > 0,
-                              activation_checkpointing=activation_checkpointing)
-        loss, parts = distillation_loss(s.logits, t.logits, ids, alpha, temperature)
+                              activation_checkpointing=activation_checkpointing, head=False)
+        t_rows = t.last_hidden.reshape(-1, t.last_hidden.shape[-1])  # [B*T, hidden]
+        loss, ce, kl = head_loss(student.lm_head, s.last_hidden.reshape(-1, s.last_hidden.shape[-1]),
+                                 next_token_labels(ids), ce_weight=1 - alpha, kd_weight=alpha,
+                                 teacher=lambda a, b: teacher.lm_head(t_rows[a:b]), temperature=temperature)
+        parts = {"kl": float(kl), "ce": float(ce)}
         if hidden_weight:
             assert s.hidden_states is not None and t.hidden_states is not None and layer_map is not None
             hidden = hidden_state_loss(s.hidden_states, t.hidden_states, layer_map)
@@ -120,10 +124,15 @@ def make_lm_loss(activation_checkpointing: bool = False) -> LossFn:
     """Plain next-token cross-entropy on the text (fine-tuning with no teacher)."""
 
     def loss_fn(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing).logits
-        return next_token_ce(logits, ids), {}
+        return lm_loss(model, ids, activation_checkpointing), {}
 
     return loss_fn
+
+
+def lm_loss(model: LlamaForCausalLM, ids: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
+    """Mean next-token cross-entropy of [B, T] windows, the head's logits formed a chunk at a time."""
+    hidden = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing, head=False).last_hidden
+    return head_loss(model.lm_head, hidden.reshape(-1, hidden.shape[-1]), next_token_labels(ids))[0]
 
 
 def check_hidden_sizes(teacher: LoadedModel, student: LoadedModel) -> None:

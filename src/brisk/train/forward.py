@@ -31,8 +31,9 @@ class UntrainableModelError(ValueError):
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V] (None when the head was left to the loss)
     hidden_states: list[torch.Tensor] | None  # [B, T, hidden] after each layer (residual stream), if asked
+    last_hidden: torch.Tensor  # [B, T, hidden] after the final norm: the head's input
 
 
 def check_trainable(model: LlamaForCausalLM) -> None:
@@ -93,8 +94,10 @@ def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin:
 
 
 def causal_lm_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, *, output_hidden_states: bool = False,
-                      activation_checkpointing: bool = False) -> ForwardOutput:
+                      activation_checkpointing: bool = False, head: bool = True) -> ForwardOutput:
     """input_ids: [B, T] (every row from position 0) -> logits [B, T, V] in the weights' dtype (or autocast's).
+
+    head=False stops at the final norm (logits None): losses.head_loss then forms the logits a chunk at a time.
 
     activation_checkpointing recomputes each layer in the backward instead of keeping its activations
     (memory ~ one layer instead of all of them, for about a third more compute).
@@ -116,4 +119,5 @@ def causal_lm_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, *, outpu
         if hidden_states is not None:
             hidden_states.append(x)
     x = rms_norm_reference(x, model.model.norm.weight, model.model.norm.eps)
-    return ForwardOutput(logits=_linear(model.lm_head, x), hidden_states=hidden_states)
+    return ForwardOutput(logits=_linear(model.lm_head, x) if head else None, hidden_states=hidden_states,
+                         last_hidden=x)
