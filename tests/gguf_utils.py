@@ -46,6 +46,20 @@ def tiny_config(architecture: str = "llama", vocab_size: int = 300, **overrides:
     return ModelConfig(**settings)
 
 
+# the extra settings each mixture-of-experts architecture needs in tiny_arch_config
+MOE_EXTRAS = {"mixtral": {}, "qwen2_moe": {"shared_expert_intermediate_size": 32}, "qwen3_moe": {}}
+
+
+def tiny_arch_config(arch: str) -> ModelConfig:
+    """tiny_config of `arch` with what the architecture needs: 4 experts (top 2) for MoE, tanh-GELU for gemma3."""
+    extra: dict[str, Any] = {}
+    if arch in MOE_EXTRAS:
+        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **MOE_EXTRAS[arch])
+    if arch == "gemma3":
+        extra = dict(hidden_act="gelu_pytorch_tanh")
+    return tiny_config(arch, **extra)
+
+
 def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named random float32 weights for `config`."""
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from gguf_utils import tiny_config
+from gguf_utils import tiny_arch_config
 from hf_utils import TRAINING_TEXT, make_tiny_hf_model
 from safetensors import safe_open
 from test_gemma import LAYER_TYPES, make_tiny_gemma3
@@ -35,19 +35,10 @@ ACCEPTS = {"magnitude": set(SUPPORTED_ARCHITECTURES), "wanda": set(SUPPORTED_ARC
 ARCHS = ("qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def _config(arch: str):  # noqa: ANN202 - ModelConfig
-    extra: dict[str, object] = {}
-    if arch in MOE_ARCHITECTURES:
-        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    if arch == "gemma3":
-        extra = dict(hidden_act="gelu_pytorch_tanh")
-    return tiny_config(arch, **extra)
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_each_method_accepts_what_it_declares(method: str, arch: str) -> None:
-    config = _config(arch)
+    config = tiny_arch_config(arch)
     if arch in ACCEPTS[method]:
         check_prune_supports(method, config)
         return
@@ -60,7 +51,7 @@ def test_each_method_accepts_what_it_declares(method: str, arch: str) -> None:
 
 def test_unknown_method_is_named() -> None:
     with pytest.raises(PruneConfigError, match="unknown pruning method 'obc'"):
-        check_prune_supports("obc", _config("llama"))
+        check_prune_supports("obc", tiny_arch_config("llama"))
 
 
 # ---------------------------------------------------------------------------------------------- the models

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from gguf_utils import tiny_config
+from gguf_utils import MOE_EXTRAS, tiny_arch_config
 from hf_utils import make_tiny_hf_model
 from test_gemma import make_tiny_gemma3
 from test_moe import make_tiny_moe, prefill_logits
@@ -19,7 +19,7 @@ from brisk.model.loader import load_model
 from brisk.quant.support import check_method_supports, method_support
 
 METHODS = ("rtn", "gptq", "awq", "qat", "smoothquant", "llm-int8", "squeezellm")
-MOE = {"mixtral": {}, "qwen2_moe": {"shared_expert_intermediate_size": 32}, "qwen3_moe": {}}
+MOE = MOE_EXTRAS
 # what each method is expected to take (written out here, not derived from the declarations)
 ACCEPTS = {
     "rtn": set(SUPPORTED_ARCHITECTURES),
@@ -32,19 +32,10 @@ ACCEPTS = {
 }
 
 
-def _config(arch: str):  # noqa: ANN202 - ModelConfig
-    extra: dict[str, object] = {}
-    if arch in MOE:
-        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **MOE[arch])
-    if arch == "gemma3":
-        extra = dict(hidden_act="gelu_pytorch_tanh")
-    return tiny_config(arch, **extra)
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_each_method_accepts_what_it_declares(method: str, arch: str) -> None:
-    config = _config(arch)
+    config = tiny_arch_config(arch)
     if arch in ACCEPTS[method]:
         check_method_supports(method, config)
         return

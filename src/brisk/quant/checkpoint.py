@@ -122,19 +122,7 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     expected = {"qweight": ((n, k * spec.bits // 8), torch.uint8), "scales": ((n, groups), None)}
     if spec.scheme == "int" and not spec.sym:
         expected["qzeros"] = ((n, groups), torch.uint8)
-    out = {}
-    for suffix, (shape, dtype) in expected.items():
-        key = f"{name}.{suffix}"
-        if key not in tensors:
-            raise QuantConfigError(f"checkpoint lacks {key}, which quantization_config ({spec.label}) implies; "
-                                   "the checkpoint and its config.json do not belong together")
-        t = tensors.pop(key)
-        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-            raise QuantConfigError(
-                f"{key} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, but quantization_config says "
-                f"{name} is {spec.label} with in_features {k}, which needs "
-                f"{str(dtype or 'float').removeprefix('torch.')} {list(shape)}; the config does not match the tensors")
-        out[suffix] = t
+    out = _pop_expected(tensors, name, spec, k, expected)
     if spec.sym or spec.scheme == "nf4":
         stray = tensors.pop(f"{name}.qzeros", None)
         if stray is not None:
@@ -157,12 +145,9 @@ def take_layer_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, na
     return out
 
 
-def _take_lut_tensors(tensors: dict[str, torch.Tensor], name: str, spec: LayerQuant, n: int, k: int
-                      ) -> dict[str, torch.Tensor]:
-    """Pop and check one scheme-"lut" module's tensors (qweight, lut, the optional outlier CSR, bias)."""
-    if k % 8:
-        raise QuantConfigError(f"{name}: {spec.label} needs in_features divisible by 8, got {k}")
-    expected = {"qweight": ((n, k * spec.bits // 8), torch.uint8), "lut": ((n, 1 << spec.bits), None)}
+def _pop_expected(tensors: dict[str, torch.Tensor], name: str, spec: LayerQuant, k: int,
+                  expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]]) -> dict[str, torch.Tensor]:
+    """Pop `name`.suffix for each expected (shape, dtype) (None: any float dtype), each checked."""
     out = {}
     for suffix, (shape, dtype) in expected.items():
         key = f"{name}.{suffix}"
@@ -170,12 +155,22 @@ def _take_lut_tensors(tensors: dict[str, torch.Tensor], name: str, spec: LayerQu
             raise QuantConfigError(f"checkpoint lacks {key}, which quantization_config ({spec.label}) implies; "
                                    "the checkpoint and its config.json do not belong together")
         t = tensors.pop(key)
-        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or (dtype is None and
-                                                                                 not t.is_floating_point()):
-            raise QuantConfigError(f"{key} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, but "
-                                   f"quantization_config says {name} is {spec.label} with in_features {k}, which "
-                                   f"needs {str(dtype or 'float').removeprefix('torch.')} {list(shape)}")
+        if tuple(t.shape) != shape or (t.dtype != dtype if dtype is not None else not t.is_floating_point()):
+            raise QuantConfigError(
+                f"{key} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, but quantization_config says "
+                f"{name} is {spec.label} with in_features {k}, which needs "
+                f"{str(dtype or 'float').removeprefix('torch.')} {list(shape)}; the config does not match the tensors")
         out[suffix] = t
+    return out
+
+
+def _take_lut_tensors(tensors: dict[str, torch.Tensor], name: str, spec: LayerQuant, n: int, k: int
+                      ) -> dict[str, torch.Tensor]:
+    """Pop and check one scheme-"lut" module's tensors (qweight, lut, the optional outlier CSR, bias)."""
+    if k % 8:
+        raise QuantConfigError(f"{name}: {spec.label} needs in_features divisible by 8, got {k}")
+    expected = {"qweight": ((n, k * spec.bits // 8), torch.uint8), "lut": ((n, 1 << spec.bits), None)}
+    out = _pop_expected(tensors, name, spec, k, expected)
     found = {s: tensors.pop(f"{name}.{s}") for s in _OUTLIER_SUFFIXES if f"{name}.{s}" in tensors}
     if found and len(found) != len(_OUTLIER_SUFFIXES):
         missing = [f"{name}.{s}" for s in _OUTLIER_SUFFIXES if s not in found]
