@@ -237,3 +237,16 @@ def test_back_pressure_rejects_beyond_the_waiting_queue(model_dir):
         assert f"brisk_requests_rejected_total {float(len(rejected))}" in metrics
         assert "brisk_kv_blocks_in_use 0.0" in metrics and "brisk_num_sequences_admitted 0.0" in metrics
         assert "Traceback" not in srv.log()
+
+
+def test_the_server_log_of_its_own_is_removed_with_the_process_object():
+    import gc
+
+    from brisk.serve.process import ServerProcess
+
+    server = ServerProcess(["--model", "unused"])  # never started: only the log file is made
+    path = server.log_path
+    assert path.exists() and server.log() == ""
+    del server
+    gc.collect()
+    assert not path.exists()

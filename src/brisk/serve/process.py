@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 
 
@@ -36,7 +37,13 @@ class ServerProcess:
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="brisk-serve-", suffix=".log")[1])
+        if log_path is None:  # a log of our own: removed when this object goes (or at exit), read until then
+            fd, name = tempfile.mkstemp(prefix="brisk-serve-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+            weakref.finalize(self, self.log_path.unlink, missing_ok=True)
+        else:
+            self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
     @property
