@@ -1,0 +1,137 @@
+"""The ONNX Runtime baseline (bench/onnx_baseline.py): the exported graph against brisk on a tiny random llama.
+
+One export (a few seconds of torch.onnx) serves the module; onnxruntime, onnx and onnxscript are the `onnx` extra."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hf_utils import make_tiny_hf_model
+
+pytest.importorskip("onnxruntime", reason="onnxruntime (brisk[onnx]) is not installed")
+pytest.importorskip("onnxscript", reason="onnxscript (brisk[onnx]) is not installed")
+
+from brisk import LLM, SamplingParams  # noqa: E402
+from brisk.bench.onnx_baseline import (  # noqa: E402
+    OnnxModel,
+    OnnxRuntimeMissingError,
+    cached_onnx,
+    check_exportable,
+    export_onnx,
+    io_names,
+    onnx_cache_path,
+    require_onnxruntime,
+)
+from brisk.cli import main  # noqa: E402
+from brisk.model.loader import load_model  # noqa: E402
+from brisk.ops.attention import AttentionMetadata  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(model folder, exported graph): llama with GQA (4 query heads over 2 kv heads), untied head."""
+    root = tmp_path_factory.mktemp("onnx")
+    make_tiny_hf_model(root / "m", "llama", num_kv_heads=2, seed=11)
+    return root / "m", export_onnx(root / "m", root / "m.onnx")
+
+
+def brisk_logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001 - LoadedModel
+    """brisk's all-position logits of one sequence, through its paged attention (one prefill)."""
+    c, n = loaded.config, len(ids)
+    num_blocks = (n + 15) // 16
+    kv = [torch.zeros(2, num_blocks, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], 16)
+    with torch.inference_mode():
+        return loaded.model(torch.tensor(ids), torch.arange(n), meta, kv).float()
+
+
+def test_graph_names_the_cache_as_optimum_does(exported):
+    _, path = exported
+    session = OnnxModel(path, threads=1).session
+    past, present, inputs = io_names(2)
+    assert [i.name for i in session.get_inputs()] == inputs == ["input_ids", *past]
+    assert past[:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert [o.name for o in session.get_outputs()] == ["logits", *present]
+    assert present[-1] == "present.1.value"
+
+
+def test_prefill_and_decode_logits_equal_brisk(exported):
+    """Prefill of 13 tokens, then 5 decode steps each feeding `present` back as `past`: every step's logits are
+    brisk's logits at that position (brisk runs prompt + generated tokens as one sequence), within float32
+    rounding; the greedy tokens are brisk's own greedy decode."""
+    folder, path = exported
+    loaded = load_model(folder, fuse=False, sparse=False, show_progress=False)
+    prompt = torch.randint(3, loaded.config.vocab_size, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    model = OnnxModel(path, threads=1)
+    _, tokens, rows = model.generate([prompt], output_len=6)
+    want = brisk_logits(loaded, prompt + tokens[:-1])[len(prompt) - 1:]  # [6, vocab]: the positions that predict
+    got = torch.from_numpy(np.stack(rows))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    llm = LLM(str(folder), max_model_len=64, kv_cache_memory="2MiB")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert tokens == out.outputs[0].token_ids
+
+
+def test_a_batch_decodes_each_row_as_alone(exported):
+    """Batch 3 (distinct prompts, one length): row 0's tokens are its batch-1 tokens, every row's logits finite."""
+    _, path = exported
+    model = OnnxModel(path, threads=1)
+    prompts = [[5 + i, 40, 77, 120, 9 + 2 * i, 31] for i in range(3)]
+    _, alone, _ = model.generate(prompts[:1], output_len=5)
+    _, together, rows = model.generate(prompts, output_len=5)
+    assert together == alone and np.isfinite(np.stack(rows)).all()
+    rate, toks = model.decode_rate(prompts, 4)
+    assert rate > 0 and toks == alone[:4]
+
+
+def test_export_is_cached_by_content(exported, tmp_path, monkeypatch):
+    """The first call exports, a second finds the file; another model's content gets another file."""
+    folder, _ = exported
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake_export(model_path, out):  # noqa: ANN001, ANN202
+        calls.append(model_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"graph")
+        return out
+
+    monkeypatch.setattr("brisk.bench.onnx_baseline.export_onnx", fake_export)
+    out = cached_onnx(folder)
+    assert out == onnx_cache_path(folder) and out.parent == tmp_path / "brisk" / "onnx"
+    assert cached_onnx(folder) == out and len(calls) == 1
+    other = tmp_path / "other"
+    make_tiny_hf_model(other, "llama", num_kv_heads=2, seed=12)
+    assert onnx_cache_path(other) != out
+    assert cached_onnx(other) != out and len(calls) == 2
+
+
+def test_unsupported_models_are_named():
+    with pytest.raises(ValueError, match="'gemma3'.*leave onnxruntime out"):
+        check_exportable(SimpleNamespace(architecture="gemma3", rope_scaling=None))
+    with pytest.raises(ValueError, match="RoPE.*'dynamic'"):
+        check_exportable(SimpleNamespace(architecture="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    check_exportable(SimpleNamespace(architecture="qwen2", rope_scaling={"rope_type": "llama3"}))
+
+
+def test_missing_onnxruntime_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
+    with pytest.raises(OnnxRuntimeMissingError, match=r"onnxruntime.*pip install 'brisk\[onnx\]'"):
+        require_onnxruntime()
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())
+    result = CliRunner().invoke(main, ["bench", "compare", "--baselines", "llamacpp,onnxruntime"])
+    assert result.exit_code == 1 and "brisk[onnx]" in result.output
+
+
+def test_bench_compare_checks_the_baselines(monkeypatch, exported):
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "compare", "--baselines", "llamacpp,tensorrt"])
+    assert result.exit_code == 1 and "unknown baseline(s) tensorrt" in result.output
+    result = runner.invoke(main, ["bench", "compare", "--baselines", "onnxruntime", "--precisions", "q8_0"])
+    assert result.exit_code == 1 and "add f32 to --precisions" in result.output
