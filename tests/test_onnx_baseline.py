@@ -1,6 +1,6 @@
 """The ONNX Runtime baseline (bench/onnx_baseline.py): the exported graph against brisk on a tiny random llama.
 
-One export (a few seconds of torch.onnx) serves the module; onnxruntime, onnx and onnxscript are the `onnx` extra."""
+One export serves the module; onnxruntime and onnx are the `onnx` extra."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from hf_utils import make_tiny_hf_model
 
 pytest.importorskip("onnxruntime", reason="onnxruntime (brisk[onnx]) is not installed")
-pytest.importorskip("onnxscript", reason="onnxscript (brisk[onnx]) is not installed")
 
 from brisk import LLM, SamplingParams  # noqa: E402
 from brisk.bench.onnx_baseline import (  # noqa: E402
@@ -31,13 +30,28 @@ from brisk.cli import main  # noqa: E402
 from brisk.model.loader import load_model  # noqa: E402
 from brisk.ops.attention import AttentionMetadata  # noqa: E402
 
+# arch -> tiny model options: GQA (4 query heads over 2 kv heads) with an untied head; q/k/v biases and a tied head;
+# per-head q/k norms; a sliding window shorter than the test's sequence
+CASES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "qwen3": {}, "mistral": {"sliding_window": 5}}
+
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(model folder, exported graph): llama with GQA (4 query heads over 2 kv heads), untied head."""
-    root = tmp_path_factory.mktemp("onnx")
-    make_tiny_hf_model(root / "m", "llama", num_kv_heads=2, seed=11)
-    return root / "m", export_onnx(root / "m", root / "m.onnx")
+def export_case(tmp_path_factory):
+    """arch -> (model folder, exported graph), each built once."""
+    root, done = tmp_path_factory.mktemp("onnx"), {}
+
+    def get(arch: str):  # noqa: ANN202
+        if arch not in done:
+            make_tiny_hf_model(root / arch, arch, num_kv_heads=2, seed=11, **CASES[arch])
+            done[arch] = root / arch, export_onnx(root / arch, root / f"{arch}.onnx")
+        return done[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def exported(export_case):
+    return export_case("llama")
 
 
 def brisk_logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001 - LoadedModel
@@ -45,7 +59,7 @@ def brisk_logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001 - Load
     c, n = loaded.config, len(ids)
     num_blocks = (n + 15) // 16
     kv = [torch.zeros(2, num_blocks, 16, c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
-    meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], 16)
+    meta = AttentionMetadata.for_sequences([n], [n], [list(range(num_blocks))], 16, sliding_window=c.sliding_window)
     with torch.inference_mode():
         return loaded.model(torch.tensor(ids), torch.arange(n), meta, kv).float()
 
@@ -60,11 +74,12 @@ def test_graph_names_the_cache_as_optimum_does(exported):
     assert present[-1] == "present.1.value"
 
 
-def test_prefill_and_decode_logits_equal_brisk(exported):
+@pytest.mark.parametrize("arch", list(CASES))
+def test_prefill_and_decode_logits_equal_brisk(export_case, arch):
     """Prefill of 13 tokens, then 5 decode steps each feeding `present` back as `past`: every step's logits are
     brisk's logits at that position (brisk runs prompt + generated tokens as one sequence), within float32
     rounding; the greedy tokens are brisk's own greedy decode."""
-    folder, path = exported
+    folder, path = export_case(arch)
     loaded = load_model(folder, fuse=False, sparse=False, show_progress=False)
     prompt = torch.randint(3, loaded.config.vocab_size, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     model = OnnxModel(path, threads=1)
@@ -128,10 +143,17 @@ def test_missing_onnxruntime_names_the_extra(monkeypatch):
     assert result.exit_code == 1 and "brisk[onnx]" in result.output
 
 
-def test_bench_compare_checks_the_baselines(monkeypatch, exported):
+def test_bench_compare_checks_the_baselines(monkeypatch, tmp_path):
+    from gguf import GGMLQuantizationType
+    from gguf_utils import random_state_dict, tiny_config, write_tiny_model
+
     monkeypatch.setitem(sys.modules, "llama_cpp", object())
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "compare", "--baselines", "llamacpp,tensorrt"])
     assert result.exit_code == 1 and "unknown baseline(s) tensorrt" in result.output
-    result = runner.invoke(main, ["bench", "compare", "--baselines", "onnxruntime", "--precisions", "q8_0"])
+    config = tiny_config()
+    source = write_tiny_model(tmp_path / "tiny.gguf", random_state_dict(config, seed=3), config,
+                              qtype=GGMLQuantizationType.F16)
+    result = runner.invoke(main, ["bench", "compare", "--model", str(source), "--baselines", "onnxruntime",
+                                  "--precisions", "q8_0"])
     assert result.exit_code == 1 and "add f32 to --precisions" in result.output

@@ -11,9 +11,10 @@ Prefill feeds a past of length 0; each decode step feeds the last step's `presen
 token, so decode is one `session.run` per token. Positions are past .. past + seq - 1 for every row: no padding
 and no attention_mask input, so the sequences of a batch share one length (the benchmark's rotated prompts do).
 
-The graph is traced by torch.onnx (dynamo) from `ReferenceLlama`, a small plain-PyTorch decoder holding brisk's
-loaded weights dequantized to float32, and cached under ~/.cache/brisk/onnx keyed by the model's content and
-brisk's version, so a second benchmark does not export again.
+The graph is written node by node with onnx.helper (`build_graph`) from brisk's loaded weights dequantized to
+float32: seconds for a 135M model, where tracing a PyTorch module with torch.onnx's dynamo exporter took minutes
+on a 2-core machine. It is cached under ~/.cache/brisk/onnx keyed by the model's content and brisk's version, so
+a second benchmark does not export again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 ONNX_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the dense decoders whose math ReferenceLlama has
@@ -41,12 +41,11 @@ class OnnxRuntimeMissingError(RuntimeError):
 
 def require_onnxruntime() -> Any:
     try:
-        import onnx  # noqa: F401 - the exporter's
+        import onnx  # noqa: F401 - the graph's writer
         import onnxruntime
-        import onnxscript  # noqa: F401 - the exporter's
     except ImportError as e:
         raise OnnxRuntimeMissingError(
-            f"the onnxruntime baseline needs onnxruntime, onnx and onnxscript ({e.name} is not installed); install "
+            f"the onnxruntime baseline needs onnxruntime and onnx ({e.name} is not installed); install "
             "them with `pip install 'brisk[onnx]'`, or leave onnxruntime out of --baselines") from e
     return onnxruntime
 
@@ -62,75 +61,128 @@ def check_exportable(config: Any) -> None:  # noqa: ANN401 - brisk.model.config.
         raise ValueError(f"the ONNX export supports RoPE {', '.join(ONNX_ROPE_KINDS)}; this model's is {kind!r}")
 
 
-class ReferenceLlama(nn.Module):
-    """The decoder with the cache as tensors: (input_ids [B, S], past [2 L x [B, kvh, P, d]]) ->
-    (logits [B, 1, vocab], present [2 L x [B, kvh, P + S, d]]). Float32 throughout, the same math as
-    model/llama.py's module path (RMSNorm statistics in float32, RoPE of the first and second halves)."""
+class _Graph:
+    """onnx.helper nodes and initializers, with fresh value names."""
 
-    def __init__(self, net: nn.Module, config: Any) -> None:  # noqa: ANN401 - LlamaForCausalLM, ModelConfig
-        super().__init__()
-        self.num_layers = config.num_hidden_layers
-        self.h, self.kvh, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.eps = config.rms_norm_eps
-        self.window = config.sliding_window
-        sd = {k: v.detach().float().contiguous() for k, v in net.state_dict().items()}
-        if "lm_head.weight" not in sd:  # tied
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        self.w = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(v, requires_grad=False) for k, v in sd.items()})
-        self.register_buffer("cos_table", net.rope.cos_table.float().clone())  # [max_position, d/2]
-        self.register_buffer("sin_table", net.rope.sin_table.float().clone())
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self.n = 0
 
-    def p(self, name: str) -> torch.Tensor | None:
-        key = name.replace(".", "__")
-        return self.w[key] if key in self.w else None
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:  # noqa: ANN401
+        from onnx import helper
 
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.p(name)
+        self.n += 1
+        name = out or f"{op_type.lower()}_{self.n}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [name], **attrs))
+        return name
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.d // 2  # x: [B, heads, S, d]; cos, sin: [S, d/2]
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def const(self, name: str, value: np.ndarray | torch.Tensor) -> str:
+        from onnx import numpy_helper
 
-    def forward(self, input_ids: torch.Tensor, past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        b, s = input_ids.shape
-        num_past = past[0].shape[2]
-        pos = torch.arange(s) + num_past  # [S] absolute positions
-        cos, sin = self.cos_table[pos], self.sin_table[pos]  # [S, d/2]
-        keys = torch.arange(num_past + s)  # [P + S]
-        allowed = keys[None, :] <= pos[:, None]  # [S, P + S] causal
-        if self.window is not None:
-            allowed = allowed & (pos[:, None] - keys[None, :] < self.window)
-        mask = torch.where(allowed, 0.0, float("-inf"))  # [S, P + S]
-        x = F.embedding(input_ids, self.p("model.embed_tokens.weight"))  # [B, S, hidden]
-        g = self.h // self.kvh
-        present: list[torch.Tensor] = []
-        for i in range(self.num_layers):
-            pre = f"model.layers.{i}."
-            y = self.norm(x, pre + "input_layernorm.weight")
-            q = F.linear(y, self.p(pre + "self_attn.q_proj.weight"), self.p(pre + "self_attn.q_proj.bias"))
-            k = F.linear(y, self.p(pre + "self_attn.k_proj.weight"), self.p(pre + "self_attn.k_proj.bias"))
-            v = F.linear(y, self.p(pre + "self_attn.v_proj.weight"), self.p(pre + "self_attn.v_proj.bias"))
-            q = q.view(b, s, self.h, self.d).transpose(1, 2)  # [B, h, S, d]
-            k = k.view(b, s, self.kvh, self.d).transpose(1, 2)  # [B, kvh, S, d]
-            v = v.view(b, s, self.kvh, self.d).transpose(1, 2)
-            if self.p(pre + "self_attn.q_norm.weight") is not None:  # qwen3: per-head RMSNorm before RoPE
-                q, k = self.norm(q, pre + "self_attn.q_norm.weight"), self.norm(k, pre + "self_attn.k_norm.weight")
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-            k = torch.cat((past[2 * i], k), dim=2)  # [B, kvh, P + S, d]
-            v = torch.cat((past[2 * i + 1], v), dim=2)
-            present += [k, v]
-            qg = q.reshape(b, self.kvh, g, s, self.d)  # [B, kvh, g, S, d]: the g query heads of each kv head
-            scores = qg @ k.unsqueeze(2).transpose(-1, -2) * self.d**-0.5 + mask  # [B, kvh, g, S, P + S]
-            o = torch.softmax(scores, dim=-1) @ v.unsqueeze(2)  # [B, kvh, g, S, d]
-            o = o.reshape(b, self.h, s, self.d).transpose(1, 2).reshape(b, s, self.h * self.d)  # [B, S, h d]
-            x = x + F.linear(o, self.p(pre + "self_attn.o_proj.weight"))
-            y = self.norm(x, pre + "post_attention_layernorm.weight")
-            gate = F.linear(y, self.p(pre + "mlp.gate_proj.weight"))
-            up = F.linear(y, self.p(pre + "mlp.up_proj.weight"))
-            x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
-        x = self.norm(x[:, -1:], "model.norm.weight")  # [B, 1, hidden]: the last position only
-        return (F.linear(x, self.p("lm_head.weight")), *present)
+        arr = value.detach().float().numpy() if isinstance(value, torch.Tensor) else value
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def ints(self, *values: int) -> str:
+        self.n += 1
+        return self.const(f"ints_{self.n}", np.array(values, dtype=np.int64))
+
+    def scalar(self, value: float) -> str:
+        self.n += 1
+        return self.const(f"scalar_{self.n}", np.array(value, dtype=np.float32))
+
+
+def build_graph(net: nn.Module, config: Any) -> Any:  # noqa: ANN401 - LlamaForCausalLM, ModelConfig -> ModelProto
+    """The decoder as an ONNX graph (opset 18), written node by node from brisk's float32 weights; the same math
+    as model/llama.py's module path: RMSNorm statistics in float32, RoPE rotating the first and second halves of
+    each head (brisk's cos / sin table, gathered by position), GQA by broadcasting each kv head over its group of
+    query heads, a causal (and, for mistral, sliding-window) mask of the absolute positions.
+
+    Every linear layer is a Gemm with transB=1 on the rows [batch * seq, in], so the weights stay as brisk holds
+    them ([out, in]; a tied head shares the embedding's tensor)."""
+    from onnx import TensorProto, helper
+
+    check_exportable(config)
+    L, h, kvh, d = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, g, half = config.hidden_size, h // kvh, d // 2
+    sd = {k: v for k, v in net.state_dict().items()}
+    gr = _Graph()
+    w = {k: gr.const(k, v) for k, v in sd.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    cos_t, sin_t = gr.const("rope.cos", net.rope.cos_table), gr.const("rope.sin", net.rope.sin_table)  # [max, d/2]
+    eps = gr.scalar(config.rms_norm_eps)
+    past_names, present_names, _ = io_names(L)
+
+    def norm(x: str, weight: str) -> str:  # x [..., n] * rsqrt(mean(x^2) + eps) * weight
+        ms = gr.op("ReduceMean", gr.op("Mul", x, x), gr.ints(-1), keepdims=1)
+        return gr.op("Mul", gr.op("Mul", x, gr.op("Reciprocal", gr.op("Sqrt", gr.op("Add", ms, eps)))), weight)
+
+    def linear(x: str, name: str) -> str:  # x [rows, in] -> [rows, out]
+        bias = [w[f"{name}.bias"]] if f"{name}.bias" in w else []
+        return gr.op("Gemm", x, w[f"{name}.weight"], *bias, transB=1)
+
+    def rope(x: str) -> str:  # x [B, heads, S, d]; cos, sin [S, d/2]
+        x1 = gr.op("Slice", x, gr.ints(0), gr.ints(half), gr.ints(3))
+        x2 = gr.op("Slice", x, gr.ints(half), gr.ints(d), gr.ints(3))
+        a = gr.op("Sub", gr.op("Mul", x1, cos), gr.op("Mul", x2, sin))
+        b = gr.op("Add", gr.op("Mul", x2, cos), gr.op("Mul", x1, sin))
+        return gr.op("Concat", a, b, axis=3)
+
+    ids_shape = gr.op("Shape", "input_ids")
+    seq = gr.op("Gather", ids_shape, gr.ints(1))  # [1]: S
+    num_past = gr.op("Gather", gr.op("Shape", past_names[0]), gr.ints(2))  # [1]: P
+    total = gr.op("Add", num_past, seq)
+    p0, t0, one = (gr.op("Squeeze", x) for x in (num_past, total, gr.ints(1)))
+    pos = gr.op("Range", p0, t0, one)  # [S]: P .. P + S - 1
+    keys = gr.op("Range", gr.op("Squeeze", gr.ints(0)), t0, one)  # [P + S]
+    cos, sin = gr.op("Gather", cos_t, pos), gr.op("Gather", sin_t, pos)  # [S, d/2]
+    q_pos, k_pos = gr.op("Unsqueeze", pos, gr.ints(1)), gr.op("Unsqueeze", keys, gr.ints(0))  # [S, 1], [1, P + S]
+    allowed = gr.op("LessOrEqual", k_pos, q_pos)  # [S, P + S] causal
+    if config.sliding_window is not None:
+        near = gr.op("Less", gr.op("Sub", q_pos, k_pos), gr.ints(config.sliding_window))
+        allowed = gr.op("And", allowed, near)
+    mask = gr.op("Where", allowed, gr.scalar(0.0), gr.scalar(float("-inf")))  # [S, P + S]
+    scale = gr.scalar(d**-0.5)
+    heads_shape = {n: gr.op("Concat", gr.ints(-1), seq, gr.ints(n, d), axis=0) for n in {h, kvh}}  # [B, S, n, d]
+    group_shape = gr.op("Concat", gr.ints(-1, kvh, g), seq, gr.ints(d), axis=0)  # [B, kvh, g, S, d]
+    merged_shape = gr.op("Concat", gr.ints(-1, h), seq, gr.ints(d), axis=0)  # [B, h, S, d]
+
+    x = gr.op("Reshape", gr.op("Gather", w["model.embed_tokens.weight"], "input_ids"), gr.ints(-1, hidden))
+    for i in range(L):  # x: [B * S, hidden], the residual stream
+        pre = f"model.layers.{i}."
+        y = norm(x, w[pre + "input_layernorm.weight"])
+        q, k, v = (gr.op("Transpose", gr.op("Reshape", linear(y, pre + f"self_attn.{n}_proj"), heads_shape[m]),
+                         perm=[0, 2, 1, 3]) for n, m in (("q", h), ("k", kvh), ("v", kvh)))  # [B, heads, S, d]
+        if pre + "self_attn.q_norm.weight" in w:  # qwen3: per-head RMSNorm before RoPE
+            q, k = norm(q, w[pre + "self_attn.q_norm.weight"]), norm(k, w[pre + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        k = gr.op("Concat", past_names[2 * i], k, axis=2, out=present_names[2 * i])  # [B, kvh, P + S, d]
+        v = gr.op("Concat", past_names[2 * i + 1], v, axis=2, out=present_names[2 * i + 1])
+        qg = gr.op("Reshape", q, group_shape)  # [B, kvh, g, S, d]: the g query heads of each kv head
+        kt = gr.op("Transpose", gr.op("Unsqueeze", k, gr.ints(2)), perm=[0, 1, 2, 4, 3])  # [B, kvh, 1, d, P + S]
+        scores = gr.op("Add", gr.op("Mul", gr.op("MatMul", qg, kt), scale), mask)  # [B, kvh, g, S, P + S]
+        o = gr.op("MatMul", gr.op("Softmax", scores, axis=-1), gr.op("Unsqueeze", v, gr.ints(2)))  # [B,kvh,g,S,d]
+        o = gr.op("Transpose", gr.op("Reshape", o, merged_shape), perm=[0, 2, 1, 3])  # [B, S, h, d]
+        x = gr.op("Add", x, linear(gr.op("Reshape", o, gr.ints(-1, h * d)), pre + "self_attn.o_proj"))
+        y = norm(x, w[pre + "post_attention_layernorm.weight"])
+        gate, up = linear(y, pre + "mlp.gate_proj"), linear(y, pre + "mlp.up_proj")
+        act = gr.op("Mul", gr.op("Mul", gate, gr.op("Sigmoid", gate)), up)  # silu(gate) * up
+        x = gr.op("Add", x, linear(act, pre + "mlp.down_proj"))
+    rows = gr.op("Reshape", x, gr.op("Concat", gr.ints(-1), seq, gr.ints(hidden), axis=0))  # [B, S, hidden]
+    last = gr.op("Reshape", gr.op("Slice", rows, gr.ints(-1), gr.ints(2**62), gr.ints(1)), gr.ints(-1, hidden))
+    logits = gr.op("Gemm", norm(last, w["model.norm.weight"]), head, transB=1)  # [B, vocab]
+    gr.op("Unsqueeze", logits, gr.ints(1), out="logits")  # [B, 1, vocab]
+
+    f32 = TensorProto.FLOAT
+    cache = ["batch", kvh, "past", d]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              *[helper.make_tensor_value_info(n, f32, cache) for n in past_names]]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", 1, config.vocab_size]),
+               *[helper.make_tensor_value_info(n, f32, ["batch", kvh, "total", d]) for n in present_names]]
+    graph = helper.make_graph(gr.nodes, "brisk-llama", inputs, outputs, gr.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9,
+                             producer_name="brisk")
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str], list[str]]:
@@ -162,31 +214,23 @@ def cache_dir() -> Path:
 
 
 def export_onnx(model_path: str | Path, out: str | Path) -> Path:
-    """Load `model_path` with brisk in float32 and export its ReferenceLlama to `out` (weights in `out`.data)."""
-    import warnings
+    """Load `model_path` with brisk in float32 and write its graph to `out` (the weights in `out`.data beside it,
+    which the graph names: a 1B model is past protobuf's 2 GiB)."""
+    import onnx
 
     from brisk.model.loader import load_model
 
     require_onnxruntime()
     loaded = load_model(model_path, dtype=torch.float32, fuse=False, sparse=False, show_progress=False)
     check_exportable(loaded.config)
-    ref = ReferenceLlama(loaded.model, loaded.config).eval()
+    proto = build_graph(loaded.model, loaded.config)
     del loaded
-    past_names, present_names, input_names = io_names(ref.num_layers)
-    batch, seq, past_len = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
-    example = (torch.zeros(2, 3, dtype=torch.long), tuple(torch.zeros(2, ref.kvh, 4, ref.d) for _ in past_names))
-    shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past_len} for _ in past_names))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(ref, example, input_names=input_names,
-                                    output_names=["logits", *present_names], dynamic_shapes=shapes, dynamo=True,
-                                    verbose=False, optimize=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        # weights in NAME.onnx.data beside the graph (a 1B model is past protobuf's 2 GiB), which names that file;
         # written aside and moved in, the graph last: an export that dies leaves no graph in the cache
-        program.save(str(Path(tmp) / out.name), external_data=True)
+        onnx.save_model(proto, str(Path(tmp) / out.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=out.name + ".data", size_threshold=1024)
         for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == out.name):
             f.replace(out.parent / f.name)
     return out
