@@ -157,3 +157,44 @@ def test_bench_compare_checks_the_baselines(monkeypatch, tmp_path):
     result = runner.invoke(main, ["bench", "compare", "--model", str(source), "--baselines", "onnxruntime",
                                   "--precisions", "q8_0"])
     assert result.exit_code == 1 and "add f32 to --precisions" in result.output
+
+
+def test_run_compare_measures_onnxruntime_on_the_f32_row(tmp_path, monkeypatch):
+    """brisk against onnxruntime alone on a tiny GGUF (each run a child process): the f32 row has both engines'
+    figures and brisk's ratios to onnxruntime, the same greedy tokens; the export is cached for the next run."""
+    from gguf import GGMLQuantizationType
+    from gguf_utils import random_state_dict, tiny_config, write_tiny_model
+
+    from brisk.bench.compare import _export_onnx_in_child, compare_table, run_compare
+    from brisk.model.gguf_convert import retype_gguf
+    from brisk.ops import kernels
+
+    # the graph cached under tmp_path; the children's kernels where they are built already (not rebuilt there)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(kernels.settings.cache_dir))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = tiny_config()
+    source = write_tiny_model(tmp_path / "tiny.gguf", random_state_dict(config, seed=3), config,
+                              qtype=GGMLQuantizationType.F16)
+    prompt = list(range(3, 19))
+    logs: list[str] = []
+    rows = run_compare(source, ["f32"], prompt, prompt * 2, [1, 2], output_len=4, runs=1, threads=1,
+                       log=logs.append, workdir=tmp_path, membw_gbps=10.0, baselines=("onnxruntime",))
+    (row,) = rows
+    ort = row.onnxruntime
+    assert ort is not None and ort.error is None and row.brisk.error is None and ort.runs == 1
+    assert set(ort.decode_tok_s) == {1, 2} and ort.prefill_s > 0 and ort.peak_rss_bytes > 0
+    assert ort.greedy_b1 == row.brisk.greedy_b1 and len(ort.greedy_b1) == 4
+    assert row.llama_cpp.runs == 0  # not asked for
+    d = row.to_dict()
+    assert d["ratios_onnxruntime"]["decode_b1"] == pytest.approx(row.brisk.decode_tok_s[1] / ort.decode_tok_s[1])
+    assert any("exporting" in m for m in logs)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(compare_table(rows, [1, 2], "t", ("onnxruntime",)))
+    text = console.export_text()
+    assert "brisk / onnxruntime" in text and "llama.cpp" not in text.replace("llama.cpp type", "")
+    logs.clear()  # the next compare of the same file: no export (the f32 file is written the same way again)
+    f32 = retype_gguf(source, tmp_path / "again.gguf", "f32")
+    assert _export_onnx_in_child(f32, logs.append) == onnx_cache_path(f32)
+    assert any("cached" in m for m in logs) and not any("exporting" in m for m in logs)

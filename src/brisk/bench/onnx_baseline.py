@@ -201,7 +201,8 @@ def model_digest(path: str | Path) -> str:
                                                  if p.suffix in (".safetensors", ".json", ".bin") and p.is_file())
     h = hashlib.sha256(f"brisk {__version__} onnx format {_FORMAT}".encode())
     for f in files:
-        h.update(f.name.encode())
+        if path.is_dir():  # a folder's file names are part of what it holds; a file's own name is not
+            h.update(f.name.encode())
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
@@ -237,8 +238,11 @@ def export_onnx(model_path: str | Path, out: str | Path) -> Path:
 
 
 def onnx_cache_path(model_path: str | Path) -> Path:
-    """Where the exported graph of `model_path` is cached: its name and a digest of its content and brisk's version."""
-    return cache_dir() / f"{Path(model_path).stem}-{model_digest(model_path)}.onnx"
+    """Where the exported graph of `model_path` is cached: NAME-DIGEST.onnx, DIGEST of its content and brisk's version
+    (the same content under another file name finds the graph the first name exported)."""
+    digest = model_digest(model_path)
+    found = sorted(cache_dir().glob(f"*-{digest}.onnx"))
+    return found[0] if found else cache_dir() / f"{Path(model_path).stem}-{digest}.onnx"
 
 
 def cached_onnx(model_path: str | Path, log: Any = None) -> Path:  # noqa: ANN401 - a print-like callable
