@@ -134,6 +134,16 @@ def test_unsupported_models_are_named():
     check_exportable(SimpleNamespace(architecture="qwen2", rope_scaling={"rope_type": "llama3"}))
 
 
+def test_a_quantized_checkpoint_is_refused(exported):
+    from brisk.bench.onnx_baseline import build_graph
+
+    loaded = load_model(exported[0], fuse=False, sparse=False, show_progress=False)
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    q_proj.weight = torch.nn.Parameter(q_proj.weight.to(torch.int8), requires_grad=False)  # int8 codes
+    with pytest.raises(ValueError, match="float weights.*q_proj.weight.*quantized"):
+        build_graph(loaded.model, loaded.config)
+
+
 def test_missing_onnxruntime_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
     with pytest.raises(OnnxRuntimeMissingError, match=r"onnxruntime.*pip install 'brisk\[onnx\]'"):

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
-ONNX_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the dense decoders whose math ReferenceLlama has
+ONNX_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the dense decoders whose math build_graph writes
 ONNX_ROPE_KINDS = ("default", "linear", "llama3")  # a fixed table of rotations (not length-dependent)
 _FORMAT = 1  # bumped when the graph changes: part of the cache key
 
 
 class OnnxRuntimeMissingError(RuntimeError):
-    """The onnxruntime baseline was asked for but onnxruntime / onnx / onnxscript is not installed."""
+    """The onnxruntime baseline was asked for but onnxruntime or onnx is not installed."""
 
 
 def require_onnxruntime() -> Any:
@@ -51,7 +51,7 @@ def require_onnxruntime() -> Any:
 
 
 def check_exportable(config: Any) -> None:  # noqa: ANN401 - brisk.model.config.ModelConfig
-    """ValueError naming what the exporter does not support (architecture, RoPE variant, activation)."""
+    """ValueError naming what the exporter does not support (the architecture, the RoPE variant)."""
     if config.architecture not in ONNX_ARCHITECTURES:
         raise ValueError(f"the ONNX export supports {', '.join(ONNX_ARCHITECTURES)}; this model is "
                          f"{config.architecture!r}: leave onnxruntime out of --baselines for it")
@@ -106,7 +106,12 @@ def build_graph(net: nn.Module, config: Any) -> Any:  # noqa: ANN401 - LlamaForC
     check_exportable(config)
     L, h, kvh, d = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden, g, half = config.hidden_size, h // kvh, d // 2
-    sd = {k: v for k, v in net.state_dict().items()}
+    sd = net.state_dict()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        key = f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}.weight"
+        if key not in sd or not sd[key].is_floating_point():
+            raise ValueError(f"the ONNX export takes float weights, and {key} is not one in this model (a quantized "
+                             "brisk checkpoint?): export the float model it was made from")
     gr = _Graph()
     w = {k: gr.const(k, v) for k, v in sd.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
