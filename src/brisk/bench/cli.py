@@ -16,11 +16,13 @@ class _BenchGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         from brisk.bench.llamacpp import LlamaCppMissingError
+        from brisk.bench.onnx_baseline import OnnxRuntimeMissingError
         from brisk.model.loader import ModelNotFoundError
 
         try:
             return super().invoke(ctx)
-        except (ValueError, ModelNotFoundError, TransformersMissingError, LlamaCppMissingError) as e:
+        except (ValueError, ModelNotFoundError, TransformersMissingError, LlamaCppMissingError,
+                OnnxRuntimeMissingError) as e:
             raise click.ClickException(str(e)) from e
 
 

@@ -273,7 +273,11 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @click.option("--brisk-weights", type=click.Choice(["gguf", "rtn"]), default="gguf", show_default=True,
               help="brisk's weights on the q8_0 / q4_1 rows: gguf = the llama.cpp file itself, its own codes (int8 "
                    "g32, int4 g32 + min); rtn = brisk's RTN of the source (int8 per channel, int4 g32 asym).")
-@click.option("--batch-sizes", default="1,8,64", show_default=True, help="Decode batch sizes (both engines).")
+@click.option("--baselines", default="llamacpp", show_default=True,
+              help="Comma-separated engines brisk is run against: llamacpp (every precision), onnxruntime (the f32 "
+                   "row: brisk's float32 weights exported to ONNX once and cached, run by onnxruntime's CPU "
+                   "provider; needs brisk[onnx]).")
+@click.option("--batch-sizes", default="1,8,64", show_default=True, help="Decode batch sizes (every engine).")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per decode run.")
 @click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt tokens of the prefill figure.")
@@ -297,19 +301,39 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @setting_option("prepack_weights",
                 help="brisk's packed weight copies (see `brisk generate --help`); on = also for the f16 row's "
                      "bfloat16 weights.")
-def compare(model: str | None, shape: str | None, precisions: str, brisk_weights: str, batch_sizes: str,
-            input_len: int, output_len: int, prefill_len: int,
+def compare(model: str | None, shape: str | None, precisions: str, brisk_weights: str, baselines: str,
+            batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
             runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
             json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:
-    """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision: batch-1 decode,
-    prefill, batched decode, with ratios and batch-1 GB/s against the measured bandwidth."""
-    from brisk.bench.compare import PRECISIONS, check_precisions, compare_table, plot_compare, run_compare
+    """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision, and vs ONNX Runtime on the
+    float32 row (--baselines): batch-1 decode, prefill, batched decode, with ratios and batch-1 GB/s against the
+    measured bandwidth."""
+    from brisk.bench.compare import (
+        BASELINES,
+        PRECISIONS,
+        check_baselines,
+        check_precisions,
+        compare_table,
+        plot_compare,
+        run_compare,
+    )
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.prompts import make_prompt, text_token_ids
+    from brisk.bench.report import _cpu_model
     from brisk.model.gguf import read_gguf_tokenizer
     from brisk.model.loader import resolve_model
 
-    require_llama_cpp()  # fail before minutes of set-up, not after
+    others = tuple(b.strip() for b in baselines.split(",") if b.strip())
+    unknown = [b for b in others if b not in BASELINES]
+    if unknown or not others:
+        raise ValueError(f"unknown baseline(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(BASELINES)}")
+    if "llamacpp" in others:
+        require_llama_cpp()  # fail before minutes of set-up, not after
+    if "onnxruntime" in others:
+        from brisk.bench.onnx_baseline import require_onnxruntime
+
+        require_onnxruntime()
     names = [p.strip() for p in precisions.split(",") if p.strip()]
     if shape is not None and model is not None:
         raise ValueError("give --shape (random weights of that shape) or --model (a GGUF file), not both")
@@ -340,8 +364,11 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
         raise ValueError(f"{source} is not a GGUF file; llama.cpp needs one (convert an HF folder with "
                          "llama.cpp's convert_hf_to_gguf.py first)")
     check_precisions(source, names)  # all of them, before minutes of work
+    check_baselines(source, names, list(others))
     set_threads(threads)
     n_threads = torch.get_num_threads()
+    cpu = _cpu_model() or "unknown CPU"
+    console.print(f"[dim]{cpu}, {n_threads} threads for every engine")
     tok = read_gguf_tokenizer(source)
     text_ids = text_token_ids(tok)
     prompt = make_prompt(tok, text_ids, 0, input_len)
@@ -353,23 +380,26 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
     def write(rows: list) -> None:  # noqa: ANN001 - list[CompareRow]
         if json_path:
             report.write_json(json_path, "compare", params, {"source": str(source), "membw_gbps": membw,
+                                                             "cpu_model": cpu, "threads": n_threads,
                                                              "rows": [r.to_dict() for r in rows]})
 
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
                        log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
                        quant_activations=quant_activations, prepack_weights=prepack_weights,
-                       brisk_weights=brisk_weights, membw_gbps=membw, on_update=write)
+                       brisk_weights=brisk_weights, membw_gbps=membw, on_update=write, baselines=others)
     write(rows)
+    vs = " and ".join(BASELINES[b][1] for b in BASELINES if b in others)
     Console(width=max(Console().width, 130)).print(
-        compare_table(rows, sizes, f"brisk vs llama.cpp, {n_threads} threads: decode {input_len} -> {output_len} "
+        compare_table(rows, sizes, f"brisk vs {vs}, {cpu}, {n_threads} threads: decode {input_len} -> {output_len} "
                                    f"tokens (tok/s, all sequences), prefill {prefill_len} tokens (s); best of "
-                                   f"{runs} alternating runs; read bandwidth {membw:.1f} GB/s"))
+                                   f"{runs} alternating runs; read bandwidth {membw:.1f} GB/s", others))
     if plot_path:
         plot_compare(rows, plot_path, membw, {r.precision: r.weight_bytes_per_token for r in rows},
                      title=f"{source.stem}, {n_threads} threads")
         console.print(f"wrote {plot_path}")
-    failed = [f"{r.precision} {who}" for r in rows for who, f in (("brisk", r.brisk), ("llama.cpp", r.llama_cpp))
-              if f.error]
+    failed = [f"{r.precision} {who}" for r in rows
+              for who, f in (("brisk", r.brisk), ("llama.cpp", r.llama_cpp), ("onnxruntime", r.onnxruntime))
+              if f is not None and f.error]
     if failed:
         raise click.ClickException(f"not every run finished ({', '.join(failed)}): see the messages above")
 

@@ -12,6 +12,10 @@ loads that very file and keeps its codes, or with `--brisk-weights rtn` quantize
 with the same number of threads. Each run of each engine is a child process that loads, warms up and measures,
 alternated brisk, llama.cpp, brisk, ... (bench/compare_child.py: one model in memory at a time, a killed child
 reported instead of the whole benchmark dying); best of `runs`: a stray process only ever slows a run.
+
+`baselines` adds ONNX Runtime (bench/onnx_baseline.py) on the f32 row: the same F32 file, loaded by brisk in
+float32 and exported to one ONNX graph with the KV cache as inputs and outputs, run by onnxruntime's CPU provider
+with the same threads. It has float weights only, so the other rows have no onnxruntime figures.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ PRECISIONS: dict[str, tuple[str, LayerQuant | None, str]] = {
 BRISK_LABELS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8 (per channel)", "q4_1": "int4 g32 asym"}
 GGUF_LABELS = {"q8_0": "int8 g32 (the Q8_0 codes)", "q4_1": "int4 g32 + min (the Q4_1 codes)"}
 BRISK_WEIGHTS = ("gguf", "rtn")  # int rows: the llama.cpp file's own codes, or brisk's RTN of the source
+# --baselines name -> (CompareRow attribute, label); onnxruntime runs on the f32 row only (float weights)
+BASELINES = {"llamacpp": ("llama_cpp", "llama.cpp"), "onnxruntime": ("onnxruntime", "onnxruntime")}
+ONNX_PRECISION = "f32"
 
 
 @dataclass
@@ -75,13 +82,20 @@ class CompareRow:
     llama_cpp: EngineFigures
     weight_bytes_per_token: float | None = None  # weights one batch-1 step reads at this precision
     membw_gbps: float | None = None  # the machine's measured read bandwidth
+    onnxruntime: EngineFigures | None = None  # the onnxruntime baseline (f32 row, when asked for)
 
-    def ratio(self, batch: int | None) -> float | None:
-        """brisk / llama.cpp decode rate at `batch`, or llama.cpp / brisk prefill time (batch None)."""
+    def baseline(self, attr: str) -> EngineFigures | None:
+        return getattr(self, attr)
+
+    def ratio(self, batch: int | None, other: str = "llama_cpp") -> float | None:
+        """brisk / `other` decode rate at `batch`, or `other` / brisk prefill time (batch None)."""
+        theirs = self.baseline(other)
+        if theirs is None:
+            return None
         if batch is None:
-            a, b = self.brisk.prefill_s, self.llama_cpp.prefill_s
+            a, b = self.brisk.prefill_s, theirs.prefill_s
             return b / a if a and b else None
-        a, b = self.brisk.decode_tok_s.get(batch), self.llama_cpp.decode_tok_s.get(batch)
+        a, b = self.brisk.decode_tok_s.get(batch), theirs.decode_tok_s.get(batch)
         return a / b if a and b else None
 
     def achieved_gbps(self, figures: EngineFigures) -> float | None:
@@ -101,6 +115,11 @@ class CompareRow:
         d["batch1_gbps"] = {"brisk": self.achieved_gbps(self.brisk), "llama_cpp": self.achieved_gbps(self.llama_cpp)}
         d["batch1_bandwidth_fraction"] = {"brisk": self.bandwidth_fraction(self.brisk),
                                           "llama_cpp": self.bandwidth_fraction(self.llama_cpp)}
+        if self.onnxruntime is not None:
+            d["ratios_onnxruntime"] = {"prefill": self.ratio(None, "onnxruntime"),
+                                       **{f"decode_b{b}": self.ratio(b, "onnxruntime") for b in batches}}
+            d["batch1_gbps"]["onnxruntime"] = self.achieved_gbps(self.onnxruntime)
+            d["batch1_bandwidth_fraction"]["onnxruntime"] = self.bandwidth_fraction(self.onnxruntime)
         return d
 
 
@@ -109,6 +128,24 @@ def _source_type(source: Path):  # noqa: ANN202 - gguf.LlamaFileType | None
 
     field_ = GGUFReader(source).fields.get("general.file_type")
     return LlamaFileType(int(field_.contents())) if field_ is not None else None
+
+
+def check_baselines(source: Path, precisions: list[str], baselines: list[str]) -> None:
+    """ValueError, before any work, for an unknown baseline, or onnxruntime without the f32 row or with a model
+    the ONNX export does not support; OnnxRuntimeMissingError when onnxruntime is asked for but not installed."""
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown or not baselines:
+        raise ValueError(f"unknown baseline(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(BASELINES)}")
+    if "onnxruntime" in baselines:
+        from brisk.bench.onnx_baseline import check_exportable, require_onnxruntime
+        from brisk.model.gguf import read_gguf_config
+
+        require_onnxruntime()
+        if ONNX_PRECISION not in precisions:
+            raise ValueError(f"the onnxruntime baseline runs float32 weights, on the {ONNX_PRECISION} row: add "
+                             f"{ONNX_PRECISION} to --precisions")
+        check_exportable(read_gguf_config(source))
 
 
 def check_precisions(source: Path, precisions: list[str]) -> None:
@@ -146,7 +183,8 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                 log: Callable[[str], None] = print, workdir: Path | None = None,
                 kv_cache_dtype: str = "auto", quant_activations: str = "auto",
                 prepack_weights: str = "auto", brisk_weights: str = "gguf", membw_gbps: float | None = None,
-                on_update: Callable[[list[CompareRow]], None] | None = None) -> list[CompareRow]:
+                on_update: Callable[[list[CompareRow]], None] | None = None,
+                baselines: tuple[str, ...] = ("llamacpp",)) -> list[CompareRow]:
     """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b rotated copies).
     `kv_cache_dtype` and `quant_activations` are brisk's (llama.cpp keeps its defaults: an f16 cache, and
     activations rounded to 8 bits for its quantized dot products). `brisk_weights` picks the int rows' weights:
@@ -155,11 +193,16 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
     Every run of every engine is a child process of its own (bench/compare_child.py), alternated brisk,
     llama.cpp, brisk, ...: only one model is in memory at a time, and a child that the kernel kills is reported
     (in the row's `error` and through `log`) while the other rows still run. `on_update` gets the rows after
-    every run, so a caller can write what is measured so far."""
+    every run, so a caller can write what is measured so far.
+
+    `baselines` names the engines brisk is run against (BASELINES): llamacpp on every row, onnxruntime on the f32
+    row (its graph exported once per model and cached: bench/onnx_baseline.py)."""
     from brisk.bench.compare_child import EngineChildError, EngineJob, run_in_child
     from brisk.bench.llamacpp import require_llama_cpp
 
-    require_llama_cpp()
+    check_baselines(source, precisions, list(baselines))
+    if "llamacpp" in baselines:
+        require_llama_cpp()
     check_precisions(source, precisions)  # every one of them, before the first is measured
     if brisk_weights not in BRISK_WEIGHTS:
         raise ValueError(f"--brisk-weights must be one of {', '.join(BRISK_WEIGHTS)}, got {brisk_weights!r}")
@@ -172,7 +215,8 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
             dtype, setting, gguf_type = PRECISIONS[name]
             rtn = setting is not None and brisk_weights == "rtn"
             row = CompareRow(name, BRISK_LABELS[name] if rtn or setting is None else GGUF_LABELS[name],
-                             EngineFigures(), EngineFigures(), weight_bytes_per_token(source, name), membw_gbps)
+                             EngineFigures(), EngineFigures(), weight_bytes_per_token(source, name), membw_gbps,
+                             EngineFigures() if "onnxruntime" in baselines and name == ONNX_PRECISION else None)
             rows.append(row)
             try:
                 gguf_path = gguf_for(source, gguf_type, Path(tmp), log)
@@ -185,17 +229,32 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                     dtype = "auto"  # the file's own Q8_0 / Q4_1 codes
             except (EngineChildError, OSError, ValueError) as e:
                 row.brisk.error = row.llama_cpp.error = f"{type(e).__name__}: {e}"
+                if row.onnxruntime is not None:
+                    row.onnxruntime.error = row.brisk.error
                 log(f"{name}: [red]skipped[/red]: {e}")
                 continue
+            onnx_path = ""
+            if row.onnxruntime is not None:
+                try:
+                    onnx_path = str(_export_onnx_in_child(gguf_path, log))
+                except EngineChildError as e:
+                    row.onnxruntime.error = str(e)
+                    log(f"{name}: onnxruntime [red]skipped[/red]: {e}")
             common = dict(prompt_ids=prompt_ids, prefill_ids=prefill_ids, batch_sizes=batch_sizes,
                           output_len=output_len, threads=threads, seq_len=seq_len)
             jobs = {"brisk": EngineJob("brisk", brisk_path, dtype, **common,
                                        kv_cache_memory=_kv_bytes(source, max(batch_sizes), seq_len),
                                        kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
                                        prepack_weights=prepack_weights),
-                    "llama.cpp": EngineJob("llama.cpp", str(gguf_path), "", **common)}
+                    "llama.cpp": EngineJob("llama.cpp", str(gguf_path), "", **common),
+                    "onnxruntime": EngineJob("onnxruntime", onnx_path, "float32", **common)}
+            engines = [("brisk", row.brisk)]
+            if "llamacpp" in baselines:
+                engines.append(("llama.cpp", row.llama_cpp))
+            if row.onnxruntime is not None:
+                engines.append(("onnxruntime", row.onnxruntime))
             for r in range(runs):
-                for who, figures in (("brisk", row.brisk), ("llama.cpp", row.llama_cpp)):
+                for who, figures in engines:
                     if figures.error:
                         continue  # a child that was killed once would be again: the row keeps what it has
                     log(f"{name}: {who} run {r + 1}/{runs} ...")
@@ -223,6 +282,28 @@ def _build_checkpoint_in_child(setting: LayerQuant, out: Path, source: str) -> N
     if proc.exitcode != 0:
         raise EngineChildError(f"quantizing {source} at {setting} failed in its child process (exit status "
                                f"{proc.exitcode}; negative = killed by that signal, -9 most likely out of memory)")
+
+
+def _export_onnx_in_child(model: Path, log: Callable[[str], None]) -> Path:
+    """The cached ONNX graph of `model` (bench/onnx_baseline.py), exported by a child when it is not cached yet
+    (the export holds the float32 model and its traced graph: its memory goes with the child)."""
+    import multiprocessing
+
+    from brisk.bench.compare_child import EngineChildError
+    from brisk.bench.onnx_baseline import export_onnx, onnx_cache_path
+
+    out = onnx_cache_path(model)
+    if out.exists():
+        log(f"onnxruntime: the exported graph is cached ({out.name})")
+        return out
+    log(f"onnxruntime: exporting {model.name} to ONNX (once; cached as {out}) ...")
+    proc = multiprocessing.get_context("spawn").Process(target=export_onnx, args=(str(model), out))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not out.exists():
+        raise EngineChildError(f"exporting {model} to ONNX failed in its child process (exit status "
+                               f"{proc.exitcode}; negative = killed by that signal, -9 most likely out of memory)")
+    return out
 
 
 def _kv_bytes(source: Path, batch: int, seq_len: int) -> str:
@@ -283,17 +364,21 @@ def plot_compare(rows: list[CompareRow], path: str | Path, membw_gbps: float | N
     colors = dict(zip(PRECISIONS, ["tab:blue", "tab:orange", "tab:green", "tab:red"], strict=True))
     for row in rows:
         c = colors[row.precision]
-        for figs, style, who in ((row.brisk, "-o", "brisk"), (row.llama_cpp, "--s", "llama.cpp")):
+        engines = [(row.brisk, "-o", "brisk"), (row.llama_cpp, "--s", "llama.cpp")]
+        if row.onnxruntime is not None:
+            engines.append((row.onnxruntime, ":^", "onnxruntime"))
+        for figs, style, who in engines:
             bs = sorted(figs.decode_tok_s)
-            ax.plot(bs, [figs.decode_tok_s[b] for b in bs], style, color=c,
-                    label=f"{who} {row.brisk_setting if who == 'brisk' else row.precision.upper()}")
+            if bs:
+                ax.plot(bs, [figs.decode_tok_s[b] for b in bs], style, color=c,
+                        label=f"{who} {row.brisk_setting if who == 'brisk' else row.precision.upper()}")
         if membw_gbps and weight_bytes and row.precision in weight_bytes:
             ax.axhline(membw_gbps * 1e9 / weight_bytes[row.precision], color=c, lw=0.6, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent sequences (batch size)")
     ax.set_ylabel("decode tokens/s (all sequences)")
-    ax.set_title(f"{title}: brisk vs llama.cpp\n(dotted: batch-1 bandwidth roofline)")
+    ax.set_title(f"{title}: brisk vs its baselines\n(dotted: batch-1 bandwidth roofline)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -301,8 +386,10 @@ def plot_compare(rows: list[CompareRow], path: str | Path, membw_gbps: float | N
     plt.close(fig)
 
 
-def compare_table(rows: list[CompareRow], sizes: list[int], title: str):  # noqa: ANN201 - a rich Table
-    """The rows of `bench compare` as a table; a figure that was not measured (its engine's child died) is '-'."""
+def compare_table(rows: list[CompareRow], sizes: list[int], title: str,
+                  baselines: tuple[str, ...] = ("llamacpp",)):  # noqa: ANN201 - a rich Table
+    """The rows of `bench compare` as a table, a value and a ratio column per baseline; a figure that was not
+    measured (its engine's child died, or the baseline does not run at that precision) is '-'."""
     from rich.table import Table
 
     def fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -311,28 +398,41 @@ def compare_table(rows: list[CompareRow], sizes: list[int], title: str):  # noqa
     def mib(x: int | None) -> str:
         return fmt(None if x is None else x / 2**20, ".0f")
 
+    def gbps(r: CompareRow, f: EngineFigures) -> str:
+        return f"{fmt(r.achieved_gbps(f), '.1f')} ({fmt(r.bandwidth_fraction(f), '.0%')})"
+
+    others = [BASELINES[b] for b in BASELINES if b in baselines]  # (attribute, label), in BASELINES' order
     table = Table(title=title, title_justify="left")
-    for col in ("llama.cpp type", "brisk setting", "figure", "brisk", "llama.cpp", "brisk / llama.cpp"):
-        table.add_column(col, justify="left" if col in ("llama.cpp type", "brisk setting", "figure") else "right")
+    for col in ("llama.cpp type", "brisk setting", "figure", "brisk"):
+        table.add_column(col, justify="left" if col != "brisk" else "right")
+    for _, label in others:
+        table.add_column(label, justify="right")
+        table.add_column(f"brisk / {label}", justify="right")
+
+    def add(first: tuple[str, str, str], ours: str, cells: list[tuple[str, str]]) -> None:
+        table.add_row(*first, ours, *[c for pair in cells for c in pair])
+
     for r in rows:
-        ours, theirs = r.brisk, r.llama_cpp
-        table.add_row(r.precision.upper(), r.brisk_setting, "prefill (s)", fmt(ours.prefill_s, ".3f"),
-                      fmt(theirs.prefill_s, ".3f"), fmt(r.ratio(None), ".2f", "x"))
+        ours = r.brisk
+        theirs = [(attr, r.baseline(attr) or EngineFigures()) for attr, _ in others]
+        add((r.precision.upper(), r.brisk_setting, "prefill (s)"), fmt(ours.prefill_s, ".3f"),
+            [(fmt(f.prefill_s, ".3f"), fmt(r.ratio(None, a), ".2f", "x")) for a, f in theirs])
         for b in sizes:
-            table.add_row("", "", f"decode b={b} (tok/s)", fmt(ours.decode_tok_s.get(b), ".1f"),
-                          fmt(theirs.decode_tok_s.get(b), ".1f"), fmt(r.ratio(b), ".2f", "x"))
+            add(("", "", f"decode b={b} (tok/s)"), fmt(ours.decode_tok_s.get(b), ".1f"),
+                [(fmt(f.decode_tok_s.get(b), ".1f"), fmt(r.ratio(b, a), ".2f", "x")) for a, f in theirs])
         if 1 in sizes:
-            table.add_row("", "", "b=1 weights GB/s (fraction of the bandwidth)",
-                          f"{fmt(r.achieved_gbps(ours), '.1f')} ({fmt(r.bandwidth_fraction(ours), '.0%')})",
-                          f"{fmt(r.achieved_gbps(theirs), '.1f')} ({fmt(r.bandwidth_fraction(theirs), '.0%')})", "")
-            if ours.greedy_b1 and theirs.greedy_b1:
-                table.add_row("", "", "greedy b=1 tokens equal", "yes" if ours.greedy_b1 == theirs.greedy_b1
-                              else "no", "", "")
-        table.add_row("", "", "load (s)", fmt(ours.load_s, ".2f"), fmt(theirs.load_s, ".2f"), "")
-        table.add_row("", "", "RSS added by load + warm-up (MiB)", mib(ours.rss_bytes), mib(theirs.rss_bytes), "")
-        table.add_row("", "", "peak RSS of the engine's process (MiB)", mib(ours.peak_rss_bytes),
-                      mib(theirs.peak_rss_bytes), "")
-        for who, f in (("brisk", ours), ("llama.cpp", theirs)):
-            if f.error:
-                table.add_row("", "", f"{who}: not measured", f.error.splitlines()[0][:100], "", "")
+            add(("", "", "b=1 weights GB/s (fraction of the bandwidth)"), gbps(r, ours),
+                [(gbps(r, f), "") for _, f in theirs])
+            if ours.greedy_b1 and any(f.greedy_b1 for _, f in theirs):
+                add(("", "", "greedy b=1 tokens equal to brisk's"), "",
+                    [("yes" if f.greedy_b1 == ours.greedy_b1 else "no" if f.greedy_b1 else "", "")
+                     for _, f in theirs])
+        add(("", "", "load (s)"), fmt(ours.load_s, ".2f"), [(fmt(f.load_s, ".2f"), "") for _, f in theirs])
+        add(("", "", "RSS added by load + warm-up (MiB)"), mib(ours.rss_bytes),
+            [(mib(f.rss_bytes), "") for _, f in theirs])
+        add(("", "", "peak RSS of the engine's process (MiB)"), mib(ours.peak_rss_bytes),
+            [(mib(f.peak_rss_bytes), "") for _, f in theirs])
+        for who, f in [("brisk", ours), *[(label, r.baseline(a)) for a, label in others]]:
+            if f is not None and f.error:
+                add(("", "", f"{who}: not measured"), f.error.splitlines()[0][:100], [("", "") for _ in theirs])
     return table

@@ -21,8 +21,8 @@ from typing import Any
 class EngineJob:
     """What one child measures: plain data, pickled to the child."""
 
-    engine: str  # "brisk" or "llama.cpp"
-    path: str  # the model brisk or llama.cpp loads
+    engine: str  # "brisk", "llama.cpp" or "onnxruntime"
+    path: str  # the model brisk or llama.cpp loads; onnxruntime's exported graph
     dtype: str  # brisk's --dtype ("auto" keeps a GGUF's own codes); unused by llama.cpp
     prompt_ids: list[int]  # decode prompt; batch b runs b rotated copies of it
     prefill_ids: list[int]
@@ -96,7 +96,8 @@ def death_message(engine: str, path: str, exitcode: int | None, timeout_s: float
 
 def _child_main(conn, job: EngineJob) -> None:  # noqa: ANN001 - multiprocessing.connection.Connection
     try:
-        run = _measure_brisk(job) if job.engine == "brisk" else _measure_llama_cpp(job)
+        measure = {"brisk": _measure_brisk, "llama.cpp": _measure_llama_cpp, "onnxruntime": _measure_onnxruntime}
+        run = measure[job.engine](job)
         conn.send(run)
     except BaseException:  # noqa: BLE001 - the parent reports it; the child ends either way
         conn.send(traceback.format_exc())
@@ -170,5 +171,27 @@ def _measure_llama_cpp(job: EngineJob) -> EngineRun:
             run.decode_tok_s[b] = rate
             if b == 1:
                 run.greedy_b1 = toks
+    run.peak_rss_bytes = report.peak_rss_bytes()
+    return run
+
+
+def _measure_onnxruntime(job: EngineJob) -> EngineRun:
+    from brisk.bench import report
+    from brisk.bench.onnx_baseline import OnnxModel
+
+    report.reset_peak_rss()
+    rss0 = report.current_rss_bytes()
+    start = time.perf_counter()
+    model = OnnxModel(job.path, job.threads)  # the graph loaded and optimized (ORT_ENABLE_ALL)
+    load_s = time.perf_counter() - start
+    peak_load = report.peak_rss_bytes() - rss0
+    model.decode_rate([job.prompt_ids], 4)  # warm-up: buffers allocated, kernels chosen
+    rss = report.current_rss_bytes() - rss0
+    run = EngineRun(load_s, rss, 0, peak_load, model.prefill_seconds(job.prefill_ids))
+    for b in job.batch_sizes:
+        rate, toks = model.decode_rate(_rotations(job.prompt_ids, b), job.output_len)
+        run.decode_tok_s[b] = rate
+        if b == 1:
+            run.greedy_b1 = toks
     run.peak_rss_bytes = report.peak_rss_bytes()
     return run
