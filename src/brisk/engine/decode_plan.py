@@ -117,6 +117,15 @@ class DecodePlan:
         # the C++ loop's copy of params / spec / eps, converted once (not at every step)
         self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
             self.params, self.spec, self.eps, final_norm, final_eps)
+        # LoRA (brisk/lora/manager.py): each row's adapter slot for the next run_cpp, -1 none; None: no adapters
+        self.lora_rows: torch.Tensor | None = None
+
+    def set_lora(self, buffers: list[torch.Tensor]) -> None:
+        """Give the C++ loop every projection's adapter buffers (per layer: qkv, o, gate_up, down; A [slots, R, K]
+        and B [slots, N, R] each, float32, read in place at each step); run_cpp then applies them to the rows
+        that lora_rows names."""
+        assert self.weights is not None, "the C++ layer loop is not built"
+        self.weights.set_lora(buffers)
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> DecodePlan | None:
@@ -170,7 +179,7 @@ class DecodePlan:
         window = meta.sliding_window or 0
         return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches,
                                   self.weights, self.scale, window, self.h, self.kvh, self.d,
-                                  _query_start(x, meta), PREFILL_Q_TILE)
+                                  _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows)
 
     def cpp_applies(self, x: torch.Tensor) -> bool:
         return self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows

@@ -71,6 +71,7 @@ class LoRAState:
 
     def __init__(self) -> None:
         self.mapping: LoRAMapping | None = None
+        self.row_slots: Tensor | None = None  # [T] int64: each row's slot (-1: none), with `mapping`
 
 
 @dataclass(frozen=True)

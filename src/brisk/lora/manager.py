@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from brisk.lora.adapter import AdapterError, LoRAAdapter, check_fits, load_adapter
-from brisk.lora.layers import LoRAMapping, LoRAState, lora_layers, wrap_model
+from brisk.lora.layers import LoRALinear, LoRAMapping, LoRAState, lora_layers, wrap_model
 from brisk.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ class LoRAManager:
             any_adapter |= slot >= 0
             row_slots.extend([slot] * len(s.token_ids))
         self.state.mapping = LoRAMapping.from_row_slots(row_slots, self.device) if any_adapter else None
+        self.state.row_slots = torch.tensor(row_slots, dtype=torch.int64, device=self.device) if any_adapter else None
 
     def attach(self, runner: ModelRunner) -> None:
         """Route the runner's steps: its rows' slots before each forward, and the executor chosen per step."""
@@ -155,15 +156,20 @@ class LoRAManager:
 
 
 class LoRAExecutor:
-    """The runner's executor with adapters: a step with adapter rows runs the module path (the LoRALinear
-    layers), a step with none runs the executor built before the layers were wrapped (plan / C++ loop on the
-    base kernels), so requests without an adapter keep the engine's fastest path."""
+    """The runner's executor with adapters. A step with none runs the executor built before the layers were
+    wrapped (plan / C++ loop on the base kernels). A step with adapter rows runs the C++ layer loop with the
+    adapters applied per row where the base executor would take that loop (decode batches, short chunks: the
+    adapters' buffers are handed to it once, here), else the module path (the LoRALinear layers)."""
 
     def __init__(self, base: Any, manager: LoRAManager) -> None:
         self.base = base
         self.manager = manager
         self.model = base.model
         self.execution = base.execution
+        plan = getattr(base, "plan", None)
+        self.cpp_lora = base.path == "cpp" and plan is not None and plan.weights is not None
+        if self.cpp_lora:
+            plan.set_lora(_loop_buffers(self.model))
 
     @property
     def path(self) -> str:
@@ -189,7 +195,10 @@ class LoRAExecutor:
         return self.base.last_hidden
 
     def step_path(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> str:
-        return "modules" if self.manager.state.mapping is not None else self.base.step_path(x, meta, kv_caches)
+        base = self.base.step_path(x, meta, kv_caches)
+        if self.manager.state.mapping is None:
+            return base
+        return "cpp" if self.cpp_lora and base == "cpp" else "modules"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[Any], context_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,11 +206,30 @@ class LoRAExecutor:
             return self.base(input_ids, positions, meta, kv_caches, context_lens)
         model = self.model
         x, cos, sin = model.prologue(input_ids, positions, meta, context_lens)
-        hidden = model.run_layers(x, cos, sin, meta, kv_caches)
+        if self.step_path(x, meta, kv_caches) == "cpp":
+            plan = self.base.plan
+            plan.lora_rows = self.manager.state.row_slots
+            try:
+                hidden = plan.run_cpp(x, cos, sin, meta, kv_caches)[0]
+            finally:
+                plan.lora_rows = None
+        else:
+            hidden = model.run_layers(x, cos, sin, meta, kv_caches)
         if self.base.keep_hidden:
             idx = meta.logits_indices
             self.base.last_hidden = hidden if idx is None else hidden.index_select(0, idx)
         return model.compute_logits(hidden, meta)
+
+
+def _loop_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Per layer, the (A, B) buffers of its fused qkv, o, fused gate/up and down LoRALinear, in the C++ loop's
+    order (the loop only runs models with fused projections)."""
+    out: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(m, LoRALinear), f"expected a LoRALinear, got {type(m).__name__}"
+            out += [m.lora_a, m.lora_b]
+    return out
 
 
 def _cache_key(adapter: LoRAAdapter) -> bytes:

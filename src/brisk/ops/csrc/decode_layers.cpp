@@ -20,7 +20,13 @@
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
+//
+// LoRA (brisk/lora/layers.py): DecodeWeights.set_lora gives each projection its adapters' stacked buffers,
+// A [slots, R, K] and B [slots, N, R] (float32, the LoRALinear's own storage, so adapters loaded later are seen),
+// and a step passes lora_rows [T] (each row's slot, -1: none); each projection then adds B[s] (A[s] x) to its
+// rows' outputs, the LoRALinear's math on one row at a time (a few thousand multiply-adds a row: no GEMM needed).
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -154,6 +160,60 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const Params& params, int64
                            group, params[base + 4]);
 }
 
+// sum a[i] b[i] over 16 independent partial sums, which the compiler vectorizes without reassociating
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
+  float acc = 0.f;
+  for (; i < n; ++i) acc += a[i] * b[i];
+  for (int l = 0; l < 16; ++l) acc += part[l];
+  return acc;
+}
+
+template <typename T>
+void lora_rows_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                   const int64_t* row_slot, int64_t rows) {
+  const int64_t r = a.size(1), k = a.size(2), n = b.size(1);
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  const T* px = x.data_ptr<T>();
+  T* py = y.data_ptr<T>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  std::vector<float> xr(k), t(r);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t s = row_slot[row];
+    if (s < 0) continue;
+    for (int64_t i = 0; i < k; ++i) xr[i] = static_cast<float>(px[row * xs + i]);
+    const float* as = pa + s * r * k;
+    for (int64_t j = 0; j < r; ++j) t[j] = dot(as + j * k, xr.data(), k);  // t = A[s] x  [R]
+    const float* bs = pb + s * n * r;
+    T* yr = py + row * ys;
+    for (int64_t o = 0; o < n; ++o)  // y += B[s] t  [N]
+      yr[o] = static_cast<T>(static_cast<float>(yr[o]) + dot(bs + o * r, t.data(), r));
+  }
+}
+
+// y [T, N] += per row: B[slot] (A[slot] x) (module docstring); no-op without adapters or adapter rows
+void apply_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora, int64_t linear_index,
+                const OptT& lora_rows) {
+  if (!lora_rows.has_value() || lora.empty()) return;
+  const at::Tensor& a = lora[2 * linear_index];
+  const at::Tensor& b = lora[2 * linear_index + 1];
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
+                  b.is_contiguous() && y.is_contiguous() && x.stride(-1) == 1 && a.size(2) == x.size(1) &&
+                  b.size(1) == y.size(1) && b.size(2) == a.size(1),
+              "decode_layers: LoRA buffers do not fit linear ", linear_index);
+  const int64_t* slot = lora_rows->data_ptr<int64_t>();
+  if (y.scalar_type() == at::kFloat)
+    lora_rows_add<float>(y, x, a, b, slot, y.size(0));
+  else if (y.scalar_type() == at::kBFloat16)
+    lora_rows_add<c10::BFloat16>(y, x, a, b, slot, y.size(0));
+  else
+    TORCH_CHECK(false, "decode_layers: LoRA on ", y.scalar_type(), " activations");
+}
+
 }  // namespace
 
 // The plan's weights as decode_layers reads them, built once per plan (torch.classes.brisk.DecodeWeights).
@@ -163,6 +223,7 @@ struct DecodeWeights : torch::CustomClassHolder {
   std::vector<double> eps;
   at::Tensor final_norm;  // the model's norm after the last layer
   double final_eps;
+  std::vector<at::Tensor> lora;  // per layer, per projection (qkv, o, gate_up, down): A, B; empty without LoRA
 
   DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e, at::Tensor fn, double fe)
       : params(p.begin(), p.end()), spec(std::move(s)), eps(std::move(e)), final_norm(std::move(fn)), final_eps(fe) {
@@ -171,6 +232,12 @@ struct DecodeWeights : torch::CustomClassHolder {
                     static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts,
                 "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots and ",
                 num_layers * 4 * kInts, " ints; got ", params.size(), " and ", spec.size());
+  }
+
+  void set_lora(std::vector<at::Tensor> buffers) {
+    TORCH_CHECK(buffers.empty() || buffers.size() == eps.size() * 8, "decode_layers: LoRA needs A and B for each "
+                "of the 4 projections of ", eps.size(), " layers; got ", buffers.size(), " tensors");
+    lora = std::move(buffers);
   }
 };
 
@@ -183,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
                                                  const at::Tensor& lens, at::TensorList kv_caches,
                                                  const c10::intrusive_ptr<DecodeWeights>& weights, double scale,
                                                  int64_t window, int64_t num_heads, int64_t num_kv_heads,
-                                                 int64_t head_dim, const OptT& query_start, int64_t q_tile) {
+                                                 int64_t head_dim, const OptT& query_start, int64_t q_tile,
+                                                 const OptT& lora_rows) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const Params& params = weights->params;
   const at::IntArrayRef spec = weights->spec;
@@ -191,6 +259,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   TORCH_CHECK(static_cast<int64_t>(eps.size()) == num_layers, "decode_layers: the weights are for ", eps.size(),
               " layers, the step passes ", num_layers, " KV caches");
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "decode_layers: x must be [T <= 8, hidden], got ", x.sizes());
+  const std::vector<at::Tensor>& lora = weights->lora;
+  TORCH_CHECK(!lora_rows.has_value() || (lora_rows->scalar_type() == at::kLong && lora_rows->numel() == x.size(0)),
+              "decode_layers: lora_rows must be int64 [T]");
   const Ops& o = ops();
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
@@ -201,6 +272,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
     at::Tensor qkv = linear(o, hid, params, p + kNorms, spec, s);  // [B, (h + 2 kvh) d]
+    apply_lora(qkv, hid, lora, 4 * i, lora_rows);
     if (params[p + 2].has_value()) {
       // qwen3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
       // kernel on the same [rows of d], so the same numbers)
@@ -216,19 +288,26 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
       o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
     else
       o.attention.call(out, q, kv, tables, lens, scale, window);
-    hid = o.add_rms_norm.call(linear(o, out.view({t, h * d}), params, p + kNorms + kSlots, spec, s + kInts),
-                              residual, get(params, p + 1), eps[i]);
-    cur = linear(o, o.silu_mul.call(linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts)), params,
-                 p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
+    at::Tensor attn = out.view({t, h * d});
+    at::Tensor proj = linear(o, attn, params, p + kNorms + kSlots, spec, s + kInts);
+    apply_lora(proj, attn, lora, 4 * i + 1, lora_rows);
+    hid = o.add_rms_norm.call(proj, residual, get(params, p + 1), eps[i]);
+    at::Tensor gate_up = linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts);
+    apply_lora(gate_up, hid, lora, 4 * i + 2, lora_rows);
+    at::Tensor act = o.silu_mul.call(gate_up);
+    cur = linear(o, act, params, p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
+    apply_lora(cur, act, lora, 4 * i + 3, lora_rows);
   }
   return {o.add_rms_norm.call(cur, residual, weights->final_norm, weights->final_eps), residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.class_<DecodeWeights>("DecodeWeights")
-      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double>());
+      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double>())
+      .def("set_lora", &DecodeWeights::set_lora);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, float scale, int window, "
-        "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile) -> (Tensor, Tensor)",
+        "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None) "
+        "-> (Tensor, Tensor)",
         &decode_layers);
 }
