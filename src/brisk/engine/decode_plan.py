@@ -122,7 +122,7 @@ class DecodePlan:
 
     def set_lora(self, buffers: list[torch.Tensor]) -> None:
         """Give the C++ loop every projection's adapter buffers (per layer: qkv, o, gate_up, down; A [slots, R, K]
-        and B [slots, N, R] each, float32, read in place at each step); run_cpp then applies them to the rows
+        and B^T [slots, R, N] each, float32, read in place at each step); run_cpp then applies them to the rows
         that lora_rows names."""
         assert self.weights is not None, "the C++ layer loop is not built"
         self.weights.set_lora(buffers)

@@ -4,7 +4,8 @@ Each adapted runtime linear (float, quantized, sparse; fused q/k/v and gate/up i
 `LoRALinear` that keeps, per engine slot s < max_loras, the adapter's matrices stacked:
 
     lora_a [max_loras, S R, K]      rows s R .. (s + 1) R - 1 of slice i: that slice's A (zero-padded to R rows)
-    lora_b [max_loras, N, S R]      the scaled B of slice i in rows off_i .. off_i + n_i, columns i R ..; else 0
+    lora_bt [max_loras, S R, N]     B transposed: rows i R .. of slice i hold its scaled B^T in columns off_i ..
+                                    off_i + n_i; else 0 (B^T: the C++ layer loop adds t_j * row j, contiguous)
 
 where S is the number of output slices (3 for fused q/k/v, 2 for gate/up, 1 otherwise) and R = max_lora_rank.
 So a fused layer applies PEFT's per-module q_proj / k_proj / v_proj adapters on its output slices with one pair
@@ -15,7 +16,7 @@ groups of at most L rows each, padded to [G, L],
 
     y = base(x)                                             every row, the base kernel as without adapters
     X = x[gather].view(G, L, K)                             one gather: the rows of each group (padding repeats a row)
-    D = bmm(bmm(X, A[slots]^T), B[slots]^T)                 [G, L, S R] -> [G, L, N]: one pair of bmm per layer
+    D = bmm(bmm(X, A[slots]^T), B^T[slots])                 [G, L, S R] -> [G, L, N]: one pair of bmm per layer
     y[rows] += D[valid]                                     the real rows only (gather, add, scatter)
 
 seven tensor ops a layer whatever the number of adapters; rows with no adapter are not touched, and a step with
@@ -96,13 +97,13 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         r_total = max_rank * len(slices)
         self.register_buffer("lora_a", torch.zeros(max_loras, r_total, self.in_features))  # [slots, S R, K]
-        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, r_total))  # [slots, N, S R]
+        self.register_buffer("lora_bt", torch.zeros(max_loras, r_total, self.out_features))  # [slots, S R, N]
 
     @torch.no_grad()
     def set_slot(self, slot: int, weights: dict[str, tuple[Tensor, Tensor]], scaling: float) -> None:
         """Put an adapter's (A [r, K], B [n_i, r]) per module path into `slot` (modules it lacks stay zero)."""
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_bt[slot].zero_()
         for i, s in enumerate(self.slices):
             if s.module not in weights:
                 continue
@@ -111,12 +112,12 @@ class LoRALinear(nn.Module):
             assert r <= self.max_rank and a.shape[1] == self.in_features and tuple(b.shape) == (s.size, r)
             c = i * self.max_rank
             self.lora_a[slot, c:c + r].copy_(a)
-            self.lora_b[slot, s.offset:s.offset + s.size, c:c + r].copy_(b * scaling)
+            self.lora_bt[slot, c:c + r, s.offset:s.offset + s.size].copy_(b.t() * scaling)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_bt[slot].zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)  # [..., N]
@@ -127,8 +128,8 @@ class LoRALinear(nn.Module):
         x2, y2 = x.reshape(-1, k), y.view(-1, n)  # [T, K], [T, N]
         xg = x2.index_select(0, m.gather).view(m.num_groups, m.group_len, k).float()  # [G, L, K]
         a = self.lora_a.index_select(0, m.slots)  # [G, S R, K]
-        b = self.lora_b.index_select(0, m.slots)  # [G, N, S R]
-        d = torch.bmm(torch.bmm(xg, a.transpose(1, 2)), b.transpose(1, 2))  # [G, L, S R] -> [G, L, N]
+        bt = self.lora_bt.index_select(0, m.slots)  # [G, S R, N]
+        d = torch.bmm(torch.bmm(xg, a.transpose(1, 2)), bt)  # [G, L, S R] -> [G, L, N]
         # rows are distinct: a gather, an add and a scatter (CPU index_add_ measured ~100x slower here)
         y2.index_copy_(0, m.rows, y2.index_select(0, m.rows) + d.view(-1, n).index_select(0, m.valid).to(y2.dtype))
         return y

@@ -228,7 +228,7 @@ def _loop_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     for layer in model.model.layers:
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(m, LoRALinear), f"expected a LoRALinear, got {type(m).__name__}"
-            out += [m.lora_a, m.lora_b]
+            out += [m.lora_a, m.lora_bt]
     return out
 
 
