@@ -185,9 +185,10 @@ def test_adapter_request_needs_enable_lora(tiny):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_adapter_decode_steps_run_the_cpp_loop_and_equal_the_module_path(tiny):
-    """Decode steps with adapter rows take the C++ layer loop (the adapters applied per row inside it); their
-    tokens and logprobs equal the module path's (the LoRALinear layers)."""
+def test_adapter_steps_run_the_plan_and_cpp_loop_and_equal_the_module_path(tiny):
+    """Steps with adapter rows take the base executor's paths with the adapters added after each base kernel:
+    the prefill (17 rows) the decode plan's Python loop, decode steps the C++ layer loop (applied per row inside
+    it); their tokens and logprobs equal the module path's (the LoRALinear layers)."""
     tmp, ids, _, _ = tiny
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     a, c = LoRARequest("a", 1, str(tmp / "a")), LoRARequest("c", 3, str(tmp / "c"))
@@ -199,20 +200,17 @@ def test_adapter_decode_steps_run_the_cpp_loop_and_equal_the_module_path(tiny):
                   max_lora_rank=8, execution=execution)
         executor = llm.engine.runner.executor
         plan = getattr(executor.base, "plan", None)
-        calls = []
+        calls: list[str] = []
         if plan is not None and executor.cpp_lora:
-            run_cpp = plan.run_cpp
-
-            def spy(*args, _run=run_cpp, _plan=plan):
-                calls.append(_plan.lora_rows is not None)
-                return _run(*args)
-
-            plan.run_cpp = spy
+            run_cpp, run = plan.run_cpp, plan.run
+            plan.run_cpp = lambda *args, _f=run_cpp, _p=plan, _c=calls: (_c.append(f"cpp {_p.lora_rows is not None}"),
+                                                                         _f(*args))[1]
+            plan.run = lambda *args, _f=run, _p=plan, _c=calls: (_c.append(f"plan {_p.lora_active}"), _f(*args))[1]
         outs = llm.generate(prompts, sp, lora_request=loras)
         runs[execution] = ([o.outputs[0].token_ids for o in outs],
                            [[next(iter(d.values())) for d in o.outputs[0].logprobs] for o in outs], calls)
     if not runs["auto"][2]:
         pytest.skip("the C++ layer loop is not built on this machine")
-    assert any(runs["auto"][2]), "no step with adapter rows ran in the C++ loop"
+    assert runs["auto"][2][0] == "plan True" and "cpp True" in runs["auto"][2], runs["auto"][2]
     assert runs["auto"][0] == runs["modules"][0]
     torch.testing.assert_close(torch.tensor(runs["auto"][1]), torch.tensor(runs["modules"][1]), atol=1e-4, rtol=0)

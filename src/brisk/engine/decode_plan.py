@@ -119,6 +119,10 @@ class DecodePlan:
             self.params, self.spec, self.eps, final_norm, final_eps)
         # LoRA (brisk/lora/manager.py): each row's adapter slot for the next run_cpp, -1 none; None: no adapters
         self.lora_rows: torch.Tensor | None = None
+        # and for `run`: per layer the (qkv, o, gate_up, down) LoRALinear modules whose add_delta(x, y) follows
+        # each base kernel, while lora_active
+        self.lora_modules: list[tuple[Any, Any, Any, Any]] | None = None
+        self.lora_active = False
 
     def set_lora(self, buffers: list[torch.Tensor]) -> None:
         """Give the C++ loop every projection's adapter buffers (per layer: qkv, o, gate_up, down; A [slots, R, K]
@@ -193,10 +197,13 @@ class DecodePlan:
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
         qsl = _query_start(x, meta)
         residual = x
+        lora = self.lora_modules if self.lora_active else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
                                                                                             layer.eps)
             qkv = layer.qkv(hid)  # [B, (h + 2 kvh) d]
+            if lora is not None:
+                lora[i][0].add_delta(hid, qkv)
             if layer.q_norm is not None:
                 rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, layer.eps, h, kvh)
             self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
@@ -206,8 +213,14 @@ class DecodePlan:
                 self.attention(o, q, kv, tables, lens, self.scale, window)
             else:
                 self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
-            hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
-            x = layer.down(self.silu_mul(layer.gate_up(hid)))
+            if lora is None:
+                hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
+                x = layer.down(self.silu_mul(layer.gate_up(hid)))
+                continue
+            attn = o.view(t, h * d)
+            hid = self.add_rms_norm(lora[i][1].add_delta(attn, layer.o(attn)), residual, layer.ln2, layer.eps)
+            act = self.silu_mul(lora[i][2].add_delta(hid, layer.gate_up(hid)))
+            x = lora[i][3].add_delta(act, layer.down(act))
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
 
 

@@ -120,7 +120,11 @@ class LoRALinear(nn.Module):
         self.lora_bt[slot].zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base(x)  # [..., N]
+        return self.add_delta(x, self.base(x))
+
+    def add_delta(self, x: Tensor, y: Tensor) -> Tensor:
+        """y = base(x) [..., N] plus the adapters of the step's rows, in place (the decode plan calls it after the
+        base kernel)."""
         m = self.state.mapping
         if m is None:
             return y

@@ -157,9 +157,10 @@ class LoRAManager:
 
 class LoRAExecutor:
     """The runner's executor with adapters. A step with none runs the executor built before the layers were
-    wrapped (plan / C++ loop on the base kernels). A step with adapter rows runs the C++ layer loop with the
-    adapters applied per row where the base executor would take that loop (decode batches, short chunks: the
-    adapters' buffers are handed to it once, here), else the module path (the LoRALinear layers)."""
+    wrapped (plan / C++ loop on the base kernels). A step with adapter rows runs the path the base executor would
+    take with the adapters added after each base kernel: the C++ layer loop (decode batches, short chunks: the
+    adapters' buffers are handed to it once, here, and applied per row), the decode plan's Python loop (larger
+    steps: each LoRALinear's grouped products), else the module path (the LoRALinear layers)."""
 
     def __init__(self, base: Any, manager: LoRAManager) -> None:
         self.base = base
@@ -167,9 +168,12 @@ class LoRAExecutor:
         self.model = base.model
         self.execution = base.execution
         plan = getattr(base, "plan", None)
-        self.cpp_lora = base.path == "cpp" and plan is not None and plan.weights is not None
+        self.plan_lora = base.path in ("plan", "cpp") and plan is not None
+        self.cpp_lora = self.plan_lora and base.path == "cpp" and plan.weights is not None
+        if self.plan_lora:
+            plan.lora_modules = _loop_modules(self.model)
         if self.cpp_lora:
-            plan.set_lora(_loop_buffers(self.model))
+            plan.set_lora([t for layer in plan.lora_modules for m in layer for t in (m.lora_a, m.lora_bt)])
 
     @property
     def path(self) -> str:
@@ -198,7 +202,9 @@ class LoRAExecutor:
         base = self.base.step_path(x, meta, kv_caches)
         if self.manager.state.mapping is None:
             return base
-        return "cpp" if self.cpp_lora and base == "cpp" else "modules"
+        if base == "cpp":
+            return "cpp" if self.cpp_lora else "plan"
+        return "plan" if base == "plan" and self.plan_lora else "modules"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[Any], context_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,13 +212,21 @@ class LoRAExecutor:
             return self.base(input_ids, positions, meta, kv_caches, context_lens)
         model = self.model
         x, cos, sin = model.prologue(input_ids, positions, meta, context_lens)
-        if self.step_path(x, meta, kv_caches) == "cpp":
+        path = self.step_path(x, meta, kv_caches)
+        if path == "cpp":
             plan = self.base.plan
             plan.lora_rows = self.manager.state.row_slots
             try:
                 hidden = plan.run_cpp(x, cos, sin, meta, kv_caches)[0]
             finally:
                 plan.lora_rows = None
+        elif path == "plan":
+            plan = self.base.plan
+            plan.lora_active = True
+            try:
+                hidden = plan.run(x, cos, sin, meta, kv_caches)[0]
+            finally:
+                plan.lora_active = False
         else:
             hidden = model.run_layers(x, cos, sin, meta, kv_caches)
         if self.base.keep_hidden:
@@ -221,14 +235,14 @@ class LoRAExecutor:
         return model.compute_logits(hidden, meta)
 
 
-def _loop_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Per layer, the (A, B) buffers of its fused qkv, o, fused gate/up and down LoRALinear, in the C++ loop's
-    order (the loop only runs models with fused projections)."""
-    out: list[torch.Tensor] = []
+def _loop_modules(model: torch.nn.Module) -> list[tuple[LoRALinear, LoRALinear, LoRALinear, LoRALinear]]:
+    """Per layer its fused qkv, o, fused gate/up and down LoRALinear, in the decode plan's order (the plan only
+    runs models with fused projections)."""
+    out = []
     for layer in model.model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert isinstance(m, LoRALinear), f"expected a LoRALinear, got {type(m).__name__}"
-            out += [m.lora_a, m.lora_bt]
+        mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        assert all(isinstance(m, LoRALinear) for m in mods), "every projection of a planned model is wrapped"
+        out.append(mods)
     return out
 
 
