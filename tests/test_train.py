@@ -148,3 +148,25 @@ def test_bad_settings():
         TrainConfig(max_steps=0)
     with pytest.raises(ValueError, match="min_lr_ratio"):
         TrainConfig(max_steps=1, min_lr_ratio=2.0)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_sparsity_keeps_a_pruned_students_zeros(tiny, tmp_path, keep):
+    loaded = load_model(tiny, fuse=False)
+    pruned = {}
+    with torch.no_grad():
+        for name, p in loaded.model.model.layers.named_parameters():
+            if p.dim() == 2:
+                mask = torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))) < 0.5
+                p.masked_fill_(mask, 0.0)
+                pruned[name] = mask
+    data = TextWindows.from_text(TEXT, loaded.tokenizer, seq_len=32, seed=0, source="emma")
+    result = train(loaded, make_lm_loss(), data, _config(keep_sparsity=keep), tmp_path / "out",
+                   method={"method": "finetune"}, eval_text=TEXT[:5000], eval_source="emma-head")
+    params = dict(loaded.model.model.layers.named_parameters())
+    refilled = sum(int((params[n][m] != 0).sum()) for n, m in pruned.items())
+    if keep:
+        assert refilled == 0 and result.record["kept_zeros"] == sum(int(m.sum()) for m in pruned.values())
+        assert result.record["eval_ppl_after"] < result.record["eval_ppl_before"]  # the kept weights still learn
+    else:
+        assert refilled > 0.9 * sum(int(m.sum()) for m in pruned.values())  # AdamW fills the zeros in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from brisk.train.options import activation_checkpointing_option, optimizer_optio
               help="Weight of hidden-state matching on mapped layers (0: off; needs equal hidden sizes).")
 @activation_checkpointing_option
 @click.option("--bf16", "bf16_autocast", is_flag=True, help="bfloat16 autocast (pays on AVX512-BF16 / AMX CPUs).")
+@click.option("--keep-sparsity/--no-keep-sparsity", default=None,
+              help="Keep the student's zero weights zero (a pruned student keeps its pattern). Default: on when "
+                   "at least 1% of the student's decoder linear weights are zero.")
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between evaluations (0: ends).")
 @click.option("--eval-windows", type=int, default=4, show_default=True, help="Held-out windows per evaluation.")
 @click.option("--eval-window", type=int, default=512, show_default=True, help="Tokens per held-out window.")
@@ -35,8 +39,8 @@ from brisk.train.options import activation_checkpointing_option, optimizer_optio
 def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: str, steps: int, batch_size: int,
             grad_accum: int, seq_len: int, lr: float, warmup_steps: int, weight_decay: float, max_grad_norm: float,
             alpha: float, temperature: float, hidden_weight: float, activation_checkpointing: bool,
-            bf16_autocast: bool, eval_every: int, eval_windows: int, eval_window: int, checkpoint_every: int,
-            seed: int, resume: bool, force: bool) -> None:
+            bf16_autocast: bool, keep_sparsity: bool | None, eval_every: int, eval_windows: int, eval_window: int,
+            checkpoint_every: int, seed: int, resume: bool, force: bool) -> None:
     """Distill TEACHER into a student initialised from STUDENT_INIT; write the student folder OUT.
 
     STUDENT_INIT: a float checkpoint sharing the teacher's tokenizer (e.g. a structured-pruned teacher), or
@@ -55,7 +59,7 @@ def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: st
         parse_layers,
         teacher_layers_student,
     )
-    from brisk.train.trainer import TrainConfig, train
+    from brisk.train.trainer import TrainConfig, train, zero_fraction
 
     if not resume and not force and ((out / "config.json").exists() or (out / "last").exists()):
         raise click.ClickException(f"{out} already holds a run; pass --resume to continue it, --force to start over")
@@ -77,6 +81,12 @@ def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: st
         else:
             s = load_model(student_init, fuse=False)
         check_same_tokenizer(t, s)
+        zeros = zero_fraction(s.model)
+        if keep_sparsity is None:
+            keep_sparsity = zeros >= 0.01
+        if keep_sparsity:
+            click.echo(f"keeping the student's zeros ({zeros:.1%} of its decoder linear weights) zero", err=True)
+        config = dataclasses.replace(config, keep_sparsity=keep_sparsity)
         layer_map = None
         if hidden_weight:
             check_hidden_sizes(t, s)

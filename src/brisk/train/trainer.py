@@ -56,6 +56,7 @@ class TrainConfig:
     beta2: float = 0.95
     max_grad_norm: float | None = 1.0  # None: no clipping (the norm is still logged)
     activation_checkpointing: bool = False
+    keep_sparsity: bool = False  # weights of the decoder's linear layers that are zero at the start stay zero
     bf16_autocast: bool = False  # matmuls in bfloat16 (pays on CPUs with AVX512-BF16 / AMX), master weights float32
     eval_every: int = 0  # optimizer steps between held-out evaluations; 0: before and after training only
     eval_windows: int = 4  # held-out windows per evaluation
@@ -104,6 +105,29 @@ class TrainResult:
     interrupted: bool
     record: dict[str, Any]  # what was written under config.json["training"]
     history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sparsity_masks(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, nonzero mask) of each trainable decoder linear weight with zeros in it (a pruned checkpoint):
+    the trainer multiplies the weight by its mask after every optimizer step, so the pruned weights stay pruned
+    (their gradients are not zero, and AdamW would fill them in) and the result keeps its sparsity pattern."""
+    out = []
+    for name, p in model.model.layers.named_parameters():
+        if p.requires_grad and p.dim() == 2 and not name.endswith("norm.weight"):
+            mask = p.detach() != 0
+            if not bool(mask.all()):
+                out.append((p, mask))
+    return out
+
+
+def zero_fraction(model: LlamaForCausalLM) -> float:
+    """The share of exact zeros among the decoder's linear weights (a pruned model's sparsity)."""
+    zeros = total = 0
+    for name, p in model.model.layers.named_parameters():
+        if p.dim() == 2 and not name.endswith("norm.weight"):
+            zeros += int((p == 0).sum())
+            total += p.numel()
+    return zeros / max(total, 1)
 
 
 def make_optimizer(model: LlamaForCausalLM, config: TrainConfig) -> torch.optim.AdamW:
@@ -174,6 +198,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
     for n in frozen:
         names[n].requires_grad_(False)
     optimizer = make_optimizer(model, config)
+    masks = sparsity_masks(model) if config.keep_sparsity else []
     settings = {**config.run_settings(), **method, "text": data.source, "seq_len": data.seq_len,
                 "num_windows": data.num_windows}
     start_step, history, seconds = 0, [], 0.0
@@ -220,6 +245,9 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
             max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
             optimizer.step()
+            with torch.no_grad():
+                for weight, mask in masks:
+                    weight.mul_(mask)
             step += 1
             dt = time.perf_counter() - t0
             seconds += dt
@@ -248,6 +276,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
               "eval_text": eval_source, "eval_window": config.eval_window, "eval_windows": config.eval_windows,
               "steps": step, "max_steps": config.max_steps, "tokens": step * tokens_per_step,
               "seconds": round(seconds, 3), "interrupted": interrupted,
+              "kept_zeros": sum(int((~m).sum()) for _, m in masks) if config.keep_sparsity else None,
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
               "eval_ppl_before": evals[0] if evals else None, "eval_ppl_after": evals[-1] if len(evals) > 1 else None,
               "config": config.run_settings()}
