@@ -103,7 +103,7 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
 
 
 @spec_group.command("train-medusa")
-@head_training_options(steps=1500, batch_size=256, batch_help="Hidden-state rows per step.", lr=2e-3)
+@head_training_options(steps=800, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
 def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
                      data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
@@ -126,7 +126,7 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, ma
 
 
 @spec_group.command("train-eagle")
-@head_training_options(steps=1500, batch_size=8, batch_help="Windows per step.", lr=1e-3)
+@head_training_options(steps=800, batch_size=8, batch_help="Windows per step.", lr=1e-3)
 @click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
 def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
                     data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
