@@ -4,23 +4,37 @@ under preemption; no KV block leaked after rejected branches; the heads' trainin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
+from brisk.data import calibration_text_path
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import load_model
 from brisk.ops.metadata import AttentionMetadata
-from brisk.spec.eagle import draft_vocabulary, eagle_loss, eagle_windows, fit_eagle, head_for, save_eagle
+from brisk.spec.eagle import (
+    draft_vocabulary,
+    eagle_accuracy,
+    eagle_loss,
+    eagle_windows,
+    fit_eagle,
+    head_for,
+    save_eagle,
+)
+from brisk.spec.head_train import to_draft_ids
 from brisk.spec.medusa import (
     MedusaHeads,
     collect_self_distill,
+    evaluation_prompts,
     fit_heads,
     head_losses,
     load_heads,
     rank_accuracy,
     save_heads,
+    training_prompts,
 )
 from brisk.spec.tree import (
     accept_tree_greedy,
@@ -271,3 +285,42 @@ def test_eagle_training_loss_falls(model_dir):
     fit_eagle(head, embed, weight, data, steps=40, window=8, batch_size=8, lr=3e-3, seed=1)
     after = eagle_loss(head, embed, weight, feats, toks)[0].item()
     assert after < 0.8 * before
+
+
+def test_eagle_held_out_split_and_chain_accuracy(model_dir):
+    """Training on some answers only, the chain accuracy (measured as the proposer drafts) is a falling sequence of
+    fractions and beats the untrained head on answers the head fitted."""
+    loaded = load_model(model_dir)
+    data = collect_self_distill(loaded, make_prompts()[:4], 24, 1, log=lambda m: None)
+    embed, weight = loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float()
+    vocab = draft_vocabulary(data, VOCAB, 200)
+    torch.manual_seed(0)
+    head = head_for(loaded.model.config)
+    untrained = eagle_accuracy(head, embed, weight, data, [0, 1, 2], 8, vocab, depth=3)
+    fit_eagle(head, embed, weight, data, steps=60, window=8, batch_size=8, lr=3e-3, seed=1, answers=[0, 1, 2],
+              draft_vocab=vocab)
+    trained = eagle_accuracy(head, embed, weight, data, [0, 1, 2], 8, vocab, depth=3)
+    assert len(trained) == 3 and all(1 >= a >= b >= 0 for a, b in zip(trained, trained[1:], strict=False))
+    assert trained[0] > untrained[0]
+    held = eagle_accuracy(head, embed, weight, data, [3], 8, vocab, depth=3)
+    assert 0 <= held[0] <= 1
+    with pytest.raises(ValueError, match="window"):
+        eagle_windows(data, 64, [3])
+
+
+def test_draft_ids_and_training_prompts():
+    vocab = torch.tensor([2, 5, 9])
+    assert to_draft_ids(torch.tensor([[5, 3, -1], [9, 2, 0]]), vocab, 10).tolist() == [[1, -2, -1], [2, 0, -2]]
+    text = "Intro words here. " + " ".join(f"Sentence number {i} of the text is long enough to use here." for i in
+                                            range(200))
+    banned = "Sentence number 100 of the text is long enough to use here."
+    prompts = [c[0]["content"] for c in training_prompts(text, 40, exclude=[f"Continue: \"{banned}\""])]
+    assert len(prompts) == 40 and len(set(prompts)) == 40
+    assert not any("number 100 " in p for p in prompts)
+    with pytest.raises(ValueError, match="training prompts"):
+        training_prompts("Too short. Really.", 5)
+    chat = evaluation_prompts()
+    assert "Explain to a child why the sky is blue." in chat
+    real = [c[0]["content"] for c in training_prompts(Path(calibration_text_path()).read_text(encoding="utf-8"), 64,
+                                                      chat)]
+    assert not any(e[:60] in p for p in real for e in chat if e.startswith("Continue this story"))

@@ -1,12 +1,20 @@
-"""`brisk spec layerskip-search`: choose and store the layer-skip draft's skipped layers."""
+"""`brisk spec`: layerskip-search (choose the layer-skip draft's skipped layers), train-medusa and train-eagle (the
+trained heads, one shared option block)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from brisk.data import calibration_text_path
+
+if TYPE_CHECKING:
+    from brisk.model.loader import LoadedModel
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @click.group("spec")
@@ -49,42 +57,65 @@ def layerskip_search(model: str | None, text_path: str, offset: int, tokens: int
                f"predicted speedup {result.predicted_speedup:.2f}x -> {path}")
 
 
-@spec_group.command("train-medusa")
-@click.argument("model")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
-              show_default="the bundled calibration text, Emma", help="Text the training prompts are cut from.")
-@click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
-@click.option("--prompts", "num_prompts", type=int, default=128, show_default=True,
-              help="Chat prompts the target answers (the self-distillation data).")
-@click.option("--max-tokens", type=int, default=128, show_default=True, help="Tokens of each answer.")
-@click.option("--steps", type=int, default=400, show_default=True, help="Optimizer steps.")
-@click.option("--batch-size", type=int, default=128, show_default=True, help="Hidden-state rows per step.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate (warm-up + cosine).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--draft-vocab", type=int, default=8192, show_default=True,
-              help="Most frequent target tokens the heads draft from.")
-@click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Keep the generated self-distillation data in this file (read back when the settings match, "
-                   "e.g. by train-eagle).")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
-def train_medusa_cmd(model: str, out: Path, text_path: str, num_heads: int, num_prompts: int, max_tokens: int,
-                     steps: int, batch_size: int, lr: float, seed: int, draft_vocab: int, data_cache: Path | None,
-                     threads: int | None) -> None:
-    """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
-    heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
-    with --speculative medusa:OUT (or just medusa when OUT is the default next to the model)."""
+def head_training_options(steps: int, batch_size: int, batch_help: str, lr: float) -> Callable[[F], F]:
+    """The options train-medusa and train-eagle share: the self-distillation data, then the optimizer."""
+    options = [
+        click.argument("model"),
+        click.argument("out", type=click.Path(file_okay=False, path_type=Path)),
+        click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False),
+                     default=str(calibration_text_path()), show_default="the bundled calibration text, Emma",
+                     help="Text the training prompts are cut from (bench spec's own prompts are left out)."),
+        click.option("--prompts", "num_prompts", type=int, default=384, show_default=True,
+                     help="Chat prompts the target answers (the self-distillation data)."),
+        click.option("--max-tokens", type=int, default=160, show_default=True, help="Tokens of each answer."),
+        click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Keep the generated self-distillation data in this file (read back when the settings "
+                          "match, e.g. by the other head's training)."),
+        click.option("--steps", type=int, default=steps, show_default=True, help="Optimizer steps."),
+        click.option("--batch-size", type=int, default=batch_size, show_default=True, help=batch_help),
+        click.option("--lr", type=float, default=lr, show_default=True,
+                     help="Peak learning rate (AdamW, warm-up + cosine)."),
+        click.option("--draft-vocab", type=int, default=8192, show_default=True,
+                     help="Most frequent target tokens the head drafts from (and is trained on)."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--threads", type=int, default=None, help="torch intra-op threads."),
+    ]
+
+    def apply(f: F) -> F:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
+def _load_for_training(model: str, text_path: str, threads: int | None, num_prompts: int, max_tokens: int,
+                       steps: int, batch_size: int) -> tuple[LoadedModel, str]:
     import torch
 
     from brisk.model.loader import load_model
-    from brisk.spec.medusa import train_medusa
 
+    if min(num_prompts, steps, batch_size) < 1 or max_tokens < 2:
+        raise click.BadParameter("--prompts, --steps and --batch-size must be at least 1 and --max-tokens at least 2")
     if threads:
         torch.set_num_threads(threads)
-    if num_heads < 1 or steps < 1 or num_prompts < 1 or max_tokens < 2:
-        raise click.BadParameter("--heads, --steps and --prompts must be at least 1 and --max-tokens at least 2")
-    loaded = load_model(model)
-    text = Path(text_path).read_text(encoding="utf-8")
+    return load_model(model), Path(text_path).read_text(encoding="utf-8")
+
+
+@spec_group.command("train-medusa")
+@head_training_options(steps=800, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
+@click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
+def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
+                     data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
+                     threads: int | None, num_heads: int) -> None:
+    """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
+    heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
+    with --speculative medusa:OUT (or just medusa when OUT is the default next to the model)."""
+    from brisk.spec.medusa import train_medusa
+
+    if num_heads < 1:
+        raise click.BadParameter("--heads must be at least 1")
+    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size)
     info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
                         steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
                         log=lambda m: click.echo(m, err=True), data_cache=data_cache,
@@ -95,42 +126,22 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_heads: int, num_
 
 
 @spec_group.command("train-eagle")
-@click.argument("model")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
-              show_default="the bundled calibration text, Emma", help="Text the training prompts are cut from.")
-@click.option("--prompts", "num_prompts", type=int, default=128, show_default=True,
-              help="Chat prompts the target answers (the self-distillation data).")
-@click.option("--max-tokens", type=int, default=128, show_default=True, help="Tokens of each answer.")
-@click.option("--steps", type=int, default=400, show_default=True, help="Optimizer steps.")
+@head_training_options(steps=800, batch_size=8, batch_help="Windows per step.", lr=1e-3)
 @click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Windows per step.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate (warm-up + cosine).")
-@click.option("--draft-vocab", type=int, default=8192, show_default=True,
-              help="Most frequent target tokens the head drafts from.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Keep (or read back) the self-distillation data in this file.")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
-def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int, steps: int,
-                    window: int, batch_size: int, lr: float, draft_vocab: int, seed: int, data_cache: Path | None,
-                    threads: int | None) -> None:
+def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
+                    data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
+                    threads: int | None, window: int) -> None:
     """Train an EAGLE head for MODEL by self-distillation (feature regression + the target's own next tokens, the
     target frozen) and store it in OUT. Decode with --speculative eagle:OUT."""
-    import torch
-
-    from brisk.model.loader import load_model
     from brisk.spec.eagle import train_eagle
 
-    if threads:
-        torch.set_num_threads(threads)
-    if steps < 1 or num_prompts < 1 or window < 2 or max_tokens <= window:
-        raise click.BadParameter("need --steps and --prompts >= 1, --window >= 2 and --max-tokens > --window")
-    loaded = load_model(model)
-    text = Path(text_path).read_text(encoding="utf-8")
+    if window < 2 or max_tokens <= window:
+        raise click.BadParameter("need --window >= 2 and --max-tokens > --window")
+    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size)
     info = train_eagle(loaded, text, out, num_prompts=num_prompts, max_tokens=max_tokens, steps=steps, window=window,
                        batch_size=batch_size, lr=lr, seed=seed, draft_vocab_size=draft_vocab,
                        text_name=Path(text_path).name, log=lambda m: click.echo(m, err=True), data_cache=data_cache)
     t = info["training"]
-    click.echo(f"EAGLE head -> {out}: loss {t['loss_first']:.3f} -> {t['loss_last']:.3f}; "
-               f"{info['data']['rows']} rows, {steps} steps in {info['training']['seconds']:.0f} s")
+    chain = ", ".join(f"{a:.2f}" for a in info["chain_accuracy"])
+    click.echo(f"EAGLE head -> {out}: loss {t['loss_first']:.3f} -> {t['loss_last']:.3f}; held-out chain "
+               f"accuracy by depth {chain}; {info['data']['rows']} rows, {steps} steps in {t['seconds']:.0f} s")

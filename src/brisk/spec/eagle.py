@@ -300,11 +300,13 @@ def build_eagle_proposer(path: str | None, engine: LLMEngine, tree_size: int) ->
 # ---------------------------------------------------------------------------------------------- training
 
 
-def eagle_windows(data: SelfDistillData, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features [N, W + 1, H], tokens [N, W + 1], start positions [N]) from each answer's consecutive rows:
-    feature i produced token i."""
+def eagle_windows(data: SelfDistillData, window: int, answers: Sequence[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [N, W + 1, H], tokens [N, W + 1], start positions [N]) from each answer's consecutive rows
+    (`answers`: those answers only): feature i produced token i. Windows overlap by half."""
     feats, toks, starts = [], [], []
-    for h, t in data.sequences:
+    for a in range(len(data.sequences)) if answers is None else answers:
+        h, t = data.sequences[a]
         for s in range(0, h.shape[0] - window, window // 2):
             feats.append(h[s:s + window + 1])
             toks.append(torch.tensor(t[s:s + window + 1]))
@@ -315,10 +317,11 @@ def eagle_windows(data: SelfDistillData, window: int) -> tuple[torch.Tensor, tor
 
 
 def eagle_loss(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, feats: torch.Tensor,
-               toks: torch.Tensor, start: int = 0, noise: float = 0.0, generator: torch.Generator | None = None
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+               toks: torch.Tensor, start: int = 0, noise: float = 0.0, generator: torch.Generator | None = None,
+               targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """feats [B, W + 1, H], toks [B, W + 1]: from pair i = (feature i, token i) predict feature i + 1 (smooth L1)
-    and token i + 1 (cross-entropy of the lm_head, weight 0.1)."""
+    and token i + 1 (cross-entropy of the lm_head, weight 0.1). `targets` [B, W + 1]: toks as rows of
+    `lm_head_weight` when that is the draft vocabulary's rows only (-2: outside it, left out of the CE)."""
     inp = feats[:, :-1]
     if noise:
         inp = inp + noise * torch.randn(inp.shape, generator=generator) * inp.std()
@@ -328,41 +331,72 @@ def eagle_loss(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, 
     out, _, _ = head(inp, emb, torch.arange(start, start + w))
     reg = F.smooth_l1_loss(out, feats[:, 1:])
     logits = out @ lm_head_weight.t()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), toks[:, 1:].reshape(-1))
-    acc = (logits.argmax(-1) == toks[:, 1:]).float().mean()
-    return reg + 0.1 * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+    labels = (toks if targets is None else targets)[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).clamp_min(-1),
+                         ignore_index=-1)
+    acc = (logits.argmax(-1) == labels).float().mean()
+    return reg + 0.1 * ce, {"feature": reg.item(), "token CE": ce.item(), "top-1": acc.item()}
 
 
 def fit_eagle(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, data: SelfDistillData, steps: int,
               window: int = 32, batch_size: int = 8, lr: float = 1e-3, seed: int = 0, noise: float = 0.05,
-              log: Callable[[str], None] | None = None, progress: bool = False) -> list[float]:
-    from brisk.train.progress import TrainProgress
-    from brisk.train.trainer import TrainConfig, lr_at
+              log: Callable[[str], None] | None = None, progress: bool = False,
+              answers: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None) -> list[float]:
+    """Fit the head on windows of `answers` (default all) by spec/head_train.py's loop; with `draft_vocab` the
+    token CE is over those rows of `lm_head_weight` only (what the proposer drafts from)."""
+    from brisk.spec.head_train import fit_head, to_draft_ids
 
-    feats, toks, _ = eagle_windows(data, window)
-    config = TrainConfig(max_steps=steps, lr=lr, warmup_steps=max(1, steps // 20))
-    head.requires_grad_(True)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(seed)
-    history: list[float] = []
-    t0 = time.perf_counter()
-    with TrainProgress(steps, 0, enabled=progress) as bar:
-        for step in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, config)
-            idx = torch.randint(0, feats.shape[0], (batch_size,), generator=g)
-            loss, parts = eagle_loss(head, embed, lm_head_weight, feats[idx], toks[idx], noise=noise, generator=g)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            history.append(loss.item())
-            bar.update(step + 1, history[-1], (step + 1) * batch_size * window / max(1e-9, time.perf_counter() - t0))
-            if log is not None and (step + 1) % max(1, steps // 10) == 0:
-                log(f"step {step + 1}/{steps}: loss {history[-1]:.3f} (feature {parts['reg']:.3f}, "
-                    f"token CE {parts['ce']:.3f}, top-1 {parts['top1']:.2f})")
-    head.requires_grad_(False)
-    return history
+    feats, toks, _ = eagle_windows(data, window, answers)
+    weight, targets = lm_head_weight, None
+    if draft_vocab is not None:
+        weight = lm_head_weight.index_select(0, draft_vocab).contiguous()
+        targets = to_draft_ids(toks, draft_vocab, lm_head_weight.shape[0])
+
+    def loss_fn(idx: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        return eagle_loss(head, embed, weight, feats[idx], toks[idx], noise=noise, generator=g,
+                          targets=None if targets is None else targets[idx])
+
+    return fit_head(head, loss_fn, feats.shape[0], steps, batch_size, lr, seed, rows_per_item=window, log=log,
+                    progress=progress)
+
+
+@torch.no_grad()
+def eagle_accuracy(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, data: SelfDistillData,
+                   answers: Sequence[int], window: int, draft_vocab: torch.Tensor, depth: int = 4
+                   ) -> list[float]:
+    """Held-out top-1 accuracy of the head's chain at draft depth 1..`depth`, as the proposer drafts: at each
+    window position the true features and tokens up to there, then the head's own features and greedy tokens
+    (from the draft vocabulary). accuracy[d]: fraction of positions whose first d + 1 drafted tokens all equal the
+    target's. A token outside the draft vocabulary is a miss."""
+    from brisk.spec.head_train import to_draft_ids
+
+    feats, toks, _ = eagle_windows(data, window, answers)
+    weight = lm_head_weight.index_select(0, draft_vocab)
+    targets = to_draft_ids(toks, draft_vocab, lm_head_weight.shape[0])  # [N, W + 1]
+    n, w = feats.shape[0], window - depth
+    emb = embed(toks).float()
+    out, k, v = head(feats[:, :w], emb[:, :w], torch.arange(w))  # teacher-forced prefix: [N, w, H]
+    f = out  # feature guesses at every position
+    alive = torch.ones(n, w, dtype=torch.bool)
+    acc = []
+    ks, vs = k, v
+    for d in range(depth):
+        guess = (f @ weight.t()).argmax(-1)  # [N, w] draft-vocabulary rows
+        alive &= guess == targets[:, 1 + d:1 + d + w]
+        acc.append(alive.float().mean().item())
+        if d == depth - 1:
+            break
+        # the next round: each position's own guess as input, attending to the true prefix and its own chain
+        e = embed(draft_vocab[guess]).float()
+        pos = torch.arange(w) + d + 1
+        mask = torch.zeros(w, ks.shape[2] + w, dtype=torch.bool)
+        mask[:, :w] = torch.ones(w, w, dtype=torch.bool).tril()  # the true rows up to each position
+        for j in range(1, d + 1):  # the position's own earlier chain rows
+            mask[:, w * j:w * (j + 1)] = torch.eye(w, dtype=torch.bool)
+        mask[:, ks.shape[2]:] = torch.eye(w, dtype=torch.bool)
+        f, k, v = head(f, e, pos, (ks, vs), mask)
+        ks, vs = torch.cat([ks, k], 2), torch.cat([vs, v], 2)
+    return acc
 
 
 def draft_vocabulary(data: SelfDistillData, vocab_size: int, size: int) -> torch.Tensor:
@@ -379,24 +413,32 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
                 steps: int = 400, window: int = 32, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
                 draft_vocab_size: int = 8192, text_name: str = "text", log: Callable[[str], None] = print,
                 progress: bool = True, data_cache: Path | None = None) -> dict[str, Any]:
+    """Collect (or read) self-distillation data, fit the head on 90% of the answers, measure its chain's top-1
+    accuracy per depth on the other 10% (whole answers held out), save to `out`."""
     from brisk.spec.medusa import _lm_head_weight, self_distill_data
 
     data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log)
     torch.manual_seed(seed)
+    order = torch.randperm(len(data.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = max(1, len(order) // 10) if len(order) > 1 else 0
+    test, train = sorted(order[:held]), sorted(order[held:])
     head = head_for(loaded.model.config)
     weight = _lm_head_weight(loaded)
-    t0 = time.perf_counter()
-    history = fit_eagle(head, loaded.model.model.embed_tokens, weight, data, steps, window, batch_size, lr, seed,
-                        log=log, progress=progress)
-    seconds = time.perf_counter() - t0
+    embed = loaded.model.model.embed_tokens
     vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
+    t0 = time.perf_counter()
+    history = fit_eagle(head, embed, weight, data, steps, window, batch_size, lr, seed, log=log, progress=progress,
+                        answers=train, draft_vocab=vocab)
+    seconds = time.perf_counter() - t0
+    accuracy = eagle_accuracy(head, embed, weight, data, test, window, vocab) if test else []
     info = {"method": "eagle", "source_model": loaded.name,
-            "data": {"text": text_name, "prompts": data.num_prompts, "rows": int(data.hidden.shape[0]),
+            "data": {"text": text_name, "prompts": data.num_prompts, "max_tokens": max_tokens,
+                     "rows": int(data.hidden.shape[0]), "held_out_answers": held,
                      "labels": "the target's own greedy tokens and hidden states (self-distillation)",
                      "generate_seconds": round(data.generate_seconds, 1)},
             "training": {"steps": steps, "window": window, "batch_size": batch_size, "lr": lr, "seed": seed,
                          "seconds": round(seconds, 1), "loss_first": history[0], "loss_last": history[-1]},
-            "draft_vocab_size": int(vocab.numel())}
+            "chain_accuracy": accuracy, "draft_vocab_size": int(vocab.numel())}
     save_eagle(head, vocab, out, info)
     (out / "train_log.json").write_text(json.dumps({"loss": history}) + "\n")
     from brisk.train.progress import write_loss_curve

@@ -174,19 +174,41 @@ PROMPT_TEMPLATES = [
     "Write a short paragraph that begins with: \"{s}\"",
     "Give me a few thoughts on this line: \"{s}\"",
     "Explain this to a child: \"{s}\"",
+    "Write a short poem inspired by this line: \"{s}\"",
+    "Describe the scene in this sentence in a short paragraph: \"{s}\"",
+    "What advice would you give the people in this sentence? Give a few tips. \"{s}\"",
+    "Answer in a few paragraphs: what does this sentence tell us about friendship or family? \"{s}\"",
 ]
 
 
-def training_prompts(text: str, num: int) -> list[list[dict[str, str]]]:
-    """`num` chat prompts, each a template around one sentence taken from evenly spaced places of `text`."""
+def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[list[dict[str, str]]]:
+    """`num` chat prompts, each a template around one sentence taken from evenly spaced places of `text`; a
+    sentence found in (or holding) any of the `exclude` texts (evaluation prompts) is skipped for the next one."""
     flat = " ".join(text.split())
-    out = []
-    for i in range(num):
-        at = flat.find(". ", (i + 1) * len(flat) // (num + 1)) + 2
+    banned = [" ".join(e.split()) for e in exclude]
+    out: list[list[dict[str, str]]] = []
+    used: set[str] = set()
+    slots = num + 16 + len(banned)
+    for i in range(slots):
+        at = flat.find(". ", (i + 1) * len(flat) // (slots + 1)) + 2
         end = flat.find(". ", at + 40)
         sentence = flat[at:end + 1 if end > 0 else at + 200][:300]
-        out.append([{"role": "user", "content": PROMPT_TEMPLATES[i % len(PROMPT_TEMPLATES)].format(s=sentence)}])
-    return out
+        if at < 2 or len(sentence) < 20 or sentence in used or any(sentence[:60] in b or b[:60] in sentence
+                                                                   for b in banned):
+            continue
+        used.add(sentence)
+        template = PROMPT_TEMPLATES[len(out) % len(PROMPT_TEMPLATES)]
+        out.append([{"role": "user", "content": template.format(s=sentence)}])
+        if len(out) == num:
+            return out
+    raise ValueError(f"the text gave only {len(out)} training prompts of the {num} asked for; use a longer text")
+
+
+def evaluation_prompts() -> list[str]:
+    """The contents of `brisk bench spec`'s prompt sets, kept out of the training prompts."""
+    from brisk.spec.bench import prompt_sets
+
+    return [m["content"] for convs in prompt_sets(8).values() for c in convs for m in c]
 
 
 @dataclass
@@ -200,9 +222,10 @@ class SelfDistillData:
 
 
 def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_heads: int,
-                         batch: int = 32, log: Callable[[str], None] = print) -> SelfDistillData:
-    """Greedy answers of the target to `prompts` (the engine, plain decoding), keeping each generated row's
-    hidden state as computed: row t's hidden state produced token t + 1; head k's label is token t + 1 + k."""
+                         batch: int = 64, log: Callable[[str], None] = print) -> SelfDistillData:
+    """Greedy answers of the target to `prompts` (the engine, plain decoding, `batch` requests in flight), keeping
+    each generated row's hidden state as computed: row t's hidden state produced token t + 1; head k's label is
+    token t + 1 + k. Keeping the hidden state costs the engine nothing (the executor's last rows, any path)."""
     from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from brisk.engine.llm_engine import LLMEngine
     from brisk.engine.sampling_params import SamplingParams
@@ -210,7 +233,7 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
     max_len = max(len(p) for p in prompts) + max_tokens + 8
     engine = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
                                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
-                                    cache=CacheConfig(kv_cache_memory="256MiB")), loaded)
+                                    cache=CacheConfig(kv_cache_memory="1GiB")), loaded)
     engine.runner.executor.keep_hidden = True
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     rows: dict[str, dict[int, torch.Tensor]] = {}
@@ -232,8 +255,8 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
             if o.finished:
                 tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
                 done += 1
-                if done % 16 == 0:
-                    log(f"generated {done}/{len(prompts)} answers")
+                if done % 64 == 0:
+                    log(f"generated {done}/{len(prompts)} answers in {time.perf_counter() - t0:.0f} s")
     seconds = time.perf_counter() - t0
     hs, labels, sequences = [], [], []
     for rid, by_index in rows.items():
@@ -256,19 +279,21 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
 
 def head_losses(heads: MedusaHeads, lm_head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor
                 ) -> torch.Tensor:
-    """Cross-entropy of each head to its labels (the target's own later tokens): [K]."""
+    """Cross-entropy of each head to its labels (the target's own later tokens, as rows of `lm_head_weight`, which
+    may be the draft vocabulary's rows only; labels < 0 are ignored): [K]."""
     z = heads(hidden)  # [B, K, H]
     losses = []
     for k in range(heads.num_heads):
         logits = z[:, k] @ lm_head_weight.t()  # [B, V]
-        losses.append(F.cross_entropy(logits.float(), labels[:, k], ignore_index=-1))
+        losses.append(F.cross_entropy(logits.float(), labels[:, k].clamp_min(-1), ignore_index=-1))
     return torch.stack(losses)
 
 
 @torch.no_grad()
 def rank_accuracy(heads: MedusaHeads, lm_head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
                   max_rank: int = MAX_RANK, batch: int = 512) -> list[list[float]]:
-    """accuracy[k][c]: fraction of rows whose head-k label is that head's rank-c candidate."""
+    """accuracy[k][c]: fraction of rows whose head-k label is that head's rank-c candidate (label -1: past the end
+    of the answer, not counted; -2: outside the draft vocabulary, a miss)."""
     hits = torch.zeros(heads.num_heads, max_rank)
     counts = torch.zeros(heads.num_heads)
     for i in range(0, hidden.shape[0], batch):
@@ -276,58 +301,34 @@ def rank_accuracy(heads: MedusaHeads, lm_head_weight: torch.Tensor, hidden: torc
         lab = labels[i:i + batch]
         for k in range(heads.num_heads):
             top = (z[:, k] @ lm_head_weight.t()).topk(max_rank, dim=-1).indices  # [B, R]
-            valid = lab[:, k] >= 0
+            valid = lab[:, k] != -1
             hits[k] += (top[valid] == lab[valid, k:k + 1]).float().sum(0)
             counts[k] += valid.sum()
     return (hits / counts.clamp_min(1).unsqueeze(1)).tolist()
 
 
-@dataclass
-class HeadTrainResult:
-    losses: list[float]  # mean head loss per logged step
-    accuracy: list[list[float]]
-    seconds: float
-
-
 def fit_heads(heads: MedusaHeads, lm_head_weight: torch.Tensor,
               train: SelfDistillData | tuple[torch.Tensor, torch.Tensor], steps: int, batch_size: int = 128,
-              lr: float = 1e-3, seed: int = 0, log_every: int = 10,
-              log: Callable[[str], None] | None = None, progress: bool = False) -> list[float]:
-    """AdamW on the heads only (warm-up + cosine, the trainer's schedule); rows drawn by a seeded generator."""
-    from brisk.train.progress import TrainProgress
-    from brisk.train.trainer import TrainConfig, lr_at
+              lr: float = 1e-3, seed: int = 0, log: Callable[[str], None] | None = None,
+              progress: bool = False) -> list[float]:
+    """The heads' mean cross-entropy over random rows, fitted by spec/head_train.py's loop (the heads only)."""
+    from brisk.spec.head_train import fit_head
 
     hidden, labels = (train.hidden, train.labels) if isinstance(train, SelfDistillData) else train
-    config = TrainConfig(max_steps=steps, lr=lr, warmup_steps=max(1, steps // 20), batch_size=batch_size)
-    heads.requires_grad_(True)
-    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(seed)
-    history: list[float] = []
-    t0 = time.perf_counter()
-    with TrainProgress(steps, 0, enabled=progress) as bar:
-        for step in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, config)
-            idx = torch.randint(0, hidden.shape[0], (batch_size,), generator=g)
-            loss = head_losses(heads, lm_head_weight, hidden[idx], labels[idx]).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
-            opt.step()
-            history.append(loss.item())
-            tps = (step + 1) * batch_size / max(1e-9, time.perf_counter() - t0)
-            bar.update(step + 1, history[-1], tps)
-            if log is not None and (step + 1) % log_every == 0:
-                log(f"step {step + 1}/{steps}: loss {sum(history[-log_every:]) / log_every:.3f}")
-    heads.requires_grad_(False)
-    return history
+
+    def loss_fn(idx: torch.Tensor, _: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        losses = head_losses(heads, lm_head_weight, hidden[idx], labels[idx])
+        return losses.mean(), {f"head {k + 1}": v for k, v in enumerate(losses.tolist())}
+
+    return fit_head(heads, loss_fn, hidden.shape[0], steps, batch_size, lr, seed, log=log, progress=progress)
 
 
 def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_tokens: int, num_heads: int,
                       cache: Path | None = None, log: Callable[[str], None] = print) -> SelfDistillData:
     """The target's greedy answers to `num_prompts` chat prompts cut from `text`, with their hidden states; read
     from `cache` when it holds data of these settings, else collected (and written there)."""
-    key = {"model": loaded.name, "prompts": num_prompts, "max_tokens": max_tokens, "text_chars": len(text)}
+    key = {"model": loaded.name, "prompts": num_prompts, "max_tokens": max_tokens, "text_chars": len(text),
+           "templates": len(PROMPT_TEMPLATES), "exclude": "bench spec"}
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=True)
         if saved["key"] == key and saved["labels"].shape[1] >= num_heads:
@@ -337,7 +338,8 @@ def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_toke
                                                                        strict=True)))
         log(f"{cache} holds data of other settings: collecting again")
     tok = loaded.tokenizer
-    prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in training_prompts(text, num_prompts)]
+    prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in training_prompts(text, num_prompts,
+                                                                                       evaluation_prompts())]
     log(f"generating {len(prompts)} greedy answers of up to {max_tokens} tokens with the target")
     data = collect_self_distill(loaded, prompts, max_tokens, max(num_heads, 5), log=log)
     if cache is not None:
@@ -352,22 +354,31 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
                  max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
                  text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True,
                  data_cache: Path | None = None, draft_vocab_size: int = 8192) -> dict[str, Any]:
-    """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`."""
+    """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`.
+
+    The heads draft from the draft vocabulary only (the target's most frequent tokens, MedusaProposer), so they are
+    trained and scored on its rows of the lm_head (a label outside it is left out of the loss and scored a miss):
+    that is the proposer's own computation, and a [Vd, H] product instead of the whole vocabulary's."""
+    from brisk.spec.eagle import draft_vocabulary
+    from brisk.spec.head_train import to_draft_ids
+
     data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log)
     n = data.hidden.shape[0]
-    log(f"{n} rows of hidden states in {data.generate_seconds:.0f} s")
+    log(f"{n} rows of hidden states ({data.generate_seconds:.0f} s to generate)")
+    vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
+    labels = to_draft_ids(data.labels, vocab, loaded.model.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=g)
     held = max(1, n // 10)
     test_idx, train_idx = perm[:held], perm[held:]
-    weight = _lm_head_weight(loaded)
+    weight = _lm_head_weight(loaded).index_select(0, vocab).contiguous()  # [Vd, H]
     heads = MedusaHeads(num_heads, data.hidden.shape[1])
-    before = rank_accuracy(heads, weight, data.hidden[test_idx], data.labels[test_idx])
+    before = rank_accuracy(heads, weight, data.hidden[test_idx], labels[test_idx])
     t0 = time.perf_counter()
-    history = fit_heads(heads, weight, (data.hidden[train_idx], data.labels[train_idx]), steps, batch_size, lr, seed,
-                        log_every=max(1, steps // 10), log=log, progress=progress)
+    history = fit_heads(heads, weight, (data.hidden[train_idx], labels[train_idx]), steps, batch_size, lr, seed,
+                        log=log, progress=progress)
     train_seconds = time.perf_counter() - t0
-    accuracy = rank_accuracy(heads, weight, data.hidden[test_idx], data.labels[test_idx])
+    accuracy = rank_accuracy(heads, weight, data.hidden[test_idx], labels[test_idx])
     info = {
         "method": "medusa", "num_heads": num_heads, "hidden_size": data.hidden.shape[1],
         "source_model": loaded.name, "accuracy": accuracy, "accuracy_untrained": before,
@@ -376,11 +387,8 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
                  "generate_seconds": round(data.generate_seconds, 1)},
         "training": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
                      "seconds": round(train_seconds, 1), "loss_first": history[0], "loss_last": history[-1]},
+        "draft_vocab_size": int(vocab.numel()),
     }
-    from brisk.spec.eagle import draft_vocabulary
-
-    vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
-    info["draft_vocab_size"] = int(vocab.numel())
     save_heads(heads, out, info, vocab)
     (out / "train_log.json").write_text(json.dumps({"loss": history}) + "\n")
     from brisk.train.progress import write_loss_curve
