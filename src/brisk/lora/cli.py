@@ -66,4 +66,5 @@ def finetune(model: str, out: Path, data: str, eval_data: str | None, lora_rank:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out}: {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.1f} s (total "
                f"{time.perf_counter() - start:.1f} s); base {r['base']}; loss {r['first_loss']:.4f} -> "
-               f"{r['last_loss']:.4f}; held-out loss {r.get('eval_loss_before')} -> {r.get('eval_loss_after')}")
+               f"{r['last_loss']:.4f}; held-out loss {r.get('eval_loss_before')} -> {r.get('eval_loss_after')}; "
+               f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB")

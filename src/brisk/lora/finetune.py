@@ -66,6 +66,9 @@ def finetune_lora(model: str, out: str | Path, data_path: str, config: TrainConf
         if eval_set is not None:
             record["eval_loss_before"] = eval_before
             record["eval_loss_after"] = held_out_loss(ld, eval_set)
+        from brisk.bench.report import peak_rss_bytes
+
+        record["peak_rss_bytes"] = peak_rss_bytes()  # the process's high-water mark: load, conversion, training
         return save_adapter_output(o, ld, record, adapter=adapter)
 
     result = train(loaded, make_lora_loss(config.activation_checkpointing), data, config, out, method=method,

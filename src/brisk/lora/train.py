@@ -28,6 +28,7 @@ from torch import nn
 
 from brisk.lora.adapter import LoRAAdapter, module_path
 from brisk.lora.frozen import FrozenQuantLinear
+from brisk.model.hugepages import release_free_memory
 from brisk.model.loader import LoadedModel
 from brisk.ops.layers import QuantLinear
 from brisk.ops.qlinear import prepack, prepack_nf4
@@ -110,14 +111,36 @@ def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True) -> d
                 elif isinstance(child, nn.Linear) and spec is not None:
                     setattr(parent, name, _frozen_from_float(child, spec, double_quant and spec.scheme == "nf4"))
                     converted += 1
+        if converted:
+            release_free_memory()  # each layer's quantization temporaries, before the next layer's pile on them
     if isinstance(model.lm_head, QuantLinear):  # a quantized checkpoint's head (tied to an 8-bit embedding)
         model.lm_head = _frozen_from_quant(model.lm_head, double_quant)
     if not isinstance(model.model.embed_tokens, nn.Embedding):
         model.model.embed_tokens.trains_as_module = True  # a frozen lookup: no gradient needed
+    if converted:
+        _own_storage(model)
+        release_free_memory()
     base_label = base if not kept else f"checkpoint's own ({kept} quantized layers)"
     return {"base": base_label, "base_spec": None if spec is None or kept else spec.label,
             "double_quant": bool(double_quant and base == "nf4" and not kept),
             "base_bytes": base_bytes(model), "quantized_at_load": converted}
+
+
+def _own_storage(model: nn.Module) -> None:
+    """Give every tensor left in the model (embedding, head, norms) a storage of its own. The loader places all
+    weights in one arena (model/hugepages.py); while any view of it lives, the whole arena does, so without this
+    the float decoder weights just replaced by packed codes would stay resident for the whole fine-tune."""
+    clones: dict[int, torch.Tensor] = {}  # a tied embedding and head stay one tensor
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+                    continue
+                if id(t) not in clones:
+                    copy = t.detach().clone()
+                    clones[id(t)] = nn.Parameter(copy, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else copy
+                table[name] = clones[id(t)]
 
 
 def base_bytes(model: nn.Module) -> int:
