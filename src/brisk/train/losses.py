@@ -66,7 +66,7 @@ def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[t
 #   kl  = T^2 mean over rows of KL(p_T || softmax(z / T))     d kl / dz  = T (softmax(z / T) - p_T) / N
 #   loss = ce_weight * ce + kd_weight * kl
 
-_CHUNK_ELEMENTS = 1 << 24  # logits formed at once (rows x vocabulary): 64 MB of float32
+_CHUNK_ELEMENTS = 1 << 22  # logits formed at once (rows x vocabulary): 16 MB of float32 (85 rows of 49k)
 
 TeacherLogits = Callable[[int, int], torch.Tensor]  # (row start, row end) -> the teacher's logits [end - start, V]
 
@@ -102,8 +102,9 @@ class _FusedHeadLoss(torch.autograd.Function):
         m = max(int((labels != -100).sum()), 1)
         dtype = hidden.dtype if hidden.dtype == torch.bfloat16 else torch.float32  # bfloat16: autocast's
         w = weight.to(dtype)
+        want_h = ctx.needs_input_grad[0]
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32)
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32) if want_w else None
         grad_b = torch.zeros(v, dtype=torch.float32) if want_b else None
         ce_sum, kl_sum = torch.zeros(()), torch.zeros(())
@@ -122,12 +123,14 @@ class _FusedHeadLoss(torch.autograd.Function):
                 dz = d_ce.mul_(ce_weight / m)
                 if d_kl is not None:
                     dz.add_(d_kl, alpha=kd_weight * temperature**2 / n)
-                grad_h[s:e] = (dz.to(dtype) @ w).float()
+                if grad_h is not None:
+                    grad_h[s:e] = (dz.to(dtype) @ w).float()
                 if grad_w is not None:
                     grad_w.addmm_(dz.t(), h.float())
                 if grad_b is not None:
                     grad_b += dz.sum(0)
-        ctx.grads = (grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
+        ctx.grads = (None if grad_h is None else grad_h.to(hidden.dtype),
+                     None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         ce_mean, kl_mean = ce_sum / m, kl_sum * temperature**2 / n
         loss = ce_weight * ce_mean + kd_weight * kl_mean
@@ -139,7 +142,8 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.grads
         del ctx.grads
         scale = grad_loss.to(torch.float32)
-        return (grad_h * scale.to(grad_h.dtype), None if grad_w is None else grad_w * scale.to(grad_w.dtype),
+        return (None if grad_h is None else grad_h * scale.to(grad_h.dtype),
+                None if grad_w is None else grad_w * scale.to(grad_w.dtype),
                 None if grad_b is None else grad_b * scale.to(grad_b.dtype), None, None, None, None, None)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from brisk.eval.ppl import perplexity
+from brisk.model.hugepages import bound_heap_retention
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel
 from brisk.train.checkpoint import STATE_DIR, check_same_run, load_state, save_state, save_trained
@@ -188,6 +189,7 @@ def train(loaded: LoadedModel, loss_fn: LossFn, data: TextWindows, config: Train
     out = Path(out)
     model = loaded.model
     check_trainable(model)
+    bound_heap_retention()  # freed activations go back to the kernel, not into the heap's high-water mark
     if data.seq_len > model.config.max_position_embeddings:
         raise ValueError(f"seq_len {data.seq_len} is longer than the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
