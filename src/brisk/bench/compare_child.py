@@ -161,18 +161,8 @@ def _measure_llama_cpp(job: EngineJob) -> EngineRun:
     rss0 = report.current_rss_bytes()
     start = time.perf_counter()
     with LlamaCppModel(job.path, job.seq_len, n_seq_max=max(job.batch_sizes), threads=job.threads) as lc:
-        load_s = time.perf_counter() - start
-        peak_load = report.peak_rss_bytes() - rss0
-        lc.decode_rate([job.prompt_ids], 4)  # warm-up: the weights' pages read once (llama.cpp maps the file)
-        rss = report.current_rss_bytes() - rss0
-        run = EngineRun(load_s, rss, 0, peak_load, lc.prefill_seconds(job.prefill_ids))
-        for b in job.batch_sizes:
-            rate, toks = lc.decode_rate(_rotations(job.prompt_ids, b), job.output_len)
-            run.decode_tok_s[b] = rate
-            if b == 1:
-                run.greedy_b1 = toks
-    run.peak_rss_bytes = report.peak_rss_bytes()
-    return run
+        # warm-up: the weights' pages read once (llama.cpp maps the file)
+        return _runtime_rates(job, lc, time.perf_counter() - start, rss0)
 
 
 def _measure_onnxruntime(job: EngineJob) -> EngineRun:
@@ -183,9 +173,17 @@ def _measure_onnxruntime(job: EngineJob) -> EngineRun:
     rss0 = report.current_rss_bytes()
     start = time.perf_counter()
     model = OnnxModel(job.path, job.threads)  # the graph loaded and optimized (ORT_ENABLE_ALL)
-    load_s = time.perf_counter() - start
+    # warm-up: buffers allocated, kernels chosen
+    return _runtime_rates(job, model, time.perf_counter() - start, rss0)
+
+
+def _runtime_rates(job: EngineJob, model: Any, load_s: float, rss0: int) -> EngineRun:
+    """A loaded baseline runtime (decode_rate, prefill_seconds) measured as brisk is: a warm-up, the resident
+    memory after it, prefill time, decode tokens/s per batch size and batch 1's greedy tokens."""
+    from brisk.bench import report
+
     peak_load = report.peak_rss_bytes() - rss0
-    model.decode_rate([job.prompt_ids], 4)  # warm-up: buffers allocated, kernels chosen
+    model.decode_rate([job.prompt_ids], 4)  # the warm-up
     rss = report.current_rss_bytes() - rss0
     run = EngineRun(load_s, rss, 0, peak_load, model.prefill_seconds(job.prefill_ids))
     for b in job.batch_sizes:
