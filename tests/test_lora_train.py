@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 def test_frozen_quant_backward_equals_dense(spec):
     """grad_input from the packed codes, chunk by chunk, equals autograd through the dequantized float weight."""
     lin = torch.nn.Linear(128, 96, bias=True)
-    layer = _frozen_from_float(lin, spec, double_quant=False)
+    layer = _frozen_from_float(lin.weight, lin.bias, spec, double_quant=False)
     w = dequantize_packed(layer.packed())  # [96, 128] the weight it stands for
     x = torch.randn(3, 5, 128, requires_grad=True)
     y = layer(x)
@@ -45,7 +45,7 @@ def test_double_quantization_of_scales():
     # int8 over each block's centred range: error at most half a step of that block
     assert float((back - absmax).abs().max()) <= float(scale.max()) / 2 + 1e-7
     lin = torch.nn.Linear(128, 96)
-    dq = _frozen_from_float(lin, LayerQuant(4, 64, scheme="nf4"), double_quant=True)
+    dq = _frozen_from_float(lin.weight, lin.bias, LayerQuant(4, 64, scheme="nf4"), double_quant=True)
     assert dq.scales is None and dq.scale_codes.dtype == torch.int8  # no float16 absmax kept
     assert isinstance(dq, FrozenQuantLinear) and dq.nbytes() < 128 * 96 * 0.6  # ~0.5 byte per weight
 
@@ -83,3 +83,27 @@ def test_finetune_cli_qlora_peft_loads_the_adapter(tmp_path):
     bad = CliRunner().invoke(main, ["finetune", str(tmp_path / "m"), str(tmp_path / "x"), "--data", str(data),
                                     "--target-modules", "q,lm_head"])
     assert bad.exit_code != 0 and "not a projection" in bad.output
+
+
+def test_quantized_gguf_base_is_converted_layer_by_layer(tmp_path):
+    # a Q4_1 file loaded in its own precision and converted to NF4 one layer at a time gives the same frozen base
+    # as the whole float model dequantized first (the path that held the float decoder whole)
+    from gguf import GGMLQuantizationType
+    from gguf_utils import random_state_dict, tiny_config, write_tiny_model
+
+    from brisk.lora.train import prepare_base
+
+    config = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64)
+    path = write_tiny_model(tmp_path / "m.gguf", random_state_dict(config, seed=1), config,
+                            qtype=GGMLQuantizationType.Q4_1)
+    bases = []
+    for streamed in (False, True):
+        loaded = load_model(path, fuse=False, sparse=False, keep_quantized=streamed, show_progress=False)
+        info = prepare_base(loaded, "nf4", requantize=streamed)
+        assert info["quantized_at_load"] == config.num_hidden_layers * 7 and info["double_quant"]
+        bases.append({n: m for n, m in loaded.model.named_modules() if isinstance(m, FrozenQuantLinear)})
+    (name, ref), *_ = bases[0].items()
+    assert bases[0].keys() - {"lm_head"} == bases[1].keys() - {"lm_head"} and "nf4" in ref.extra_repr()
+    for n, m in bases[0].items():
+        if n != "lm_head":
+            assert all(torch.equal(a, b) for a, b in zip(m.buffers(), bases[1][n].buffers(), strict=True)), n

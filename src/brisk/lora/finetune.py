@@ -41,12 +41,17 @@ def finetune_lora(model: str, out: str | Path, data_path: str, config: TrainConf
                   dropout: float, use_rslora: bool, target_modules: str, base: str, seq_len: int = 256,
                   eval_data: str | None = None, resume: bool = False) -> dict[str, Any]:
     """Train adapters for `model` on `data_path`; write them to `out`; return the training record."""
-    from brisk.model.loader import load_model
+    from brisk.model.hugepages import bound_heap_retention
+    from brisk.model.loader import is_gguf, load_model, resolve_model
 
+    bound_heap_retention()  # from the load on (the trainer sets it too): the held-out pass's temporaries go back
     out = Path(out)
     targets = parse_target_modules(target_modules)
-    loaded = load_model(model, fuse=False, sparse=False)
-    base_info = prepare_base(loaded, base)
+    # a quantized base from a GGUF file: load it in its own precision and convert one layer at a time (the float
+    # decoder, 4x the file, is never held whole); a float base dequantizes at load as before
+    streamed = base != "float" and is_gguf(resolve_model(model))
+    loaded = load_model(model, fuse=False, sparse=False, keep_quantized=streamed)
+    base_info = prepare_base(loaded, base, requantize=streamed)
     paths = add_adapters(loaded.model, targets, rank, alpha, dropout, seed=config.seed, use_rslora=use_rslora)
     data = load_training_data(data_path, loaded.tokenizer, seq_len, config.seed)
     eval_set = None if eval_data is None else load_training_data(eval_data, loaded.tokenizer, data.seq_len, 0)

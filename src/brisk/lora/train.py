@@ -70,16 +70,24 @@ class LoRATrainLinear(nn.Module):
         return y + (F.linear(xa, self.lora_B) * self.scaling).to(y.dtype)
 
 
-def _frozen_from_float(linear: nn.Linear, spec: LayerQuant, double_quant: bool) -> FrozenQuantLinear:
-    enc = quantize_layer(linear.weight.detach(), spec)
-    k = linear.in_features
+def _frozen_from_float(weight: torch.Tensor, bias: torch.Tensor | None, spec: LayerQuant, double_quant: bool
+                       ) -> FrozenQuantLinear:
+    enc = quantize_layer(weight.detach(), spec)
+    k = weight.shape[1]
     if spec.scheme == "nf4":
         pw = prepack_nf4(enc["qweight"], enc["scales"], spec.group_size, k)
     else:
         pw = prepack(enc["qweight"], enc["scales"], enc.get("qzeros"), spec.bits, k if spec.group_size == -1
                      else spec.group_size, k)
-    bias = None if linear.bias is None else linear.bias.detach()
-    return FrozenQuantLinear(pw, bias, double_quant=double_quant)
+    return FrozenQuantLinear(pw, None if bias is None else bias.detach(), double_quant=double_quant)
+
+
+def _dequantized(q: QuantLinear) -> torch.Tensor:
+    """A quantized layer's weight [N, K] in float32 (the values its kernels multiply with)."""
+    from brisk.ops.qlinear import dequantize_packed, set_tiled
+
+    set_tiled(q.packed, False)
+    return dequantize_packed(q.packed)
 
 
 def _frozen_from_quant(q: QuantLinear, double_quant: bool) -> FrozenQuantLinear:
@@ -91,8 +99,11 @@ def _frozen_from_quant(q: QuantLinear, double_quant: bool) -> FrozenQuantLinear:
     return FrozenQuantLinear(pw, q.bias, double_quant=double_quant and pw.codebook is not None)
 
 
-def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True) -> dict[str, Any]:
+def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True, requantize: bool = False
+                 ) -> dict[str, Any]:
     """Freeze the model and put its decoder projections on the training base `base` (module docstring).
+    requantize: quantized layers (a GGUF file loaded in its own precision) are dequantized and quantized to
+    `base` one at a time, so the float decoder is never held whole; otherwise they keep their codes.
     Returns what was done, for the training record."""
     if base not in BASES:
         raise ValueError(f"base must be one of {', '.join(BASES)}, got {base!r}")
@@ -105,11 +116,15 @@ def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True) -> d
             for name, child in list(parent.named_children()):
                 if not name.endswith("_proj"):
                     continue
-                if isinstance(child, QuantLinear):
+                dq = spec is not None and double_quant and spec.scheme == "nf4"
+                if isinstance(child, QuantLinear) and requantize and spec is not None:
+                    setattr(parent, name, _frozen_from_float(_dequantized(child), child.bias, spec, dq))
+                    converted += 1
+                elif isinstance(child, QuantLinear):
                     setattr(parent, name, _frozen_from_quant(child, double_quant))
                     kept += 1
                 elif isinstance(child, nn.Linear) and spec is not None:
-                    setattr(parent, name, _frozen_from_float(child, spec, double_quant and spec.scheme == "nf4"))
+                    setattr(parent, name, _frozen_from_float(child.weight, child.bias, spec, dq))
                     converted += 1
         if converted:
             release_free_memory()  # each layer's quantization temporaries, before the next layer's pile on them
@@ -130,17 +145,28 @@ def _own_storage(model: nn.Module) -> None:
     """Give every tensor left in the model (embedding, head, norms) a storage of its own. The loader places all
     weights in one arena (model/hugepages.py); while any view of it lives, the whole arena does, so without this
     the float decoder weights just replaced by packed codes would stay resident for the whole fine-tune."""
+    from brisk.ops.qlinear import PackedWeight
+
     clones: dict[int, torch.Tensor] = {}  # a tied embedding and head stay one tensor
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+            return t
+        if id(t) not in clones:
+            copy = t.detach().clone()
+            clones[id(t)] = nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
+        return clones[id(t)]
+
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
-                if t is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
-                    continue
-                if id(t) not in clones:
-                    copy = t.detach().clone()
-                    clones[id(t)] = nn.Parameter(copy, requires_grad=t.requires_grad) \
-                        if isinstance(t, nn.Parameter) else copy
-                table[name] = clones[id(t)]
+                if t is not None:
+                    table[name] = own(t)
+        pw = getattr(module, "packed", None)  # a packed embedding's table (PackedEmbedding) is no buffer
+        if isinstance(pw, PackedWeight):
+            for field in ("data", "scales", "zeros", "codebook"):
+                if (t := getattr(pw, field)) is not None:
+                    setattr(pw, field, own(t))
 
 
 def base_bytes(model: nn.Module) -> int:

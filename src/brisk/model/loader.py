@@ -169,7 +169,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         with LoadProgress(f"loading {path.name}", total, enabled=show_progress) as bar:
             ckpt = load_hf_folder(path, dtype=dtype, fuse=fuse, progress=bar.advance)
         tokenizer = ckpt.tokenizer
-    elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+    elif is_gguf(path):
         from brisk.model.gguf import load_gguf
 
         with LoadProgress(f"loading {path.name}", path.stat().st_size, enabled=show_progress) as bar:
@@ -280,6 +280,11 @@ def _dummy_checkpoint(model: str | Path | None, shape: str | Path | None, dtype:
         raise ValueError(f"the tokenizer of {source} has {tokenizer.vocab_size} tokens, more than the "
                          f"{config.vocab_size} of shape {name}: pass a --model whose tokenizer fits the shape")
     return _DummyCheckpoint(config, random_tensors(config, dtype, seed, device, progress), tokenizer, source, name)
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether a resolved model path is a GGUF file (by its suffix or its magic bytes)."""
+    return path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))
 
 
 def _has_gguf_magic(path: Path) -> bool:
