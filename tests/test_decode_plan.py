@@ -227,6 +227,14 @@ def test_prepacked_weights_give_the_same_batched_tokens(ops, tiny_folder):
     # auto: only when batches can outgrow the small-M kernel
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB", max_num_seqs=8).engine.num_prepacked == 0
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB").engine.num_prepacked > 0
+    # ... and when the copies fit auto's bound (a 1B model's float32 copies would be 4.9 GB): here one byte under
+    from brisk.engine import memory
+    from brisk.ops.linear import float32_linear_bytes
+
+    plain = LLM(str(tiny_folder), kv_cache_memory="8MiB", prepack_weights="off")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memory, "PREPACK_AUTO_MAX_BYTES", float32_linear_bytes(plain.engine.loaded.model) - 1)
+        assert LLM(str(tiny_folder), kv_cache_memory="8MiB").engine.num_prepacked == 0
     # bfloat16: a float32 packed copy only when asked for ("on"), not under "auto"
     assert LLM(str(tiny_folder), kv_cache_memory="8MiB", dtype="bfloat16").engine.num_prepacked == 0
     bf_on = LLM(str(tiny_folder), kv_cache_memory="8MiB", dtype="bfloat16", prepack_weights="on")

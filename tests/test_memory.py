@@ -31,8 +31,9 @@ def test_weights_of_a_named_shape_follow_the_dtype() -> None:
     f32 = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b"), f)
     bf16 = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", dtype="bfloat16"), f)
     assert f32.weights == 4 * c.num_params and bf16.weights == 2 * c.num_params
-    # max_num_seqs 128 > 8: float32 linears get a packed copy under prepack auto; bfloat16 ones only with "on"
-    assert f32.packed == 4 * f.float_linear_params and bf16.packed == 0
+    # prepack auto: a 1B model's float32 copies (4.9 GB) are over its 1 GiB bound; bfloat16 ones only with "on"
+    assert 4 * f.float_linear_params > memory.PREPACK_AUTO_MAX_BYTES
+    assert f32.packed == 0 and bf16.packed == 0
     on = estimate_memory(build_engine_config(load_format="dummy", shape="llama-3.2-1b", dtype="bfloat16",
                                       prepack_weights="on"), f)
     assert on.packed == 4 * f.float_linear_params
@@ -90,11 +91,22 @@ def test_a_smaller_kv_pool_is_offered_when_it_is_what_fits() -> None:
         check_memory(config, available=available)
 
 
-def test_fewer_sequences_are_offered_when_they_drop_the_packed_copies() -> None:
-    """float32 at 128 sequences packs a float32 copy of every linear (prepack auto); at 8 the small-M kernel runs
-    every batch and nothing is packed. Both ways out are offered, each with its own estimate."""
-    config = build_engine_config(load_format="dummy", shape="llama-3.2-1b")
-    f = model_footprint(None, "dummy", "llama-3.2-1b")
+def _small_shape(tmp_path: Path) -> str:
+    """A 100M-parameter llama config.json: its float32 copies (~400 MB) are under prepack auto's bound."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 768,
+              "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "num_key_value_heads": 4, "tie_word_embeddings": True, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "config.json")
+
+
+def test_fewer_sequences_are_offered_when_they_drop_the_packed_copies(tmp_path: Path) -> None:
+    """float32 at 128 sequences packs a float32 copy of every linear (prepack auto, a model small enough); at 8
+    the small-M kernel runs every batch and nothing is packed. Both ways out are offered, each with its own
+    estimate."""
+    shape = _small_shape(tmp_path)
+    config = build_engine_config(load_format="dummy", shape=shape)
+    f = model_footprint(None, "dummy", shape)
     est = estimate_memory(config, f)
     eight = estimate_memory(config, f, max_num_seqs=8)
     assert eight.packed == 0 and est.total - eight.total > est.packed  # the copies and 120 rows of logits

@@ -355,11 +355,13 @@ class EngineConfig:
         None, cli=False, help='vLLM\'s dict form of speculative: {"method": "ngram", "num_speculative_tokens": 4, '
                               '"prompt_lookup_max": 4}; give it or speculative, not both.')
     # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
-    # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8), "on", "off"
+    # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8) and the copies take at most 1 GiB
+    # (engine/memory.py prepack_auto), "on", "off"
     prepack_weights: str = setting(
         "auto", choices=("auto", "on", "off"),
         help="Keep a oneDNN-packed copy of float32 weights for batched GEMMs (1.2-2x faster prefill and large "
-             "batches, twice the weight memory); auto = when --max-num-seqs > 8; on = also for bfloat16 models (a "
+             "batches on small models, twice the weight memory); auto = when --max-num-seqs > 8 and the copy is "
+             "at most 1 GiB (float32 models up to ~250M parameters); on = always, also for bfloat16 models (a "
              "float32 copy: no per-GEMM widening on CPUs without bf16 math).")
     # activations of 8/4-bit quantized linears: "float" (codes decoded to float), "int8" (every row of x rounded to
     # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics), or

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from brisk.engine.config import EngineConfig
-from brisk.engine.memory import check_memory
+from brisk.engine.memory import check_memory, prepack_auto
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.request import Request, RequestStatus
@@ -24,7 +24,7 @@ from brisk.kvcache.sizing import check_kv_pool, check_policy_supports, num_kv_bl
 from brisk.lora.request import LoRARequest
 from brisk.model.loader import LoadedModel, load_model
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from brisk.ops.linear import MAX_SMALL_M, prepack_linears
+from brisk.ops.linear import float32_linear_bytes, prepack_linears
 from brisk.quant.layers import set_quant_activations
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ class LLMEngine:
         assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
         self.max_model_len = sched_cfg.max_model_len
         self.num_prepacked = 0  # linear layers with a oneDNN-packed weight for batched GEMMs
-        if config.prepack_weights == "on" or (config.prepack_weights == "auto"
-                                              and sched_cfg.max_num_seqs > MAX_SMALL_M):
+        if config.prepack_weights == "on" or (config.prepack_weights == "auto" and prepack_auto(
+                sched_cfg.max_num_seqs, float32_linear_bytes(self.loaded.model))):
             # a bfloat16 model's float32 packed copy only when asked for: four times its weights' bytes
             self.num_prepacked = prepack_linears(self.loaded.model, bfloat16=config.prepack_weights == "on")
         # quantized linears that round decode activations to int8 (0 unless quant_activations == "int8")

@@ -163,6 +163,14 @@ def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
     return count
 
 
+def float32_linear_bytes(model: nn.Module) -> int:
+    """Bytes of the float32 copies prepack_linears would make (bfloat16=False): one per float32 FastLinear."""
+    from brisk.ops.layers import FastLinear
+
+    return sum(m.weight.numel() * 4 for m in model.modules()
+               if type(m) is FastLinear and m.packed_weight is None and m.weight.dtype == torch.float32)
+
+
 def use_fast_linear(model: nn.Module) -> int:
     """Turn every plain nn.Linear in `model` into a FastLinear in place; returns how many were converted."""
     from brisk.ops.layers import FastLinear
