@@ -144,6 +144,26 @@ def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[t
     return out
 
 
+def huge_empty(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Uninitialized tensors of the given (shape, dtype)s in one huge-page arena, each on a cache line, and the
+    arena's buffer (for `to_huge_pages`' skip: the loader writes packed weights straight into their final place
+    here, model/gguf_place.py); None where huge pages are not available. Nothing is touched: the pages are faulted
+    in, huge, as the tensors are first written."""
+    if not huge_pages_available() or not specs:
+        return None
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+    arena = _arena(total)
+    if arena is None:
+        return None
+    buf, start = arena
+    return [buf[start + o:start + o + size].view(dtype).view(shape)
+            for o, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)], buf
+
+
 def _available_bytes() -> int:
     """MemAvailable from /proc/meminfo (bytes); 0 if unreadable."""
     try:

@@ -1,8 +1,9 @@
 // Load-time byte shuffles of brisk's packed weights, in C++ because in PyTorch each is a dozen elementwise passes
 // over the whole matrix (a 1B model's GGUF took ~25 s to repack and ~15 s to tile that way on 2 cores).
 //
-// gguf_repack: GGML-encoded rows [N, row_bytes] -> brisk's blocked layout (ops/qlinear.py `_to_blocked`) plus
-// float32 group scales and minimums, one pass, no temporaries beyond one row of codes. The decoding of each block
+// gguf_repack: GGML-encoded rows [N, row_bytes] -> brisk's blocked layout (ops/qlinear.py `_to_blocked`) or the
+// tiled one (`_to_tiled`) plus group scales and minimums, one pass, no temporaries beyond one row of codes, into
+// any row range of the destination (a part of a fused weight). The decoding of each block
 // follows model/gguf_repack.py `_codes_and_params` (the PyTorch reference, which tests/test_gguf_repack.py checks
 // against gguf's own dequantization); the parameters are computed with the same float32 operations (one product
 // d * sc, one negation), so both paths give the same bits.
@@ -17,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -70,11 +72,13 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// One GGML block -> codes q[block_size] in the container's coding, scales s[groups], minimums m[groups].
+// One GGML block -> codes q[block_size] in the container's coding (skipped when q is null), scales s[groups],
+// minimums m[groups].
 void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* m) {
   switch (qtype) {
     case Q8_0:  // d f16 | qs int8[32]: code = q + 128, the sign bit flipped
       s[0] = f16(b);
+      if (!q) return;
       for (int i = 0; i < 32; ++i) q[i] = b[2 + i] ^ 0x80;
       return;
     case Q4_0:  // d f16 | qs[16]: low nibbles are weights 0..15, high nibbles 16..31
@@ -82,6 +86,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
       const int off = qtype == Q4_1 ? 4 : 2;
       s[0] = f16(b);
       if (qtype == Q4_1) m[0] = f16(b + 2);
+      if (!q) return;
       for (int i = 0; i < 16; ++i) {
         q[i] = b[off + i] & 0x0F;
         q[16 + i] = b[off + i] >> 4;
@@ -93,6 +98,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
       const int off = qtype == Q5_1 ? 4 : 2;
       s[0] = f16(b);
       if (qtype == Q5_1) m[0] = f16(b + 2);
+      if (!q) return;
       const uint8_t* qh = b + off;
       const uint8_t* qs = b + off + 4;
       const uint8_t add = qtype == Q5_0 ? 112 : 0;
@@ -112,6 +118,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         s[j] = d * static_cast<float>(sc);
         m[j] = -(dmin * static_cast<float>(mn));
       }
+      if (!q) return;
       const uint8_t* qs = qtype == Q5_K ? b + 48 : b + 16;
       for (int c = 0; c < 4; ++c)
         for (int h = 0; h < 2; ++h)
@@ -126,6 +133,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
     case Q6_K: {  // ql[128] | qh[64] | scales int8[16] | d f16; weight 128 h + 32 s + l; code q + 96
       const float d = f16(b + 208);
       for (int j = 0; j < 16; ++j) s[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) {
@@ -143,6 +151,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
         s[i] = d * static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(low | (high << 4))) - 32);
       }
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) {
@@ -158,6 +167,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         s[j] = d * static_cast<float>(b[j] & 0x0F);
         m[j] = -(dmin * static_cast<float>(b[j] >> 4));
       }
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) q[128 * h + 32 * sb + l] = (b[16 + 32 * h + l] >> (2 * sb)) & 3;
@@ -185,26 +195,62 @@ void to_blocked(const uint8_t* q, int64_t k, int64_t bits, uint8_t* out) {
 
 
 
-// raw [N, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> data [N, K / 32 * 4 * bits]
-// uint8 (blocked), scales [N, K / group] float32, mins [N, K / group] float32 for the forms with a minimum.
-void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& perm,
-                 const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
-  const Format f = format_of(qtype);
-  const int64_t n = raw.size(0), k = in_features;
+// codes q[K] of one row -> lane `lane` of its 16-row tile in the tiled layout (ops/qlinear.py `_to_tiled`): tiled
+// word c of the row sits at bytes (16 c + lane) * 4 of the tile (8 bits: q[4 c .. 4 c + 3]; 4 bits: byte j is
+// q[8 c + j] | q[8 c + 4 + j] << 4)
+void to_tiled_row(const uint8_t* q, int64_t k, int64_t bits, uint8_t* tile, int64_t lane) {
+  uint8_t* word = tile + 4 * lane;
+  if (bits == 8) {
+    for (int64_t c = 0; c < k / 4; ++c, word += 4 * kTileRows) std::memcpy(word, q + 4 * c, 4);
+  } else {
+    for (int64_t c = 0; c < k / 8; ++c, word += 4 * kTileRows)
+      for (int j = 0; j < 4; ++j) word[j] = static_cast<uint8_t>(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
+  }
+}
+
+// a group parameter stored as float32, or as float16 (round to nearest: exact where the caller checked that the
+// values fit, gguf_params_fit_half)
+inline void put_param(void* base, bool half, int64_t i, float v) {
+  if (half)
+    static_cast<c10::Half*>(base)[i] = c10::Half(v);
+  else
+    static_cast<float*>(base)[i] = v;
+}
+
+void check_raw(const at::Tensor& raw, const Format& f, int64_t k) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous CPU uint8 [N, row_bytes]");
   TORCH_CHECK(k % f.block_size == 0 && raw.size(1) == k / f.block_size * f.type_size,
               "gguf_repack: rows of ", raw.size(1), " bytes do not hold ", k, " weights of this type");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == n * k / kBlock * 4 * f.bits,
+}
+
+// raw [n, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> rows row0 .. row0 + n of
+// data [N, K / 32 * 4 * bits] uint8, scales [N, K / group] and mins [N, K / group] (float32 or float16, for the
+// forms with a minimum), N >= row0 + n: the blocked layout, or with `tiled` (8- and 4-bit codes, N % 16 == 0) the
+// tiled layout with parameters in [N / 16, K / group, 16] order (ops/qlinear.py `_tile_rows`). So a part of a
+// fused q/k/v or gate/up weight is written straight into its rows of the fused buffers, in its final layout.
+void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& perm,
+                 const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                 int64_t row0, bool tiled) {
+  const Format f = format_of(qtype);
+  const int64_t n = raw.size(0), k = in_features;
+  check_raw(raw, f, k);
+  const int64_t out_bytes = k / kBlock * 4 * f.bits, groups = k / f.group;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() % out_bytes == 0,
               "gguf_repack: data must be contiguous uint8 [N, K / 32 * 4 * bits]");
-  const int64_t groups = k / f.group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
-              "gguf_repack: scales must be contiguous float32 [N, K / group]");
+  const int64_t total = data.numel() / out_bytes;
+  TORCH_CHECK(row0 >= 0 && row0 + n <= total, "gguf_repack: rows ", row0, "..", row0 + n, " do not fit the ",
+              total, " rows of data");
+  TORCH_CHECK(!tiled || ((f.bits == 8 || f.bits == 4) && total % kTileRows == 0),
+              "gguf_repack: the tiled layout takes 8- or 4-bit codes in whole 16-row tiles");
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK(has_mins == f.mins, "gguf_repack: this type ", f.mins ? "needs" : "takes no", " minimums");
-  if (has_mins)
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * groups,
-                "gguf_repack: mins must be contiguous float32 [N, K / group]");
+  for (const at::Tensor* t : {&scales, has_mins ? &*mins : nullptr}) {
+    if (!t) continue;
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->is_contiguous()
+                    && t->numel() == total * groups,
+                "gguf_repack: scales and mins must be contiguous float32 or float16 [N, K / group]");
+  }
   const int64_t* p = nullptr;
   at::Tensor perm_c;
   if (perm.has_value() && perm->defined()) {
@@ -215,22 +261,57 @@ void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, cons
   }
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = data.data_ptr<uint8_t>();
-  float* sp = scales.data_ptr<float>();
-  float* mp = has_mins ? mins->data_ptr<float>() : nullptr;
-  const int64_t row_bytes = raw.size(1), out_bytes = k / kBlock * 4 * f.bits;
-  const int64_t per_block = f.block_size / f.group;
+  void* sp = scales.data_ptr();
+  void* mp = has_mins ? mins->data_ptr() : nullptr;
+  const bool s_half = scales.scalar_type() == at::kHalf, m_half = has_mins && mins->scalar_type() == at::kHalf;
+  const int64_t row_bytes = raw.size(1), per_block = f.block_size / f.group;
+  // (rows of one tile may go to different threads: they write disjoint bytes)
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> q(k);
-    float dummy[16];
+    std::vector<float> s(groups), m(groups);
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = src + (p ? p[r] : r) * row_bytes;
-      for (int64_t b = 0; b < k / f.block_size; ++b) {
-        const int64_t g = r * groups + b * per_block;
-        decode_block(qtype, row + b * f.type_size, q.data() + b * f.block_size, sp + g, mp ? mp + g : dummy);
+      for (int64_t b = 0; b < k / f.block_size; ++b)
+        decode_block(qtype, row + b * f.type_size, q.data() + b * f.block_size, s.data() + b * per_block,
+                     m.data() + b * per_block);
+      const int64_t out = row0 + r, tile = out / kTileRows, lane = out % kTileRows;
+      if (tiled)
+        to_tiled_row(q.data(), k, f.bits, dst + tile * kTileRows * out_bytes, lane);
+      else
+        to_blocked(q.data(), k, f.bits, dst + out * out_bytes);
+      for (int64_t g = 0; g < groups; ++g) {  // row order: [out, g]; tiled: [tile, g, lane]
+        const int64_t i = tiled ? (tile * groups + g) * kTileRows + lane : out * groups + g;
+        put_param(sp, s_half, i, s[g]);
+        if (mp) put_param(mp, m_half, i, m[g]);
       }
-      to_blocked(q.data(), k, f.bits, dst + r * out_bytes);
     }
   });
+}
+
+// Whether the group parameters of raw [N, row_bytes] survive a round trip through float16: bit 0 the scales, bit
+// 1 the minimums (set for types without). The loader picks the parameters' dtype from it before the repack writes
+// them (model/gguf_repack.py `_param_dtype`, the same test); only the blocks' parameter bytes are decoded.
+int64_t gguf_params_fit_half(const at::Tensor& raw, int64_t qtype, int64_t in_features) {
+  const Format f = format_of(qtype);
+  const int64_t n = raw.size(0), k = in_features;
+  check_raw(raw, f, k);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const int64_t blocks = n * (k / f.block_size), per_block = f.block_size / f.group;
+  std::atomic<bool> s_fit{true}, m_fit{true};
+  at::parallel_for(0, blocks, 1024, [&](int64_t b0, int64_t b1) {
+    float s[16], m[16];
+    bool sf = true, mf = true;
+    for (int64_t b = b0; b < b1 && (sf || mf); ++b) {
+      decode_block(qtype, src + b * f.type_size, nullptr, s, m);
+      for (int64_t g = 0; g < per_block; ++g) {
+        sf = sf && static_cast<float>(c10::Half(s[g])) == s[g];
+        mf = mf && (!f.mins || static_cast<float>(c10::Half(m[g])) == m[g]);
+      }
+    }
+    if (!sf) s_fit = false;
+    if (!mf) m_fit = false;
+  });
+  return (s_fit ? 1 : 0) | (m_fit ? 2 : 0);
 }
 
 // Both layouts are byte permutations of each other, row by row within a 16-row tile (no code is decoded):
@@ -281,6 +362,7 @@ void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bo
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("gguf_repack(Tensor raw, int qtype, int in_features, Tensor? perm, Tensor(a!) data, Tensor(b!) scales, "
-        "Tensor(c!)? mins) -> ()", &gguf_repack);
+        "Tensor(c!)? mins, int row0=0, bool tiled=False) -> ()", &gguf_repack);
+  m.def("gguf_params_fit_half(Tensor raw, int qtype, int in_features) -> int", &gguf_params_fit_half);
   m.def("packed_retile(Tensor(a!) data, int bits, int in_features, bool to_tiled) -> ()", &packed_retile);
 }
