@@ -8,7 +8,9 @@ int4 g64 model's small tensors, moved here into one arena, 307.7 -> 320.9 tok/s 
 
 `to_huge_pages` copies a model's parameters and buffers (and the quantized / sparse weights' own fields, which the
 modules mirror as buffers) into one contiguous, 2 MiB-aligned buffer advised MADV_HUGEPAGE, in module order, and
-points every holder at its slice: the same values, the same dtypes and shapes. One arena instead of one region per
+points every holder at its slice: the same values, the same dtypes and shapes. A GGUF file's packed weights skip
+the copy: the loader allocates their own arena up front (`huge_empty`) and repacks each matrix straight into it
+(model/gguf_place.py), and `to_huge_pages` leaves that storage where it is. One arena instead of one region per
 tensor: a region per tensor would round each up to whole huge pages (a 2.2 MiB tensor taking 4 MiB).
 Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_hugepage/enabled` says never, or is
 absent), on other platforms, when switched off (`settings.enabled`: BRISK_HUGE_PAGES=0 at start-up, or
