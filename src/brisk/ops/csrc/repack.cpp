@@ -74,7 +74,8 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
 
 // One GGML block -> codes q[block_size] in the container's coding (skipped when q is null), scales s[groups],
 // minimums m[groups].
-void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* m) {
+inline __attribute__((always_inline)) void decode_block(int64_t qtype, const uint8_t* __restrict b, uint8_t* __restrict q, float* __restrict s,
+                  float* __restrict m) {
   switch (qtype) {
     case Q8_0:  // d f16 | qs int8[32]: code = q + 128, the sign bit flipped
       s[0] = f16(b);
@@ -87,9 +88,14 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
       s[0] = f16(b);
       if (qtype == Q4_1) m[0] = f16(b + 2);
       if (!q) return;
-      for (int i = 0; i < 16; ++i) {
-        q[i] = b[off + i] & 0x0F;
-        q[16 + i] = b[off + i] >> 4;
+      // 8 bytes at a time: low nibbles of bytes i, then (the word shifted by 4) their high nibbles
+      constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0FULL;
+      for (int h = 0; h < 2; ++h) {
+        uint64_t w;
+        std::memcpy(&w, b + off + 8 * h, 8);
+        const uint64_t low = w & kLow, high = (w >> 4) & kLow;
+        std::memcpy(q + 8 * h, &low, 8);
+        std::memcpy(q + 16 + 8 * h, &high, 8);
       }
       return;
     }
@@ -198,23 +204,31 @@ void to_blocked(const uint8_t* q, int64_t k, int64_t bits, uint8_t* out) {
 // codes q[K] of one row -> lane `lane` of its 16-row tile in the tiled layout (ops/qlinear.py `_to_tiled`): tiled
 // word c of the row sits at bytes (16 c + lane) * 4 of the tile (8 bits: q[4 c .. 4 c + 3]; 4 bits: byte j is
 // q[8 c + j] | q[8 c + 4 + j] << 4)
-void to_tiled_row(const uint8_t* q, int64_t k, int64_t bits, uint8_t* tile, int64_t lane) {
+void to_tiled_row(const uint8_t* __restrict q, int64_t k, int64_t bits, uint8_t* __restrict tile, int64_t lane) {
   uint8_t* word = tile + 4 * lane;
   if (bits == 8) {
     for (int64_t c = 0; c < k / 4; ++c, word += 4 * kTileRows) std::memcpy(word, q + 4 * c, 4);
-  } else {
-    for (int64_t c = 0; c < k / 8; ++c, word += 4 * kTileRows)
-      for (int j = 0; j < 4; ++j) word[j] = static_cast<uint8_t>(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
+  } else {  // codes are below 16: the four low bytes OR the four high ones shifted by a nibble, no carries
+    for (int64_t c = 0; c < k / 8; ++c, word += 4 * kTileRows) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, q + 8 * c, 4);
+      std::memcpy(&hi, q + 8 * c + 4, 4);
+      const uint32_t w = lo | (hi << 4);
+      std::memcpy(word, &w, 4);
+    }
   }
 }
 
-// a group parameter stored as float32, or as float16 (round to nearest: exact where the caller checked that the
-// values fit, gguf_params_fit_half)
-inline void put_param(void* base, bool half, int64_t i, float v) {
-  if (half)
-    static_cast<c10::Half*>(base)[i] = c10::Half(v);
-  else
-    static_cast<float*>(base)[i] = v;
+// a row's group parameters v[groups] stored at dst[base + g * stride] as float32, or as float16 (round to nearest:
+// exact where the caller checked that the values fit, gguf_params_fit_half)
+inline void put_params(void* dst, bool half, int64_t base, int64_t stride, const float* v, int64_t groups) {
+  if (half) {
+    c10::Half* out = static_cast<c10::Half*>(dst) + base;
+    for (int64_t g = 0; g < groups; ++g) out[g * stride] = c10::Half(v[g]);
+  } else {
+    float* out = static_cast<float*>(dst) + base;
+    for (int64_t g = 0; g < groups; ++g) out[g * stride] = v[g];
+  }
 }
 
 void check_raw(const at::Tensor& raw, const Format& f, int64_t k) {
@@ -222,6 +236,45 @@ void check_raw(const at::Tensor& raw, const Format& f, int64_t k) {
               "gguf_repack: raw must be contiguous CPU uint8 [N, row_bytes]");
   TORCH_CHECK(k % f.block_size == 0 && raw.size(1) == k / f.block_size * f.type_size,
               "gguf_repack: rows of ", raw.size(1), " bytes do not hold ", k, " weights of this type");
+}
+
+struct RepackArgs {
+  const uint8_t* src;
+  const int64_t* perm;  // null: rows in stored order
+  int64_t row_bytes;
+  uint8_t* dst;
+  void *scales, *mins;  // mins null for the symmetric forms
+  bool s_half, m_half;
+  int64_t n, k, row0;
+  bool tiled;
+};
+
+template <int64_t QT>
+void repack_rows(const RepackArgs& a) {
+  const Format f = format_of(QT);
+  const int64_t k = a.k, out_bytes = k / kBlock * 4 * f.bits, groups = k / f.group;
+  const int64_t per_block = f.block_size / f.group;
+  // (rows of one tile may go to different threads: they write disjoint bytes)
+  at::parallel_for(0, a.n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> q(k);
+    std::vector<float> s(groups), m(groups);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = a.src + (a.perm ? a.perm[r] : r) * a.row_bytes;
+      for (int64_t b = 0; b < k / f.block_size; ++b)
+        decode_block(QT, row + b * f.type_size, q.data() + b * f.block_size, s.data() + b * per_block,
+                     m.data() + b * per_block);
+      const int64_t out = a.row0 + r, tile = out / kTileRows, lane = out % kTileRows;
+      if (a.tiled)
+        to_tiled_row(q.data(), k, f.bits, a.dst + tile * kTileRows * out_bytes, lane);
+      else
+        to_blocked(q.data(), k, f.bits, a.dst + out * out_bytes);
+      // parameters in row order: [out, g]; tiled: [tile, g, lane]
+      const int64_t base = a.tiled ? tile * groups * kTileRows + lane : out * groups;
+      const int64_t stride = a.tiled ? kTileRows : 1;
+      put_params(a.scales, a.s_half, base, stride, s.data(), groups);
+      if (a.mins) put_params(a.mins, a.m_half, base, stride, m.data(), groups);
+    }
+  });
 }
 
 // raw [n, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> rows row0 .. row0 + n of
@@ -259,33 +312,22 @@ void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, cons
     p = perm_c.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < n, "gguf_repack: perm entry out of range");
   }
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = data.data_ptr<uint8_t>();
-  void* sp = scales.data_ptr();
-  void* mp = has_mins ? mins->data_ptr() : nullptr;
-  const bool s_half = scales.scalar_type() == at::kHalf, m_half = has_mins && mins->scalar_type() == at::kHalf;
-  const int64_t row_bytes = raw.size(1), per_block = f.block_size / f.group;
-  // (rows of one tile may go to different threads: they write disjoint bytes)
-  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> q(k);
-    std::vector<float> s(groups), m(groups);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = src + (p ? p[r] : r) * row_bytes;
-      for (int64_t b = 0; b < k / f.block_size; ++b)
-        decode_block(qtype, row + b * f.type_size, q.data() + b * f.block_size, s.data() + b * per_block,
-                     m.data() + b * per_block);
-      const int64_t out = row0 + r, tile = out / kTileRows, lane = out % kTileRows;
-      if (tiled)
-        to_tiled_row(q.data(), k, f.bits, dst + tile * kTileRows * out_bytes, lane);
-      else
-        to_blocked(q.data(), k, f.bits, dst + out * out_bytes);
-      for (int64_t g = 0; g < groups; ++g) {  // row order: [out, g]; tiled: [tile, g, lane]
-        const int64_t i = tiled ? (tile * groups + g) * kTileRows + lane : out * groups + g;
-        put_param(sp, s_half, i, s[g]);
-        if (mp) put_param(mp, m_half, i, m[g]);
-      }
-    }
-  });
+  const RepackArgs a{raw.data_ptr<uint8_t>(), p, raw.size(1), data.data_ptr<uint8_t>(), scales.data_ptr(),
+                     has_mins ? mins->data_ptr() : nullptr, scales.scalar_type() == at::kHalf,
+                     has_mins && mins->scalar_type() == at::kHalf, n, k, row0, tiled};
+  switch (qtype) {  // one instance per type: decode_block's switch folds away in the inner loop
+    case Q4_0: return repack_rows<Q4_0>(a);
+    case Q4_1: return repack_rows<Q4_1>(a);
+    case Q5_0: return repack_rows<Q5_0>(a);
+    case Q5_1: return repack_rows<Q5_1>(a);
+    case Q8_0: return repack_rows<Q8_0>(a);
+    case Q2_K: return repack_rows<Q2_K>(a);
+    case Q3_K: return repack_rows<Q3_K>(a);
+    case Q4_K: return repack_rows<Q4_K>(a);
+    case Q5_K: return repack_rows<Q5_K>(a);
+    case Q6_K: return repack_rows<Q6_K>(a);
+    default: TORCH_CHECK(false, "gguf_repack: GGML type ", qtype, " has no packed form");
+  }
 }
 
 // Whether the group parameters of raw [N, row_bytes] survive a round trip through float16: bit 0 the scales, bit
