@@ -74,8 +74,9 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
 
 // One GGML block -> codes q[block_size] in the container's coding (skipped when q is null), scales s[groups],
 // minimums m[groups].
-inline __attribute__((always_inline)) void decode_block(int64_t qtype, const uint8_t* __restrict b, uint8_t* __restrict q, float* __restrict s,
-                  float* __restrict m) {
+inline __attribute__((always_inline)) void decode_block(int64_t qtype, const uint8_t* __restrict b,
+                                                       uint8_t* __restrict q, float* __restrict s,
+                                                       float* __restrict m) {
   switch (qtype) {
     case Q8_0:  // d f16 | qs int8[32]: code = q + 128, the sign bit flipped
       s[0] = f16(b);
@@ -249,12 +250,55 @@ struct RepackArgs {
   bool tiled;
 };
 
+// The legacy types into the tiled layout with float16 parameters (what the loader asks for them), without the row
+// of codes in between: Q4_0 / Q4_1's 16 code bytes are the block's 4 tiled words after nibble masks and shifts
+// (word c = 4 b + w of the row holds codes 8 w + j and 8 w + 4 + j, j = 0..3, of block b; codes 0..15 are the
+// low nibbles of bytes 0..15, codes 16..31 their high nibbles), Q8_0's 32 code bytes are its 8 words with the sign
+// bits flipped; the float16 d (and m) are copied as they are stored (exact, as gguf_repack.py says).
+template <int64_t QT>
+void legacy_tiled_row(const uint8_t* __restrict row, int64_t k, uint8_t* __restrict tile, int64_t lane,
+                      uint16_t* __restrict scales, uint16_t* __restrict mins) {
+  constexpr int64_t type_size = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18, off = QT == Q4_1 ? 4 : 2;
+  constexpr uint32_t kLow = 0x0F0F0F0FU, kHigh = 0xF0F0F0F0U;
+  uint8_t* word = tile + 4 * lane;  // word c of the row: word + 64 c
+  for (int64_t b = 0; b < k / kBlock; ++b, row += type_size) {
+    std::memcpy(scales + b * kTileRows, row, 2);
+    if (QT == Q4_1) std::memcpy(mins + b * kTileRows, row + 2, 2);
+    uint32_t w[8];
+    std::memcpy(w, row + off, QT == Q8_0 ? 32 : 16);
+    if (QT == Q8_0) {
+      for (int c = 0; c < 8; ++c) {
+        const uint32_t v = w[c] ^ 0x80808080U;
+        std::memcpy(word + (8 * b + c) * 4 * kTileRows, &v, 4);
+      }
+    } else {  // w[0..3]: code bytes 0-3, 4-7, 8-11, 12-15
+      const uint32_t v[4] = {(w[0] & kLow) | ((w[1] & kLow) << 4), (w[2] & kLow) | ((w[3] & kLow) << 4),
+                             ((w[0] >> 4) & kLow) | (w[1] & kHigh), ((w[2] >> 4) & kLow) | (w[3] & kHigh)};
+      for (int c = 0; c < 4; ++c) std::memcpy(word + (4 * b + c) * 4 * kTileRows, &v[c], 4);
+    }
+  }
+}
+
 template <int64_t QT>
 void repack_rows(const RepackArgs& a) {
   const Format f = format_of(QT);
   const int64_t k = a.k, out_bytes = k / kBlock * 4 * f.bits, groups = k / f.group;
   const int64_t per_block = f.block_size / f.group;
   // (rows of one tile may go to different threads: they write disjoint bytes)
+  if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q8_0) {
+    if (a.tiled && a.s_half && (QT != Q4_1 || a.m_half)) {
+      at::parallel_for(0, a.n, 64, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t out = a.row0 + r, tile = out / kTileRows, lane = out % kTileRows;
+          const int64_t params = tile * groups * kTileRows + lane;  // [tile, g, lane]
+          legacy_tiled_row<QT>(a.src + (a.perm ? a.perm[r] : r) * a.row_bytes, k, a.dst + tile * kTileRows * out_bytes,
+                               lane, static_cast<uint16_t*>(a.scales) + params,
+                               QT == Q4_1 ? static_cast<uint16_t*>(a.mins) + params : nullptr);
+        }
+      });
+      return;
+    }
+  }
   at::parallel_for(0, a.n, 64, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> q(k);
     std::vector<float> s(groups), m(groups);
