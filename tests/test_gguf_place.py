@@ -163,3 +163,21 @@ def test_repack_kernel_writes_tiled_rows_at_an_offset() -> None:
     assert torch.equal(data, whole.data) and torch.equal(scales, whole.scales) and torch.equal(mins, whole.zeros)
     with pytest.raises(RuntimeError, match="do not fit"):
         op(raw.view(48, -1), int(qtype), 256, None, data, scales, mins, 8, True)
+
+
+def test_without_the_kernels_the_multi_pass_pytorch_path_loads_the_same_weights(tmp_path) -> None:
+    # no C++ extension: nothing is placed (gguf_place.placeable), the PyTorch repack runs and nothing is tiled; the
+    # dequantized weights are the one-pass load's
+    from brisk.ops.qlinear import dequantize_packed
+
+    config = tiny_config()
+    path = tmp_path / "q4_1.gguf"
+    _write_model(path, T.Q4_1, config, random_state_dict(config, seed=6))
+    new = load_model(path, keep_quantized=True, show_progress=False)
+    with kernels.disabled():
+        assert gguf_place.placeable({"blk.0.attn_q.weight"}, {"blk.0.attn_q.weight": ("x.weight", (32, 32))}) == set()
+        plain = load_model(path, keep_quantized=True, show_progress=False)
+        pa, pb = _packed_modules(new.model), _packed_modules(plain.model)
+        assert set(pa) == set(pb) and not any(p.tiled for p in pb.values())
+        for name in pa:
+            assert _bits_equal(dequantize_packed(pa[name]), dequantize_packed(pb[name])), name
