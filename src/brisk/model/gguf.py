@@ -365,6 +365,8 @@ class GGUFCheckpoint:
     # and the GGUF type it came from; model/gguf_native.py turns them into quantized layers
     packed: dict[str, PackedWeight] = field(default_factory=dict)
     packed_types: dict[str, str] = field(default_factory=dict)
+    # buffers the packed weights were written into in their final place (a huge-page arena): to_huge_pages skips them
+    placed: list[torch.Tensor] = field(default_factory=list)
 
 
 # ggml float types a tensor can be mapped from, when the model runs in that dtype
@@ -374,14 +376,16 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F1
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool = False,
               mmap_weights: bool = True, progress: Callable[[int], None] | None = None,
-              keep_quantized: bool = False) -> GGUFCheckpoint:
+              keep_quantized: bool = False, huge_pages: bool = False) -> GGUFCheckpoint:
     """Config, dequantized weights (transformers names, `dtype`) and tokenizer of a GGUF file.
 
     `mmap_weights`: float tensors stored in `dtype` (and needing no Q/K un-permutation) are views of the memory-
     mapped file. `fuse`: q/k/v and gate/up parts are dequantized into one buffer per layer (fuse.FusedBuffers), for
     fuse_projections to take without a copy. `progress(nbytes)`: after each tensor, its bytes in the file.
     `keep_quantized`: matrices of a type with a packed form (model/gguf_repack.py) are repacked, not
-    dequantized, into `packed` (the file's own precision)."""
+    dequantized, into `packed` (the file's own precision), each in one pass into its final layout (model/
+    gguf_place.py: q/k/v and gate/up fused under the fused module's name when `fuse` is on, tiled where the
+    model's kernels will read it tiled), and with `huge_pages` into one huge-page arena (`placed`)."""
     f = read_gguf(path)
     config = _config_from_gguf(f)
     expected = _expected_tensors(config, (info.shape if (info := f.tensors.get("blk.0.ffn_gate_inp_shexp.weight"))
@@ -414,7 +418,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
         from brisk.model.gemma import GGUF_NORM_SHIFT, is_gguf_norm
     to_pack = {name for name, (hf, shape) in expected.items()
                if keep_quantized and repackable_tensor(f.tensors[name].qtype, hf, shape)}
-    packed, packed_types = _repack_tensors(f, config, expected, to_pack) if to_pack else ({}, {})
+    from brisk.model import gguf_place
+
+    in_place = gguf_place.placeable(to_pack, expected) if to_pack else set()
+    packed, packed_types, placed = (gguf_place.place_packed(f, config, expected, in_place, fuse, huge_pages,
+                                                            lambda name, rows: _row_perm(config, name, rows),
+                                                            progress)
+                                    if in_place else ({}, {}, []))
+    if to_pack - in_place:  # stacked experts; every matrix where the C++ kernels are not built
+        rest, rest_types = _repack_tensors(f, config, expected, to_pack - in_place)
+        packed, packed_types = packed | rest, packed_types | rest_types
     # a float part whose layer also has packed parts is not fused (its siblings are quantized layers)
     unfused_layers = {hf.rsplit(".", 2)[0] for name, (hf, _) in expected.items() if name in to_pack}
     fused = FusedBuffers(config, dtype) if fuse else None
@@ -470,24 +483,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     fh.close()
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
                           mapped=[base] if used and base is not None else [], packed=packed,
-                          packed_types=packed_types)
+                          packed_types=packed_types, placed=placed)
 
 
 def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str, tuple[int, ...]]],
                     names: set[str]) -> tuple[dict[str, PackedWeight], dict[str, str]]:
-    """Repack the named tensors one at a time, each read with read(2) (page cache, not this process's resident
-    set) into a transient buffer; Q/K rows take llama.cpp's permutation back as they are repacked."""
-    permuted = config.architecture in _PERMUTED_QK_ARCHS
+    """Repack the named tensors one at a time into the blocked layout (the loader fuses and tiles them after), each
+    read with read(2) (page cache, not this process's resident set) into a transient buffer; Q/K rows take
+    llama.cpp's permutation back as they are repacked."""
     packed, types = {}, {}
     trim = _Trim()
     with open(f.path, "rb") as fh:
         for name in (n for n in expected if n in names):
             hf_name, shape = expected[name]
             info = f.tensors[name]
-            perm = None
-            if permuted and (".attn_q." in name or ".attn_k." in name):
-                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-                perm = _unpermute_rows(torch.arange(shape[0]), heads)
+            perm = _row_perm(config, name, shape[0])
             raw = mapped.read_tensor(fh, info.offset, (info.n_bytes,), torch.uint8)
             module = hf_name.removesuffix(".weight")
             # stacked experts [E, N, K] (model/moe.py): one packed weight per expert, from its run of bytes
@@ -502,6 +512,15 @@ def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[
             del raw
             trim.done(info.n_bytes)
     return packed, types
+
+
+def _row_perm(config: ModelConfig, name: str, rows: int) -> torch.Tensor | None:
+    """The row order that undoes llama.cpp's Q/K permutation of GGUF tensor `name` (out row i = stored row
+    perm[i]), or None where there is none."""
+    if config.architecture not in _PERMUTED_QK_ARCHS or not (".attn_q." in name or ".attn_k." in name):
+        return None
+    heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+    return _unpermute_rows(torch.arange(rows), heads)
 
 
 _CHUNK_BYTES = 1 << 24  # raw bytes read and dequantized at a time

@@ -20,6 +20,9 @@ from brisk.ops.qlinear import TILE_ROWS, PackedWeight, _from_blocked, _unpack_ch
 from brisk.quant.config import LayerQuant
 
 EMBEDDING = "model.embed_tokens"
+# fused module -> its parts, in row order (model/fuse.py); the loader may hand a fused weight over under the fused
+# module's name, packed in place (model/gguf_place.py)
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def layer_spec(pw: PackedWeight) -> LayerQuant:
@@ -89,9 +92,15 @@ def _quant_linear(pw: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtyp
     return layer
 
 
+def part_names(name: str) -> list[str]:
+    """The modules a packed weight stands for: a fused one's parts, else itself."""
+    prefix, _, leaf = name.rpartition(".")
+    return [f"{prefix}.{p}" for p in FUSED_PARTS[leaf]] if leaf in FUSED_PARTS else [name]
+
+
 def packed_module_names(config: ModelConfig, packed: dict[str, PackedWeight]) -> list[str]:
     """Modules whose float weight the loader does not hold (a tied head goes with its packed embedding)."""
-    names = list(packed)
+    names = [part for name in packed for part in part_names(name)]
     if config.tie_word_embeddings and EMBEDDING in packed:
         names.append("lm_head")
     return names
@@ -99,7 +108,8 @@ def packed_module_names(config: ModelConfig, packed: dict[str, PackedWeight]) ->
 
 def take_biases(tensors: dict[str, torch.Tensor], packed: dict[str, PackedWeight]) -> dict[str, torch.Tensor]:
     """Pop the biases of packed modules (they go into the QuantLinear, not into the float model)."""
-    return {name: tensors.pop(f"{name}.bias") for name in packed if f"{name}.bias" in tensors}
+    parts = [part for name in packed for part in part_names(name)]
+    return {name: tensors.pop(f"{name}.bias") for name in parts if f"{name}.bias" in tensors}
 
 
 def apply_packed_modules(model: LlamaForCausalLM, config: ModelConfig, packed: dict[str, PackedWeight],
@@ -114,16 +124,16 @@ def apply_packed_modules(model: LlamaForCausalLM, config: ModelConfig, packed: d
         count += 1
         if config.tie_word_embeddings:  # the head computes from the same packed tensors
             model.lm_head = _quant_linear(pw, None, dtype)
-    groups = (("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", ["gate_proj", "up_proj"]))
     for prefix, parent in list(model.named_modules()):
-        for fused_name, names in groups:
+        for fused_name, names in FUSED_PARTS.items():
             if not fuse or not all(isinstance(getattr(parent, n, None), nn.Linear) for n in names):
                 continue
             full = [f"{prefix}.{n}" for n in names]
             parts = [packed.get(f) for f in full]
             has_bias = [f in biases for f in full]
-            if can_concat(parts) and (all(has_bias) or not any(has_bias)):
-                pw = concat_rows([packed.pop(f) for f in full])
+            placed = packed.pop(f"{prefix}.{fused_name}", None)  # fused by the loader, in its final place
+            if placed is not None or (can_concat(parts) and (all(has_bias) or not any(has_bias))):
+                pw = placed if placed is not None else concat_rows([packed.pop(f) for f in full])
                 bias = torch.cat([biases.pop(f) for f in full]) if all(has_bias) else None
                 setattr(parent, fused_name, _quant_linear(pw, bias, dtype))
                 for n in names:

@@ -31,10 +31,12 @@ an integer code with the group scale is exact in float32 (at most 11 + 6 + 5 sig
 is the final addition of the minimum, which brisk's dequantization (s * q + m) performs once as well. The symmetric
 forms (Q6_K: (d * sc) * (q - 32), Q3_K: (d * sc) * q) are one rounded product, as brisk's s * (code - zero).
 
-Memory: a tensor is repacked from its raw bytes (read with read(2), which leaves the page cache out of this process's
-resident set) straight into its final buffers; no float copy of the tensor exists. The work is the C++ kernel
-`gguf_repack` (ops/csrc/repack.cpp: one pass, a row of codes as its only temporary); without the kernels, the
-PyTorch reference below does the same a chunk of rows at a time.
+Memory: a tensor is repacked from its raw bytes straight into its final buffers; no float copy of the tensor
+exists. The work is the C++ kernel `gguf_repack` (ops/csrc/repack.cpp: one pass, a row of codes as its only
+temporary), which the loader runs on the file's memory map into each weight's final layout and place
+(model/gguf_place.py: fused rows, tiled layout, huge-page arena); `repack` here gives the blocked layout (the
+loader's way for stacked experts, and where the kernels are not built: then the PyTorch reference below does the
+same a chunk of rows at a time).
 """
 
 from __future__ import annotations

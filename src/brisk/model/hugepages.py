@@ -8,7 +8,9 @@ int4 g64 model's small tensors, moved here into one arena, 307.7 -> 320.9 tok/s 
 
 `to_huge_pages` copies a model's parameters and buffers (and the quantized / sparse weights' own fields, which the
 modules mirror as buffers) into one contiguous, 2 MiB-aligned buffer advised MADV_HUGEPAGE, in module order, and
-points every holder at its slice: the same values, the same dtypes and shapes. One arena instead of one region per
+points every holder at its slice: the same values, the same dtypes and shapes. A GGUF file's packed weights skip
+the copy: the loader allocates their own arena up front (`huge_empty`) and repacks each matrix straight into it
+(model/gguf_place.py), and `to_huge_pages` leaves that storage where it is. One arena instead of one region per
 tensor: a region per tensor would round each up to whole huge pages (a 2.2 MiB tensor taking 4 MiB).
 Nothing happens where the kernel offers no THP (`/sys/kernel/mm/transparent_hugepage/enabled` says never, or is
 absent), on other platforms, when switched off (`settings.enabled`: BRISK_HUGE_PAGES=0 at start-up, or
@@ -142,6 +144,26 @@ def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[t
         t.zero_()
         out.append(t)
     return out
+
+
+def huge_empty(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Uninitialized tensors of the given (shape, dtype)s in one huge-page arena, each on a cache line, and the
+    arena's buffer (for `to_huge_pages`' skip: the loader writes packed weights straight into their final place
+    here, model/gguf_place.py); None where huge pages are not available. Nothing is touched: the pages are faulted
+    in, huge, as the tensors are first written."""
+    if not huge_pages_available() or not specs:
+        return None
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+    arena = _arena(total)
+    if arena is None:
+        return None
+    buf, start = arena
+    return [buf[start + o:start + o + size].view(dtype).view(shape)
+            for o, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)], buf
 
 
 def _available_bytes() -> int:

@@ -173,7 +173,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.model.gguf import load_gguf
 
         with LoadProgress(f"loading {path.name}", path.stat().st_size, enabled=show_progress) as bar:
-            ckpt = load_gguf(path, dtype=dtype, fuse=fuse, progress=bar.advance, keep_quantized=keep_quantized)
+            ckpt = load_gguf(path, dtype=dtype, fuse=fuse, progress=bar.advance, keep_quantized=keep_quantized,
+                             huge_pages=torch.device(device).type == "cpu")
         tokenizer = ckpt.tokenizer
     else:
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder with config.json")
@@ -181,8 +182,9 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     from brisk.model.hugepages import release_free_memory
 
     release_free_memory()  # the readers' temporaries (dequantized / repacked chunks): their pages back
-    # weights that are views of a memory-mapped file (model/mapped.py) stay there: not copied to huge pages
-    mapped_storages = storage_ptrs(getattr(ckpt, "mapped", []))
+    # weights that are views of a memory-mapped file (model/mapped.py) stay there, and those written into their
+    # final place (a GGUF's packed weights in their own huge-page arena, model/gguf_place.py): not copied again
+    mapped_storages = storage_ptrs(getattr(ckpt, "mapped", []) + getattr(ckpt, "placed", []))
     quantization = getattr(ckpt, "quantization", None)
     # The model takes the checkpoint's tensors as they are (assign, no copy); the dict is dropped right after, so
     # that fusion below frees each layer's parts as it concatenates them instead of keeping a second copy.

@@ -16,13 +16,17 @@ arena would turn shared, reclaimable page cache back into private anonymous memo
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import struct
+import sys
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+_MADV_DONTNEED = 4
 
 # safetensors dtype names -> torch dtypes (the ones brisk checkpoints and HF folders hold)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -49,6 +53,18 @@ def view(base: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.d
     if offset % itemsize or offset + numel * itemsize > base.numel():
         return None
     return base[offset:offset + numel * itemsize].view(dtype).view(shape)
+
+
+def drop_pages(t: torch.Tensor) -> None:
+    """Unmap the whole pages of a mapping's view `t` from this process (madvise MADV_DONTNEED): pages read through
+    a map count in its resident set while mapped; the page cache keeps them for the next reader. A page that was
+    written (copy-on-write) reverts to the file's bytes: call it on pages that were only read."""
+    if t.numel() == 0 or not sys.platform.startswith("linux"):
+        return
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.dtype,

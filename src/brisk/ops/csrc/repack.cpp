@@ -1,8 +1,9 @@
 // Load-time byte shuffles of brisk's packed weights, in C++ because in PyTorch each is a dozen elementwise passes
 // over the whole matrix (a 1B model's GGUF took ~25 s to repack and ~15 s to tile that way on 2 cores).
 //
-// gguf_repack: GGML-encoded rows [N, row_bytes] -> brisk's blocked layout (ops/qlinear.py `_to_blocked`) plus
-// float32 group scales and minimums, one pass, no temporaries beyond one row of codes. The decoding of each block
+// gguf_repack: GGML-encoded rows [N, row_bytes] -> brisk's blocked layout (ops/qlinear.py `_to_blocked`) or the
+// tiled one (`_to_tiled`) plus group scales and minimums, one pass, no temporaries beyond one row of codes, into
+// any row range of the destination (a part of a fused weight). The decoding of each block
 // follows model/gguf_repack.py `_codes_and_params` (the PyTorch reference, which tests/test_gguf_repack.py checks
 // against gguf's own dequantization); the parameters are computed with the same float32 operations (one product
 // d * sc, one negation), so both paths give the same bits.
@@ -17,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -70,11 +72,15 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// One GGML block -> codes q[block_size] in the container's coding, scales s[groups], minimums m[groups].
-void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* m) {
+// One GGML block -> codes q[block_size] in the container's coding (skipped when q is null), scales s[groups],
+// minimums m[groups].
+inline __attribute__((always_inline)) void decode_block(int64_t qtype, const uint8_t* __restrict b,
+                                                       uint8_t* __restrict q, float* __restrict s,
+                                                       float* __restrict m) {
   switch (qtype) {
     case Q8_0:  // d f16 | qs int8[32]: code = q + 128, the sign bit flipped
       s[0] = f16(b);
+      if (!q) return;
       for (int i = 0; i < 32; ++i) q[i] = b[2 + i] ^ 0x80;
       return;
     case Q4_0:  // d f16 | qs[16]: low nibbles are weights 0..15, high nibbles 16..31
@@ -82,9 +88,15 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
       const int off = qtype == Q4_1 ? 4 : 2;
       s[0] = f16(b);
       if (qtype == Q4_1) m[0] = f16(b + 2);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = b[off + i] & 0x0F;
-        q[16 + i] = b[off + i] >> 4;
+      if (!q) return;
+      // 8 bytes at a time: low nibbles of bytes i, then (the word shifted by 4) their high nibbles
+      constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0FULL;
+      for (int h = 0; h < 2; ++h) {
+        uint64_t w;
+        std::memcpy(&w, b + off + 8 * h, 8);
+        const uint64_t low = w & kLow, high = (w >> 4) & kLow;
+        std::memcpy(q + 8 * h, &low, 8);
+        std::memcpy(q + 16 + 8 * h, &high, 8);
       }
       return;
     }
@@ -93,6 +105,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
       const int off = qtype == Q5_1 ? 4 : 2;
       s[0] = f16(b);
       if (qtype == Q5_1) m[0] = f16(b + 2);
+      if (!q) return;
       const uint8_t* qh = b + off;
       const uint8_t* qs = b + off + 4;
       const uint8_t add = qtype == Q5_0 ? 112 : 0;
@@ -112,6 +125,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         s[j] = d * static_cast<float>(sc);
         m[j] = -(dmin * static_cast<float>(mn));
       }
+      if (!q) return;
       const uint8_t* qs = qtype == Q5_K ? b + 48 : b + 16;
       for (int c = 0; c < 4; ++c)
         for (int h = 0; h < 2; ++h)
@@ -126,6 +140,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
     case Q6_K: {  // ql[128] | qh[64] | scales int8[16] | d f16; weight 128 h + 32 s + l; code q + 96
       const float d = f16(b + 208);
       for (int j = 0; j < 16; ++j) s[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) {
@@ -143,6 +158,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
         s[i] = d * static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(low | (high << 4))) - 32);
       }
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) {
@@ -158,6 +174,7 @@ void decode_block(int64_t qtype, const uint8_t* b, uint8_t* q, float* s, float* 
         s[j] = d * static_cast<float>(b[j] & 0x0F);
         m[j] = -(dmin * static_cast<float>(b[j] >> 4));
       }
+      if (!q) return;
       for (int h = 0; h < 2; ++h)
         for (int sb = 0; sb < 4; ++sb)
           for (int l = 0; l < 32; ++l) q[128 * h + 32 * sb + l] = (b[16 + 32 * h + l] >> (2 * sb)) & 3;
@@ -185,26 +202,152 @@ void to_blocked(const uint8_t* q, int64_t k, int64_t bits, uint8_t* out) {
 
 
 
-// raw [N, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> data [N, K / 32 * 4 * bits]
-// uint8 (blocked), scales [N, K / group] float32, mins [N, K / group] float32 for the forms with a minimum.
-void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& perm,
-                 const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
-  const Format f = format_of(qtype);
-  const int64_t n = raw.size(0), k = in_features;
+// codes q[K] of one row -> lane `lane` of its 16-row tile in the tiled layout (ops/qlinear.py `_to_tiled`): tiled
+// word c of the row sits at bytes (16 c + lane) * 4 of the tile (8 bits: q[4 c .. 4 c + 3]; 4 bits: byte j is
+// q[8 c + j] | q[8 c + 4 + j] << 4)
+void to_tiled_row(const uint8_t* __restrict q, int64_t k, int64_t bits, uint8_t* __restrict tile, int64_t lane) {
+  uint8_t* word = tile + 4 * lane;
+  if (bits == 8) {
+    for (int64_t c = 0; c < k / 4; ++c, word += 4 * kTileRows) std::memcpy(word, q + 4 * c, 4);
+  } else {  // codes are below 16: the four low bytes OR the four high ones shifted by a nibble, no carries
+    for (int64_t c = 0; c < k / 8; ++c, word += 4 * kTileRows) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, q + 8 * c, 4);
+      std::memcpy(&hi, q + 8 * c + 4, 4);
+      const uint32_t w = lo | (hi << 4);
+      std::memcpy(word, &w, 4);
+    }
+  }
+}
+
+// a row's group parameters v[groups] stored at dst[base + g * stride] as float32, or as float16 (round to nearest:
+// exact where the caller checked that the values fit, gguf_params_fit_half)
+inline void put_params(void* dst, bool half, int64_t base, int64_t stride, const float* v, int64_t groups) {
+  if (half) {
+    c10::Half* out = static_cast<c10::Half*>(dst) + base;
+    for (int64_t g = 0; g < groups; ++g) out[g * stride] = c10::Half(v[g]);
+  } else {
+    float* out = static_cast<float*>(dst) + base;
+    for (int64_t g = 0; g < groups; ++g) out[g * stride] = v[g];
+  }
+}
+
+void check_raw(const at::Tensor& raw, const Format& f, int64_t k) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous CPU uint8 [N, row_bytes]");
   TORCH_CHECK(k % f.block_size == 0 && raw.size(1) == k / f.block_size * f.type_size,
               "gguf_repack: rows of ", raw.size(1), " bytes do not hold ", k, " weights of this type");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == n * k / kBlock * 4 * f.bits,
+}
+
+struct RepackArgs {
+  const uint8_t* src;
+  const int64_t* perm;  // null: rows in stored order
+  int64_t row_bytes;
+  uint8_t* dst;
+  void *scales, *mins;  // mins null for the symmetric forms
+  bool s_half, m_half;
+  int64_t n, k, row0;
+  bool tiled;
+};
+
+// The legacy types into the tiled layout with float16 parameters (what the loader asks for them), without the row
+// of codes in between: Q4_0 / Q4_1's 16 code bytes are the block's 4 tiled words after nibble masks and shifts
+// (word c = 4 b + w of the row holds codes 8 w + j and 8 w + 4 + j, j = 0..3, of block b; codes 0..15 are the
+// low nibbles of bytes 0..15, codes 16..31 their high nibbles), Q8_0's 32 code bytes are its 8 words with the sign
+// bits flipped; the float16 d (and m) are copied as they are stored (exact, as gguf_repack.py says).
+template <int64_t QT>
+void legacy_tiled_row(const uint8_t* __restrict row, int64_t k, uint8_t* __restrict tile, int64_t lane,
+                      uint16_t* __restrict scales, uint16_t* __restrict mins) {
+  constexpr int64_t type_size = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18, off = QT == Q4_1 ? 4 : 2;
+  constexpr uint32_t kLow = 0x0F0F0F0FU, kHigh = 0xF0F0F0F0U;
+  uint8_t* word = tile + 4 * lane;  // word c of the row: word + 64 c
+  for (int64_t b = 0; b < k / kBlock; ++b, row += type_size) {
+    std::memcpy(scales + b * kTileRows, row, 2);
+    if (QT == Q4_1) std::memcpy(mins + b * kTileRows, row + 2, 2);
+    uint32_t w[8];
+    std::memcpy(w, row + off, QT == Q8_0 ? 32 : 16);
+    if (QT == Q8_0) {
+      for (int c = 0; c < 8; ++c) {
+        const uint32_t v = w[c] ^ 0x80808080U;
+        std::memcpy(word + (8 * b + c) * 4 * kTileRows, &v, 4);
+      }
+    } else {  // w[0..3]: code bytes 0-3, 4-7, 8-11, 12-15
+      const uint32_t v[4] = {(w[0] & kLow) | ((w[1] & kLow) << 4), (w[2] & kLow) | ((w[3] & kLow) << 4),
+                             ((w[0] >> 4) & kLow) | (w[1] & kHigh), ((w[2] >> 4) & kLow) | (w[3] & kHigh)};
+      for (int c = 0; c < 4; ++c) std::memcpy(word + (4 * b + c) * 4 * kTileRows, &v[c], 4);
+    }
+  }
+}
+
+template <int64_t QT>
+void repack_rows(const RepackArgs& a) {
+  const Format f = format_of(QT);
+  const int64_t k = a.k, out_bytes = k / kBlock * 4 * f.bits, groups = k / f.group;
+  const int64_t per_block = f.block_size / f.group;
+  // (rows of one tile may go to different threads: they write disjoint bytes)
+  if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q8_0) {
+    if (a.tiled && a.s_half && (QT != Q4_1 || a.m_half)) {
+      at::parallel_for(0, a.n, 64, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t out = a.row0 + r, tile = out / kTileRows, lane = out % kTileRows;
+          const int64_t params = tile * groups * kTileRows + lane;  // [tile, g, lane]
+          legacy_tiled_row<QT>(a.src + (a.perm ? a.perm[r] : r) * a.row_bytes, k, a.dst + tile * kTileRows * out_bytes,
+                               lane, static_cast<uint16_t*>(a.scales) + params,
+                               QT == Q4_1 ? static_cast<uint16_t*>(a.mins) + params : nullptr);
+        }
+      });
+      return;
+    }
+  }
+  at::parallel_for(0, a.n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> q(k);
+    std::vector<float> s(groups), m(groups);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = a.src + (a.perm ? a.perm[r] : r) * a.row_bytes;
+      for (int64_t b = 0; b < k / f.block_size; ++b)
+        decode_block(QT, row + b * f.type_size, q.data() + b * f.block_size, s.data() + b * per_block,
+                     m.data() + b * per_block);
+      const int64_t out = a.row0 + r, tile = out / kTileRows, lane = out % kTileRows;
+      if (a.tiled)
+        to_tiled_row(q.data(), k, f.bits, a.dst + tile * kTileRows * out_bytes, lane);
+      else
+        to_blocked(q.data(), k, f.bits, a.dst + out * out_bytes);
+      // parameters in row order: [out, g]; tiled: [tile, g, lane]
+      const int64_t base = a.tiled ? tile * groups * kTileRows + lane : out * groups;
+      const int64_t stride = a.tiled ? kTileRows : 1;
+      put_params(a.scales, a.s_half, base, stride, s.data(), groups);
+      if (a.mins) put_params(a.mins, a.m_half, base, stride, m.data(), groups);
+    }
+  });
+}
+
+// raw [n, row_bytes] uint8 (stored row perm[i] becomes row i when perm is given) -> rows row0 .. row0 + n of
+// data [N, K / 32 * 4 * bits] uint8, scales [N, K / group] and mins [N, K / group] (float32 or float16, for the
+// forms with a minimum), N >= row0 + n: the blocked layout, or with `tiled` (8- and 4-bit codes, N % 16 == 0) the
+// tiled layout with parameters in [N / 16, K / group, 16] order (ops/qlinear.py `_tile_rows`). So a part of a
+// fused q/k/v or gate/up weight is written straight into its rows of the fused buffers, in its final layout.
+void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& perm,
+                 const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                 int64_t row0, bool tiled) {
+  const Format f = format_of(qtype);
+  const int64_t n = raw.size(0), k = in_features;
+  check_raw(raw, f, k);
+  const int64_t out_bytes = k / kBlock * 4 * f.bits, groups = k / f.group;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() % out_bytes == 0,
               "gguf_repack: data must be contiguous uint8 [N, K / 32 * 4 * bits]");
-  const int64_t groups = k / f.group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
-              "gguf_repack: scales must be contiguous float32 [N, K / group]");
+  const int64_t total = data.numel() / out_bytes;
+  TORCH_CHECK(row0 >= 0 && row0 + n <= total, "gguf_repack: rows ", row0, "..", row0 + n, " do not fit the ",
+              total, " rows of data");
+  TORCH_CHECK(!tiled || ((f.bits == 8 || f.bits == 4) && total % kTileRows == 0),
+              "gguf_repack: the tiled layout takes 8- or 4-bit codes in whole 16-row tiles");
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK(has_mins == f.mins, "gguf_repack: this type ", f.mins ? "needs" : "takes no", " minimums");
-  if (has_mins)
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * groups,
-                "gguf_repack: mins must be contiguous float32 [N, K / group]");
+  for (const at::Tensor* t : {&scales, has_mins ? &*mins : nullptr}) {
+    if (!t) continue;
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->is_contiguous()
+                    && t->numel() == total * groups,
+                "gguf_repack: scales and mins must be contiguous float32 or float16 [N, K / group]");
+  }
   const int64_t* p = nullptr;
   at::Tensor perm_c;
   if (perm.has_value() && perm->defined()) {
@@ -213,24 +356,48 @@ void gguf_repack(const at::Tensor& raw, int64_t qtype, int64_t in_features, cons
     p = perm_c.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < n, "gguf_repack: perm entry out of range");
   }
+  const RepackArgs a{raw.data_ptr<uint8_t>(), p, raw.size(1), data.data_ptr<uint8_t>(), scales.data_ptr(),
+                     has_mins ? mins->data_ptr() : nullptr, scales.scalar_type() == at::kHalf,
+                     has_mins && mins->scalar_type() == at::kHalf, n, k, row0, tiled};
+  switch (qtype) {  // one instance per type: decode_block's switch folds away in the inner loop
+    case Q4_0: return repack_rows<Q4_0>(a);
+    case Q4_1: return repack_rows<Q4_1>(a);
+    case Q5_0: return repack_rows<Q5_0>(a);
+    case Q5_1: return repack_rows<Q5_1>(a);
+    case Q8_0: return repack_rows<Q8_0>(a);
+    case Q2_K: return repack_rows<Q2_K>(a);
+    case Q3_K: return repack_rows<Q3_K>(a);
+    case Q4_K: return repack_rows<Q4_K>(a);
+    case Q5_K: return repack_rows<Q5_K>(a);
+    case Q6_K: return repack_rows<Q6_K>(a);
+    default: TORCH_CHECK(false, "gguf_repack: GGML type ", qtype, " has no packed form");
+  }
+}
+
+// Whether the group parameters of raw [N, row_bytes] survive a round trip through float16: bit 0 the scales, bit
+// 1 the minimums (set for types without). The loader picks the parameters' dtype from it before the repack writes
+// them (model/gguf_repack.py `_param_dtype`, the same test); only the blocks' parameter bytes are decoded.
+int64_t gguf_params_fit_half(const at::Tensor& raw, int64_t qtype, int64_t in_features) {
+  const Format f = format_of(qtype);
+  const int64_t n = raw.size(0), k = in_features;
+  check_raw(raw, f, k);
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = data.data_ptr<uint8_t>();
-  float* sp = scales.data_ptr<float>();
-  float* mp = has_mins ? mins->data_ptr<float>() : nullptr;
-  const int64_t row_bytes = raw.size(1), out_bytes = k / kBlock * 4 * f.bits;
-  const int64_t per_block = f.block_size / f.group;
-  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> q(k);
-    float dummy[16];
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = src + (p ? p[r] : r) * row_bytes;
-      for (int64_t b = 0; b < k / f.block_size; ++b) {
-        const int64_t g = r * groups + b * per_block;
-        decode_block(qtype, row + b * f.type_size, q.data() + b * f.block_size, sp + g, mp ? mp + g : dummy);
+  const int64_t blocks = n * (k / f.block_size), per_block = f.block_size / f.group;
+  std::atomic<bool> s_fit{true}, m_fit{true};
+  at::parallel_for(0, blocks, 1024, [&](int64_t b0, int64_t b1) {
+    float s[16], m[16];
+    bool sf = true, mf = true;
+    for (int64_t b = b0; b < b1 && (sf || mf); ++b) {
+      decode_block(qtype, src + b * f.type_size, nullptr, s, m);
+      for (int64_t g = 0; g < per_block; ++g) {
+        sf = sf && static_cast<float>(c10::Half(s[g])) == s[g];
+        mf = mf && (!f.mins || static_cast<float>(c10::Half(m[g])) == m[g]);
       }
-      to_blocked(q.data(), k, f.bits, dst + r * out_bytes);
     }
+    if (!sf) s_fit = false;
+    if (!mf) m_fit = false;
   });
+  return (s_fit ? 1 : 0) | (m_fit ? 2 : 0);
 }
 
 // Both layouts are byte permutations of each other, row by row within a 16-row tile (no code is decoded):
@@ -281,6 +448,7 @@ void packed_retile(const at::Tensor& data, int64_t bits, int64_t in_features, bo
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("gguf_repack(Tensor raw, int qtype, int in_features, Tensor? perm, Tensor(a!) data, Tensor(b!) scales, "
-        "Tensor(c!)? mins) -> ()", &gguf_repack);
+        "Tensor(c!)? mins, int row0=0, bool tiled=False) -> ()", &gguf_repack);
+  m.def("gguf_params_fit_half(Tensor raw, int qtype, int in_features) -> int", &gguf_params_fit_half);
   m.def("packed_retile(Tensor(a!) data, int bits, int in_features, bool to_tiled) -> ()", &packed_retile);
 }
