@@ -218,3 +218,26 @@ def test_adapter_steps_run_the_plan_and_cpp_loop_and_equal_the_module_path(tiny)
     assert runs["auto"][2][0] == "plan True" and "cpp True" in runs["auto"][2], runs["auto"][2]
     assert runs["auto"][0] == runs["modules"][0]
     torch.testing.assert_close(torch.tensor(runs["auto"][1]), torch.tensor(runs["modules"][1]), atol=1e-4, rtol=0)
+
+
+def test_before_after_answers(tiny, tmp_path):
+    """brisk.lora.answers: the base's and the adapter's greedy answers to each chat, side by side."""
+    from brisk.lora.answers import compare_answers, markdown_table
+
+    tmp, *_ = tiny
+    chats = [{"messages": [{"role": "user", "content": f"Say {w} | twice"}, {"role": "assistant", "content": w}]}
+             for w in ("yes", "no", "maybe")]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    rows = compare_answers(tmp / "a", data, model=str(tmp / "m"), count=2, max_tokens=6, max_model_len=128,
+                           kv_cache_memory="4MiB")
+    assert [r["reference"] for r in rows] == ["yes", "no"] and rows[0]["prompt"] == "Say yes | twice"
+    plain = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB")
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    assert rows[1]["base"] == plain.chat(chats[1]["messages"][:1], sp)[0].outputs[0].text.strip()
+    assert any(r["base"] != r["adapted"] for r in rows)  # the random adapter moves the answers
+    table = markdown_table(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith("| Say yes \\| twice | yes |")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no chats"):
+        compare_answers(tmp / "a", tmp_path / "empty.jsonl", model=str(tmp / "m"))

@@ -15,8 +15,9 @@ from pathlib import Path
 
 
 def compare_answers(adapter: str | Path, data: str | Path, model: str = "default", count: int = 5,
-                    max_tokens: int = 48) -> list[dict[str, str]]:
-    """[{prompt, reference, base, adapted}] for the first `count` chats of `data`."""
+                    max_tokens: int = 48, **engine_args: object) -> list[dict[str, str]]:
+    """[{prompt, reference, base, adapted}] for the first `count` chats of `data` (`engine_args`: more LLM
+    settings, e.g. kv_cache_memory)."""
     from brisk import LLM, LoRARequest, SamplingParams
 
     chats = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -25,7 +26,7 @@ def compare_answers(adapter: str | Path, data: str | Path, model: str = "default
     chats = chats[:count]
     questions = [[m for m in c["messages"] if m["role"] != "assistant"] for c in chats]
     references = [next((m["content"] for m in c["messages"] if m["role"] == "assistant"), "") for c in chats]
-    llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=64)
+    llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=64, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     lora = LoRARequest("adapter", 1, str(adapter))
     outs = llm.chat(questions + questions, params, lora_request=[None] * len(chats) + [lora] * len(chats))
