@@ -137,6 +137,16 @@ class LlamaCppModel:
         ptr = self.lib.llama_get_logits_ith(self.ctx, row)
         return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        """Logits [T, vocab] (float32) at every position of `prompt`, from one fresh sequence (at most n_batch
+        tokens: one batch)."""
+        if not 0 < len(prompt) <= self.n_batch:
+            raise ValueError(f"prompt_logits takes 1 to {self.n_batch} tokens, got {len(prompt)}")
+        self._clear()
+        self._decode([(t, i, 0, True) for i, t in enumerate(prompt)])
+        return np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                         for i in range(len(prompt))]).astype(np.float32)
+
     def prefill_seconds(self, prompt: list[int]) -> float:
         """Seconds to run `prompt` through the model from an empty cache (time to first token, sampling aside)."""
         self._clear()
