@@ -36,9 +36,11 @@ pytestmark = pytest.mark.skipif(kernels.get_op("gguf_repack") is None, reason="t
 _WIDE = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K)  # rows of 256-weight super-blocks
 
 
-def _write_model(path, qtype: T, config, state, zero_scales: tuple[str, ...] = ()) -> None:
-    """Every matrix as `qtype`: the type's quantizer where there is one, random blocks otherwise. GGUF tensors in
-    `zero_scales` get all-zero block parameters (float16-exact, where the others' K-quant products are not)."""
+def _write_model(path, qtype: T, config, state, zero_scales: tuple[str, ...] = (),
+                 qtypes: dict[str, T] | None = None) -> None:
+    """Every matrix as `qtype` (or `qtypes[gguf name]`): the type's quantizer where there is one, random blocks
+    otherwise. GGUF tensors in `zero_scales` get all-zero block parameters (float16-exact, where the others'
+    K-quant products are not)."""
     w = gguf.GGUFWriter(path, config.architecture)
     for key, value in (model_metadata(config) | tiny_gpt2_tokenizer_metadata()).items():
         _add_metadata(w, key, value)
@@ -47,10 +49,11 @@ def _write_model(path, qtype: T, config, state, zero_scales: tuple[str, ...] = (
         if t.ndim != 2:
             w.add_tensor(name, t)
             continue
-        raw = _random_blocks(qtype, *t.shape, seed=i) if qtype in _NO_ENCODER else _encode(t, qtype)
+        q = (qtypes or {}).get(name, qtype)
+        raw = _random_blocks(q, *t.shape, seed=i) if q in _NO_ENCODER else _encode(t, q)
         if name in zero_scales:
             raw = np.zeros_like(raw)
-        w.add_tensor(name, raw, raw_dtype=qtype)
+        w.add_tensor(name, raw, raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -181,3 +184,19 @@ def test_without_the_kernels_the_multi_pass_pytorch_path_loads_the_same_weights(
         assert set(pa) == set(pb) and not any(p.tiled for p in pb.values())
         for name in pa:
             assert _bits_equal(dequantize_packed(pa[name]), dequantize_packed(pb[name])), name
+
+
+def test_parts_of_two_types_in_one_container_fuse_as_the_multi_pass_way_does(tmp_path, monkeypatch) -> None:
+    # llama.cpp's Q4_K_M mixes: Q5_0 q/k beside a Q8_0 v (and Q5_0 gate beside Q8_0 up) share brisk's 8-bit g32
+    # container, so the multi-pass way concatenates them; the one-pass plan must fuse them too, each part decoded
+    # by its own type
+    config = tiny_config()
+    path = tmp_path / "two-types.gguf"
+    mixed = {f"blk.{i}.{n}.weight": T.Q8_0 for i in range(config.num_hidden_layers) for n in ("attn_v", "ffn_up")}
+    _write_model(path, T.Q5_0, config, random_state_dict(config, seed=6), qtypes=mixed)
+    new = load_model(path, keep_quantized=True, show_progress=False)
+    old = _multi_pass(monkeypatch, path)
+    _assert_same_model(new, old)
+    layer = new.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    assert _greedy(new) == _greedy(old)

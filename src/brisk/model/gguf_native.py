@@ -132,7 +132,9 @@ def apply_packed_modules(model: LlamaForCausalLM, config: ModelConfig, packed: d
             parts = [packed.get(f) for f in full]
             has_bias = [f in biases for f in full]
             placed = packed.pop(f"{prefix}.{fused_name}", None)  # fused by the loader, in its final place
-            if placed is not None or (can_concat(parts) and (all(has_bias) or not any(has_bias))):
+            # parts placed one by one in the tiled layout are not concatenated (concat_rows takes blocked rows)
+            if placed is not None or (can_concat(parts) and not any(p is not None and p.tiled for p in parts)
+                                      and (all(has_bias) or not any(has_bias))):
                 pw = placed if placed is not None else concat_rows([packed.pop(f) for f in full])
                 bias = torch.cat([biases.pop(f) for f in full]) if all(has_bias) else None
                 setattr(parent, fused_name, _quant_linear(pw, bias, dtype))

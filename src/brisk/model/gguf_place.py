@@ -109,7 +109,7 @@ def place_packed(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str
                                       data=data, scales=scales, zeros=mins, codebook=None, blocked=True,
                                       tiled=t.tiled)
         for p in t.parts:
-            types[p.module] = t.qtype.name
+            types[p.module] = f.tensors[p.gguf_name].qtype.name
             jobs.append((f.tensors[p.gguf_name].offset, p, t, packed[t.name]))
     kernel = get_op("gguf_repack")
     assert kernel is not None, "place_packed: the repack kernel is not built (see `placeable`)"
@@ -121,7 +121,7 @@ def place_packed(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str
         step = p.rows if p.perm is not None else max(1, _CHUNK_BYTES // row_bytes)
         for r0 in range(0, p.rows, step):
             chunk = raw[r0:r0 + step]
-            kernel(chunk, int(t.qtype), t.in_features, p.perm, pw.data, pw.scales, pw.zeros, p.row0 + r0, t.tiled)
+            kernel(chunk, int(info.qtype), t.in_features, p.perm, pw.data, pw.scales, pw.zeros, p.row0 + r0, t.tiled)
             mapped.drop_pages(chunk)
         if progress is not None:
             progress(info.n_bytes)
@@ -157,7 +157,9 @@ def _plan(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str, tuple
             sources = [by_module.get(m) for m in full]
             has_bias = [f"{m}.bias" in hf_names for m in full]
             if (all(g is not None for g in sources) and (all(has_bias) or not any(has_bias))
-                    and len({(f.tensors[g].qtype, expected[g][1][1], dtypes[g]) for g in sources if g}) == 1):
+                    # one packed format (bits, group, form; K; parameter dtypes), as gguf_repack.py `can_concat`
+                    # fuses: a Q5_0 q/k beside a Q8_0 v share the 8-bit container, each part decoded by its type
+                    and len({(REPACKED[f.tensors[g].qtype], expected[g][1][1], dtypes[g]) for g in sources if g}) == 1):
                 targets.append(target(full, f"{prefix}.{fused_name}"))
                 taken.update(full)
     targets += [target([m], m) for m in by_module if m not in taken]
