@@ -131,6 +131,32 @@ def test_cli_ppl_quantized_activations(tiny, tmp_path):
     assert docs["auto"]["ppl"] == pytest.approx(docs["float"]["ppl"], rel=0.05)
 
 
+
+def test_cli_ppl_scores_a_gguf_in_its_own_codes(tmp_path):
+    """--dtype auto scores a quantized GGUF as generate runs it (its codes, where --quant-activations reaches);
+    --dtype float32 dequantizes it: the same weights, so float activations give the same perplexity."""
+    from gguf import GGMLQuantizationType
+    from gguf_utils import random_state_dict, tiny_config, write_tiny_model
+
+    config = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64)
+    path = write_tiny_model(tmp_path / "m.gguf", random_state_dict(config, seed=2), config,
+                            qtype=GGMLQuantizationType.Q8_0)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[:1200], encoding="utf-8")
+    docs = {}
+    for dtype, mode in (("auto", "float"), ("auto", "int8"), ("float32", "int8")):
+        out = tmp_path / f"{dtype}-{mode}.json"
+        r = CliRunner().invoke(eval_group, ["ppl", "--model", str(path), "--text", str(text), "--window", "64",
+                                            "--dtype", dtype, "--quant-activations", mode, "--json", str(out)],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        docs[dtype, mode] = json.loads(out.read_text())
+    assert docs["auto", "int8"]["int8_activation_layers"] > 0
+    assert docs["auto", "float"]["int8_activation_layers"] == docs["float32", "int8"]["int8_activation_layers"] == 0
+    assert docs["auto", "int8"]["ppl"] != docs["auto", "float"]["ppl"]
+    assert docs["auto", "float"]["ppl"] == pytest.approx(docs["float32", "int8"]["ppl"], rel=1e-4)
+
+
 # ------------------------------------------------------------------------------------------------ size
 
 def test_kinds_from_names():

@@ -43,7 +43,8 @@ def eval_group() -> None:
               help="Score the first N windows of the text (0 = all).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
               help="Weights and activations dtype (the NLL is computed in float32 either way); auto = an HF "
-                   "folder's own precision (bfloat16 stays bfloat16), float32 for GGUF files.")
+                   "folder's own precision (bfloat16 stays bfloat16), a GGUF file's own codes (float32 activations), "
+                   "as generate runs them; float32 / bfloat16 dequantize a GGUF file.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "int8", "int4"]),
               help="KV cache storage during scoring (auto = the model dtype).")
@@ -86,7 +87,8 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         from brisk.eval.longppl import long_perplexity
 
         text = Path(text_path).read_text(encoding="utf-8")
-        loaded = load_model(model, dtype=resolve_dtype(dtype, model), max_model_len=max_tokens or None)
+        loaded = load_model(model, dtype=resolve_dtype(dtype, model), max_model_len=max_tokens or None,
+                            keep_quantized=dtype == "auto")
         set_quant_activations(loaded.model, quant_activations)
         res = long_perplexity(loaded, text, mode, budget=kv_budget, sink_tokens=sink_tokens,
                               max_tokens=max_tokens or None, chunk=chunk, stride=stride, segment=segment,
@@ -116,7 +118,9 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
     if max_windows < 0:
         raise ValueError(f"--max-windows must be 0 (all windows) or more, got {max_windows}")
     text = Path(text_path).read_text(encoding="utf-8")  # before loading: a bad file fails fast
-    loaded = load_model(model, dtype=resolve_dtype(dtype, model))
+    # --dtype auto scores what `generate` runs: a GGUF file in its own precision (its codes repacked, so that
+    # --quant-activations reaches them), not dequantized to float
+    loaded = load_model(model, dtype=resolve_dtype(dtype, model), keep_quantized=dtype == "auto")
     int8_layers = set_quant_activations(loaded.model, quant_activations)
     result = perplexity(loaded, text, window=window, max_windows=max_windows or None, progress=True,
                         kv_cache_dtype=kv_cache_dtype, block_size=kv_block_size)
