@@ -242,5 +242,10 @@ def test_native_moe_experts_are_repacked_per_expert(tmp_path, arch: str) -> None
                for e in block.experts)
     reference = load_model(path)
     ids = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(5))
-    # the same weights bit for bit: only float32 summation order differs (tiled kernels vs the float GEMM)
+    # the same weights bit for bit: through the blocked kernels only float32 summation order differs from the float
+    # GEMM (the tiled 8-bit kernel rounds x to int16, ~4e-5 of a layer's output, which can flip a near-tie of the
+    # router: tests/test_qlinear_q8t.py checks that kernel)
+    for module in loaded.model.modules():
+        if isinstance(module, QuantLinear):
+            set_tiled(module.packed, False)
     torch.testing.assert_close(prefill_logits(loaded, ids), prefill_logits(reference, ids), atol=5e-4, rtol=1e-3)

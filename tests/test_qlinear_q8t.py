@@ -21,8 +21,10 @@ from brisk.ops.qlinear import (
     MAX_TILED_M,
     can_tile,
     dequantize_packed,
+    prepack,
     prepack_nf4,
     quant_linear,
+    round_activations_16,
     set_tiled,
     unpack_codes,
 )
@@ -142,11 +144,41 @@ def test_float_kernel_equals_the_product_with_the_dequantized_weight(ops, n, k, 
     pw = tiled(n, k, group, sym=m in (1, 8), seed=n + m, bits=bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if m % 2 else None
-    want = torch.nn.functional.linear(x.double(), dequantize_packed(pw).double(),
-                                      None if bias is None else bias.double())
+    w = dequantize_packed(pw).double()
+    b = None if bias is None else bias.double()
     got = quant_linear(x, pw, bias)
+    # 8-bit codes multiply x rounded to int16 per 32 columns: the product with those numbers, and within the
+    # rounding's bound of the exact one
+    xr = round_activations_16(x) if bits == 8 else x
+    want = torch.nn.functional.linear(xr.double(), w, b)
     # float32 sums of codes times x per group, then scaled: a per-channel 8-bit row sums 576 products up to 255 |x|
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+    if bits == 8:
+        exact = torch.nn.functional.linear(x.double(), w, b)
+        assert not torch.equal(xr, x)
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-4 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_float_kernel_multiplies_x_rounded_to_16_bits(ops, dtype):
+    # an identity weight (codes 129 on the diagonal, 128 elsewhere, symmetric, scale 1) returns the activations the
+    # kernel multiplies: exactly round_activations_16(x), ties and all
+    k = 576
+    q = torch.full((k, k), 128, dtype=torch.uint8)
+    q.fill_diagonal_(129)
+    pw = prepack(q, torch.ones(k, k // 32, dtype=torch.float16), None, 8, 32, k)
+    assert set_tiled(pw, True)
+    x = (torch.randn(13, k, generator=torch.Generator().manual_seed(13)) * 3).to(dtype)
+    assert torch.equal(quant_linear(x, pw).float(), round_activations_16(x).to(dtype).float())
+
+
+def test_8bit_float_kernel_rows_do_not_depend_on_their_batch(ops):
+    pw = tiled(576, 1536, 32, seed=5, bits=8)
+    x = torch.randn(21, 1536, generator=torch.Generator().manual_seed(21))
+    together = quant_linear(x, pw)
+    for r in (0, 7, 8, 20):
+        assert torch.equal(quant_linear(x[r:r + 1], pw)[0], together[r])
+    assert torch.equal(quant_linear(x[3:11], pw), together[3:11])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -156,7 +188,8 @@ def test_float_path_bfloat16_and_prefill_rows(ops, bits):
     w = dequantize_packed(pw).double()
     for m in (5, MAX_TILED_M + 9):  # the kernel, then dequantize_t + GEMM
         x = torch.randn(m, 1536, generator=torch.Generator().manual_seed(m))
-        want = torch.nn.functional.linear(x.double(), w, bias.double())
+        xr = round_activations_16(x) if bits == 8 and m <= MAX_TILED_M else x
+        want = torch.nn.functional.linear(xr.double(), w, bias.double())
         torch.testing.assert_close(quant_linear(x, pw, bias).double(), want, rtol=1e-5,
                                    atol=2e-6 * want.abs().max().item())
     xb = torch.randn(3, 1536, generator=torch.Generator().manual_seed(13)).bfloat16()

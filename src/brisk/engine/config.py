@@ -365,7 +365,8 @@ class EngineConfig:
              "float32 copy: no per-GEMM widening on CPUs without bf16 math).")
     # activations of 8/4-bit quantized linears: "float" (codes decoded to float), "int8" (every row of x rounded to
     # int8 per 32 columns, integer dot products: ops/qlinear_q8.py; faster decode, slightly different numerics), or
-    # "auto": int8 for layers of 4 bits or fewer (llama.cpp's Q4 x Q8 convention), float for 8-bit layers
+    # "auto": int8 for layers of 4 bits or fewer (llama.cpp's Q4 x Q8 convention), float for 8-bit layers (whose
+    # tiled kernel rounds x to int16 per 32 columns: ~2e-5 of an output, ops/qlinear.py round_activations_16)
     quant_activations: str = setting(
         "auto", choices=("auto", "float", "int8"),
         help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer dot products, "

@@ -20,7 +20,10 @@ blocked layout, and `quant_linear` runs
 - the reference path (pure PyTorch dequantize + F.linear, float32 accumulation) when the kernels are disabled or
   did not build, off the CPU, or for a shape the kernel does not cover (group size not a multiple of 32).
 
-Activations may be float32 or bfloat16; the arithmetic is float32 either way and the result has x's dtype.
+Activations may be float32 or bfloat16; the arithmetic is float32 either way and the result has x's dtype. One
+exception, on the tiled kernels: 8-bit codes multiply x rounded to 16-bit integers per 32 columns
+(`round_activations_16`, the kernel's numbers: error <= max|x_b| / 65534 per element, ~2e-5 of an output's scale),
+with integer dot products: widening each 8-bit code to float32 made batched 8-bit decode compute-bound.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ SUPPORTED_BITS = (8, 4, 3, 2)
 MAX_SMALL_M = 16
 # The same for tiled weights (quant_q8t.cpp's float-activation kernel, on AVX-512 builds), measured on the Zen 5 VM
 # with one layer's four linears of the default model (ms, kernel / dequantize + GEMM): int4 g64 M = 64 1.34 / 2.68,
-# 128 2.63 / 3.57, 256 5.07 / 5.30, 512 10.6 / 9.4; int8 per channel M = 256 4.59 / 5.32, 512 9.37 / 9.43.
+# 128 2.63 / 3.57, 256 5.07 / 5.30, 512 10.6 / 9.4. 8-bit codes (x rounded to int16, tile16), the 1B shape's qkv, o
+# and gate_up of g32 codes, Xeon AMX VM, 2 threads, a helper job on one core (ms): M = 128 170 / 497, 256 483 / 796,
+# 512 961 / 1018, 1024 1758 / 1323.
 MAX_TILED_M = 256
 
 # The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023): quantiles of N(0, 1) scaled to [-1, 1], with an
@@ -341,6 +346,19 @@ def unpack_codes(pw: PackedWeight) -> torch.Tensor:
     if pw.blocked:
         return _from_blocked(pw.data, pw.bits, pw.in_features)
     return _unpack_checkpoint(pw.data, pw.bits, pw.in_features)
+
+
+def round_activations_16(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) -> float32 [..., K]: the activations that the tiled kernel of 8-bit codes with float
+    activations multiplies (quant_q8t.cpp, tile16): per 32 columns xs = max|x| / 32767, x rounded to xs * q with q
+    = round_half_even(x * (32767 / max|x|)) in int16, in the kernel's float32 operations."""
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = xf.abs().amax(-1, keepdim=True).double()
+    # correctly rounded float32 quotients, as the kernel's scalar divisions (PyTorch's vectorized division of a
+    # float32 tensor can differ in the last bit, which moves a rounding tie)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax)).float()
+    q = torch.round(xf * inv).clamp(-32768, 32767)
+    return (q * (amax / 32767.0).float()).reshape(x.shape)
 
 
 def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -66,7 +66,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     (round x to int8 per 32 columns and use integer dot products, ops/qlinear_q8.py; 8/4-bit affine codes only), or
     "auto": int8 on layers of 4 bits, float on 8-bit ones. At 4 bits the weight rounding dwarfs the activation
     rounding (int4 g64: +0.3% relative perplexity for 1.6x batch-8 decode here, batch 1 about equal), as in
-    llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4%. A GGUF file's own codes
+    llama.cpp's Q4 x Q8 dots; an 8-bit layer keeps its +0.02% instead of +0.4% (on the tiled kernels "float" x
+    meets 8-bit codes rounded to int16 per 32 columns, 1/256 of int8's rounding error). A GGUF file's own codes
     (model/gguf_native.py) stay on float activations under "auto": on the default Q4_1 file int8 ones move the
     greedy answer of a chat prompt within a few tokens, and their perplexity cost is not measured yet; "int8" takes
     them to the integer kernels (tiled layout, float minimums) all the same. Returns the number of layers on the

@@ -22,7 +22,8 @@
 // Measured with int8 activations (same process, the default model's 120 int4 g64 decoder linears streamed from
 // memory): M = 1 1.44 ms (the blocked kernel: ~1.95), M = 8 2.18 ms (5.17); whole-engine batch-1 decode 329 -> 378
 // tok/s, batch 8 574 -> 837. Prefill rows too (M = 128 .. 1024: 2.5-3x the float GEMM path), so with int8
-// activations a tiled weight takes this kernel at every row count. Float activations: see tile_f.
+// activations a tiled weight takes this kernel at every row count. Float activations: see tile_f (4 bits) and
+// tile16 (8 bits).
 //
 // Layout (made by brisk.ops.qlinear.set_tiled from the blocked layout; N a multiple of 16):
 //   data   [N / 16][K * bits / 32][16][4] uint8   (as the tensor [N, K * bits / 8])
@@ -229,13 +230,13 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
   }
 }
 
-// ---- float activations (quant_linear_t): the same tiles, each code widened to float32 ----
-// Column j of a line is byte j (8 bits) or nibble j (4 bits: low nibbles of bytes 0..3, then their high nibbles) of
-// every row's dword: a shift, an AND and a conversion (8 bits) or a shift and a 16-entry table lookup (4 bits, see
-// column) give the 16 rows' codes of that column as floats, and one FMA
-// per activation row (x[col] broadcast) adds them into the group's sums; per group one FMA by the scales and one for
+// ---- 4-bit codes, float activations (quant_linear_t): the same tiles, each code widened to float32 ----
+// Column j of a line is nibble j (low nibbles of bytes 0..3, then their high nibbles) of every row's dword: a shift
+// and a 16-entry table lookup (see column) give the 16 rows' codes of that column as floats, and one FMA per
+// activation row (x[col] broadcast) adds them into the group's sums; per group one FMA by the scales and one for
 // the min term (-zero * scale times the group's sum of x). w = s (q - z), so sum_k w_k x_k = s sum_k q_k x_k - s z
 // sum_k x_k, exact in the reals; float32 rounding differs from quant_linear_small's only in the order of sums.
+// (8-bit codes take tile16 below: x rounded to 16-bit integers, integer dot products.)
 
 struct FX {
   const float* x;   // [M, K] float32
@@ -243,28 +244,21 @@ struct FX {
   int64_t K, ngroups;
 };
 
-template <int BITS, bool LUT>
+// Through a table (the codebook, or 0..15 for affine codes): vpermps reads the low 4 bits of each lane, so neither a
+// mask nor a conversion is needed.
 BRISK_INLINE_T __m512 column(__m512i d, int j, __m512 lut) {
-  constexpr int kTop = 32 / BITS - 1;  // the column in the dword's top bits: a shift alone
-  const int shift = BITS == 8 ? 8 * j : j < 4 ? 8 * j : 8 * (j - 4) + 4;
-  if constexpr (BITS == 4) {  // through a table (the codebook, or 0..15 for affine codes): vpermps reads the low 4
-    (void)kTop;                // bits of each lane, so neither a mask nor a conversion is needed
-    return _mm512_permutexvar_ps(j == 0 ? d : _mm512_srli_epi32(d, shift), lut);
-  } else {
-    const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F);
-    if (j == 0) return _mm512_cvtepi32_ps(_mm512_and_si512(d, mask));
-    if (j == kTop) return _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 32 - BITS));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, shift), mask));
-  }
+  const int shift = j < 4 ? 8 * j : 8 * (j - 4) + 4;
+  return _mm512_permutexvar_ps(j == 0 ? d : _mm512_srli_epi32(d, shift), lut);
 }
 
 template <int BITS, bool LUT, int MT>
 void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, int64_t ldo) {
+  static_assert(BITS == 4, "8-bit codes take tile16");
   constexpr int kCols = 32 / BITS;  // columns per 64-byte line
   constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per activation row
   const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8);
   const int64_t pi = t * kTile * p.ngroups;  // the tile's first group-parameter index
-  const int64_t group = p.group, lines = group / kCols;  // G = 16: 4 lines (8 bits) or 2 (4 bits) a group
+  const int64_t group = p.group, lines = group / kCols;  // G = 16: 2 lines a group
   const __m512 lut = LUT ? _mm512_loadu_ps(p.codebook)
                          : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // 4-bit codes as floats
   __m512 tot[MT];
@@ -280,7 +274,7 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
       const __m512i d = _mm512_loadu_si512(wl);
       const int64_t c0 = g * group + l * kCols;  // the line's first column
       for (int j = 0; j < kCols; ++j) {
-        const __m512 v = column<BITS, LUT>(d, j, lut);
+        const __m512 v = column(d, j, lut);
         for (int m = 0; m < MT; ++m)
           acc[j % NA][m] = _mm512_fmadd_ps(v, _mm512_set1_ps(x.x[m * x.K + c0 + j]), acc[j % NA][m]);
       }
@@ -304,6 +298,133 @@ void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const fl
   each_tile_rows(M, t0, t1, [&](int64_t t, int64_t m, auto mt) {
     const FX rows{x.x + m * x.K, x.xg + m * x.ngroups, x.K, x.ngroups};
     tile_f<BITS, LUT, decltype(mt)::value>(p, t, rows, bias, out + m * ldo, ldo);
+  });
+}
+
+// ---- 8-bit codes, float activations (quant_linear_t): x as 16-bit integers per 32 columns ----
+// Widening each 8-bit code to float32 costs three vector operations per column on top of one FMA per activation row
+// (tile_f), 44 operations per 64-byte line at 8 rows: batched decode of 8-bit models was compute-bound (the 1B shape's
+// Q8_0 file at batch 8 read ~7 of the ~22 GB/s here). Instead x is rounded ONCE per call to int16 per 32 columns (xs =
+// max|x| / 32767, xq = round_half_even(x * 32767 / max|x|): brisk.ops.qlinear.round_activations_16) and vpdpwssd
+// multiplies pairs of codes, zero-extended to 16 bits by one AND or one shift per line, with pairs of activations: 2
+// decode operations and 2 dot products per activation row per line. A 32-column block's (16-column group's) sum
+// sum_k (u_k - z) xq_k is exact in int32 (|.| <= 32 * 255 * 32767 < 2^31): the zero point comes off in integers, z
+// times the block's sum of xq, so no large float terms cancel; then one conversion and one FMA by s_g * xs_b per
+// activation row. Float minimums (GGUF's Q4_1 / K-quants as they are: w = s u + m) add m_g times the group's sum of
+// the rounded activations instead. x's rounding error is <= max|x_b| / 65534 per element (1/256 of int8
+// activations', below bfloat16's 2^-9 relative), ~2e-5 of an output's scale; a row's integer sums, and so its
+// result, do not depend on the rows it shares a call with.
+// Pairs: a line's dword for row r holds codes u0..u3 of columns 4c..4c+3; AND 0x00FF00FF gives the 16-bit pair
+// (u0, u2), a right shift by 8 of each 16-bit word (u1, u3). xq stores each 4 columns as x0, x2, x1, x3 to match.
+
+struct TX16 {
+  const int16_t* xq;   // [M, K], each 4 columns in the order 0, 2, 1, 3
+  const float* xs;     // [M, K / 32]
+  const int32_t* xi;   // [M, K / 16]: sum of xq over each 16 columns
+  const float* xr;     // [M, ngroups]: sum of the rounded activations of each group (float-minimum codes)
+  int64_t K, nblocks, ngroups;
+};
+
+template <typename T>
+void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, float* xs, int32_t* xi, float* xr) {
+  const int64_t nblocks = K / kBlock, ngroups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    float* xrm = xr + m * ngroups;
+    for (int64_t g = 0; g < ngroups; ++g) xrm[g] = 0.f;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const T* src = x + m * K + b * kBlock;
+      const __m512 f0 = load16(src), f1 = load16(src + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+      const float scale = amax / 32767.f;
+      xs[m * nblocks + b] = scale;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round half to even
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      int16_t* dst = xq + m * K + b * kBlock;
+      // words 0, 2, 1, 3 of every 4: one shuffle of each 64-bit quarter's words
+      const __m256i w0 = _mm512_cvtsepi32_epi16(q0), w1 = _mm512_cvtsepi32_epi16(q1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                          _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(w0, 0xD8), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                          _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(w1, 0xD8), 0xD8));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+      xi[m * (K / 16) + 2 * b] = s0;
+      xi[m * (K / 16) + 2 * b + 1] = s1;
+      if (G == 16) {
+        xrm[2 * b] = scale * static_cast<float>(s0);
+        xrm[2 * b + 1] = scale * static_cast<float>(s1);
+      } else {
+        xrm[b * kBlock / G] += scale * static_cast<float>(s0 + s1);
+      }
+    }
+  }
+}
+
+inline int32_t dword16(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int MT>
+void tile16(const TW& p, int64_t t, const TX16& x, const float* bias, float* out, int64_t ldo) {
+  constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent vpdpwssd chains per activation row
+  const uint8_t* w = p.data + t * kTile * p.K;
+  const int64_t pi = t * kTile * p.ngroups;
+  const int64_t seg = std::min<int64_t>(p.group, kBlock), lines = seg / 4, segs = p.group / seg;
+  const bool float_mins = p.mins16 || p.mins32;
+  const __m512i low = _mm512_set1_epi32(0x00FF00FF);
+  __m512i zv = _mm512_set1_epi32(static_cast<int32_t>(p.zero));  // the 16 rows' zero points
+  __m512 tot[MT];
+  for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    const __m512 sv = scales16(p, pi + g * kTile);
+    if (p.zeros) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zeros + pi + g * kTile)));
+    for (int64_t s = 0; s < segs; ++s) {
+      const int64_t c0 = g * p.group + s * seg;  // the segment's first column
+      __m512i acc[NA][MT];
+      for (int a = 0; a < NA; ++a)
+        for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_si512();
+      for (int64_t l = 0; l < lines; ++l) {
+        const uint8_t* wl = w + (c0 / 4 + l) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wl) + kPrefetchBytes, kPrefetchHint);
+        const __m512i d = _mm512_loadu_si512(wl);
+        const __m512i lo = _mm512_and_si512(d, low), hi = _mm512_srli_epi16(d, 8);
+        for (int m = 0; m < MT; ++m) {
+          const int16_t* xm = x.xq + m * x.K + c0 + 4 * l;
+          __m512i& a = acc[l % NA][m];
+          a = _mm512_dpwssd_epi32(a, lo, _mm512_set1_epi32(dword16(xm)));
+          a = _mm512_dpwssd_epi32(a, hi, _mm512_set1_epi32(dword16(xm + 2)));
+        }
+      }
+      const int64_t b = c0 / kBlock;
+      for (int m = 0; m < MT; ++m) {
+        __m512i a = acc[0][m];
+        for (int k = 1; k < NA; ++k) a = _mm512_add_epi32(a, acc[k][m]);
+        if (!float_mins) {  // - z * (the segment's sum of xq), in integers
+          const int32_t* xim = x.xi + m * (x.K / 16) + c0 / 16;
+          const int32_t sum = seg == kBlock ? xim[0] + xim[1] : xim[0];
+          a = _mm512_sub_epi32(a, _mm512_mullo_epi32(zv, _mm512_set1_epi32(sum)));
+        }
+        const __m512 sc = _mm512_mul_ps(sv, _mm512_set1_ps(x.xs[m * x.nblocks + b]));
+        tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, tot[m]);
+      }
+    }
+    if (float_mins) {  // + m_g * (the group's sum of the rounded x)
+      const __m512 mn = neg_mins16(p, pi + g * kTile, sv);
+      for (int m = 0; m < MT; ++m) tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x.xr[m * x.ngroups + g]), tot[m]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo + t * kTile, _mm512_add_ps(tot[m], bv));
+}
+
+void run16(const TW& p, const TX16& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out,
+           int64_t ldo) {
+  each_tile_rows(M, t0, t1, [&](int64_t t, int64_t m, auto mt) {
+    const TX16 rows{x.xq + m * x.K, x.xs + m * x.nblocks, x.xi + m * (x.K / 16), x.xr + m * x.ngroups,
+                    x.K, x.nblocks, x.ngroups};
+    tile16<decltype(mt)::value>(p, t, rows, bias, out + m * ldo, ldo);
   });
 }
 
@@ -453,6 +574,24 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
   const int64_t M = c.M, N = c.N, K = c.K, ngroups = c.ngroups;
   if (M == 0 || N == 0) return c.out;
   const bool direct = x.scalar_type() == at::kFloat;
+  const float* b = c.bias.defined() ? c.bias.data_ptr<float>() : nullptr;
+  if (bits == 8 && !lut) {  // x as 16-bit integers (tile16)
+    // scratch (32-bit words): xs [M, K / 32], xr [M, ngroups], xi [M, K / 16], the float32 result unless in place,
+    // xq (int16)
+    const int64_t nblocks = K / kBlock;
+    at::Tensor big;
+    float* xs = scratch(M * (nblocks + ngroups + K / 16 + (direct ? 0 : N) + K / 2), big);
+    float* xr = xs + M * nblocks;
+    int32_t* xi = reinterpret_cast<int32_t*>(xr + M * ngroups);
+    float* acc = direct ? c.out.data_ptr<float>() : xr + M * (ngroups + K / 16);
+    int16_t* xq = reinterpret_cast<int16_t*>(xr + M * (ngroups + K / 16) + (direct ? 0 : M * N));
+    if (direct) quantize_x16(c.x.data_ptr<float>(), M, K, group_size, xq, xs, xi, xr);
+    else quantize_x16(c.x.data_ptr<at::BFloat16>(), M, K, group_size, xq, xs, xi, xr);
+    const TX16 xa{xq, xs, xi, xr, K, nblocks, ngroups};
+    at::parallel_for(0, N / kTile, c.grain, [&](int64_t t0, int64_t t1) { run16(c.p, xa, M, t0, t1, b, acc, N); });
+    if (!direct) c.out.copy_(at::from_blob(acc, c.sizes, x.options().dtype(at::kFloat)));
+    return c.out;
+  }
   // scratch (float32 words): xg [M, ngroups], x as float32 [M, K] unless it is, the float32 result unless in place
   at::Tensor big;
   float* xg = scratch(M * (ngroups + (direct ? 0 : K + N)), big);
@@ -471,11 +610,9 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
       xg[m * ngroups + g] = _mm512_reduce_add_ps(s);
     }
   const FX xa{xf, xg, K, ngroups};
-  const float* b = c.bias.defined() ? c.bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kTile, c.grain, [&](int64_t t0, int64_t t1) {
     if (lut) run_f<4, true>(c.p, xa, M, t0, t1, b, acc, N);
-    else if (bits == 4) run_f<4, false>(c.p, xa, M, t0, t1, b, acc, N);
-    else run_f<8, false>(c.p, xa, M, t0, t1, b, acc, N);
+    else run_f<4, false>(c.p, xa, M, t0, t1, b, acc, N);
   });
   if (!direct) c.out.copy_(at::from_blob(acc, c.sizes, x.options().dtype(at::kFloat)));
   return c.out;
