@@ -31,20 +31,28 @@ def _fewer_kv_heads(num_kv_heads: int) -> int:
     return num_kv_heads
 
 
+def _num_kv_heads(model: str | None) -> int:
+    from brisk.engine.memory import model_footprint
+
+    return model_footprint(model).config.num_key_value_heads
+
+
 def gqa_rows(model: str | None, p: Params, tmp: Path, log: Callable[[str], None]) -> list[Row]:
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.model.gqa import convert_gqa
     from brisk.model.loader import load_model
 
-    base = load_model(model, show_progress=False)
-    c = base.config
-    k = c.num_key_value_heads
+    k = _num_kv_heads(model)
     if k == 1:
         log("report: gqa: the model already has one KV head; nothing to convert")
         return []
     g = _fewer_kv_heads(k)
     log(f"report: converting {k} -> {g} KV heads ...")
-    converted = load_model(convert_gqa(model, tmp / "gqa", g), show_progress=False)
+    # the baseline is the same conversion at the model's own head count (exact: tests/test_gqa.py), so both sides
+    # are float32 folders loaded the same way and differ only in their KV heads
+    base = load_model(convert_gqa(model, tmp / f"kv{k}", k), show_progress=False)
+    converted = load_model(convert_gqa(model, tmp / f"kv{g}", g), show_progress=False)
+    c = base.config
     log("report: perplexity of the GQA conversion ...")
     ppl_base, ppl_conv = _ppl(base, p), _ppl(converted, p)
     max_len = p.kv_prompt + p.output_len + 64
