@@ -124,3 +124,11 @@ def test_cli_bad_input(tiny):
     assert r.exit_code != 0 and "--memory must be a size" in r.output
     r = CliRunner().invoke(main, ["advise", tiny, "--context", "100000", "--membw", "20"])
     assert r.exit_code != 0 and "longer than the model's context" in r.output
+
+
+def test_memcheck_rejects_zero_runs(capsys):
+    from brisk.advise.memcheck import main as memcheck_main
+
+    with pytest.raises(SystemExit):
+        memcheck_main(["--runs", "0"])
+    assert "--runs must be at least 1, got 0" in capsys.readouterr().err
