@@ -72,6 +72,18 @@ def test_sequence_logits_match_transformers(tmp_path, rope_scaling):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_perplexity_of_given_token_ids(tiny):
+    path, _ = tiny
+    loaded = load_model(str(path))
+    ids = loaded.tokenizer.encode(TRAINING_TEXT, add_special_tokens=False)
+    plain = perplexity(loaded, TRAINING_TEXT, window=32, max_windows=3, progress=False)
+    given = perplexity(loaded, TRAINING_TEXT, window=32, max_windows=3, progress=False, token_ids=ids)
+    assert given.ppl == plain.ppl and given.num_tokens == plain.num_tokens
+    # the ids are what is scored, not the text
+    shifted = perplexity(loaded, TRAINING_TEXT, window=32, max_windows=3, progress=False, token_ids=ids[7:])
+    assert shifted.ppl != plain.ppl
+
+
 def test_perplexity_rejects_bad_windows(tiny):
     loaded = load_model(tiny[0])
     with pytest.raises(ValueError, match="max_position_embeddings"):

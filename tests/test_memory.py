@@ -38,6 +38,10 @@ def test_weights_of_a_named_shape_follow_the_dtype() -> None:
                                       prepack_weights="on"), f)
     assert on.packed == 4 * f.float_linear_params
     assert f32.kv_pool <= 512 * MiB and f32.kv_pool > 500 * MiB  # the default pool, in whole blocks
+    # a step's activations are in the runtime dtype, the sampled rows' logits and probabilities in float32 either
+    # way (twice each: the allocator's free blocks)
+    logits = 2 * 4 * 2 * 128 * c.vocab_size  # max_num_seqs 128 rows
+    assert (bf16.activations - logits) * 2 == f32.activations - logits > 0
 
 
 def test_kv_pool_follows_the_block_count() -> None:

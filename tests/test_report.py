@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,8 @@ from brisk.cli import main
 
 TINY = Params(input_len=16, output_len=6, runs=1, batch=2, ppl_window=64, ppl_windows=2, spec_prompts=1,
               spec_tokens=8, paged_requests=6, paged_max_len=128, kv_prompt=32, calibrated=True,
-              calib_samples=2, calib_seq_len=32, calib_text=None)
+              calib_samples=2, calib_seq_len=32, calib_text=None, stream_context=320, stream_budget=48)
+NEW_SECTIONS = ("gqa", "streaming", "onnxruntime")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_every_section_gives_rows(tiny, tmp_path):
     calib = tmp_path / "calib.txt"  # a short text: tokenizing a whole novel with the tiny tokenizer takes minutes
     calib.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 40)
-    report = run_report(tiny, replace(TINY, calib_text=str(calib)), SECTIONS, log=lambda m: None)
+    sections = tuple(s for s in SECTIONS if s not in NEW_SECTIONS)  # those: test_kv_and_runtime_sections
+    report = run_report(tiny, replace(TINY, calib_text=str(calib)), sections, log=lambda m: None)
     assert report.failures == []
     groups = {r.group for r in report.rows}
     assert {"int8", "int4", "speculative", "paged", "sparsity", "fusion", "kv"} <= groups
@@ -63,3 +66,42 @@ def test_cli_writes_markdown_json_and_plots(tiny, tmp_path):
 def test_cli_rejects_unknown_section():
     result = CliRunner().invoke(main, ["report", "--sections", "weights,turbo"])
     assert result.exit_code != 0 and "unknown section(s) turbo" in result.output
+
+
+@pytest.fixture
+def onnx_cache(tmp_path, monkeypatch):  # the exported graph goes to this test's folder, not the user's cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_kv_and_runtime_sections(tiny, onnx_cache):
+    pytest.importorskip("onnxruntime", reason="onnxruntime (brisk[onnx]) is not installed")
+    report = run_report(tiny, TINY, NEW_SECTIONS, log=lambda m: None)
+    assert report.failures == []
+    rows: dict[str, list] = {}
+    for r in report.rows:
+        rows.setdefault(r.group, []).append(r)
+    # GQA: the tiny model's 2 KV heads pooled into 1 (MQA); half the KV bytes per token, a perplexity cost measured
+    gqa = rows["gqa"]
+    assert [r.figure.split(",")[0] for r in gqa] == ["decode b=1", "decode b=2"]
+    assert all(r.speedup > 0 and r.ppl_cost is not None for r in gqa)
+    assert gqa[0].setting == "MQA: 2 -> 1 KV heads, mean-pooled" and "(2x the tokens per byte)" in gqa[0].memory
+    assert gqa[0].memory_bytes == 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, 1 head of 16, float32
+    # StreamingLLM: the stream holds at most sinks + window + one chunk (in blocks) where the full cache holds all
+    (stream,) = rows["streaming"]
+    assert stream.speedup > 0 and stream.ppl is not None and stream.ppl_base is not None
+    per_block = 2 * 2 * 2 * 16 * 4 * 16
+    assert stream.memory_bytes <= (1 + -(-(44 + 64) // 16) + 2) * per_block < 320 // 16 * per_block
+    assert stream.figure == "decode b=1 at 320 tokens"
+    # ONNX Runtime: brisk over onnxruntime at both batch sizes, with both rates in the note
+    ort = rows["onnxruntime"]
+    assert [r.figure for r in ort] == ["decode b=1", "decode b=2"]
+    assert all(r.speedup > 0 and "onnxruntime" in r.note and r.ppl is None for r in ort)
+
+
+def test_onnxruntime_row_is_skipped_without_the_extra(tiny, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` raises ImportError
+    report = run_report(tiny, TINY, ("onnxruntime",), log=lambda m: None)
+    (row,) = report.rows
+    assert row.speedup is None and "onnxruntime not installed" in row.note
+    md = render_markdown(report, {"cpu_model": "x", "torch_threads": 1}, "0.0", [])
+    assert "skipped: onnxruntime not installed" in md

@@ -78,3 +78,39 @@ def check_estimates(model: str | None = None, targets: list[tuple[str, mem.Preci
                 f"{100 * check.error:+.1f}%")
             out.append(check)
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m brisk.advise.memcheck [MODEL] [--runs N] [--json PATH]`: every target of TARGETS measured N times
+    (default 1), then one markdown row each: the estimate, the peaks, the error against their median."""
+    import argparse
+    import json
+    import statistics
+
+    parser = argparse.ArgumentParser(prog="python -m brisk.advise.memcheck", description=main.__doc__)
+    parser.add_argument("model", nargs="?", default=None, help="model path (default: the default model)")
+    parser.add_argument("--runs", type=int, default=1, help="measurements of each configuration")
+    parser.add_argument("--json", dest="json_path", default=None, help="write every check to this file")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
+    runs = [check_estimates(args.model) for _ in range(args.runs)]
+    print("| configuration | estimate | peak RSS | error (median; range) |")
+    print("|---|---|---|---|")
+    for checks in zip(*runs, strict=True):
+        first = checks[0]
+        peaks = [c.peak_rss_bytes for c in checks]
+        errors = sorted(100 * c.error for c in checks)
+        e = first.estimate
+        terms = " + ".join(mem.gib(e[k]) for k in ("weights", "kv_pool", "activations", "runtime"))
+        spread = f"; {errors[0]:+.1f}% .. {errors[-1]:+.1f}%" if len(checks) > 1 else ""
+        print(f"| {first.name} | {mem.gib(first.estimate_bytes)} ({terms}) | "
+              f"{', '.join(mem.gib(p) for p in peaks)} | "
+              f"{100 * (first.estimate_bytes / statistics.median(peaks) - 1):+.1f}%{spread} |")
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump([[c.to_dict() for c in checks] for checks in runs], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """Memory of a candidate configuration before anything is built: the weights in the candidate's format (codes,
 scales, zero points), the KV pool its context and concurrency need, one step's activations and the runtime.
 
-The activation and runtime terms are `brisk.engine.memory.estimate_memory`'s, on a footprint of the candidate's
-format; the weights term is priced here, per format, from the model's shape:
+The activation term is `brisk.engine.memory.estimate_memory`'s, on a footprint of the candidate's format; the
+weights term is priced here, per format, from the model's shape:
 
     float32 / bfloat16     4 / 2 bytes per parameter
     int8 (RTN, per channel, symmetric)   1 byte per weight + a float16 scale per output row
@@ -13,9 +13,16 @@ format; the weights term is priced here, per format, from the model's shape:
 Quantized formats keep the embedding (and an untied lm_head) at int8 per channel, as `brisk quantize` writes them;
 a tied table is held twice once loaded (the lookup's and lm_head's copies).
 
-`PROCESS_BASE_BYTES` corrects the estimate for what a Python process holds before any model: the interpreter,
-torch and brisk's libraries and the compiled kernels (measured resident: see docs/advise.md), which the engine's
-runtime term does not count.
+A quantized checkpoint folder is memory-mapped at load (model/mapped.py): the embedding and the norms stay views of
+the file's map, and the decoder linears' stored codes, scales and zero points are read through it into the kernels'
+repacked layout. Those source pages stay mapped and resident while the map lives (`mapped_weight_bytes`: one more
+copy of the linears' stored bytes, 55 MiB at int4 g64 and 101 MiB at int8 on the default model). A GGUF file's
+load unmaps its source pages as it goes (model/gguf_place.py), and a float model is held as it is read.
+
+The runtime term is measured, not the engine's conservative allowance: `PROCESS_BASE_BYTES`, what a Python process
+holds resident after importing the engine (interpreter, torch, brisk), plus `LOADED_RUNTIME_BYTES`, what a load
+adds besides the weights and the KV pool (the kernels' shared objects, the tokenizer, the engine's objects), plus
+the RoPE tables (docs/advise.md, BENCHMARKS.md "Memory estimate against measured peak RSS").
 """
 
 from __future__ import annotations
@@ -25,11 +32,21 @@ from pathlib import Path
 
 import torch
 
-from brisk.engine.memory import GiB, MemoryEstimate, MiB, ModelFootprint, estimate_memory, model_footprint
+from brisk.engine.memory import (
+    RUNTIME_BYTES,
+    GiB,
+    MemoryEstimate,
+    MiB,
+    ModelFootprint,
+    estimate_memory,
+    model_footprint,
+)
 
-# resident bytes of `python -c "import brisk.engine.llm"` plus the kernels' shared objects once loaded, over the
-# engine's own runtime term (measured on the default model; docs/advise.md)
-PROCESS_BASE_BYTES = 200 * MiB
+# resident bytes after `import brisk.engine.llm` (memprobe's after_import: 238 MiB in every configuration), and
+# what a load adds on top of the weights, the KV pool and the RoPE tables (after_load less those: 29-33 MiB over
+# the six configurations of advise/memcheck.py; measured on the default model, BENCHMARKS.md)
+PROCESS_BASE_BYTES = 238 * MiB
+LOADED_RUNTIME_BYTES = 32 * MiB
 
 # GGUF type -> bytes per weight of brisk's repacked form (model/gguf_repack.py); other types are dequantized
 GGUF_REPACKED_BYTES = {"Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 1.0625, "Q5_1": 1.125,
@@ -174,8 +191,19 @@ def estimate(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int,
     settings = engine_settings(shape, p, kv_cache_dtype, context, concurrency)
     config = build_engine_config(**settings)
     est = estimate_memory(config, footprint_for(shape, p), dtype=p.dtype)
-    est = replace(est, weights=est.weights + extra_weights, runtime=est.runtime + PROCESS_BASE_BYTES)
+    rope = est.runtime - RUNTIME_BYTES  # the engine's runtime term is its allowance plus the RoPE tables
+    est = replace(est, weights=est.weights + extra_weights + mapped_weight_bytes(shape, p),
+                  runtime=PROCESS_BASE_BYTES + LOADED_RUNTIME_BYTES + rope)
     return est, settings
+
+
+def mapped_weight_bytes(shape: ModelShape, p: Precision) -> int:
+    """Bytes of the checkpoint file's map that stay resident after a load in format `p`: a quantized folder's
+    decoder linears as stored (codes, scales, zero points), read through the map into their repacked layout."""
+    if p.bits is None:
+        return 0
+    c = shape.footprint.config
+    return int(shape.decoder_linear * int_bytes_per_weight(p.bits, p.group_size, c.hidden_size))
 
 
 def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,

@@ -111,13 +111,16 @@ def measure_quality_table(model: str | None, techniques: list[str] | None = None
     text = evaluation_text_path().read_text(encoding="utf-8")
     ppl: dict[str, float] = {}
     seconds: dict[str, float] = {}
+    ids: list[int] | None = None  # every technique keeps the model's tokenizer: the text is encoded once
     with tempfile.TemporaryDirectory(dir=workdir, prefix="brisk-quality-") as tmp:
         for name in names:
             start = time.perf_counter()
             log(f"quality: {name} ...")
             loaded, kv = _load_for(name, source, Path(tmp))
+            if ids is None:
+                ids = loaded.tokenizer.encode(text, add_special_tokens=False)
             ppl[name] = perplexity(loaded, text, window=window, max_windows=max_windows, progress=False,
-                                   kv_cache_dtype=kv).ppl
+                                   kv_cache_dtype=kv, token_ids=ids).ppl
             seconds[name] = round(time.perf_counter() - start, 1)
             log(f"quality: {name}: ppl {ppl[name]:.4f} ({seconds[name]:.0f} s)")
             del loaded

@@ -13,6 +13,10 @@ throughput. Output: report.md, report.json and PNG plots in --out.
     sparsity     dense float32 -> 50% / 2:4 magnitude-pruned, sparse kernels   batch-1 decode
     fusion       plain PyTorch modules -> brisk's fused C++ layer loop         batch-1 decode
     KV cache     float32 -> int8 / int4 (KIVI) cache                           batch-8 decode at a long prompt
+    gqa          KV heads -> fewer, mean-pooled (GQA / MQA conversion)          decode at batch 1 and 8
+    streaming    full KV cache -> StreamingLLM (sinks + window)                 batch-1 decode at a long context
+    onnxruntime  ONNX Runtime on the same float32 weights -> brisk              decode at batch 1 and 8
+The last three are in report_sections.py.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ GUIDE = {
     "sparsity": ("sparsity", 1.5, 2.0),
     "fusion": ("operator fusion", 1.5, 2.0),
     "kv": ("KV cache quantization (memory)", None, None),
+    "gqa": ("GQA / MQA conversion (KV memory)", None, None),
+    "streaming": ("StreamingLLM (bounded KV)", None, None),
+    "onnxruntime": ("against ONNX Runtime", None, None),
 }
 
 
@@ -63,11 +70,14 @@ class Params:
     calib_seq_len: int = 256
     calib_text: str | None = None  # default: the bundled calibration text
     sparsity: bool = True
+    stream_context: int = 4096  # StreamingLLM: the context its decode and perplexity are measured at
+    stream_budget: int = 1024  # its KV budget (4 sinks included)
 
     @classmethod
     def quick(cls) -> Params:
         return cls(input_len=64, output_len=24, runs=2, batch=8, ppl_window=256, ppl_windows=4, spec_prompts=1,
-                   spec_tokens=48, paged_requests=16, paged_max_len=512, kv_prompt=384)
+                   spec_tokens=48, paged_requests=16, paged_max_len=512, kv_prompt=384, stream_context=1024,
+                   stream_budget=256)
 
 
 @dataclass
@@ -385,13 +395,14 @@ def best_combinations(model: str | None, log: Callable[[str], None]) -> dict[str
     return out
 
 
-SECTIONS = ("weights", "speculative", "paged", "sparsity", "fusion", "kv", "best")
+SECTIONS = ("weights", "speculative", "paged", "sparsity", "fusion", "kv", "gqa", "streaming", "onnxruntime", "best")
 
 
 def run_report(model: str | None, p: Params, sections: tuple[str, ...] = SECTIONS,
                log: Callable[[str], None] = print, on_section: Callable[[Report], None] | None = None) -> Report:
     """Every section in turn; `on_section` sees the report after each (the CLI saves it, so a run stopped midway
     keeps what it measured)."""
+    from brisk.bench.report_sections import section_runners
     from brisk.model.loader import resolve_model
 
     report = Report(resolve_model(model).name, asdict(p))
@@ -403,6 +414,7 @@ def run_report(model: str | None, p: Params, sections: tuple[str, ...] = SECTION
             "sparsity": lambda: sparsity_rows(model, p, log),
             "fusion": lambda: fusion_rows(model, p, log),
             "kv": lambda: kv_rows(model, p, log),
+            **section_runners(model, p, Path(tmp), log),
             "best": lambda: best_combinations(model, log),
         }
         for name in sections:

@@ -214,11 +214,12 @@ def estimate_memory(config: EngineConfig, footprint: ModelFootprint, *, dtype: t
         kv += cache.num_residual_blocks * mc.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
             mc.num_key_value_heads, mc.head_dim, cache.block_size)
     # one step: the residual stream, normed input, attention and MLP outputs, q/k/v and gate/up/act per token,
-    # in float32; logits and probabilities of every sampled row; twice that for the allocator's free blocks
+    # in the runtime dtype (float32 for quantized layers, which run float32 activations); logits and
+    # probabilities of every sampled row in float32; twice that for the allocator's free blocks
     q, kvh = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     per_token = 4 * mc.hidden_size + q + 2 * kvh + 3 * mc.intermediate_size
     logits = 2 * sched.max_num_seqs * mc.vocab_size
-    activations = 2 * 4 * (sched.max_num_batched_tokens * per_token + logits)
+    activations = 2 * (_itemsize(dtype) * sched.max_num_batched_tokens * per_token + 4 * logits)
     rope = 2 * 4 * max(max_model_len, mc.max_position_embeddings) * mc.head_dim  # cos and sin tables
     return MemoryEstimate(footprint.weight_bytes(dtype), packed, kv, activations, RUNTIME_BYTES + rope)
 

@@ -102,9 +102,10 @@ def split_windows(ids: list[int], window: int, max_windows: int | None) -> list[
 
 
 def perplexity(loaded: LoadedModel, text: str, window: int = 1024, max_windows: int | None = 32,
-               progress: bool = True, kv_cache_dtype: str = "auto", block_size: int = _BLOCK_SIZE
-               ) -> PerplexityResult:
-    """Perplexity of `loaded` on `text` under the protocol in this module's docstring."""
+               progress: bool = True, kv_cache_dtype: str = "auto", block_size: int = _BLOCK_SIZE,
+               token_ids: list[int] | None = None) -> PerplexityResult:
+    """Perplexity of `loaded` on `text` under the protocol in this module's docstring. `token_ids`: `text` already
+    encoded by this model's tokenizer (step 1), for callers that score many models of one tokenizer."""
     max_pos = loaded.config.max_position_embeddings
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens (one to condition on, one to predict), "
@@ -116,7 +117,7 @@ def perplexity(loaded: LoadedModel, text: str, window: int = 1024, max_windows: 
         raise ValueError(f"max_windows must be at least 1 (or None for all windows), got {max_windows}")
 
     start = time.perf_counter()
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False) if token_ids is None else token_ids
     windows = split_windows(ids, window, max_windows)
     if not windows:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}; "
