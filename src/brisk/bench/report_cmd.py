@@ -52,7 +52,7 @@ GUIDE = {
 
 @dataclass
 class Params:
-    """What a run measures; `quick()` fits 15 minutes on 2 cores."""
+    """What a run measures; `quick()` is the short run (~19 minutes on one thread for the default model)."""
 
     input_len: int = 128
     output_len: int = 64
@@ -531,8 +531,8 @@ def plot_report(report: Report, out: Path) -> list[str]:
 
 @click.command("report")
 @click.option("--model", "-m", default=None, help="Float model or GGUF file (default: SmolLM2-135M-Instruct).")
-@click.option("--quick", is_flag=True, help="Fewer tokens, rounds and perplexity windows (about 15 minutes on 2 "
-                                            "cores for the default model).")
+@click.option("--quick", is_flag=True, help="Fewer tokens, rounds and perplexity windows (about 19 minutes on one "
+                                            "thread for the default model).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="brisk-report", show_default=True,
               help="Folder for report.md, report.json and the plots.")
 @click.option("--sections", default=",".join(SECTIONS), show_default=True,
