@@ -103,6 +103,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
         return
     env = {**os.environ, "BRISK_KERNEL_ISA": "avx2"}
     env.pop("BRISK_DISABLE_KERNELS", None)
+    env.pop("PYTEST_ADDOPTS", None)  # the child's summary is read below (--durations would list test names)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(TESTS / "test_linear.py"), str(TESTS / "test_qlinear_q8.py"),
                            str(TESTS / "test_sparse_linear.py"), str(TESTS / "test_sparse_q8.py"),
