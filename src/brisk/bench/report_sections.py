@@ -73,7 +73,6 @@ def gqa_rows(model: str | None, p: Params, tmp: Path, log: Callable[[str], None]
 
 def streaming_rows(model: str | None, p: Params, log: Callable[[str], None]) -> list[Row]:
     from brisk.bench.prompts import make_prompt, text_token_ids
-    from brisk.bench.quant import decode_rate
     from brisk.data import evaluation_text_path
     from brisk.eval.longppl import long_perplexity
     from brisk.model.loader import load_model
@@ -101,12 +100,7 @@ def streaming_rows(model: str | None, p: Params, log: Callable[[str], None]) -> 
     tok = loaded.tokenizer
     prompt = make_prompt(tok, text_token_ids(tok), 0, context)
     log("report: decode rounds (StreamingLLM) ...")
-    best: dict[str, float] = {}
-    for llm in engines.values():
-        decode_rate(llm, prompt[:64], 1, 4)  # warm-up
-    for _ in range(p.runs):
-        for name, llm in engines.items():
-            best[name] = max(best.get(name, 0.0), decode_rate(llm, prompt, 1, p.output_len)[0])
+    best = {name: rate for (name, _), rate in _rounds(engines, prompt, (1,), p.output_len, p.runs).items()}
     held = {mode: r.max_blocks_held * per_block for mode, r in runs.items()}
     return [Row("streaming", f"StreamingLLM: {sinks} sinks + {budget - sinks}-token window",
                 "full KV cache", f"decode b=1 at {context} tokens", best["streaming"] / best["full"],

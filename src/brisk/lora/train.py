@@ -91,11 +91,10 @@ def _dequantized(q: QuantLinear) -> torch.Tensor:
 
 
 def _frozen_from_quant(q: QuantLinear, double_quant: bool) -> FrozenQuantLinear:
-    pw = q.packed
-    if pw.tiled:
-        from brisk.ops.qlinear import set_tiled
+    from brisk.ops.qlinear import set_tiled
 
-        set_tiled(pw, False)
+    pw = q.packed
+    set_tiled(pw, False)  # FrozenQuantLinear reads the blocked layout (a no-op when it already is)
     return FrozenQuantLinear(pw, q.bias, double_quant=double_quant and pw.codebook is not None)
 
 

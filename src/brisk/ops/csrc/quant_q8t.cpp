@@ -205,6 +205,14 @@ inline __m512 load16(const T* p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// One 32-column block at src as two float32 vectors, and its max |x|: both activation quantizers start here.
+template <typename T>
+BRISK_INLINE_T float load_block32(const T* src, __m512& f0, __m512& f1) {
+  f0 = load16(src);
+  f1 = load16(src + 16);
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+}
+
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
   const int64_t nblocks = K / kBlock, ngroups = K / G, bpg = G / kBlock;
@@ -212,9 +220,8 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
     for (int64_t g = 0; g < ngroups; ++g) {
       float gsum = 0.f;
       for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
-        const T* src = x + m * K + j * kBlock;
-        const __m512 f0 = load16(src), f1 = load16(src + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+        __m512 f0, f1;
+        const float amax = load_block32(x + m * K + j * kBlock, f0, f1);
         const float scale = amax / 127.f;
         xs[m * nblocks + j] = scale;
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -332,9 +339,8 @@ void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, floa
     float* xrm = xr + m * ngroups;
     for (int64_t g = 0; g < ngroups; ++g) xrm[g] = 0.f;
     for (int64_t b = 0; b < nblocks; ++b) {
-      const T* src = x + m * K + b * kBlock;
-      const __m512 f0 = load16(src), f1 = load16(src + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+      __m512 f0, f1;
+      const float amax = load_block32(x + m * K + b * kBlock, f0, f1);
       const float scale = amax / 32767.f;
       xs[m * nblocks + b] = scale;
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
