@@ -205,12 +205,17 @@ inline __m512 load16(const T* p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// One 32-column block at src as two float32 vectors, and its max |x|: both activation quantizers start here.
+// One 32-column block at src rounded to integers in [-qmax, qmax] (127: int8, 32767: int16): q = round_half_even(x *
+// qmax / max|x|) as two vectors of 16 int32; returns the block's scale max|x| / qmax. Both activation quantizers
+// use it, so their float32 operations are the same.
 template <typename T>
-BRISK_INLINE_T float load_block32(const T* src, __m512& f0, __m512& f1) {
-  f0 = load16(src);
-  f1 = load16(src + 16);
-  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+BRISK_INLINE_T float round_block32(const T* src, float qmax, __m512i& q0, __m512i& q1) {
+  const __m512 f0 = load16(src), f1 = load16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+  q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round half to even
+  q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+  return amax / qmax;
 }
 
 template <typename T>
@@ -220,13 +225,9 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
     for (int64_t g = 0; g < ngroups; ++g) {
       float gsum = 0.f;
       for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
-        __m512 f0, f1;
-        const float amax = load_block32(x + m * K + j * kBlock, f0, f1);
-        const float scale = amax / 127.f;
+        __m512i q0, q1;
+        const float scale = round_block32(x + m * K + j * kBlock, 127.f, q0, q1);
         xs[m * nblocks + j] = scale;
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round half to even
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
         gsum += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
         int8_t* dst = xq + m * K + j * kBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
@@ -339,13 +340,9 @@ void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, floa
     float* xrm = xr + m * ngroups;
     for (int64_t g = 0; g < ngroups; ++g) xrm[g] = 0.f;
     for (int64_t b = 0; b < nblocks; ++b) {
-      __m512 f0, f1;
-      const float amax = load_block32(x + m * K + b * kBlock, f0, f1);
-      const float scale = amax / 32767.f;
+      __m512i q0, q1;
+      const float scale = round_block32(x + m * K + b * kBlock, 32767.f, q0, q1);
       xs[m * nblocks + b] = scale;
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round half to even
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
       int16_t* dst = xq + m * K + b * kBlock;
       // words 0, 2, 1, 3 of every 4: one shuffle of each 64-bit quarter's words
       const __m256i w0 = _mm512_cvtsepi32_epi16(q0), w1 = _mm512_cvtsepi32_epi16(q1);
