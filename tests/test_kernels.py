@@ -257,8 +257,10 @@ def mistral_dir(tmp_path_factory):
     return str(path)
 
 
-def test_engine_greedy_tokens_same_with_and_without_kernels(kernel_settings, ops, mistral_dir):
-    """Whole engine, sliding window, prefix-cache hits and 16-token chunks interleaved with decodes."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+def test_engine_greedy_tokens_same_with_and_without_kernels(kernel_settings, ops, mistral_dir, kv_cache_dtype):
+    """Whole engine, sliding window, prefix-cache hits and 16-token chunks interleaved with decodes; a quantized
+    cache is read in place by the kernel and dequantized by the reference path, the same values either way."""
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 384, (40,), generator=g).tolist()
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 7, 50)]
@@ -266,7 +268,7 @@ def test_engine_greedy_tokens_same_with_and_without_kernels(kernel_settings, ops
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def run() -> list[list[int]]:
-        llm = LLM(mistral_dir, max_model_len=256, max_num_batched_tokens=16)
+        llm = LLM(mistral_dir, max_model_len=256, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     with_kernels = run()

@@ -138,3 +138,119 @@ def test_bytes_per_token_and_tokens_per_mib():
     cache = Int4KVCache(10, 64, kvh, d, torch.float32, num_residual_blocks=1)
     assert cache.nbytes - cache.k_residual.numel() * 2 == 10 * 64 * i4_64 / layers
     assert Int8KVCache(10, 16, kvh, d, torch.float32).nbytes == 10 * 16 * i8 / layers
+
+
+# ---- the C++ kernel reading the codes in place (ops/csrc/paged_attention.cpp `paged_attention_quantized`) ----
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from brisk.ops import kernels
+
+    with kernels.override(enabled=True):
+        found = kernels.get_ops()
+    if found is None:
+        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
+    return found
+
+
+def _filled_cache(kind: str, query_lens: list[int], contexts: list[int], bs: int, dtype: torch.dtype,
+                  residual_blocks: int, seed: int):
+    """A cache whose sequences hold their earlier context (written as a prefill) and this step's tokens (written
+    after), on shuffled blocks; with few residual buffers some partial int4 blocks are quantized early."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum((c + bs - 1) // bs for c in contexts) + 3
+    cache = (Int8KVCache(num_blocks, bs, KVH, D, dtype) if kind == "int8"
+             else Int4KVCache(num_blocks, bs, KVH, D, dtype, num_residual_blocks=residual_blocks))
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    block_ids = []
+    for c in contexts:
+        n = (c + bs - 1) // bs
+        block_ids.append(pool[:n])
+        pool = pool[n:]
+    for b, (q_len, ctx) in enumerate(zip(query_lens, contexts, strict=True)):
+        slots = torch.tensor([block_ids[b][p // bs] * bs + p % bs for p in range(ctx)])
+        k, v = torch.randn(ctx, KVH, D, generator=g), torch.randn(ctx, KVH, D, generator=g)
+        k[:, :, 5] *= 8  # an outlier channel
+        for rows in (slice(0, ctx - q_len), slice(ctx - q_len, ctx)):
+            if rows.stop > rows.start:
+                write_kv(cache, k[rows].to(dtype), v[rows].to(dtype), slots[rows])
+    meta = AttentionMetadata.for_sequences(query_lens, contexts, block_ids, bs)
+    q = torch.randn(sum(query_lens), H, D, generator=g).to(dtype)
+    return cache, meta, q, block_ids
+
+
+def _dequantized_oracle(cache, meta, q, block_ids, contexts, query_lens, bs, scale, window):
+    """float64 attention over what the cache dequantizes to (its own `gather`), position by position."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for b, (q_len, ctx) in enumerate(zip(query_lens, contexts, strict=True)):
+        slots = torch.tensor([block_ids[b][p // bs] * bs + p % bs for p in range(ctx)])
+        k, v = cache.gather(slots)  # [ctx, kvh, d] in cache.dtype
+        if cache.dtype != torch.float32:  # the kernel keeps the float32 products: gather them unrounded
+            saved, cache.dtype = cache.dtype, torch.float32
+            k, v = cache.gather(slots)
+            cache.dtype = saved
+        k = k.double().repeat_interleave(H // KVH, 1)
+        v = v.double().repeat_interleave(H // KVH, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[row:row + q_len].double(), k) * scale
+        pos = torch.arange(ctx - q_len, ctx)[:, None]
+        key = torch.arange(ctx)[None]
+        visible = (key <= pos) & ((key > pos - window) if window else True)
+        out[row:row + q_len] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+        row += q_len
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("case", [
+    ([1] * 8, [1, 15, 16, 17, 37, 100, 300, 64]),  # many decodes: items of all kv heads
+    ([1], [700]),  # one long decode: split-K over the keys
+    ([1, 1, 20, 33], [50, 5, 20, 100]),  # decodes with a fresh prompt and a chunk with context
+], ids=["decodes", "split-k", "mixed"])
+def test_quantized_kernel_matches_dequantized_oracle(ops, kind, dtype, window, case):
+    """The kernel widens codes a chunk at a time with the reference's float32 dequantization, so against a float64
+    attention over `gather`'s float32 values it is as close as the float kernel is to its oracle; int4 with only
+    two residual buffers, so some partial blocks read the float16 window and others were quantized early."""
+    query_lens, contexts = case
+    bs = 16
+    cache, meta, q, block_ids = _filled_cache(kind, query_lens, contexts, bs, dtype, residual_blocks=2,
+                                              seed=len(contexts) + window)
+    if window:
+        meta.sliding_window = window
+    if kind == "int4":
+        partial = [b for ids, c in zip(block_ids, contexts, strict=True) if c % bs for b in ids[-1:]]
+        in_window = [b for b in partial if int(cache.residual_of_block[b]) >= 0]
+        assert in_window and len(in_window) < len(partial) or len(partial) < 2
+    want = _dequantized_oracle(cache, meta, q, block_ids, contexts, query_lens, bs, D**-0.5, window)
+    got = paged_attention(q, q[:, :KVH], q[:, :KVH], cache, meta, D**-0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-5)
+    else:  # q rounded to bfloat16 on input, one rounding of the output
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-6, rtol=2**-7)
+    ref = paged_attention(q, q[:, :KVH], q[:, :KVH], cache, meta, D**-0.5, use_kernels=False)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+def test_quantized_kernel_layout_errors_are_clear(ops):
+    cache, meta, q, _ = _filled_cache("int4", [1], [20], 16, torch.float32, residual_blocks=2, seed=0)
+    out = torch.empty_like(q)
+    tensors = cache.kernel_tensors()
+    args = (meta.block_tables, meta.context_lens, 0.125, 0, 16)
+    with pytest.raises(RuntimeError, match="an int4 cache is"):
+        ops.paged_attention_quantized(out, q, tensors[:7], 4, 16, None, *args)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        ops.paged_attention_quantized(out, q, tensors, 3, 16, None, *args)
+    bad = cache.residual_of_block.clone()
+    bad[0] = 5  # only two residual buffers
+    with pytest.raises(RuntimeError, match="outside the 2 residual buffers"):
+        ops.paged_attention_quantized(out, q, [*tensors[:7], bad], 4, 16, None, *args)
+    tables = meta.block_tables.clone()
+    tables[0, 0] = 10**6
+    with pytest.raises(RuntimeError, match="outside the cache's"):
+        ops.paged_attention_quantized(out, q, tensors, 4, 16, None, tables, *args[1:])
+    int8 = Int8KVCache(4, 16, KVH, D, torch.float32)
+    with pytest.raises(RuntimeError, match="int8 scales must be float16"):
+        ops.paged_attention_quantized(out, q, [int8.codes, int8.scales.float()], 8, 16, None, *args)

@@ -3,7 +3,9 @@
 Both keep the paged layout of the float cache: a token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size`; only what a slot holds changes. Attention reads them
 through `gather(slots)`, which dequantizes just the gathered rows (ops/attention.py, reference path), so the
-cache is never materialized in float. Quantization happens in `write`, when the layer stores its new K/V.
+cache is never materialized in float; the C++ kernel (ops/csrc/paged_attention.cpp `paged_attention_quantized`)
+reads the codes in place instead, widening a chunk of rows at a time, with the same float32 dequantization.
+Quantization happens in `write`, when the layer stores its new K/V.
 
 INT8 (`Int8KVCache`): symmetric, one fp16 scale per (token, kv head) for keys and for values:
     q = round(x / s), s = max|x| / 127 over the head's d channels.
@@ -88,6 +90,7 @@ class QuantizedKVCache(ABC):
     """One layer's quantized paged cache. Subclasses implement write / gather / copy_blocks."""
 
     kind = ""
+    bits = 0  # code width, as the C++ kernel names the layout
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -119,6 +122,11 @@ class QuantizedKVCache(ABC):
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    @abstractmethod
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """What the C++ attention kernel reads in place (ops/csrc/paged_attention.cpp `quantized_cache`)."""
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -126,6 +134,7 @@ class QuantizedKVCache(ABC):
 
 class Int8KVCache(QuantizedKVCache):
     kind = "int8"
+    bits = 8
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -159,9 +168,13 @@ class Int8KVCache(QuantizedKVCache):
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]
 
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]
+
 
 class Int4KVCache(QuantizedKVCache):
     kind = "int4"
+    bits = 4
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", num_residual_blocks: int = 16) -> None:
@@ -296,6 +309,9 @@ class Int4KVCache(QuantizedKVCache):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_residual]
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return [*self.tensors(), self.residual_of_block]
 
 
 def make_kv_caches(kind: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

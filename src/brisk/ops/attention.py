@@ -7,7 +7,8 @@ The runner lays the batch out decodes first and describes every sequence once pe
 ops/metadata.py, shared by all layers).
 
 Two ways to run it:
-- the C++ kernel (ops/csrc/paged_attention.cpp) reads every sequence's K/V in place, walking its block table,
+- the C++ kernel (ops/csrc/paged_attention.cpp) reads every sequence's K/V in place (a float32 or bfloat16
+  cache, or the codes of an int8 / int4 one, widened a chunk at a time), walking its block table,
   in one call for the whole batch (decode and chunked prefill alike; a query token at position p sees p and
   before);
 - the reference path (no compiler, BRISK_DISABLE_KERNELS=1, another device): decodes run as ONE batched SDPA
@@ -94,10 +95,11 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
 def kernel_supports(q: torch.Tensor, kv_cache: KVCache) -> bool:
     """Whether the C++ kernel covers these tensors (the caller still checks that it built).
 
-    Quantized caches take the reference path: it dequantizes only the gathered rows."""
-    if isinstance(kv_cache, QuantizedKVCache):
-        return False
+    A quantized cache (int8, int4) is read in place by `paged_attention_quantized`."""
     ok_dtypes = (torch.float32, torch.bfloat16)
+    if isinstance(kv_cache, QuantizedKVCache):
+        return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in ok_dtypes
+                and kv_cache.head_dim % 8 == 0 and q.stride(-1) == 1)
     return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in ok_dtypes
             and kv_cache.dtype in ok_dtypes and q.shape[-1] % 8 == 0 and q.stride(-1) == 1
             and kv_cache.is_contiguous())
@@ -119,9 +121,19 @@ def paged_attention(
     assert meta.block_tables is not None, "build the metadata with AttentionMetadata.for_sequences"
     decode_only = meta.num_decodes == meta.block_tables.shape[0]
     op = None
-    if use_kernels is not False and kernel_supports(q, kv_cache):
-        op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
     window = meta.sliding_window or 0
+    if use_kernels is not False and kernel_supports(q, kv_cache):
+        if isinstance(kv_cache, QuantizedKVCache):
+            quantized = kernels.get_op("paged_attention_quantized")
+            if quantized is not None:
+                quantized(out, q, kv_cache.kernel_tensors(), kv_cache.bits, kv_cache.block_size,
+                          None if decode_only else meta.query_start_loc, meta.block_tables, meta.context_lens,
+                          scale, window, PREFILL_Q_TILE)
+                if meta.tree_masks:
+                    tree_attention_reference(out, q, kv_cache, meta, scale)
+                return out
+        else:
+            op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
     if op is not None and decode_only:
         op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)
     elif op is not None:

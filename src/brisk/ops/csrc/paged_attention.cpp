@@ -27,14 +27,17 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -463,6 +466,13 @@ struct Problem {
   const int32_t* context_lens;  // [B]
   float scale_log2;  // softmax scale * log2(e)
   int64_t window;  // sliding window in tokens, 0 = none
+  // quantized caches (kvcache/quant.py; k and v above are their codes), widened to float a chunk at a time
+  const c10::Half* k_scale = nullptr;  // int8: [slots, kvh]; int4: [num_blocks, kvh, d], per block and channel
+  const c10::Half* v_scale = nullptr;  // [slots, kvh]
+  const c10::Half* k_min = nullptr;  // int4: [num_blocks, kvh, d]
+  const c10::Half* v_min = nullptr;  // int4: [slots, kvh]
+  const c10::Half* k_residual = nullptr;  // int4: [R, block_size, kvh, d], float16 keys of blocks being filled
+  const int64_t* residual_of_block = nullptr;  // int4: [num_blocks], a block's residual buffer, -1 = quantized
 };
 
 struct Scratch {
@@ -474,11 +484,104 @@ struct Scratch {
   const c10::BFloat16* krows16[kChunk];  // bfloat16 rows read in place (dot_rows_bf16)
   const c10::BFloat16* vrows16[kChunk];
   int64_t offsets[kChunk];
+  int64_t slots[kChunk];  // quantized caches: the chunk's cache slots (block * block_size + offset)
   int64_t max_rows, d;
   Scratch(int64_t max_rows_, int64_t d_)
       : q(max_rows_ * d_), acc(max_rows_ * d_), m(max_rows_), l(max_rows_), kbuf(kChunk * d_), vbuf(kChunk * d_),
         live(max_rows_), live_lo(max_rows_), live_hi(max_rows_), max_rows(max_rows_), d(d_) {}
 };
+
+// ---- quantized caches (kvcache/quant.py), read in place: a chunk's rows of one kv head widened into float32 ----
+// int8 (keys and values): code * scale, one float16 scale per (slot, kv head).
+// int4 values: code * scale + min per (slot, kv head). int4 keys (KIVI): code * scale[c] + min[c] per (block, kv head,
+// channel c), or the block's float16 residual row while the block is still being filled. 4-bit codes: channel 2i
+// in the low nibble of byte i, channel 2i + 1 in the high one. The products are float32, as the reference path's
+// dequantization (codes.float() * scale.float() + min.float()).
+#if defined(BRISK_AVX2) && defined(__F16C__)
+#define BRISK_QKV_SIMD 1
+inline __m256 widen_i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 widen_u4x8(const uint8_t* p) {  // 4 bytes -> 8 codes, in channel order
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(word), low = _mm_set1_epi8(0x0F);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+}
+inline __m256 widen_h8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+inline float nibble(const uint8_t* row, int64_t c) { return static_cast<float>(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15); }
+
+// int8 rows, keys or values: codes [slots, kvh, d], scales [slots, kvh]
+inline void widen_rows_q8(const int8_t* codes, const c10::Half* scales, int64_t kvh, int64_t head, int64_t d,
+                          const int64_t* slots, int64_t n, float* buf, const float** rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = slots[t] * kvh + head;
+    const int8_t* src = codes + row * d;
+    const float sc = static_cast<float>(scales[row]);
+    float* dst = buf + t * d;
+#ifdef BRISK_QKV_SIMD
+    const __m256 sv = _mm256_set1_ps(sc);
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(widen_i8x8(src + c), sv));
+#else
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * sc;
+#endif
+    rows[t] = dst;
+  }
+}
+
+// int4 values: codes [slots, kvh, d / 2], scale and min [slots, kvh]
+inline void widen_values_q4(const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, int64_t kvh,
+                            int64_t head, int64_t d, const int64_t* slots, int64_t n, float* buf, const float** rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = slots[t] * kvh + head;
+    const uint8_t* src = codes + row * (d / 2);
+    const float sc = static_cast<float>(scales[row]), mn = static_cast<float>(mins[row]);
+    float* dst = buf + t * d;
+#ifdef BRISK_QKV_SIMD
+    const __m256 sv = _mm256_set1_ps(sc), mv = _mm256_set1_ps(mn);
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(widen_u4x8(src + c / 2), sv, mv));
+#else
+    for (int64_t c = 0; c < d; ++c) dst[c] = nibble(src, c) * sc + mn;
+#endif
+    rows[t] = dst;
+  }
+}
+
+// int4 keys: codes [num_blocks, bs, kvh, d / 2] (slot order), scale and min [num_blocks, kvh, d]; a block with a
+// residual buffer reads k_residual [R, bs, kvh, d] instead
+inline void widen_keys_q4(const Problem& p, int64_t head, const int64_t* slots, int64_t n, float* buf,
+                          const float** rows) {
+  const int64_t d = p.head_dim, kvh = p.num_kv_heads, bs = p.block_size;
+  const uint8_t* codes = static_cast<const uint8_t*>(p.k);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    const int64_t res = p.residual_of_block[block];
+    float* dst = buf + t * d;
+    rows[t] = dst;
+    if (res >= 0) {
+      const c10::Half* src = p.k_residual + ((res * bs + offset) * kvh + head) * d;
+#ifdef BRISK_QKV_SIMD
+      for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, widen_h8(src + c));
+#else
+      for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]);
+#endif
+      continue;
+    }
+    const uint8_t* src = codes + (slots[t] * kvh + head) * (d / 2);
+    const c10::Half* sc = p.k_scale + (block * kvh + head) * d;
+    const c10::Half* mn = p.k_min + (block * kvh + head) * d;
+#ifdef BRISK_QKV_SIMD
+    for (int64_t c = 0; c < d; c += 8)
+      _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(widen_u4x8(src + c / 2), widen_h8(sc + c), widen_h8(mn + c)));
+#else
+    for (int64_t c = 0; c < d; ++c) dst[c] = nibble(src, c) * static_cast<float>(sc[c]) + static_cast<float>(mn[c]);
+#endif
+  }
+}
 
 // Rows rows[0 .. R) (query rows sharing a kv head) against the chunk's keys [p0, p1) in s.krows / s.vrows (or, BF16
 // in place: s.krows16 / s.vrows16, the rows' q and acc in split order); row i sees positions [lo[i], hi[i]) (causal
@@ -570,6 +673,7 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
     head = it.kv_begin * g + r % num_heads;
   };
 
+  constexpr bool kQ8 = std::is_same_v<cache_t, int8_t>, kQ4 = std::is_same_v<cache_t, uint8_t>;
   // bfloat16 cache rows read in place, q and acc in split order (dot_rows_bf16)
 #ifdef BRISK_AVX512
   const bool split = std::is_same_v<cache_t, c10::BFloat16> && d % 32 == 0;
@@ -609,9 +713,9 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
   // first touch (the wait on the widening loads was ~3/4 of this function's samples). 30 layers of a bfloat16
   // cache, 8 sequences x 160 tokens: 87-99 -> 65-67 us a layer; 64 x 370: 1.76 -> 1.56-1.59 ms; batch 1
   // unchanged (alternated processes)
-  if (!prefetched) prefetch_rows<cache_t, _MM_HINT_T1>(p, it, lo_all, hi_all);
+  if (!prefetched && !kQ4) prefetch_rows<cache_t, _MM_HINT_T1>(p, it, lo_all, hi_all);
   int64_t ahead_lo = 0, ahead_hi = 0, ahead_per_chunk = 0, chunk_index = 0;
-  if (ahead != nullptr) {
+  if (ahead != nullptr && !kQ4) {  // (int4 rows are half a head_dim of bytes: not prefetched)
     item_keys(p, *ahead, ahead_lo, ahead_hi);
     const int64_t chunks = (hi_all - lo_all + kChunk - 1) / kChunk;
     if (chunks > 0 && ahead_hi > ahead_lo) ahead_per_chunk = (ahead_hi - ahead_lo + chunks - 1) / chunks;
@@ -621,10 +725,13 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
     const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
     const int64_t n = p1 - p0;
     for (int64_t t = 0; t < n; ++t) s.offsets[t] = slot_offset(p0 + t);
+    if constexpr (kQ8 || kQ4) {
+      for (int64_t t = 0; t < n; ++t) s.slots[t] = table[(p0 + t) / bs] * bs + (p0 + t) % bs;
+    }
 #ifdef BRISK_AVX2
     // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
     // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
-    prefetch_rows<cache_t, _MM_HINT_T0>(p, it, p1, std::min(hi_all, p1 + kChunk));
+    if (!kQ4) prefetch_rows<cache_t, _MM_HINT_T0>(p, it, p1, std::min(hi_all, p1 + kChunk));
     if (ahead_per_chunk > 0) {  // the next item's share for this chunk, into L2
       const int64_t a0 = ahead_lo + chunk_index * ahead_per_chunk;
       prefetch_rows<cache_t, _MM_HINT_T1>(p, *ahead, a0, std::min(ahead_hi, a0 + ahead_per_chunk));
@@ -639,6 +746,17 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
             s.vrows16[t] = v + j * d + s.offsets[t];
           }
         }
+      } else if constexpr (kQ8) {
+        const int64_t head = it.kv_begin + j;
+        widen_rows_q8(static_cast<const int8_t*>(p.k), p.k_scale, p.num_kv_heads, head, d, s.slots, n,
+                      s.kbuf.data(), s.krows);
+        widen_rows_q8(static_cast<const int8_t*>(p.v), p.v_scale, p.num_kv_heads, head, d, s.slots, n,
+                      s.vbuf.data(), s.vrows);
+      } else if constexpr (kQ4) {
+        const int64_t head = it.kv_begin + j;
+        widen_keys_q4(p, head, s.slots, n, s.kbuf.data(), s.krows);
+        widen_values_q4(static_cast<const uint8_t*>(p.v), p.v_scale, p.v_min, p.num_kv_heads, head, d, s.slots,
+                        n, s.vbuf.data(), s.vrows);
       } else {
         chunk_rows(k + j * d, s.offsets, n, d, s.kbuf.data(), s.krows);
         chunk_rows(v + j * d, s.offsets, n, d, s.vbuf.data(), s.vrows);
@@ -806,26 +924,33 @@ void check_sequences(const Problem& p, int64_t num_seqs, int64_t num_blocks) {
   }
 }
 
-void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* query_start,
-                    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                    int64_t sliding_window, int64_t q_tile) {
-  const int64_t num_seqs = block_tables.size(0);
-  TORCH_CHECK(query_start[num_seqs] <= q.size(0), "query_start_loc ends at row ", query_start[num_seqs],
-              " but q has ", q.size(0), " rows");
-  TORCH_CHECK(sliding_window >= 0 && q_tile >= 1, "sliding_window must be >= 0 (0 = none), q_tile >= 1");
-  Problem p;
-  p.q = q.data_ptr();
-  p.q_stride_t = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.out = out.data_ptr();
-  p.out_stride_t = out.stride(0);
-  p.out_stride_h = out.stride(1);
+enum class CacheKind { kFloat, kBFloat16, kInt8, kInt4 };
+
+// The cache fields of a Problem (k, v, block_size, num_kv_heads, head_dim) for a float32 / bfloat16 cache tensor.
+CacheKind float_cache(Problem& p, const at::Tensor& kv_cache) {
   const int64_t cache_half = kv_cache.numel() / 2;  // elements of kv_cache[0]
   p.k = kv_cache.data_ptr();
   p.v = static_cast<const char*>(kv_cache.data_ptr()) + cache_half * kv_cache.element_size();
   p.block_size = kv_cache.size(2);
   p.num_kv_heads = kv_cache.size(3);
   p.head_dim = kv_cache.size(4);
+  return kv_cache.scalar_type() == at::kBFloat16 ? CacheKind::kBFloat16 : CacheKind::kFloat;
+}
+
+// p: its cache fields set (float_cache or quantized_cache); num_blocks bounds the block ids of the tables.
+void attention_impl(at::Tensor& out, const at::Tensor& q, Problem& p, CacheKind kind, int64_t num_blocks,
+                    const int64_t* query_start, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                    double scale, int64_t sliding_window, int64_t q_tile) {
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(query_start[num_seqs] <= q.size(0), "query_start_loc ends at row ", query_start[num_seqs],
+              " but q has ", q.size(0), " rows");
+  TORCH_CHECK(sliding_window >= 0 && q_tile >= 1, "sliding_window must be >= 0 (0 = none), q_tile >= 1");
+  p.q = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.out = out.data_ptr();
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
   p.group = q.size(1) / p.num_kv_heads;
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.max_blocks = block_tables.size(1);
@@ -833,7 +958,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_c
   p.context_lens = context_lens.data_ptr<int32_t>();
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.window = sliding_window;
-  check_sequences(p, num_seqs, kv_cache.size(1));
+  check_sequences(p, num_seqs, num_blocks);
 
   // Work items: (sequence, tile of query tokens, kv heads). An item takes all kv heads of its tokens when there
   // are enough items to keep every thread busy: a token's K (and V) row is one contiguous run of kvh * head_dim
@@ -896,11 +1021,95 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_c
   }
   p.partials = partials.data();
   const int64_t max_rows = std::min(q_tile, q.size(0)) * q.size(1);
-  const bool cache_bf16 = kv_cache.scalar_type() == at::kBFloat16, q_bf16 = q.scalar_type() == at::kBFloat16;
-  if (cache_bf16 && q_bf16) run<c10::BFloat16, c10::BFloat16>(p, items, max_rows, groups);
-  else if (cache_bf16) run<c10::BFloat16, float>(p, items, max_rows, groups);
-  else if (q_bf16) run<float, c10::BFloat16>(p, items, max_rows, groups);
-  else run<float, float>(p, items, max_rows, groups);
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  switch (kind) {
+    case CacheKind::kBFloat16:
+      if (q_bf16) run<c10::BFloat16, c10::BFloat16>(p, items, max_rows, groups);
+      else run<c10::BFloat16, float>(p, items, max_rows, groups);
+      break;
+    case CacheKind::kInt8:
+      if (q_bf16) run<int8_t, c10::BFloat16>(p, items, max_rows, groups);
+      else run<int8_t, float>(p, items, max_rows, groups);
+      break;
+    case CacheKind::kInt4:
+      if (q_bf16) run<uint8_t, c10::BFloat16>(p, items, max_rows, groups);
+      else run<uint8_t, float>(p, items, max_rows, groups);
+      break;
+    default:
+      if (q_bf16) run<float, c10::BFloat16>(p, items, max_rows, groups);
+      else run<float, float>(p, items, max_rows, groups);
+  }
+}
+
+// A quantized cache's tensors (kvcache/quant.py `kernel_tensors`) into p's cache fields, checked; returns the
+// number of blocks. bits 8: [codes [2, slots, kvh, d] int8, scales [2, slots, kvh] float16]. bits 4: [k_codes
+// [nb, bs, kvh, d/2] uint8, k_scale [nb, kvh, d] float16, k_min (same), v_codes [nb * bs, kvh, d/2] uint8, v_scale
+// [nb * bs, kvh] float16, v_min (same), k_residual [R, bs, kvh, d] float16, residual_of_block [nb] int64].
+int64_t quantized_cache(Problem& p, CacheKind& kind, at::TensorList cache, int64_t bits,
+                        int64_t block_size) {
+  for (const at::Tensor& t : cache)
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "brisk quantized paged attention: contiguous CPU tensors");
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
+  p.block_size = block_size;
+  if (bits == 8) {
+    TORCH_CHECK(cache.size() == 2, "an int8 cache is [codes, scales], got ", cache.size(), " tensors");
+    const at::Tensor &codes = cache[0], &scales = cache[1];
+    TORCH_CHECK(codes.dim() == 4 && codes.size(0) == 2 && codes.scalar_type() == at::kChar &&
+                    codes.size(1) % block_size == 0,
+                "int8 codes must be [2, slots, kv_heads, head_dim] int8 with slots a multiple of block_size, got ",
+                codes.sizes(), " ", codes.scalar_type());
+    TORCH_CHECK(scales.sizes() == codes.sizes().slice(0, 3) && scales.scalar_type() == at::kHalf,
+                "int8 scales must be float16 ", codes.sizes().slice(0, 3), ", got ", scales.sizes(), " ",
+                scales.scalar_type());
+    const int64_t slots = codes.size(1);
+    p.num_kv_heads = codes.size(2);
+    p.head_dim = codes.size(3);
+    p.k = codes.data_ptr();
+    p.v = codes.data_ptr<int8_t>() + slots * p.num_kv_heads * p.head_dim;
+    p.k_scale = scales.data_ptr<c10::Half>();
+    p.v_scale = p.k_scale + slots * p.num_kv_heads;
+    kind = CacheKind::kInt8;
+    return slots / block_size;
+  }
+  TORCH_CHECK(bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(cache.size() == 8, "an int4 cache is [k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_residual, "
+              "residual_of_block], got ", cache.size(), " tensors");
+  const at::Tensor &k_codes = cache[0], &k_scale = cache[1], &k_min = cache[2], &v_codes = cache[3],
+                   &v_scale = cache[4], &v_min = cache[5], &residual = cache[6], &res_of_block = cache[7];
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(1) == block_size && k_codes.scalar_type() == at::kByte,
+              "int4 k_codes must be [num_blocks, block_size, kv_heads, head_dim / 2] uint8, got ", k_codes.sizes(),
+              " ", k_codes.scalar_type());
+  const int64_t nb = k_codes.size(0), kvh = k_codes.size(2), d = 2 * k_codes.size(3);
+  const auto half_of = [](const at::Tensor& t, at::IntArrayRef shape) {
+    return t.scalar_type() == at::kHalf && t.sizes() == shape;
+  };
+  TORCH_CHECK(half_of(k_scale, {nb, kvh, d}) && half_of(k_min, {nb, kvh, d}),
+              "int4 k_scale / k_min must be float16 [", nb, ", ", kvh, ", ", d, "]");
+  TORCH_CHECK(v_codes.scalar_type() == at::kByte && v_codes.sizes() == at::IntArrayRef({nb * block_size, kvh, d / 2}),
+              "int4 v_codes must be uint8 [", nb * block_size, ", ", kvh, ", ", d / 2, "], got ", v_codes.sizes());
+  TORCH_CHECK(half_of(v_scale, {nb * block_size, kvh}) && half_of(v_min, {nb * block_size, kvh}),
+              "int4 v_scale / v_min must be float16 [", nb * block_size, ", ", kvh, "]");
+  TORCH_CHECK(residual.scalar_type() == at::kHalf && residual.dim() == 4 && residual.size(1) == block_size &&
+                  residual.size(2) == kvh && residual.size(3) == d,
+              "int4 k_residual must be float16 [R, ", block_size, ", ", kvh, ", ", d, "], got ", residual.sizes());
+  TORCH_CHECK(res_of_block.scalar_type() == at::kLong && res_of_block.sizes() == at::IntArrayRef({nb}),
+              "int4 residual_of_block must be int64 [", nb, "], got ", res_of_block.sizes());
+  const int64_t* res = res_of_block.data_ptr<int64_t>();
+  for (int64_t b = 0; b < nb; ++b)
+    TORCH_CHECK(res[b] >= -1 && res[b] < residual.size(0), "residual_of_block[", b, "] = ", res[b],
+                " is outside the ", residual.size(0), " residual buffers");
+  p.num_kv_heads = kvh;
+  p.head_dim = d;
+  p.k = k_codes.data_ptr();
+  p.v = v_codes.data_ptr();
+  p.k_scale = k_scale.data_ptr<c10::Half>();
+  p.k_min = k_min.data_ptr<c10::Half>();
+  p.v_scale = v_scale.data_ptr<c10::Half>();
+  p.v_min = v_min.data_ptr<c10::Half>();
+  p.k_residual = residual.data_ptr<c10::Half>();
+  p.residual_of_block = res;
+  kind = CacheKind::kInt4;
+  return nb;
 }
 
 }  // namespace
@@ -917,7 +1126,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   thread_local std::vector<int64_t> query_start;
   query_start.resize(num_seqs + 1);
   for (int64_t b = 0; b <= num_seqs; ++b) query_start[b] = b;
-  attention_impl(out, q, kv_cache, query_start.data(), block_tables, context_lens, scale, sliding_window, 1);
+  Problem p;
+  const CacheKind kind = float_cache(p, kv_cache);
+  attention_impl(out, q, p, kind, kv_cache.size(1), query_start.data(), block_tables, context_lens, scale,
+                 sliding_window, 1);
 }
 
 // Prefill / chunked prefill / multi-token verification: sequence b owns rows
@@ -935,7 +1147,52 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   const at::Tensor qsl = query_start_loc.to(at::kLong).contiguous();
   const int64_t* starts = qsl.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] >= 0, "query_start_loc[0] must be >= 0");
-  attention_impl(out, q, kv_cache, starts, block_tables, context_lens, scale, sliding_window, q_tile);
+  Problem p;
+  const CacheKind kind = float_cache(p, kv_cache);
+  attention_impl(out, q, p, kind, kv_cache.size(1), starts, block_tables, context_lens, scale, sliding_window,
+                 q_tile);
+}
+
+// Either of the above on a quantized cache (kvcache/quant.py, `bits` 8 or 4; its tensors as quantized_cache
+// lists them), read in place: query_start_loc None for a decode-only step (row b of q is sequence b).
+void paged_attention_quantized(at::Tensor out, const at::Tensor& q, at::TensorList cache,
+                               int64_t bits, int64_t block_size, const std::optional<at::Tensor>& query_start_loc,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                               int64_t sliding_window, int64_t q_tile) {
+  Problem p;
+  CacheKind kind = CacheKind::kFloat;
+  const int64_t num_blocks = quantized_cache(p, kind, cache, bits, block_size);
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.size(2) == p.head_dim && q.stride(2) == 1,
+              "q must be CPU [tokens, heads, head_dim = ", p.head_dim, "] with a contiguous last dim, got ", q.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.scalar_type() == q.scalar_type(),
+              "out must be like q ", q.sizes(), " ", q.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(q.size(1) % p.num_kv_heads == 0, "query heads (", q.size(1), ") must be a multiple of kv heads (",
+              p.num_kv_heads, ")");
+  TORCH_CHECK(p.head_dim % 8 == 0, "head_dim must be a multiple of 8, got ", p.head_dim);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [num_seqs, max_blocks] tensor");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == num_seqs &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int32 [num_seqs=", num_seqs, "] tensor");
+  thread_local std::vector<int64_t> decode_start;
+  at::Tensor qsl;
+  const int64_t* starts;
+  if (query_start_loc.has_value()) {
+    TORCH_CHECK(query_start_loc->dim() == 1 && query_start_loc->size(0) == num_seqs + 1,
+                "query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "]");
+    qsl = query_start_loc->to(at::kLong).contiguous();
+    starts = qsl.data_ptr<int64_t>();
+    TORCH_CHECK(starts[0] >= 0, "query_start_loc[0] must be >= 0");
+  } else {
+    TORCH_CHECK(q.size(0) == num_seqs, "decode: q has ", q.size(0), " rows for ", num_seqs, " sequences");
+    decode_start.resize(num_seqs + 1);
+    for (int64_t b = 0; b <= num_seqs; ++b) decode_start[b] = b;
+    starts = decode_start.data();
+    q_tile = 1;
+  }
+  attention_impl(out, q, p, kind, num_blocks, starts, block_tables, context_lens, scale, sliding_window, q_tile);
 }
 
 #ifndef BRISK_OPS_NAMESPACE  // overridable only to load two builds side by side when comparing variants
@@ -949,11 +1206,16 @@ TORCH_LIBRARY_FRAGMENT(BRISK_OPS_NAMESPACE, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window, int q_tile) -> ()");
+  m.def(
+      "paged_attention_quantized(Tensor(a!) out, Tensor q, Tensor[] cache, int bits, int block_size, "
+      "Tensor? query_start_loc, Tensor block_tables, Tensor context_lens, float scale, int sliding_window, "
+      "int q_tile) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(BRISK_OPS_NAMESPACE, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_attention_quantized", &paged_attention_quantized);
 }
 
 }  // namespace brisk
