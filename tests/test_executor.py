@@ -92,14 +92,20 @@ def test_auto_picks_cpp_where_built_and_modules_without_kernels(ops, tiny_folder
 
 
 def test_a_step_the_fast_path_cannot_run_takes_the_modules(ops, tiny_folder, monkeypatch):
-    """An int8 KV cache (attention dequantizes it in the reference path): every step falls back to the modules,
-    with the module path's numbers."""
-    want = _outputs(_llm(tiny_folder, kv_cache_dtype="int8", execution="modules"))
-    llm = _llm(tiny_folder, kv_cache_dtype="int8", execution="cpp")
+    """An evicting KV cache (StreamingLLM: attention over sinks and a window, reference path): every step falls
+    back to the modules, with the module path's numbers; an int8 cache takes the plan's Python loop."""
+    streaming = {"kv_policy": "streaming", "kv_budget": 12, "sink_tokens": 2}
+    want = _outputs(_llm(tiny_folder, execution="modules", **streaming))
+    llm = _llm(tiny_folder, execution="cpp", **streaming)
     assert llm.engine.runner.executor.path == "cpp"
     taken = _paths(llm, monkeypatch)
     assert _outputs(llm) == want
     assert taken and set(taken) == {"modules"}
+    want = _outputs(_llm(tiny_folder, kv_cache_dtype="int8", execution="modules"))
+    llm = _llm(tiny_folder, kv_cache_dtype="int8", execution="cpp")
+    taken = _paths(llm, monkeypatch)
+    assert _outputs(llm) == want
+    assert taken and set(taken) == {"plan"}
 
 
 def test_rebuild_follows_the_quantized_activations(ops, int4_folder):

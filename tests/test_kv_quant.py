@@ -254,3 +254,30 @@ def test_quantized_kernel_layout_errors_are_clear(ops):
     int8 = Int8KVCache(4, 16, KVH, D, torch.float32)
     with pytest.raises(RuntimeError, match="int8 scales must be float16"):
         ops.paged_attention_quantized(out, q, [int8.codes, int8.scales.float()], 8, 16, None, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_write_kernel_is_the_pytorch_write_bit_for_bit(ops, dtype):
+    """kv_write_int8 (ops/csrc/fused_ops.cpp) against quantize_int8_per_token: strided views of a fused projection
+    as the layers pass them, values on exact code ties (x / s = n + 1/2), zero rows (the 2^-24 scale floor: zero codes), and a
+    slot mapping that leaves other slots alone."""
+    from brisk.ops import kernels
+
+    g = torch.Generator().manual_seed(3)
+    t, n = 40, 64
+    qkv = torch.randn(t, H + 2 * KVH, D, generator=g) * torch.logspace(-3, 2, t)[:, None, None]
+    qkv[0, H:] = 0  # zero k and v rows
+    qkv[1, H, :8] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5, -126.5, 3.0, -0.5])  # ties at scale 1
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, H:H + KVH], qkv[:, H + KVH:]
+    slots = torch.randperm(n, generator=g)[:t]
+    fast, slow = Int8KVCache(n // 16, 16, KVH, D, dtype), Int8KVCache(n // 16, 16, KVH, D, dtype)
+    fast.codes.fill_(7)
+    slow.codes.fill_(7)
+    fast.write(k, v, slots)
+    with kernels.override(enabled=False):
+        slow.write(k, v, slots)
+    assert torch.equal(fast.codes, slow.codes) and torch.equal(fast.scales, slow.scales)
+    assert int(fast.codes[0, slots[1], 0, 0]) == 127 and fast.codes[0, slots[1], 0, 1:3].tolist() == [0, 2]
+    assert bool((fast.codes[:, slots[0]] == 0).all()) and float(fast.scales[0, slots[0], 0]) == 2.0**-24
+    assert bool((fast.codes[:, [s for s in range(n) if s not in set(slots.tolist())]] == 7).all())

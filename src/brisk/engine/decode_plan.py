@@ -29,7 +29,9 @@ of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
 projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
-caches are quantized or evicting, or attention scores are being collected (H2O). Which of these runs a step is
+caches are evicting or attention scores are being collected (H2O). Quantized (int8 / int4) caches run the Python
+loop: they quantize on write in Python (kvcache/quant.py), as the module path does, and the C++ loop writes with
+rope_cache into plain cache tensors only. Which of these runs a step is
 decided in one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a
 model, chosen by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear
 enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
@@ -42,8 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from brisk.kvcache.quant import QuantizedKVCache
+from brisk.model.rope import apply_rope
 from brisk.ops import kernels
-from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata
+from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, paged_attention, write_kv
 from brisk.ops.fused import rms_norm_qk_heads_
 from brisk.ops.layers import RUNTIME_LINEARS, LinearKernel
 
@@ -173,7 +177,7 @@ class DecodePlan:
                           final.eps)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        return straight_line_step(x, meta, kv_caches, self.dtype)
+        return straight_line_step(x, meta, kv_caches, self.dtype, quantized_ok=True)
 
     def run_cpp(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +189,11 @@ class DecodePlan:
                                   self.weights, self.scale, window, self.h, self.kvh, self.d,
                                   _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows)
 
-    def cpp_applies(self, x: torch.Tensor) -> bool:
-        return self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows
+    def cpp_applies(self, x: torch.Tensor, kv_caches: list[Any]) -> bool:
+        """The C++ loop writes K/V with rope_cache, into plain cache tensors only (a quantized cache quantizes on
+        write in Python: the Python loop, `run`, takes those steps)."""
+        return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows
+                and not isinstance(kv_caches[0], QuantizedKVCache))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,13 +213,16 @@ class DecodePlan:
                 lora[i][0].add_delta(hid, qkv)
             if layer.q_norm is not None:
                 rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, layer.eps, h, kvh)
-            self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
-            q = qkv.view(t, h + 2 * kvh, d)[:, :h]
-            o = torch.empty((t, h, d), dtype=x.dtype)
-            if qsl is None:
-                self.attention(o, q, kv, tables, lens, self.scale, window)
+            if isinstance(kv, QuantizedKVCache):
+                o = _quantized_attention(qkv, cos, sin, kv, meta, h, kvh, d, self.scale)
             else:
-                self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
+                self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
+                q = qkv.view(t, h + 2 * kvh, d)[:, :h]
+                o = torch.empty((t, h, d), dtype=x.dtype)
+                if qsl is None:
+                    self.attention(o, q, kv, tables, lens, self.scale, window)
+                else:
+                    self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
             if lora is None:
                 hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
                 x = layer.down(self.silu_mul(layer.gate_up(hid)))
@@ -224,17 +234,34 @@ class DecodePlan:
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
 
 
-def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype) -> bool:
+def _quantized_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: QuantizedKVCache,
+                         meta: AttentionMetadata, h: int, kvh: int, d: int, scale: float) -> torch.Tensor:
+    """An int8 / int4 cache's layer step as the module path takes it (model/llama.py Attention.forward): q and k
+    rotated together, k and v quantized on write, then attention over the codes (the C++ kernel reads them in
+    place), so both paths give the same numbers."""
+    qkv3 = qkv.view(qkv.shape[0], h + 2 * kvh, d)
+    qk = apply_rope(qkv3[:, : h + kvh], cos, sin)
+    q, k, v = qk[:, :h], qk[:, h:], qkv3[:, h + kvh:]
+    write_kv(kv, k, v, meta.slot_mapping)
+    return paged_attention(q, k, v, kv, meta, scale)
+
+
+def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype,
+                       quantized_ok: bool = False) -> bool:
     """Whether a step can skip the module path (the decode plan, --compile's graphs): plain caches of the model
-    dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
-    (speculative verification, prefill chunks, mixed steps)."""
+    dtype (or bfloat16), or with `quantized_ok` int8 / int4 CPU caches (the plan's Python loop), no eviction or
+    score collection, and either decode-only or laid out by query_start_loc (speculative verification, prefill
+    chunks, mixed steps)."""
     bt = meta.block_tables
     if bt is None or meta.evicting or meta.stats is not None or meta.tree_masks:
         return False  # token trees (spec/tree.py) need the module path's tree attention
     decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
-    return ((decode_only or meta.query_start_loc is not None)
-            and x.dtype == dtype and x.is_cpu and type(kv_caches[0]) is torch.Tensor
-            and kv_caches[0].dtype in (dtype, torch.bfloat16) and kv_caches[0].is_contiguous())
+    if not ((decode_only or meta.query_start_loc is not None) and x.dtype == dtype and x.is_cpu):
+        return False
+    cache = kv_caches[0]
+    if isinstance(cache, QuantizedKVCache):
+        return quantized_ok and cache.device.type == "cpu"
+    return type(cache) is torch.Tensor and cache.dtype in (dtype, torch.bfloat16) and cache.is_contiguous()
 
 
 def _query_start(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

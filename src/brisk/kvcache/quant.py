@@ -58,8 +58,9 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (int8 codes [..., d], fp16 scale [...]); symmetric, scale = max|x| / 127 over d."""
-    scale = (x.abs().amax(-1).float() / 127.0).clamp(min=1e-8).half()
+    """x [..., d] -> (int8 codes [..., d], fp16 scale [...]); symmetric, scale = max|x| / 127 over d, at least
+    2^-24 (the smallest float16: a zero row keeps a nonzero scale and zero codes, no 0 / 0)."""
+    scale = (x.abs().amax(-1).float() / 127.0).clamp(min=2.0**-24).half()
     codes = torch.round(x.float() / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
     return codes, scale
 
@@ -148,6 +149,13 @@ class Int8KVCache(QuantizedKVCache):
         return 2 * num_kv_heads * (head_dim + 2)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if k.is_cpu and k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu":
+            from brisk.ops import kernels  # (ops imports this module)
+
+            op = kernels.get_op("kv_write_int8")  # the same codes and scales, bit for bit, in one pass
+            if op is not None and k.stride(-1) == 1 and v.stride(-1) == 1 and slot_mapping.dtype == torch.int64:
+                op(self.codes, self.scales, k, v, slot_mapping)
+                return
         for i, x in enumerate((k, v)):
             codes, scale = quantize_int8_per_token(x)  # [T, kvh, d], [T, kvh]
             self.codes[i].index_copy_(0, slot_mapping, codes)
