@@ -4,6 +4,7 @@ so logits are bit-identical, for float32, bfloat16 and quantized models; and the
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
@@ -25,11 +26,10 @@ def _greedy_and_logprobs(llm: LLM, prompts: list[list[int]], n: int = 12) -> lis
 
 
 def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: SamplingParams | None = None,
-              cpp: bool = True, python_only: bool = False):
+              cpp: bool = True):
     """execution cpp (the plan with its C++ layer loop), plan (its Python loop) and modules: the same numbers.
     make_llm(execution=...) builds the engine; cpp False: a model the C++ loop does not cover, so execution cpp
-    runs the plan's Python loop; python_only: the C++ loop is built, but no step may take it (quantized KV
-    caches). Returns the rows of each step the plan ran, and whether it was decode-only."""
+    runs the plan's Python loop. Returns the rows of each step the plan ran, and whether it was decode-only."""
     calls = []
     real_run, real_cpp = DecodePlan.run, DecodePlan.run_cpp
 
@@ -65,7 +65,7 @@ def _run_both(monkeypatch, make_llm, prompts, plan_steps: bool = True, params: S
     fast = outputs(fast_llm)
     assert (len(calls) > 0) == plan_steps  # steps ran through the plan (or, here, must not)
     # steps of <= 8 rows ran the C++ loop, larger ones the Python loop
-    assert all((rows <= 8 and cpp and not python_only) == (loop == "cpp") for rows, _, loop in calls)
+    assert all((rows <= 8 and cpp) == (loop == "cpp") for rows, _, loop in calls)
     steps = [(rows, decode) for rows, decode, _ in calls]
     calls.clear()
     again = outputs(make("plan"))
@@ -203,12 +203,26 @@ def test_plan_left_out_where_it_does_not_apply(kernel_settings, ops, tiny_folder
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
-def test_plan_python_loop_runs_quantized_kv_caches(ops, tiny_folder, monkeypatch, kv_cache_dtype):
-    """int8 / int4 KV caches quantize on write in Python, so every step takes the plan's Python loop (the C++
-    loop writes into plain caches only), with the module path's numbers exactly."""
-    make = lambda **kw: LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype, **kw)  # noqa: E731
-    steps = _run_both(monkeypatch, make, PROMPTS, python_only=True)
-    assert steps[0] == (17, False) and all(s == (3, True) for s in steps[1:])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_plan_runs_quantized_kv_caches(ops, tiny_folder, monkeypatch, kv_cache_dtype, chunk):
+    """int8 / int4 KV caches through both plan loops (the C++ one rotating with rope_qk and writing with the caches'
+    own write kernels), short prefill chunks mixed with decodes included: the module path's numbers exactly, and
+    the caches end in the same state (codes, scales, the int4 residual window)."""
+    states = []
+
+    def make(**kw) -> LLM:
+        llm = LLM(str(tiny_folder), kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype,
+                  max_num_batched_tokens=chunk or 2048, **kw)
+        states.append(llm.engine.runner.kv_caches)
+        return llm
+
+    steps = _run_both(monkeypatch, make, PROMPTS)
+    assert any(rows <= 8 for rows, _ in steps)  # some steps took the C++ loop
+    cpp, plan, modules = states
+    for layers in (plan, modules):
+        for a, b in zip(cpp, layers, strict=True):
+            got, want = (c.kernel_tensors() if c.bits == 8 else c.write_state() for c in (a, b))
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
 def test_prepacked_weights_give_the_same_batched_tokens(ops, tiny_folder):

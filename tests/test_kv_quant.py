@@ -105,7 +105,7 @@ def test_int4_exhausted_window_quantizes_early_then_requantizes():
     kg, _ = cache.gather(torch.cat([torch.arange(16), torch.arange(32, 48)]))
     # repeated early quantization costs accuracy but stays far from garbage
     assert sqnr_db(k, kg) > 12
-    assert not cache._lru and sorted(cache._free_residual) == [0]
+    assert bool((cache.residual_of_block == -1).all()) and cache.block_of_residual.tolist() == [-1]
 
 
 def test_quantized_copy_on_write_copies_the_window_too():
@@ -258,9 +258,9 @@ def test_quantized_kernel_layout_errors_are_clear(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_write_kernel_is_the_pytorch_write_bit_for_bit(ops, dtype):
-    """kv_write_int8 (ops/csrc/fused_ops.cpp) against quantize_int8_per_token: strided views of a fused projection
-    as the layers pass them, values on exact code ties (x / s = n + 1/2), zero rows (the 2^-24 scale floor: zero codes), and a
-    slot mapping that leaves other slots alone."""
+    """kv_write_int8 (ops/csrc/kv_write.cpp) against quantize_int8_per_token: strided views of a fused projection
+    as the layers pass them, values on exact code ties (x / s = n + 1/2), zero rows (the 2^-24 scale floor: zero
+    codes), and a slot mapping that leaves other slots alone."""
     from brisk.ops import kernels
 
     g = torch.Generator().manual_seed(3)
@@ -281,3 +281,42 @@ def test_int8_write_kernel_is_the_pytorch_write_bit_for_bit(ops, dtype):
     assert int(fast.codes[0, slots[1], 0, 0]) == 127 and fast.codes[0, slots[1], 0, 1:3].tolist() == [0, 2]
     assert bool((fast.codes[:, slots[0]] == 0).all()) and float(fast.scales[0, slots[0], 0]) == 2.0**-24
     assert bool((fast.codes[:, [s for s in range(n) if s not in set(slots.tolist())]] == 7).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_write_kernel_is_the_pytorch_write_bit_for_bit(ops, dtype):
+    """kv_write_int4 (ops/csrc/kv_write.cpp) against the PyTorch write, state included: prefills of whole and
+    partial blocks, decodes of several sequences through three residual buffers (so buffers are taken from the
+    least recently written, quantized early and brought back), a rewrite from inside a block (a speculative
+    rollback), and strided k, v views of a fused projection."""
+    from brisk.ops import kernels
+
+    g = torch.Generator().manual_seed(5)
+    bs, num_blocks = 16, 24
+    fast = Int4KVCache(num_blocks, bs, KVH, D, dtype, num_residual_blocks=3)
+    slow = Int4KVCache(num_blocks, bs, KVH, D, dtype, num_residual_blocks=3)
+    tables = [[3, 7, 1], [10, 2, 5], [20, 11, 8], [15, 0, 9]]  # four sequences' blocks
+    lengths = [0, 0, 0, 0]
+
+    def step(seqs: list[int], counts: list[int]) -> None:
+        slots = []
+        for s, n in zip(seqs, counts, strict=True):
+            slots += [tables[s][p // bs] * bs + p % bs for p in range(lengths[s], lengths[s] + n)]
+            lengths[s] += n
+        qkv = (torch.randn(len(slots), H + 2 * KVH, D, generator=g) * 3).to(dtype)
+        k, v = qkv[:, H:H + KVH], qkv[:, H + KVH:]
+        fast.write(k, v, torch.tensor(slots))
+        with kernels.override(enabled=False):
+            slow.write(k, v, torch.tensor(slots))
+        for a, b in zip(fast.write_state(), slow.write_state(), strict=True):
+            assert torch.equal(a, b)
+
+    step([0, 1], [16, 21])  # a whole block; a whole block and 5 rows
+    step([2], [7])
+    for _ in range(12):  # decodes: four partial blocks over three buffers
+        step([0, 1, 2, 3], [1, 1, 1, 1])
+    lengths[1] -= 3  # rollback: rewrite the last three positions of sequence 1
+    step([1, 3], [4, 9])
+    for _ in range(6):
+        step([3, 0], [1, 1])
+    assert int((fast.block_of_residual >= 0).sum()) == 3

@@ -163,7 +163,8 @@ def build_candidates(shape: mem.ModelShape, cal: spd.Calibration, factors: dict[
                 if s:
                     settings = {**settings, "speculative": s}
                 pred = spd.predict(cal, factors, p.name, weights, kv_token, context, concurrency,
-                                   spec_speedup=spec_speedup if s else 1.0, sparse_speedup=sparse)
+                                   spec_speedup=spec_speedup if s else 1.0, sparse_speedup=sparse,
+                                   kv_cache_dtype=kv, num_layers=c.num_hidden_layers)
                 out.append(Candidate(p, kv, s, est, settings, _quality(table, p, kv), pred))
     return out
 

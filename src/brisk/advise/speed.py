@@ -67,8 +67,13 @@ class Prediction:
 
 
 def predict(cal: Calibration, factors: dict[str, Any], precision_name: str, weight_bytes: int, kv_bytes_token: int,
-            context: int, concurrency: int, spec_speedup: float = 1.0, sparse_speedup: float = 1.0) -> Prediction:
-    """The roofline at batch 1 and at `concurrency`; KV read at the mean context of a sequence (context / 2)."""
+            context: int, concurrency: int, spec_speedup: float = 1.0, sparse_speedup: float = 1.0,
+            kv_cache_dtype: str = "auto", num_layers: int = 0) -> Prediction:
+    """The roofline at batch 1 and at `concurrency`; KV read at the mean context of a sequence (context / 2).
+
+    A quantized KV cache is priced by the path it runs (factors["kv_paths"], `measure_kv_factors`): its attention
+    reads fewer bytes but widens every code it reads, so its bytes go at `read` times the float cache's rate, and
+    its steps take the decode plan's Python loop (quantize on write) at `step_us` more per layer and step."""
     rows = factors["formats"]
     key = factor_key(precision_name)
     ref = rows.get(factor_key(cal.probed), rows["float32"])
@@ -76,14 +81,16 @@ def predict(cal: Calibration, factors: dict[str, Any], precision_name: str, weig
     bw = cal.read_gbps * 1e9
     eff = cal.efficiency * row["bandwidth"] / ref["bandwidth"]
     prefill = cal.prefill_tok_s * row["prefill"] / ref["prefill"]
-    kv_eff = cal.efficiency  # the attention kernels' share does not depend on the weight format
+    path = factors.get("kv_paths", {}).get(kv_cache_dtype, {"read": 1.0, "step_us": 0.0})
+    kv_eff = cal.efficiency * path["read"]  # the attention kernels' share does not depend on the weight format
+    overhead = num_layers * path["step_us"] * 1e-6
     mean_ctx = context / 2
 
     def step(batch: int) -> tuple[float, str]:
         mem = weight_bytes / (bw * eff)
         compute = batch / prefill
         kv = batch * kv_bytes_token * mean_ctx / (bw * kv_eff)
-        return max(mem, compute) + kv, "memory" if mem >= compute else "compute"
+        return max(mem, compute) + kv + overhead, "memory" if mem >= compute else "compute"
 
     t1, _ = step(1)
     tb, bound = step(concurrency)
@@ -162,3 +169,78 @@ def measure_factors(model: str | None, formats: tuple[str, ...] = FACTOR_FORMATS
                             "prefill": round(c.prefill_tok_s / ref.prefill_tok_s, 3),
                             "decode_tok_s": round(c.decode_tok_s, 1), "prefill_tok_s": round(c.prefill_tok_s, 1)}
                         for n, c in best.items()}}
+
+
+KV_FACTOR_DTYPES = ("int8", "int4")
+
+
+def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, context: int = 400,
+                       log: Callable[[str], None] = print) -> dict[str, Any]:
+    """What a quantized KV cache's path costs against the float cache's, for factors["kv_paths"]:
+
+    - read: the attention kernel's bytes per second relative to the float32 cache's, one layer of the model's
+      attention shape, `batch` sequences x `context` tokens on shuffled blocks (memory-bound: the pool is far
+      larger than the caches), median of `rounds` x 20 calls;
+    - step_us: the extra time of a batch-1 decode step per layer at a short context (64 tokens, so KV reads do
+      not count): the Python loop and the quantize-on-write; 32 tokens per run, the dtypes alternated, the best
+      of `rounds` runs each.
+    """
+    import statistics
+
+    import torch
+
+    from brisk.bench.latency import run_latency
+    from brisk.bench.prompts import make_prompt, text_token_ids
+    from brisk.engine.llm import LLM
+    from brisk.kvcache.quant import kv_bytes_per_token, make_kv_caches
+    from brisk.ops.attention import paged_attention, write_kv
+    from brisk.ops.metadata import AttentionMetadata
+
+    engines = {kv: LLM(model, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                       max_model_len=512, dtype="float32") for kv in ("auto", *KV_FACTOR_DTYPES)}
+    config = engines["auto"].engine.loaded.config
+    h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    layers = config.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    read: dict[str, float] = {}
+    for kv in ("auto", *KV_FACTOR_DTYPES):
+        bs = 64 if kv == "int4" else 16
+        per_seq = (context + bs - 1) // bs
+        num_blocks = batch * per_seq
+        cache = make_kv_caches(kv, 1, num_blocks, bs, kvh, d, torch.float32)[0]
+        pool = torch.randperm(num_blocks, generator=gen).tolist()
+        blocks = [pool[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+        for b in range(batch):
+            slots = torch.tensor([blocks[b][p // bs] * bs + p % bs for p in range(context)])
+            k, v = torch.randn(2, context, kvh, d, generator=gen)
+            write_kv(cache, k, v, slots)
+        meta = AttentionMetadata.for_sequences([1] * batch, [context] * batch, blocks, bs)
+        q = torch.randn(batch, h, d, generator=gen)
+        new = q[:, :kvh]
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(20):
+                paged_attention(q, new, new, cache, meta, d**-0.5)
+            times.append((time.perf_counter() - start) / 20)
+        item = 4 if kv == "auto" else 0
+        per_token = kv_bytes_per_token(kv, 1, kvh, d, bs, item)
+        read[kv] = batch * context * per_token / statistics.median(times)
+        log(f"kv factors: {kv} attention {statistics.median(times) * 1e3:.2f} ms a layer "
+            f"({read[kv] / 1e9:.1f} GB/s of cache bytes)")
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(rounds):  # the dtypes alternate within a round; each keeps its best
+        for kv, llm in engines.items():
+            tok = llm.get_tokenizer()
+            prompt = make_prompt(tok, text_token_ids(tok), 0, 64)
+            best[kv] = max(best[kv], run_latency(llm, prompt, 32, runs=1, warmup=1).decode_tok_s)
+    step = {kv: 1.0 / rate for kv, rate in best.items()}
+    log("kv factors: batch-1 decode " + ", ".join(f"{kv} {rate:.1f} tok/s" for kv, rate in best.items()))
+    return {kv: {"read": round(read[kv] / read["auto"], 3),
+                 "step_us": round(max(0.0, (step[kv] - step["auto"]) / layers * 1e6), 1)}
+            for kv in KV_FACTOR_DTYPES}
+
+
+
+if __name__ == "__main__":  # python -m brisk.advise.speed: the kv_paths rows of data/speed_factors.json
+    print(json.dumps({"kv_paths": measure_kv_factors(None)}, indent=1))

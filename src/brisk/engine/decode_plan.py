@@ -29,9 +29,10 @@ of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
 projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
-caches are evicting or attention scores are being collected (H2O). Quantized (int8 / int4) caches run the Python
-loop: they quantize on write in Python (kvcache/quant.py), as the module path does, and the C++ loop writes with
-rope_cache into plain cache tensors only. Which of these runs a step is
+caches are evicting or attention scores are being collected (H2O). Quantized (int8 / int4) caches run both
+loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
+with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
+writes call; paged_attention_quantized). Which of these runs a step is
 decided in one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a
 model, chosen by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear
 enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
@@ -108,6 +109,9 @@ class DecodePlan:
             # the overload's C++ entry point: torch's Python wrapper of an op with a torchbind argument (the
             # DecodeWeights below) walks every argument looking for fake script objects, ~15 us a step
             self.decode_layers = getattr(self.decode_layers.default, "_op", self.decode_layers.default)
+        # quantized KV caches in the C++ loop: their rotation, writes and attention built too
+        self.quantized_cpp = all(hasattr(ops, name) for name in ("rope_qk", "kv_write_int8", "kv_write_int4",
+                                                                   "paged_attention_quantized"))
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
         for layer in layers:
@@ -185,15 +189,20 @@ class DecodePlan:
         kernels with the same inputs, so the same numbers bit for bit."""
         assert self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows, "see cpp_applies"
         window = meta.sliding_window or 0
-        return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches,
+        bits, block_size, caches = 0, 0, kv_caches
+        first = kv_caches[0]
+        if isinstance(first, QuantizedKVCache):  # each layer's tensors, flat (ops/csrc/decode_layers.cpp kv_bits)
+            bits, block_size = first.bits, first.block_size
+            caches = [t for kv in kv_caches for t in (kv.kernel_tensors() if bits == 8 else kv.write_state())]
+        return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
                                   self.weights, self.scale, window, self.h, self.kvh, self.d,
-                                  _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows)
+                                  _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
 
     def cpp_applies(self, x: torch.Tensor, kv_caches: list[Any]) -> bool:
-        """The C++ loop writes K/V with rope_cache, into plain cache tensors only (a quantized cache quantizes on
-        write in Python: the Python loop, `run`, takes those steps)."""
+        """Steps of up to max_cpp_rows rows; with an int8 / int4 cache, where its kernels built (the loop then
+        rotates with rope_qk and writes with kv_write_int8 / kv_write_int4, as the caches' own writes do)."""
         return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows
-                and not isinstance(kv_caches[0], QuantizedKVCache))
+                and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

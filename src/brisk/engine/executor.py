@@ -16,7 +16,7 @@ Each step then runs what this table says (the first row that matches it):
       linear with no kernel for the model dtype)
     evicting KV cache, attention statistics collected      modules  modules  modules   modules
       (H2O), off the CPU  (decode_plan.straight_line_step)
-    int8 / int4 KV cache (quantized on write in Python)     modules  plan     plan      modules
+    int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
 

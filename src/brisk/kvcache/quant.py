@@ -39,7 +39,7 @@ Bytes per token and layer: kvh * (d/2 + 4 d / bs) keys + kvh * (d/2 + 4) values;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -85,6 +85,18 @@ def quantize_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int,
                     dtype: torch.dtype) -> torch.Tensor:
     return (codes.float() * scale.float().unsqueeze(dim) + lo.float().unsqueeze(dim)).to(dtype)
+
+
+def _write_kernel(name: str, cache: QuantizedKVCache, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> Any | None:
+    """The C++ write (ops/csrc/kv_write.cpp) where it takes these tensors and built, else None."""
+    if not (cache.device.type == "cpu" and k.is_cpu and v.is_cpu and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16) and k.stride(-1) == 1 and v.stride(-1) == 1
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        return None
+    from brisk.ops import kernels  # (ops imports this module)
+
+    return kernels.get_op(name)
 
 
 class QuantizedKVCache(ABC):
@@ -149,13 +161,10 @@ class Int8KVCache(QuantizedKVCache):
         return 2 * num_kv_heads * (head_dim + 2)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if k.is_cpu and k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu":
-            from brisk.ops import kernels  # (ops imports this module)
-
-            op = kernels.get_op("kv_write_int8")  # the same codes and scales, bit for bit, in one pass
-            if op is not None and k.stride(-1) == 1 and v.stride(-1) == 1 and slot_mapping.dtype == torch.int64:
-                op(self.codes, self.scales, k, v, slot_mapping)
-                return
+        op = _write_kernel("kv_write_int8", self, k, v, slot_mapping)
+        if op is not None:  # the same codes and scales, bit for bit, in one pass
+            op(self.codes, self.scales, k, v, slot_mapping)
+            return
         for i, x in enumerate((k, v)):
             codes, scale = quantize_int8_per_token(x)  # [T, kvh, d], [T, kvh]
             self.codes[i].index_copy_(0, slot_mapping, codes)
@@ -200,11 +209,14 @@ class Int4KVCache(QuantizedKVCache):
         self.v_codes = torch.zeros(num_blocks * bs, kvh, d // 2, dtype=torch.uint8, device=device)
         self.v_scale = torch.zeros(num_blocks * bs, kvh, dtype=torch.float16, device=device)
         self.v_min = torch.zeros(num_blocks * bs, kvh, dtype=torch.float16, device=device)
-        # the full-precision window: float16 keys of blocks still being filled [R, bs, kvh, d]
+        # the full-precision window: float16 keys of blocks still being filled [R, bs, kvh, d], and who holds which
+        # buffer; the least recently written buffer is the one with the smallest tick (ops/csrc/kv_write.cpp keeps
+        # the same state)
         self.k_residual = torch.zeros(num_residual_blocks, bs, kvh, d, dtype=torch.float16, device=device)
         self.residual_of_block = torch.full((num_blocks,), -1, dtype=torch.int64)  # block -> buffer, -1 = none
-        self._lru: OrderedDict[int, int] = OrderedDict()  # block -> buffer, least recently written first
-        self._free_residual = list(range(num_residual_blocks))
+        self.block_of_residual = torch.full((num_residual_blocks,), -1, dtype=torch.int64)  # buffer -> block
+        self.residual_tick = torch.zeros(num_residual_blocks, dtype=torch.int64)  # when each was last written
+        self.clock = torch.zeros(1, dtype=torch.int64)
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, block_size: int) -> float:
@@ -228,24 +240,37 @@ class Int4KVCache(QuantizedKVCache):
         codes = _unpack4(self.k_codes[block])  # [bs, kvh, d]
         return dequantize_int4(codes, self.k_scale[block], self.k_min[block], 0, torch.float16)
 
+    def _touch(self, buf: int) -> None:
+        self.residual_tick[buf] = self.clock
+        self.clock += 1
+
     def _take_residual(self, block: int) -> int:
-        if not self._free_residual:
-            # every buffer is taken: quantize the least recently written block early (see module docstring)
-            old_block, old_buf = self._lru.popitem(last=False)
-            self._quantize_keys(torch.tensor([old_block]), self.k_residual[old_buf].unsqueeze(0))
-            self.residual_of_block[old_block] = -1
-            self._free_residual.append(old_buf)
-        buf = self._free_residual.pop()
+        free = torch.nonzero(self.block_of_residual < 0)
+        if len(free):
+            buf = int(free[0])  # the lowest free buffer
+        else:  # every buffer is taken: quantize the least recently written block early (see module docstring)
+            buf = int(torch.argmin(self.residual_tick))
+            old_block = int(self.block_of_residual[buf])
+            self._quantize_keys(torch.tensor([old_block]), self.k_residual[buf].unsqueeze(0))
+            self._release_residual(old_block)
         self.residual_of_block[block] = buf
-        self._lru[block] = buf
+        self.block_of_residual[buf] = block
+        self._touch(buf)
         return buf
 
     def _release_residual(self, block: int) -> None:
-        buf = self._lru.pop(block)
+        self.block_of_residual[self.residual_of_block[block]] = -1
         self.residual_of_block[block] = -1
-        self._free_residual.append(buf)
+
+    def write_state(self) -> list[torch.Tensor]:
+        """What ops/csrc/kv_write.cpp `kv_write_int4` updates in place."""
+        return [*self.kernel_tensors(), self.block_of_residual, self.residual_tick, self.clock]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        op = _write_kernel("kv_write_int4", self, k, v, slot_mapping)
+        if op is not None:  # the same codes, parameters and window state, bit for bit, in one pass
+            op(self.write_state(), k, v, slot_mapping)
+            return
         bs = self.block_size
         # values: per token, at once
         codes, scale, lo = quantize_int4(v, dim=-1)  # [T, kvh, d], [T, kvh]
@@ -265,7 +290,7 @@ class Int4KVCache(QuantizedKVCache):
             rows = starts[whole].unsqueeze(1) + torch.arange(bs)  # [n, bs] rows of k, slot order within a block
             whole_blocks = uniq[whole]
             for b in whole_blocks.tolist():
-                if b in self._lru:
+                if int(self.residual_of_block[b]) >= 0:
                     self._release_residual(b)
             self._quantize_keys(whole_blocks, k[rows].half())  # k[rows]: [n, bs, kvh, d]
         for i in torch.nonzero(~whole).flatten().tolist():
@@ -278,7 +303,7 @@ class Int4KVCache(QuantizedKVCache):
                 if first > 0:  # rows [0, first) are valid and were quantized: bring them back
                     self.k_residual[buf, :first] = self._dequantize_keys(b)[:first]
             else:
-                self._lru.move_to_end(b)
+                self._touch(buf)
             self.k_residual[buf, offs] = k[start:start + n].half()
             if int(offs[-1]) == bs - 1:  # the block is full: quantize its keys over all bs tokens
                 self._quantize_keys(torch.tensor([b]), self.k_residual[buf].unsqueeze(0))
@@ -291,7 +316,7 @@ class Int4KVCache(QuantizedKVCache):
         # per-channel params of each slot's block: [n, kvh, d], broadcast over the slot's codes [n, kvh, d]
         k_scale, k_min = self.k_scale.index_select(0, blocks), self.k_min.index_select(0, blocks)
         k = k_codes.float() * k_scale.float() + k_min.float()
-        if self._lru:
+        if bool((self.block_of_residual >= 0).any()):
             buf = self.residual_of_block.index_select(0, blocks)  # [n]
             in_window = buf >= 0
             if bool(in_window.any()):
@@ -308,12 +333,12 @@ class Int4KVCache(QuantizedKVCache):
                 t[d] = t[s]
             for t in (self.v_codes, self.v_scale, self.v_min):
                 t[d * bs:(d + 1) * bs] = t[s * bs:(s + 1) * bs]
-            if d in self._lru:
+            if int(self.residual_of_block[d]) >= 0:
                 self._release_residual(d)
             src_buf = int(self.residual_of_block[s])
             if src_buf >= 0:
-                buf = self._take_residual(d)
-                self.k_residual[buf] = self.k_residual[int(self.residual_of_block[s])]
+                keys = self.k_residual[src_buf].clone()  # (taking a buffer for d may quantize s's own early)
+                self.k_residual[self._take_residual(d)] = keys
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_min, self.v_codes, self.v_scale, self.v_min, self.k_residual]

@@ -97,9 +97,31 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>>
       sparse_q8;
+  // a quantized KV cache's ops (fused_ops.cpp, kv_write.cpp, paged_attention.cpp): absent where one did not build;
+  // plans then never pass kv_bits (DecodePlan.cpp_applies)
+  using Ints = int64_t;
+  std::optional<c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, Ints, Ints)>> rope_qk;
+  std::optional<c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&)>>
+      write_int8;
+  std::optional<c10::TypedOperatorHandle<void(at::TensorList, const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&)>>
+      write_int4;
+  std::optional<c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::TensorList, Ints, Ints, const OptT&,
+                                              const at::Tensor&, const at::Tensor&, double, Ints, Ints)>>
+      attention_quantized;
 
   Ops() {
     auto& d = c10::Dispatcher::singleton();
+    if (auto h = d.findSchema({"brisk::rope_qk", ""}); h.has_value())
+      rope_qk = h->typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, Ints, Ints)>();
+    if (auto h = d.findSchema({"brisk::kv_write_int8", ""}); h.has_value())
+      write_int8 = h->typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    if (auto h = d.findSchema({"brisk::kv_write_int4", ""}); h.has_value())
+      write_int4 = h->typed<void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    if (auto h = d.findSchema({"brisk::paged_attention_quantized", ""}); h.has_value())
+      attention_quantized = h->typed<void(at::Tensor, const at::Tensor&, at::TensorList, Ints, Ints, const OptT&,
+                                          const at::Tensor&, const at::Tensor&, double, Ints, Ints)>();
     if (auto h = d.findSchema({"brisk::quant_linear_q8", ""}); h.has_value())
       q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                int64_t, const OptT&)>();
@@ -276,8 +298,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
                                                  const c10::intrusive_ptr<DecodeWeights>& weights, double scale,
                                                  int64_t window, int64_t num_heads, int64_t num_kv_heads,
                                                  int64_t head_dim, const OptT& query_start, int64_t q_tile,
-                                                 const OptT& lora_rows) {
-  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+                                                 const OptT& lora_rows, int64_t kv_bits, int64_t kv_block_size) {
+  // kv_bits 0: one cache tensor per layer; 8: [codes, scales] per layer (Int8KVCache); 4: Int4KVCache.write_state()
+  // per layer (its first 8 tensors are what attention reads)
+  TORCH_CHECK(kv_bits == 0 || kv_bits == 8 || kv_bits == 4, "decode_layers: kv_bits must be 0, 8 or 4, got ", kv_bits);
+  const int64_t per_layer = kv_bits == 0 ? 1 : kv_bits == 8 ? 2 : 11;
+  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) % per_layer == 0, "decode_layers: ", kv_caches.size(),
+              " KV cache tensors are not ", per_layer, " per layer");
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size()) / per_layer;
   const Params& params = weights->params;
   const at::IntArrayRef spec = weights->spec;
   const at::ArrayRef<double> eps = weights->eps;
@@ -288,12 +316,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   TORCH_CHECK(!lora_rows.has_value() || (lora_rows->scalar_type() == at::kLong && lora_rows->numel() == x.size(0)),
               "decode_layers: lora_rows must be int64 [T]");
   const Ops& o = ops();
+  TORCH_CHECK(kv_bits == 0 || (o.rope_qk && o.write_int8 && o.write_int4 && o.attention_quantized),
+              "decode_layers: the quantized KV cache kernels did not build");
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
   at::Tensor cur = x;
   for (int64_t i = 0; i < num_layers; ++i) {
     const int64_t p = i * kPerLayer, s = i * 4 * kInts;
-    const at::Tensor& kv = kv_caches[i];
+    const at::Tensor& kv = kv_caches[i * per_layer];
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
     at::Tensor qkv = linear(o, hid, params, p + kNorms, spec, s);  // [B, (h + 2 kvh) d]
@@ -306,13 +336,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
       qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}), get(params, p + 2), eps[i]).view({t, h, d}));
       kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}), get(params, p + 3), eps[i]).view({t, kvh, d}));
     }
-    o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
-    if (query_start.has_value())
-      o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
-    else
-      o.attention.call(out, q, kv, tables, lens, scale, window);
+    if (kv_bits != 0) {  // rotate, quantize on write, attend over the codes: DecodePlan.run's _quantized_attention
+      o.rope_qk->call(qkv, cos, sin, h, kvh);
+      at::Tensor heads = qkv.view({t, h + 2 * kvh, d});
+      at::Tensor k = heads.slice(1, h, h + kvh), v = heads.slice(1, h + kvh, h + 2 * kvh);
+      const at::TensorList cache = kv_caches.slice(i * per_layer, per_layer);
+      if (kv_bits == 8) o.write_int8->call(cache[0], cache[1], k, v, slots);
+      else o.write_int4->call(cache, k, v, slots);
+      o.attention_quantized->call(out, q, cache.slice(0, kv_bits == 8 ? 2 : 8), kv_bits, kv_block_size, query_start,
+                                  tables, lens, scale, window, q_tile);
+    } else {
+      o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
+      if (query_start.has_value())
+        o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
+      else
+        o.attention.call(out, q, kv, tables, lens, scale, window);
+    }
     at::Tensor attn = out.view({t, h * d});
     at::Tensor proj = linear(o, attn, params, p + kNorms + kSlots, spec, s + kInts);
     apply_lora(proj, attn, lora, 4 * i + 1, lora_rows);
@@ -332,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
       .def("set_lora", &DecodeWeights::set_lora);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, float scale, int window, "
-        "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None) "
-        "-> (Tensor, Tensor)",
+        "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None, "
+        "int kv_bits=0, int kv_block_size=0) -> (Tensor, Tensor)",
         &decode_layers);
 }

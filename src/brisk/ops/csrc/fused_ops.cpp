@@ -323,60 +323,24 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at
     run(qkv.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>());
 }
 
-// One (token, kv head) row of d values into int8 codes and a float16 scale, exactly as kvcache/quant.py
-// quantize_int8_per_token: s = fp16(max(max|x| / 127, 2^-24)), q = clamp(round_half_even(x / s), -127, 127), in
-// float32 (a true division, as torch's float32 x / tensor; bfloat16 x widens exactly).
-template <typename T>
-inline void quantize_row_int8(const T* x, int64_t d, int8_t* codes, at::Half* scale) {
-  float amax = 0.0f;
-  for (int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(static_cast<float>(x[c])));
-  const at::Half s(std::max(amax / 127.0f, 5.9604644775390625e-8f));  // 2^-24
-  *scale = s;
-  const float sf = static_cast<float>(s);
-  for (int64_t c = 0; c < d; ++c)
-    codes[c] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(static_cast<float>(x[c]) / sf))));
-}
-
-// An int8 KV cache's write (kvcache/quant.py Int8KVCache): k, v [T, kvh, d] float32 or bfloat16, last dim
-// contiguous (views of a projection's output); codes [2, slots, kvh, d] int8, scales [2, slots, kvh] float16;
-// slot_mapping [T] int64. Bit-identical to the PyTorch write (tests/test_kv_quant.py).
-void kv_write_int8(at::Tensor codes, at::Tensor scales, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& slot_mapping) {
-  TORCH_CHECK(codes.dim() == 4 && codes.size(0) == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "kv_write_int8: codes must be a contiguous int8 [2, slots, kv_heads, head_dim] tensor, got ",
-              codes.sizes());
-  const int64_t slots_n = codes.size(1), kvh = codes.size(2), d = codes.size(3), T = k.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == codes.sizes().slice(0, 3),
-              "kv_write_int8: scales must be a contiguous float16 ", codes.sizes().slice(0, 3), " tensor");
-  for (const at::Tensor* t : {&k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == kvh && t->size(2) == d && t->stride(2) == 1 &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
-                    t->scalar_type() == k.scalar_type() && t->device().is_cpu(),
-                "kv_write_int8: k and v must be float32 or bfloat16 [", T, ", ", kvh, ", ", d,
-                "] with a contiguous last dim, got ", t->sizes(), " ", t->scalar_type());
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
-              "kv_write_int8: slot_mapping must be a contiguous int64 [", T, "] tensor");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_n, "kv_write_int8: slot_mapping[", t, "] = ", slots[t],
-                " is outside the cache's ", slots_n, " slots");
-  int8_t* out = codes.data_ptr<int8_t>();
-  at::Half* sc = scales.data_ptr<at::Half>();
-  auto run = [&](auto* kp, auto* vp) {
-    at::parallel_for(0, T, row_grain(2 * kvh * d * 8), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t h = 0; h < kvh; ++h) {
-          const int64_t row = slots[t] * kvh + h;
-          quantize_row_int8(kp + t * k.stride(0) + h * k.stride(1), d, out + row * d, sc + row);
-          quantize_row_int8(vp + t * v.stride(0) + h * v.stride(1), d, out + (slots_n * kvh + row) * d,
-                            sc + slots_n * kvh + row);
-        }
-      }
-    });
+// rope_cache's rotation alone, for a quantized KV cache (which quantizes k and v on its own write): q and k heads of
+// qkv [T, (h + 2 kvh) * d] rotated in place, bit-identical to apply_rope; cos, sin [T, d / 2] float32.
+void rope_qk(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t T = qkv.size(0), d = 2 * cos.size(-1), width = (num_heads + 2 * num_kv_heads) * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.is_contiguous() &&
+                  (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
+              "rope_qk: qkv must be a contiguous float32 or bfloat16 [tokens, ", width, "] tensor, got ", qkv.sizes());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == d / 2,
+                "rope_qk: cos and sin must be contiguous float32 [", T, ", ", d / 2, "], got ", t->sizes());
+  auto run = [&](auto* x) {
+    for (int64_t t = 0; t < T; ++t)
+      rope_heads(x + t * width, num_heads + num_kv_heads, d, cos.data_ptr<float>() + t * (d / 2),
+                 sin.data_ptr<float>() + t * (d / 2));
   };
-  if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>());
-  else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>());
+  if (qkv.scalar_type() == at::kFloat) run(qkv.data_ptr<float>());
+  else run(qkv.data_ptr<at::BFloat16>());
 }
 
 namespace {
@@ -481,8 +445,7 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()", &rope_cache);
-  m.def("kv_write_int8(Tensor(a!) codes, Tensor(b!) scales, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
-        &kv_write_int8);
+  m.def("rope_qk(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()", &rope_qk);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
