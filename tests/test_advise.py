@@ -132,3 +132,26 @@ def test_memcheck_rejects_zero_runs(capsys):
     with pytest.raises(SystemExit):
         memcheck_main(["--runs", "0"])
     assert "--runs must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_quantized_kv_is_priced_by_the_path_it_runs():
+    """A quantized cache reads fewer bytes at a slower rate per byte (its codes are widened) and adds a per-layer
+    step cost: its predicted gain over the float cache at a long context is below the bytes ratio, and vanishes
+    where the KV reads do not count (a short context)."""
+    from brisk.advise import speed as spd
+
+    factors = spd.stored_factors()
+    cal = spd.Calibration(read_gbps=20.0, probed="float32", decode_tok_s=40.0, prefill_tok_s=400.0,
+                          weight_bytes=500 * 2**20, kv_bytes_read=0, seconds=1.0, efficiency=0.8)
+    float_kv, int8_kv = 30 * 1536, 30 * 396  # bytes per token, default model's shape
+
+    def rate(kv: str, per_token: int, context: int) -> float:
+        return spd.predict(cal, factors, "float32", cal.weight_bytes, per_token, context, 64, kv_cache_dtype=kv,
+                           num_layers=30).decode_batch_tok_s
+
+    long_gain = rate("int8", int8_kv, 8192) / rate("auto", float_kv, 8192)
+    assert 1.0 < long_gain < float_kv / int8_kv
+    unpriced = spd.predict(cal, {**factors, "kv_paths": {}}, "float32", cal.weight_bytes, int8_kv, 8192, 64,
+                           kv_cache_dtype="int8", num_layers=30).decode_batch_tok_s
+    assert rate("int8", int8_kv, 8192) < unpriced  # by bytes alone it would look faster
+    assert rate("int8", int8_kv, 16) <= rate("auto", float_kv, 16) * 1.001

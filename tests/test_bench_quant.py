@@ -38,3 +38,25 @@ def test_bench_quant_rejects_unknown_setting():
     for bad in ("int5", "float32-a8"):
         result = CliRunner().invoke(main, ["bench", "quant", "--settings", bad])
         assert result.exit_code != 0 and f"unknown setting '{bad}'" in result.output, result.output
+
+
+def test_decode_rate_refuses_requests_that_did_not_run_together(tmp_path):
+    """A pool that holds fewer than `batch` requests queues the last ones behind the others: the figure would be a
+    lone request's decode, so decode_rate says so instead of returning it."""
+    import pytest
+
+    from brisk import LLM
+    from brisk.bench.quant import decode_rate
+
+    src = tmp_path / "tiny"
+    make_tiny_hf_model(src, "llama", seed=7, max_position_embeddings=512)
+    prompt = list(range(3, 67))  # 64 tokens + 16 out: 5 blocks of 16 a request
+    roomy = LLM(str(src), kv_cache_memory="4MiB", max_model_len=128, enable_prefix_caching=False)
+    assert decode_rate(roomy, prompt, 4, 16)[0] > 0
+    c = roomy.engine.loaded.config
+    per_block = 16 * c.kv_bytes_per_token(4)  # all layers, float32
+    # room for one max_model_len sequence (8 blocks) and a bit: two 5-block requests never fit at once
+    tight = LLM(str(src), kv_cache_memory=f"{(9 * per_block + 1023) // 1024}KiB", max_model_len=128,
+                enable_prefix_caching=False)
+    with pytest.raises(RuntimeError, match="did not run 4 requests"):
+        decode_rate(tight, prompt, 4, 16)

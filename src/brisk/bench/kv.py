@@ -8,8 +8,9 @@ For every setting (cache dtype x policy):
     `chunk` tokens (as chunked prefill / decoding would) until one no longer fits. No model runs: capacity
     depends only on block accounting;
   * decode speed (optional, `decode_tokens > 0`): output tokens per second of `batch` greedy requests through
-    the engine with the setting (prompt `prompt_len` tokens). On CPU, quantized caches run the reference
-    attention path (dequantize the gathered rows), so they are expected to decode slower, not faster.
+    the engine with the setting (prompt `prompt_len` tokens). Quantized caches are read in place by the C++
+    attention kernel, which widens their codes (slower per byte than a float cache), so they gain where KV reads
+    are a large share of a step: long contexts, many sequences (docs/kv-cache.md).
 """
 
 from __future__ import annotations

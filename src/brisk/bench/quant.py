@@ -80,6 +80,10 @@ def decode_rate(llm, prompt_ids: list[int], batch: int, output_len: int) -> tupl
             if out.request_id == ids[0]:
                 first_out = list(out.outputs[0].token_ids)
             if out.finished:
+                if start is None:  # a request done before the last one started: they never ran together
+                    raise RuntimeError(f"decode_rate: the engine did not run {batch} requests of "
+                                       f"{len(prompt_ids)} + {output_len} tokens at once (KV pool or max_num_seqs "
+                                       "too small); raise kv_cache_memory or lower the batch")
                 tokens_after += n - first_tokens[out.request_id]
         if start is None and len(started) == batch:
             start = now

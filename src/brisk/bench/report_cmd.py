@@ -350,14 +350,17 @@ def kv_rows(model: str | None, p: Params, log: Callable[[str], None]) -> list[Ro
             log(f"report: perplexity with the {name} KV cache ...")
             ppl[name] = _ppl(loaded, p, dtype, block)
     max_len = p.kv_prompt + p.output_len + 64
+    per = {name: kv_bytes_per_token(dtype, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block, 4)
+           for name, (dtype, block) in settings.items()}
+    # one pool for all three, large enough that the float cache holds the whole batch at once (a smaller one
+    # would queue requests behind the others and time something else)
+    pool = f"{int(p.batch * max_len * per['float32'] / 2**20) + 16}MiB"
     engines = {name: _engine(loaded, kv_cache_dtype=dtype, block_size=block, max_model_len=max_len,
-                             kv_cache_memory="128MiB") for name, (dtype, block) in settings.items()}
+                             kv_cache_memory=pool) for name, (dtype, block) in settings.items()}
     tok = loaded.tokenizer
     prompt = make_prompt(tok, text_token_ids(tok), 0, p.kv_prompt)
     log("report: decode rounds (KV cache) ...")
     best = _rounds(engines, prompt, (p.batch,), p.output_len, p.runs)
-    per = {name: kv_bytes_per_token(dtype, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block, 4)
-           for name, (dtype, block) in settings.items()}
     return [Row("kv", f"KV cache {name}", "float32 KV cache", f"decode b={p.batch}, {p.kv_prompt}-token prompt",
                 best[(name, p.batch)] / best[("float32", p.batch)], ppl[name], base_ppl,
                 f"{per[name]:,.0f} B/token vs {per['float32']:,.0f} ({per['float32'] / per[name]:.1f}x the tokens "

@@ -56,13 +56,14 @@ def gqa_rows(model: str | None, p: Params, tmp: Path, log: Callable[[str], None]
     log("report: perplexity of the GQA conversion ...")
     ppl_base, ppl_conv = _ppl(base, p), _ppl(converted, p)
     max_len = p.kv_prompt + p.output_len + 64
-    engines = {"base": _engine(base, max_model_len=max_len, kv_cache_memory="128MiB"),
-               "gqa": _engine(converted, max_model_len=max_len, kv_cache_memory="128MiB")}
+    per_base, per_conv = c.kv_bytes_per_token(4), converted.config.kv_bytes_per_token(4)
+    pool = f"{int(p.batch * max_len * per_base / 2**20) + 16}MiB"  # the base holds the whole batch at once
+    engines = {"base": _engine(base, max_model_len=max_len, kv_cache_memory=pool),
+               "gqa": _engine(converted, max_model_len=max_len, kv_cache_memory=pool)}
     tok = base.tokenizer
     prompt = make_prompt(tok, text_token_ids(tok), 0, p.kv_prompt)
     log("report: decode rounds (GQA) ...")
     best = _rounds(engines, prompt, (1, p.batch), p.output_len, p.runs)
-    per_base, per_conv = c.kv_bytes_per_token(4), converted.config.kv_bytes_per_token(4)
     kind = "MQA" if g == 1 else "GQA"
     return [Row("gqa", f"{kind}: {k} -> {g} KV heads, mean-pooled", f"{k} KV heads", f"decode b={b}, "
                 f"{p.kv_prompt}-token prompt", best[("gqa", b)] / best[("base", b)], ppl_conv, ppl_base,

@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache]
         # per layer a [2 (k, v), num_blocks, block_size, kv_heads, head_dim] tensor of the model dtype ("auto") or
         # bfloat16 (K/V rounded on write; attention widens them to float32 as it reads); or int8 / int4:
-        # quantized on write, dequantized inside attention (kvcache/quant.py)
+        # quantized on write, read in place by attention (kvcache/quant.py)
         self.kv_caches = make_kv_caches(kv_cache_dtype, c.num_hidden_layers, num_blocks, block_size,
                                         c.num_key_value_heads, c.head_dim, dtype, device, num_residual_blocks)
         self.sampler = Sampler()

@@ -5,7 +5,8 @@ Both keep the paged layout of the float cache: a token at position p of a reques
 through `gather(slots)`, which dequantizes just the gathered rows (ops/attention.py, reference path), so the
 cache is never materialized in float; the C++ kernel (ops/csrc/paged_attention.cpp `paged_attention_quantized`)
 reads the codes in place instead, widening a chunk of rows at a time, with the same float32 dequantization.
-Quantization happens in `write`, when the layer stores its new K/V.
+Quantization happens in `write`, when the layer stores its new K/V: one C++ pass where the kernels built
+(ops/csrc/kv_write.cpp, bit-identical to the PyTorch code below, which is the reference and the fallback).
 
 INT8 (`Int8KVCache`): symmetric, one fp16 scale per (token, kv head) for keys and for values:
     q = round(x / s), s = max|x| / 127 over the head's d channels.
