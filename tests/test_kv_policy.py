@@ -380,3 +380,59 @@ def test_h2o_randomized_compactions_never_write_shared_blocks_nor_leak():
     for r in live.values():
         m.free(r)
     assert m.num_free_blocks == 40
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_sink_window_kernel_matches_the_reference_with_evicted_blocks(kind, monkeypatch):
+    """StreamingLLM on the C++ kernel (paged_attention_general with sinks): several sequences, decodes and a chunk,
+    blocks behind every window evicted (-1 in the tables, never read), each row's back-rotated query on the sink
+    keys; the same outputs as the PyTorch reference over the same cache."""
+    from brisk.kvcache.quant import make_kv_caches
+    from brisk.ops import kernels
+
+    if kernels.get_op("paged_attention_general") is None:
+        pytest.fail("the C++ kernels did not build")
+    g = torch.Generator().manual_seed(4)
+    kvh, h, d, bs, sinks, window = 2, 6, 32, 4, 3, 9
+    inv_freq = base_inv_freq(d, 10000.0)
+
+    def cos_sin(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = e.float()[:, None] * inv_freq
+        return freqs.cos(), freqs.sin()
+
+    query_lens, contexts = [1, 1, 1, 6], [40, 12, 3, 31]
+    num_blocks = sum((c + bs - 1) // bs for c in contexts) + 2
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    cache = make_kv_caches("auto" if kind in ("float32", "bfloat16") else kind, 1, num_blocks, bs, kvh, d, dtype,
+                           num_residual_blocks=3)[0]
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables, positions = [], []
+    for q_len, ctx in zip(query_lens, contexts, strict=True):
+        n = (ctx + bs - 1) // bs
+        blocks, pool = pool[:n], pool[n:]
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(ctx)])
+        k, v = torch.randn(2, ctx, kvh, d, generator=g).to(dtype)
+        write_kv(cache, k, v, slots)
+        lo = max(0, ctx - q_len + 1 - window)  # the first row's window start: blocks wholly before it (and after
+        for j in range(n):  # the sinks) are evicted
+            if (j + 1) * bs <= lo and j * bs >= sinks:
+                blocks[j] = -1
+        tables.append(blocks)
+        positions += range(ctx - q_len, ctx)
+    meta = AttentionMetadata.for_sequences(query_lens, contexts, tables, bs, positions=torch.tensor(positions),
+                                           sliding_window=window, num_sink_tokens=sinks, evicting=True,
+                                           cos_sin=cos_sin)
+    assert bool((meta.block_tables < 0).any())
+    q = torch.randn(sum(query_lens), h, d, generator=g).to(dtype)
+    new = q[:, :kvh]
+    import brisk.ops.attention as attention
+
+    reference = attention._sink_window_attention
+    calls = []
+    monkeypatch.setattr(attention, "_sink_window_attention", lambda *a: calls.append(1) or reference(*a))
+    got = paged_attention(q, new, new, cache, meta, d**-0.5)
+    assert not calls  # the kernel ran
+    want = paged_attention(q, new, new, cache, meta, d**-0.5, use_kernels=False)
+    assert calls
+    tol = 1e-5 if dtype == torch.float32 and kind != "int4" else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

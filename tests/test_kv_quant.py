@@ -140,7 +140,7 @@ def test_bytes_per_token_and_tokens_per_mib():
     assert Int8KVCache(10, 16, kvh, d, torch.float32).nbytes == 10 * 16 * i8 / layers
 
 
-# ---- the C++ kernel reading the codes in place (ops/csrc/paged_attention.cpp `paged_attention_quantized`) ----
+# ---- the C++ kernel reading the codes in place (ops/csrc/paged_attention.cpp `paged_attention_general`) ----
 
 
 @pytest.fixture(scope="module")
@@ -240,20 +240,20 @@ def test_quantized_kernel_layout_errors_are_clear(ops):
     tensors = cache.kernel_tensors()
     args = (meta.block_tables, meta.context_lens, 0.125, 0, 16)
     with pytest.raises(RuntimeError, match="an int4 cache is"):
-        ops.paged_attention_quantized(out, q, tensors[:7], 4, 16, None, *args)
-    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
-        ops.paged_attention_quantized(out, q, tensors, 3, 16, None, *args)
+        ops.paged_attention_general(out, q, tensors[:7], 4, 16, None, *args)
+    with pytest.raises(RuntimeError, match="bits must be 0 \\(a float cache\\), 8 or 4"):
+        ops.paged_attention_general(out, q, tensors, 3, 16, None, *args)
     bad = cache.residual_of_block.clone()
     bad[0] = 5  # only two residual buffers
     with pytest.raises(RuntimeError, match="outside the 2 residual buffers"):
-        ops.paged_attention_quantized(out, q, [*tensors[:7], bad], 4, 16, None, *args)
+        ops.paged_attention_general(out, q, [*tensors[:7], bad], 4, 16, None, *args)
     tables = meta.block_tables.clone()
     tables[0, 0] = 10**6
     with pytest.raises(RuntimeError, match="outside the cache's"):
-        ops.paged_attention_quantized(out, q, tensors, 4, 16, None, tables, *args[1:])
+        ops.paged_attention_general(out, q, tensors, 4, 16, None, tables, *args[1:])
     int8 = Int8KVCache(4, 16, KVH, D, torch.float32)
     with pytest.raises(RuntimeError, match="int8 scales must be float16"):
-        ops.paged_attention_quantized(out, q, [int8.codes, int8.scales.float()], 8, 16, None, *args)
+        ops.paged_attention_general(out, q, [int8.codes, int8.scales.float()], 8, 16, None, *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

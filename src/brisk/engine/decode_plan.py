@@ -32,7 +32,7 @@ projections, custom linears, pruned layers of a bfloat16 model, hooks); a step t
 caches are evicting or attention scores are being collected (H2O). Quantized (int8 / int4) caches run both
 loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
 with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
-writes call; paged_attention_quantized). Which of these runs a step is
+writes call; paged_attention_general). Which of these runs a step is
 decided in one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a
 model, chosen by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear
 enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
@@ -111,7 +111,7 @@ class DecodePlan:
             self.decode_layers = getattr(self.decode_layers.default, "_op", self.decode_layers.default)
         # quantized KV caches in the C++ loop: their rotation, writes and attention built too
         self.quantized_cpp = all(hasattr(ops, name) for name in ("rope_qk", "kv_write_int8", "kv_write_int4",
-                                                                   "paged_attention_quantized"))
+                                                                   "paged_attention_general"))
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
         for layer in layers:

@@ -3,7 +3,7 @@
 Both keep the paged layout of the float cache: a token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size`; only what a slot holds changes. Attention reads them
 through `gather(slots)`, which dequantizes just the gathered rows (ops/attention.py, reference path), so the
-cache is never materialized in float; the C++ kernel (ops/csrc/paged_attention.cpp `paged_attention_quantized`)
+cache is never materialized in float; the C++ kernel (ops/csrc/paged_attention.cpp `paged_attention_general`)
 reads the codes in place instead, widening a chunk of rows at a time, with the same float32 dequantization.
 Quantization happens in `write`, when the layer stores its new K/V: one C++ pass where the kernels built
 (ops/csrc/kv_write.cpp, bit-identical to the PyTorch code below, which is the reference and the fallback).

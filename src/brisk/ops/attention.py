@@ -95,7 +95,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
 def kernel_supports(q: torch.Tensor, kv_cache: KVCache) -> bool:
     """Whether the C++ kernel covers these tensors (the caller still checks that it built).
 
-    A quantized cache (int8, int4) is read in place by `paged_attention_quantized`."""
+    A quantized cache (int8, int4) is read in place by `paged_attention_general`, as is any cache under
+    StreamingLLM's sinks and window."""
     ok_dtypes = (torch.float32, torch.bfloat16)
     if isinstance(kv_cache, QuantizedKVCache):
         return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in ok_dtypes
@@ -115,25 +116,32 @@ def paged_attention(
     use_kernels: bool | None = None,  # None: the C++ kernel when it built and fits, else the reference path
 ) -> torch.Tensor:  # [T, h, d]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kernel_ok = use_kernels is not False and kernel_supports(q, kv_cache)
+    general = kernels.get_op("paged_attention_general") if kernel_ok else None
+    window = meta.sliding_window or 0
     if meta.evicting:
-        _sink_window_attention(out, q, kv_cache, meta, scale)
+        # StreamingLLM (sinks + a window) on the kernel; H2O (no window, attention mass collected) on the reference
+        if general is None or meta.sliding_window is None or meta.stats is not None:
+            _sink_window_attention(out, q, kv_cache, meta, scale)
+            return out
+        assert meta.query_start_loc is not None and meta.block_tables is not None
+        tensors, bits = _cache_tensors(kv_cache)
+        general(out, q, tensors, bits, cache_block_size(kv_cache), meta.query_start_loc, meta.block_tables,
+                meta.context_lens, scale, window, PREFILL_Q_TILE, _sink_queries(q, meta), meta.num_sink_tokens)
         return out
     assert meta.block_tables is not None, "build the metadata with AttentionMetadata.for_sequences"
     decode_only = meta.num_decodes == meta.block_tables.shape[0]
     op = None
-    window = meta.sliding_window or 0
-    if use_kernels is not False and kernel_supports(q, kv_cache):
-        if isinstance(kv_cache, QuantizedKVCache):
-            quantized = kernels.get_op("paged_attention_quantized")
-            if quantized is not None:
-                quantized(out, q, kv_cache.kernel_tensors(), kv_cache.bits, kv_cache.block_size,
-                          None if decode_only else meta.query_start_loc, meta.block_tables, meta.context_lens,
-                          scale, window, PREFILL_Q_TILE)
-                if meta.tree_masks:
-                    tree_attention_reference(out, q, kv_cache, meta, scale)
-                return out
-        else:
-            op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
+    if kernel_ok and isinstance(kv_cache, QuantizedKVCache):
+        if general is not None:
+            general(out, q, kv_cache.kernel_tensors(), kv_cache.bits, kv_cache.block_size,
+                    None if decode_only else meta.query_start_loc, meta.block_tables, meta.context_lens,
+                    scale, window, PREFILL_Q_TILE)
+            if meta.tree_masks:
+                tree_attention_reference(out, q, kv_cache, meta, scale)
+            return out
+    elif kernel_ok:
+        op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
     if op is not None and decode_only:
         op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)
     elif op is not None:
@@ -147,6 +155,24 @@ def paged_attention(
     if meta.tree_masks:
         tree_attention_reference(out, q, kv_cache, meta, scale)
     return out
+
+
+def _cache_tensors(kv_cache: KVCache) -> tuple[list[torch.Tensor], int]:
+    """A cache as paged_attention_general takes it: its tensors and code width (0: a float cache tensor)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.kernel_tensors(), kv_cache.bits
+    return [kv_cache], 0
+
+
+def _sink_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[T, h, d] float32: each row's query rotated back by its evicted-token count E, which scores the sink keys
+    as StreamingLLM's re-rotated cache would (see _sink_window_attention); q itself where there is no rotation."""
+    if meta.sink_cos is None or not meta.num_sink_tokens:
+        return q.float().contiguous()
+    half = q.shape[-1] // 2
+    c, s_ = meta.sink_cos.float()[:, None, :], meta.sink_sin.float()[:, None, :]  # [T, 1, d/2]
+    x1, x2 = q[..., :half].float(), q[..., half:].float()
+    return torch.cat([x1 * c + x2 * s_, x2 * c - x1 * s_], dim=-1)  # R(-E) q (rotate-half layout)
 
 
 def tree_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,

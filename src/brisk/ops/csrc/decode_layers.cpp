@@ -108,7 +108,8 @@ struct Ops {
                                               const at::Tensor&)>>
       write_int4;
   std::optional<c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::TensorList, Ints, Ints, const OptT&,
-                                              const at::Tensor&, const at::Tensor&, double, Ints, Ints)>>
+                                              const at::Tensor&, const at::Tensor&, double, Ints, Ints, const OptT&,
+                                              Ints)>>
       attention_quantized;
 
   Ops() {
@@ -119,9 +120,10 @@ struct Ops {
       write_int8 = h->typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
     if (auto h = d.findSchema({"brisk::kv_write_int4", ""}); h.has_value())
       write_int4 = h->typed<void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-    if (auto h = d.findSchema({"brisk::paged_attention_quantized", ""}); h.has_value())
+    if (auto h = d.findSchema({"brisk::paged_attention_general", ""}); h.has_value())
       attention_quantized = h->typed<void(at::Tensor, const at::Tensor&, at::TensorList, Ints, Ints, const OptT&,
-                                          const at::Tensor&, const at::Tensor&, double, Ints, Ints)>();
+                                          const at::Tensor&, const at::Tensor&, double, Ints, Ints, const OptT&,
+                                          Ints)>();
     if (auto h = d.findSchema({"brisk::quant_linear_q8", ""}); h.has_value())
       q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                int64_t, const OptT&)>();
@@ -346,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
       if (kv_bits == 8) o.write_int8->call(cache[0], cache[1], k, v, slots);
       else o.write_int4->call(cache, k, v, slots);
       o.attention_quantized->call(out, q, cache.slice(0, kv_bits == 8 ? 2 : 8), kv_bits, kv_block_size, query_start,
-                                  tables, lens, scale, window, q_tile);
+                                  tables, lens, scale, window, q_tile, std::nullopt, 0);
     } else {
       o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
       if (query_start.has_value())

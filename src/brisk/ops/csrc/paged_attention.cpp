@@ -473,10 +473,14 @@ struct Problem {
   const c10::Half* v_min = nullptr;  // int4: [slots, kvh]
   const c10::Half* k_residual = nullptr;  // int4: [R, block_size, kvh, d], float16 keys of blocks being filled
   const int64_t* residual_of_block = nullptr;  // int4: [num_blocks], a block's residual buffer, -1 = quantized
+  // StreamingLLM (with a window): keys [0, sinks) are seen by every row too, scored by q_sink [T, h, d] float32
+  // (each row's query rotated back by its evicted-token count, ops/attention.py _sink_window_attention)
+  const float* q_sink = nullptr;
+  int64_t sinks = 0;
 };
 
 struct Scratch {
-  std::vector<float> q, acc, m, l, kbuf, vbuf;
+  std::vector<float> q, qs, acc, m, l, kbuf, vbuf;  // qs: the rows' q_sink during a sink pass
   std::vector<int64_t> live, live_lo, live_hi;  // rows taking part in the current chunk, and their windows
   float scores[3][kChunk + 8];  // up to three rows' scores, then probabilities
   const float* krows[kChunk];
@@ -487,7 +491,7 @@ struct Scratch {
   int64_t slots[kChunk];  // quantized caches: the chunk's cache slots (block * block_size + offset)
   int64_t max_rows, d;
   Scratch(int64_t max_rows_, int64_t d_)
-      : q(max_rows_ * d_), acc(max_rows_ * d_), m(max_rows_), l(max_rows_), kbuf(kChunk * d_), vbuf(kChunk * d_),
+      : q(max_rows_ * d_), qs(max_rows_ * d_), acc(max_rows_ * d_), m(max_rows_), l(max_rows_), kbuf(kChunk * d_), vbuf(kChunk * d_),
         live(max_rows_), live_lo(max_rows_), live_hi(max_rows_), max_rows(max_rows_), d(d_) {}
 };
 
@@ -628,6 +632,7 @@ inline void item_keys(const Problem& p, const WorkItem& it, int64_t& lo, int64_t
     lo = std::max(lo, it.key_lo);
     hi = std::min(hi, it.key_hi);
   }
+  if (p.sinks > 0) lo = std::max(lo, std::min(p.sinks, hi));  // the sink keys are walked in a pass of their own
 }
 
 #ifdef BRISK_AVX2
@@ -721,8 +726,24 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
     if (chunks > 0 && ahead_hi > ahead_lo) ahead_per_chunk = (ahead_hi - ahead_lo + chunks - 1) / chunks;
   }
 #endif
-  for (int64_t p0 = lo_all; p0 < hi_all;) {
-    const int64_t p1 = std::min(hi_all, p0 + kChunk);  // chunk [p0, p1) of key positions
+  // StreamingLLM: keys [0, sink_end) first, scored by the rows' back-rotated queries (swapped in for the pass),
+  // then the window [lo_all, hi_all), which item_keys starts at sink_end or later
+  const int64_t sink_end = p.sinks > 0 ? std::min(p.sinks, first_pos + it.q_end) : 0;
+  for (int pass = sink_end > 0 ? 0 : 1; pass < 2; ++pass) {
+  const bool sink_pass = pass == 0;
+  const int64_t range_lo = sink_pass ? 0 : lo_all, range_hi = sink_pass ? sink_end : hi_all;
+  if (sink_pass) {
+    for (int64_t r = 0; r < num_tokens * num_heads; ++r) {
+      int64_t token, head;
+      query_row(r, token, head);
+      const float* src = p.q_sink + (token * p.group * p.num_kv_heads + head) * d;
+      float* dst = s.qs.data() + r * d;
+      for (int64_t c = 0; c < d; ++c) dst[col(c)] = src[c] * p.scale_log2;
+    }
+    s.q.swap(s.qs);
+  }
+  for (int64_t p0 = range_lo; p0 < range_hi;) {
+    const int64_t p1 = std::min(range_hi, p0 + kChunk);  // chunk [p0, p1) of key positions
     const int64_t n = p1 - p0;
     for (int64_t t = 0; t < n; ++t) s.offsets[t] = slot_offset(p0 + t);
     if constexpr (kQ8 || kQ4) {
@@ -731,8 +752,8 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
 #ifdef BRISK_AVX2
     // the next chunk's rows into L1 now: its blocks are unrelated to this one's, so the hardware prefetchers
     // cannot guess them (measured at batch 64: a few percent on float32, up to ~10% on bfloat16; noisy)
-    if (!kQ4) prefetch_rows<cache_t, _MM_HINT_T0>(p, it, p1, std::min(hi_all, p1 + kChunk));
-    if (ahead_per_chunk > 0) {  // the next item's share for this chunk, into L2
+    if (!kQ4 && !sink_pass) prefetch_rows<cache_t, _MM_HINT_T0>(p, it, p1, std::min(hi_all, p1 + kChunk));
+    if (ahead_per_chunk > 0 && !sink_pass) {  // the next item's share for this chunk, into L2
       const int64_t a0 = ahead_lo + chunk_index * ahead_per_chunk;
       prefetch_rows<cache_t, _MM_HINT_T1>(p, *ahead, a0, std::min(ahead_hi, a0 + ahead_per_chunk));
     }
@@ -765,7 +786,7 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
       // value loads
       int64_t num_live = 0;
       for (int64_t i = 0; i < num_tokens; ++i) {
-        const int64_t lo = lo_of(i), hi = hi_of(i);
+        const int64_t lo = sink_pass ? 0 : lo_of(i), hi = hi_of(i);
         if (hi <= p0 || lo >= p1) continue;  // this token sees nothing of the chunk (causal / window)
         for (int64_t r = i * num_heads + j * g; r < i * num_heads + (j + 1) * g; ++r) {
           s.live[num_live] = r;
@@ -792,6 +813,8 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
       if (x < num_live) attend_chunk<1>(s, &s.live[x], &s.live_lo[x], &s.live_hi[x], n, d, p0, p1);
     }
     p0 = p1;
+  }
+  if (sink_pass) s.q.swap(s.qs);
   }
 
   if (it.part >= 0) {  // unnormalized: merge_parts combines the parts of this (sequence, kv heads)
@@ -916,7 +939,11 @@ void check_sequences(const Problem& p, int64_t num_seqs, int64_t num_blocks) {
     const int64_t used = (ctx + p.block_size - 1) / p.block_size;
     TORCH_CHECK(used <= p.max_blocks, "sequence ", b, ": context_len ", ctx, " needs ", used,
                 " blocks but block_tables has ", p.max_blocks, " columns");
+    // with a window, blocks wholly before every row's window (and past the sinks) are never read: an evicting policy
+    // leaves -1 there
+    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, ctx - q_len + 1 - p.window) : 0;
     for (int64_t j = 0; j < used; ++j) {
+      if ((j + 1) * p.block_size <= lo && j * p.block_size >= p.sinks) continue;
       const int32_t blk = p.block_tables[b * p.max_blocks + j];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", b, ": block_tables[", j, "] = ", blk,
                   " is outside the cache's ", num_blocks, " blocks");
@@ -989,7 +1016,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, Problem& p, CacheKind 
   thread_local std::vector<WorkItem> split;
   groups.clear();
   const int64_t threads = at::get_num_threads();
-  if (threads > 1 && static_cast<int64_t>(items.size()) < 2 * threads) {
+  if (threads > 1 && static_cast<int64_t>(items.size()) < 2 * threads && p.sinks == 0) {
     split.clear();
     int64_t next_part = 0, part_rows = 0;
     for (const WorkItem& it : items) {
@@ -1071,7 +1098,7 @@ int64_t quantized_cache(Problem& p, CacheKind& kind, at::TensorList cache, int64
     kind = CacheKind::kInt8;
     return slots / block_size;
   }
-  TORCH_CHECK(bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(bits == 4, "bits must be 0 (a float cache), 8 or 4, got ", bits);
   TORCH_CHECK(cache.size() == 8, "an int4 cache is [k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_residual, "
               "residual_of_block], got ", cache.size(), " tensors");
   const at::Tensor &k_codes = cache[0], &k_scale = cache[1], &k_min = cache[2], &v_codes = cache[3],
@@ -1153,15 +1180,40 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
                  q_tile);
 }
 
-// Either of the above on a quantized cache (kvcache/quant.py, `bits` 8 or 4; its tensors as quantized_cache
-// lists them), read in place: query_start_loc None for a decode-only step (row b of q is sequence b).
-void paged_attention_quantized(at::Tensor out, const at::Tensor& q, at::TensorList cache,
-                               int64_t bits, int64_t block_size, const std::optional<at::Tensor>& query_start_loc,
-                               const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                               int64_t sliding_window, int64_t q_tile) {
+// Either of the above on any cache, with StreamingLLM's sinks: `bits` 0 for a float32 / bfloat16 cache tensor
+// (cache = [kv_cache]), 8 or 4 for a quantized one (kvcache/quant.py; its tensors as quantized_cache lists them),
+// read in place; query_start_loc None for a decode-only step (row b of q is sequence b). num_sinks > 0 (with a
+// sliding window): keys [0, num_sinks) are seen by every row as well, scored by q_sink [T, h, d] float32.
+void paged_attention_general(at::Tensor out, const at::Tensor& q, at::TensorList cache, int64_t bits,
+                             int64_t block_size, const std::optional<at::Tensor>& query_start_loc,
+                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                             int64_t sliding_window, int64_t q_tile, const std::optional<at::Tensor>& q_sink,
+                             int64_t num_sinks) {
   Problem p;
   CacheKind kind = CacheKind::kFloat;
-  const int64_t num_blocks = quantized_cache(p, kind, cache, bits, block_size);
+  int64_t num_blocks;
+  if (bits == 0) {
+    TORCH_CHECK(cache.size() == 1, "a float cache is [kv_cache], got ", cache.size(), " tensors");
+    const at::Tensor& kv_cache = cache[0];
+    TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                    kv_cache.is_contiguous() && kv_cache.size(2) == block_size &&
+                    (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16),
+                "kv_cache must be a contiguous float32 or bfloat16 [2, num_blocks, block_size=", block_size,
+                ", kv_heads, head_dim] CPU tensor, got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+    kind = float_cache(p, kv_cache);
+    num_blocks = kv_cache.size(1);
+  } else {
+    num_blocks = quantized_cache(p, kind, cache, bits, block_size);
+  }
+  TORCH_CHECK(num_sinks >= 0 && (num_sinks == 0 || sliding_window > 0),
+              "num_sinks must be >= 0, and sinks need a sliding window");
+  if (num_sinks > 0) {
+    TORCH_CHECK(q_sink.has_value() && q_sink->scalar_type() == at::kFloat && q_sink->is_contiguous() &&
+                    q_sink->sizes() == q.sizes(),
+                "sinks need q_sink: a contiguous float32 tensor like q ", q.sizes());
+    p.q_sink = q_sink->data_ptr<float>();
+    p.sinks = num_sinks;
+  }
   const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.size(2) == p.head_dim && q.stride(2) == 1,
               "q must be CPU [tokens, heads, head_dim = ", p.head_dim, "] with a contiguous last dim, got ", q.sizes());
@@ -1207,15 +1259,15 @@ TORCH_LIBRARY_FRAGMENT(BRISK_OPS_NAMESPACE, m) {
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window, int q_tile) -> ()");
   m.def(
-      "paged_attention_quantized(Tensor(a!) out, Tensor q, Tensor[] cache, int bits, int block_size, "
+      "paged_attention_general(Tensor(a!) out, Tensor q, Tensor[] cache, int bits, int block_size, "
       "Tensor? query_start_loc, Tensor block_tables, Tensor context_lens, float scale, int sliding_window, "
-      "int q_tile) -> ()");
+      "int q_tile, Tensor? q_sink=None, int num_sinks=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(BRISK_OPS_NAMESPACE, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
-  m.impl("paged_attention_quantized", &paged_attention_quantized);
+  m.impl("paged_attention_general", &paged_attention_general);
 }
 
 }  // namespace brisk
