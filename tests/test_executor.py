@@ -92,20 +92,19 @@ def test_auto_picks_cpp_where_built_and_modules_without_kernels(ops, tiny_folder
 
 
 def test_a_step_the_fast_path_cannot_run_takes_the_modules(ops, tiny_folder, monkeypatch):
-    """An evicting KV cache (StreamingLLM: attention over sinks and a window, reference path): every step falls
-    back to the modules, with the module path's numbers; an int8 cache takes the plan and its C++ loop."""
-    streaming = {"kv_policy": "streaming", "kv_budget": 12, "sink_tokens": 2}
-    want = _outputs(_llm(tiny_folder, execution="modules", **streaming))
-    llm = _llm(tiny_folder, execution="cpp", **streaming)
-    assert llm.engine.runner.executor.path == "cpp"
-    taken = _paths(llm, monkeypatch)
-    assert _outputs(llm) == want
-    assert taken and set(taken) == {"modules"}
-    want = _outputs(_llm(tiny_folder, kv_cache_dtype="int8", execution="modules"))
-    llm = _llm(tiny_folder, kv_cache_dtype="int8", execution="cpp")
-    taken = _paths(llm, monkeypatch)
-    assert _outputs(llm) == want
-    assert "cpp" in taken and "modules" not in taken  # (a prefill of more than 8 rows: the plan's Python loop)
+    """H2O (attention mass collected, reference path): every step falls back to the modules, with the module path's
+    numbers; StreamingLLM takes the plan's Python loop (attention on the kernel with its sinks), an int8 cache the
+    plan and its C++ loop, each with the module path's numbers."""
+    cases = [({"kv_policy": "h2o", "kv_budget": 12}, {"modules"}),
+             ({"kv_policy": "streaming", "kv_budget": 12, "sink_tokens": 2}, {"plan"}),
+             ({"kv_cache_dtype": "int8"}, {"plan", "cpp"})]  # (a prefill of more than 8 rows: the Python loop)
+    for settings, paths in cases:
+        want = _outputs(_llm(tiny_folder, execution="modules", **settings))
+        llm = _llm(tiny_folder, execution="cpp", **settings)
+        assert llm.engine.runner.executor.path == "cpp"
+        taken = _paths(llm, monkeypatch)
+        assert _outputs(llm) == want, settings
+        assert set(taken) == paths, settings
 
 
 def test_rebuild_follows_the_quantized_activations(ops, int4_folder):

@@ -29,7 +29,8 @@ of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
 projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
-caches are evicting or attention scores are being collected (H2O). Quantized (int8 / int4) caches run both
+caches are evicted by H2O (attention scores collected); StreamingLLM's steps take the Python loop, attention
+on the kernel with its sinks. Quantized (int8 / int4) caches run both
 loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
 with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
 writes call; paged_attention_general). Which of these runs a step is
@@ -181,7 +182,7 @@ class DecodePlan:
                           final.eps)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        return straight_line_step(x, meta, kv_caches, self.dtype, quantized_ok=True)
+        return straight_line_step(x, meta, kv_caches, self.dtype, plan=True)
 
     def run_cpp(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,10 +199,11 @@ class DecodePlan:
                                   self.weights, self.scale, window, self.h, self.kvh, self.d,
                                   _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
 
-    def cpp_applies(self, x: torch.Tensor, kv_caches: list[Any]) -> bool:
-        """Steps of up to max_cpp_rows rows; with an int8 / int4 cache, where its kernels built (the loop then
-        rotates with rope_qk and writes with kv_write_int8 / kv_write_int4, as the caches' own writes do)."""
-        return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows
+    def cpp_applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
+        """Steps of up to max_cpp_rows rows, not under eviction (StreamingLLM's sinks: the Python loop); with an
+        int8 / int4 cache, where its kernels built (the loop then rotates with rope_qk and writes with
+        kv_write_int8 / kv_write_int4, as the caches' own writes do)."""
+        return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows and not meta.evicting
                 and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -222,8 +224,8 @@ class DecodePlan:
                 lora[i][0].add_delta(hid, qkv)
             if layer.q_norm is not None:
                 rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, layer.eps, h, kvh)
-            if isinstance(kv, QuantizedKVCache):
-                o = _quantized_attention(qkv, cos, sin, kv, meta, h, kvh, d, self.scale)
+            if isinstance(kv, QuantizedKVCache) or meta.evicting:
+                o = _module_attention(qkv, cos, sin, kv, meta, h, kvh, d, self.scale)
             else:
                 self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
                 q = qkv.view(t, h + 2 * kvh, d)[:, :h]
@@ -243,11 +245,12 @@ class DecodePlan:
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
 
 
-def _quantized_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: QuantizedKVCache,
-                         meta: AttentionMetadata, h: int, kvh: int, d: int, scale: float) -> torch.Tensor:
-    """An int8 / int4 cache's layer step as the module path takes it (model/llama.py Attention.forward): q and k
-    rotated together, k and v quantized on write, then attention over the codes (the C++ kernel reads them in
-    place), so both paths give the same numbers."""
+def _module_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: AttentionMetadata,
+                      h: int, kvh: int, d: int, scale: float) -> torch.Tensor:
+    """A layer's attention as the module path takes it (model/llama.py Attention.forward) where rope_cache does
+    not apply (an int8 / int4 cache, which quantizes on write; eviction): q and k rotated together, k and v
+    written, then ops.attention.paged_attention (the C++ kernel reads codes in place and walks sinks and window),
+    so both paths give the same numbers."""
     qkv3 = qkv.view(qkv.shape[0], h + 2 * kvh, d)
     qk = apply_rope(qkv3[:, : h + kvh], cos, sin)
     q, k, v = qk[:, :h], qk[:, h:], qkv3[:, h + kvh:]
@@ -256,20 +259,22 @@ def _quantized_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any], dtype: torch.dtype,
-                       quantized_ok: bool = False) -> bool:
+                       plan: bool = False) -> bool:
     """Whether a step can skip the module path (the decode plan, --compile's graphs): plain caches of the model
-    dtype (or bfloat16), or with `quantized_ok` int8 / int4 CPU caches (the plan's Python loop), no eviction or
-    score collection, and either decode-only or laid out by query_start_loc (speculative verification, prefill
-    chunks, mixed steps)."""
+    dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
+    (speculative verification, prefill chunks, mixed steps). The plan (`plan`) also takes int8 / int4 CPU caches
+    and StreamingLLM's eviction (a window, no scores collected); H2O's stays on the modules."""
     bt = meta.block_tables
-    if bt is None or meta.evicting or meta.stats is not None or meta.tree_masks:
+    if bt is None or meta.stats is not None or meta.tree_masks:
         return False  # token trees (spec/tree.py) need the module path's tree attention
+    if meta.evicting and not (plan and meta.sliding_window is not None):
+        return False
     decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]
     if not ((decode_only or meta.query_start_loc is not None) and x.dtype == dtype and x.is_cpu):
         return False
     cache = kv_caches[0]
     if isinstance(cache, QuantizedKVCache):
-        return quantized_ok and cache.device.type == "cpu"
+        return plan and cache.device.type == "cpu"
     return type(cache) is torch.Tensor and cache.dtype in (dtype, torch.bfloat16) and cache.is_contiguous()
 
 

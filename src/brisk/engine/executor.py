@@ -14,8 +14,9 @@ Each step then runs what this table says (the first row that matches it):
     step                                                    modules  plan     cpp       compiled
     model not covered (unfused projections, hooks, a        modules  modules  modules   (refused at build)
       linear with no kernel for the model dtype)
-    evicting KV cache, attention statistics collected      modules  modules  modules   modules
-      (H2O), off the CPU  (decode_plan.straight_line_step)
+    H2O eviction (attention statistics collected), off     modules  modules  modules   modules
+      the CPU  (decode_plan.straight_line_step)
+    StreamingLLM eviction (sinks + window)                  modules  plan     plan      modules
     int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
@@ -94,7 +95,7 @@ class Executor:
             return "compiled" if self.compiled.applies(x, meta, kv_caches) else "modules"
         if self.plan is None or not self.plan.applies(x, meta, kv_caches):
             return "modules"
-        return "cpp" if self.path == "cpp" and self.plan.cpp_applies(x, kv_caches) else "plan"
+        return "cpp" if self.path == "cpp" and self.plan.cpp_applies(x, meta, kv_caches) else "plan"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[Any], context_lens: torch.Tensor | None = None) -> torch.Tensor:
