@@ -143,17 +143,6 @@ def test_bytes_per_token_and_tokens_per_mib():
 # ---- the C++ kernel reading the codes in place (ops/csrc/paged_attention.cpp `paged_attention_general`) ----
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from brisk.ops import kernels
-
-    with kernels.override(enabled=True):
-        found = kernels.get_ops()
-    if found is None:
-        pytest.fail("the C++ kernels did not build; see the warning logged by brisk.ops.kernels")
-    return found
-
-
 def _filled_cache(kind: str, query_lens: list[int], contexts: list[int], bs: int, dtype: torch.dtype,
                   residual_blocks: int, seed: int):
     """A cache whose sequences hold their earlier context (written as a prefill) and this step's tokens (written
