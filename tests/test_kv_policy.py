@@ -214,6 +214,25 @@ def test_stream_modes_on_a_tiny_model():
     assert torch.allclose(exact[t - 1], ref, atol=1e-4)
 
 
+def test_long_perplexity_pools_consecutive_streams():
+    """--streams N scores N consecutive streams of max_tokens each (it once truncated the text to one)."""
+    from brisk.eval.longppl import long_perplexity
+
+    class CharIds:  # the tiny model has no tokenizer: ids straight from the characters
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [3 + ord(ch) % 290 for ch in text]
+
+    loaded = tiny_loaded()
+    loaded.tokenizer = CharIds()  # type: ignore[assignment]
+    text = "the quick brown fox jumps over the lazy dog; " * 4
+    one = long_perplexity(loaded, text, "full", max_tokens=40, chunk=8, block_size=4, progress=False)
+    two = long_perplexity(loaded, text, "full", max_tokens=40, chunk=8, block_size=4, progress=False,
+                          num_streams=2)
+    assert (one.num_tokens, two.num_tokens) == (39, 78)
+    second = long_perplexity(loaded, text[40:], "full", max_tokens=40, chunk=8, block_size=4, progress=False)
+    assert abs(two.nll - (one.nll + second.nll) / 2) < 1e-5
+
+
 def test_bench_kv_capacity_counts_through_the_manager():
     from brisk.bench.kv import KVSetting, max_concurrent
 

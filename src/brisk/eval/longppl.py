@@ -216,7 +216,7 @@ def long_perplexity(loaded: LoadedModel, text: str, mode: str, budget: int | Non
     start = time.perf_counter()
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     if max_tokens is not None:
-        ids = ids[:max_tokens]
+        ids = ids[:max_tokens * max(1, num_streams)]
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} tokens; a stream needs at least 2")
     if max_tokens is None:
