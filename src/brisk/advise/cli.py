@@ -6,19 +6,23 @@ from pathlib import Path
 
 import click
 
-from brisk.advise.advisor import GOALS
+from brisk.advise.advisor import GOALS, MEMORY_SCOPES
 
 
 @click.command("advise")
 @click.argument("model", default="default")
 @click.option("--memory", "memory_text", default=None,
               help="Memory budget, e.g. 8GiB, 512MiB (default: the memory available now).")
+@click.option("--memory-scope", type=click.Choice(MEMORY_SCOPES), default="process", show_default=True,
+              help="What --memory bounds: the whole process's peak RSS (Python, torch and brisk included), or the "
+                   "engine's own memory (weights, KV pool, one step's activations).")
 @click.option("--goal", type=click.Choice(GOALS), default="latency", show_default=True,
               help="latency: fastest batch-1 decode; throughput: most tokens/s over --concurrency sequences.")
 @click.option("--max-ppl-increase", "max_ppl", default="2%", show_default=True,
               help="Largest perplexity increase over float32 accepted, on held-apart text (2% or 0.02).")
 @click.option("--context", type=int, default=4096, show_default=True,
-              help="Tokens per sequence (prompt + output) the KV pool must hold.")
+              help="Tokens per sequence (prompt + output). Past the model's trained positions only StreamingLLM "
+                   "candidates (--kv-policy streaming) are ranked.")
 @click.option("--concurrency", type=int, default=None,
               help="Sequences running together (default: 1 for latency, 32 for throughput).")
 @click.option("--measure-quality", is_flag=True,
@@ -27,17 +31,19 @@ from brisk.advise.advisor import GOALS
 @click.option("--validate", is_flag=True,
               help="Build and run the top three for --validate-seconds each and re-rank on measurement.")
 @click.option("--validate-seconds", type=float, default=60.0, show_default=True)
+@click.option("--validate-top", "validate_top_n", type=int, default=3, show_default=True,
+              help="How many of the ranked candidates --validate runs.")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s for the roofline (default: measure a quick one).")
 @click.option("--top", type=int, default=12, show_default=True, help="Rows of the ranked table.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every candidate, the calibration and the commands to this file.")
-def advise_command(model: str, memory_text: str | None, goal: str, max_ppl: str, context: int,
+def advise_command(model: str, memory_text: str | None, memory_scope: str, goal: str, max_ppl: str, context: int,
                    concurrency: int | None, measure_quality: bool, validate: bool, validate_seconds: float,
-                   membw_gbps: float | None, top: int, json_path: str | None) -> None:
-    """Choose a configuration for MODEL ('default' = SmolLM2-135M-Instruct): weight format, KV cache dtype,
-    speculative decoding, sparsity; ranked by predicted speed among those that fit --memory and
-    --max-ppl-increase, with the commands that run the first."""
+                   validate_top_n: int, membw_gbps: float | None, top: int, json_path: str | None) -> None:
+    """Choose a configuration for MODEL ('default' = SmolLM2-135M-Instruct): weight format, KV cache dtype and
+    policy (full or StreamingLLM), speculative decoding, sparsity, step budget; ranked by predicted speed among
+    those that fit --memory and --max-ppl-increase, with the commands that run the first."""
     from rich.console import Console
     from rich.table import Table
 
@@ -60,10 +66,12 @@ def advise_command(model: str, memory_text: str | None, goal: str, max_ppl: str,
     console = stderr_console()
     result = advise(None if model == "default" else model, budget, goal, budget_ppl, context, concurrency,
                     measure_quality=measure_quality, validate=validate, validate_seconds=validate_seconds,
-                    read_gbps=membw_gbps, log=lambda m: console.print(f"[dim]{m}"))
+                    read_gbps=membw_gbps, memory_scope=memory_scope, validate_top_n=validate_top_n,
+                    log=lambda m: console.print(f"[dim]{m}"))
     figure = "tok/s b=1" if goal == "latency" else f"tok/s x{result.concurrency}"
     cal = result.calibration
-    table = Table(title=f"brisk advise {result.model}: goal {goal}, {gib(budget)}, ppl within "
+    scope = "" if memory_scope == "process" else " for the engine"
+    table = Table(title=f"brisk advise {result.model}: goal {goal}, {gib(budget)}{scope}, ppl within "
                         f"+{100 * budget_ppl:.2f}%, {result.concurrency} x {result.context} tokens",
                   title_justify="left")
     cols = ["#", "weights", "KV", "speculative", "memory", "ppl", f"predicted {figure}", "prefill tok/s"]
@@ -72,8 +80,9 @@ def advise_command(model: str, memory_text: str | None, goal: str, max_ppl: str,
     for col in cols:
         table.add_column(col, justify="left" if col in ("weights", "KV", "speculative") else "right")
     for i, c in enumerate(result.ranked[:top], 1):
-        pred = c.prediction.decode_b1_tok_s if goal == "latency" else c.prediction.decode_batch_tok_s
-        row = [str(i), c.precision.label, c.kv_cache_dtype, c.speculative or "-", gib(c.memory.total),
+        pred = c.figure_predicted(goal)
+        kv = c.kv_cache_dtype if c.stream_budget is None else f"{c.kv_cache_dtype}, streaming {c.stream_budget}"
+        row = [str(i), c.precision.label, kv, c.speculative or "-", gib(c.charged(memory_scope)),
                fmt_pct(c.quality), f"{pred:.0f}", f"{c.prediction.prefill_tok_s:.0f}"]
         if result.validated:
             row.append("-" if c.measured is None else f"{c.measured['tok_s']:.0f}")

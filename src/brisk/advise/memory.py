@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from brisk.advise.quality import STREAM_SINKS
 from brisk.engine.memory import (
     RUNTIME_BYTES,
     GiB,
@@ -47,6 +48,9 @@ from brisk.engine.memory import (
 # the six configurations of advise/memcheck.py; measured on the default model, BENCHMARKS.md)
 PROCESS_BASE_BYTES = 238 * MiB
 LOADED_RUNTIME_BYTES = 32 * MiB
+# step token budgets (max_num_batched_tokens) a candidate may take, largest first: a smaller one holds smaller
+# activations (the prefill goes in smaller chunks) when the engine's default 2,048 does not fit the budget
+STEP_TOKENS = (2048, 1024, 512, 256)
 
 # GGUF type -> bytes per weight of brisk's repacked form (model/gguf_repack.py); other types are dequantized
 GGUF_REPACKED_BYTES = {"Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 1.0625, "Q5_1": 1.125,
@@ -183,12 +187,13 @@ def footprint_for(shape: ModelShape, p: Precision) -> ModelFootprint:
 
 
 def estimate(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,
-             extra_weights: int = 0) -> tuple[MemoryEstimate, dict[str, object]]:
+             extra_weights: int = 0, stream_budget: int | None = None, step_tokens: int = STEP_TOKENS[0]
+             ) -> tuple[MemoryEstimate, dict[str, object]]:
     """The candidate's memory and the engine settings it was priced at (max_model_len, max_num_seqs, the KV pool
     that holds `concurrency` sequences of `context` tokens)."""
     from brisk.engine.settings import build_engine_config
 
-    settings = engine_settings(shape, p, kv_cache_dtype, context, concurrency)
+    settings = engine_settings(shape, p, kv_cache_dtype, context, concurrency, stream_budget, step_tokens)
     config = build_engine_config(**settings)
     est = estimate_memory(config, footprint_for(shape, p), dtype=p.dtype)
     rope = est.runtime - RUNTIME_BYTES  # the engine's runtime term is its allowance plus the RoPE tables
@@ -207,8 +212,12 @@ def mapped_weight_bytes(shape: ModelShape, p: Precision) -> int:
 
 
 def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,
-                  block_size: int = 16) -> int:
-    """The KV budget that holds `concurrency` sequences of `context` tokens (whole blocks each)."""
+                  block_size: int = 16, stream_budget: int | None = None, sink_tokens: int = STREAM_SINKS,
+                  max_num_batched_tokens: int = 2048) -> int:
+    """The KV budget that holds `concurrency` sequences of `context` tokens (whole blocks each). Under StreamingLLM
+    (`stream_budget` tokens kept, sinks included) a sequence holds its sinks' blocks, its window's, a partial block
+    at each end of the window and the block its newest token opens; one step's prefill chunk
+    (`max_num_batched_tokens`, shared by the batch) comes on top (kvcache/sizing.py `min_blocks_evicting`)."""
     from brisk.engine.config import CacheConfig
     from brisk.kvcache.quant import Int4KVCache
     from brisk.kvcache.sizing import kv_bytes_per_block
@@ -216,6 +225,9 @@ def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context:
     c = shape.footprint.config
     cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     blocks = -(-context // block_size) * concurrency
+    if stream_budget is not None and stream_budget < context:
+        held = -(-sink_tokens // block_size) + -(-(stream_budget - sink_tokens) // block_size) + 3
+        blocks = min(blocks, held * concurrency + -(-max_num_batched_tokens // block_size))
     pool = blocks * kv_bytes_per_block(cache, c, p.dtype)
     if kv_cache_dtype == "int4":
         pool += cache.num_residual_blocks * c.num_hidden_layers * Int4KVCache.residual_bytes_per_block(
@@ -223,14 +235,37 @@ def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context:
     return -(-pool // MiB) * MiB
 
 
-def engine_settings(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int,
-                    concurrency: int) -> dict[str, object]:
-    """LLM keywords of the candidate (the model path is the caller's: a quantized copy is written first)."""
+def draft_kv_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,
+                   step_tokens: int = STEP_TOKENS[0]) -> int:
+    """A draft model's own KV pool (spec/draft_model.py): as many blocks as the target's, in the runtime dtype's
+    float cache (a quantized target cache is not matched)."""
+    from brisk.engine.config import CacheConfig
+    from brisk.kvcache.sizing import kv_bytes_per_block, num_kv_blocks
+
+    c = shape.footprint.config
+    block = 64 if kv_cache_dtype == "int4" else 16
+    pool = kv_pool_bytes(shape, p, kv_cache_dtype, context, concurrency, block, max_num_batched_tokens=step_tokens)
+    target = CacheConfig(block_size=block, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=f"{pool // MiB}MiB")
+    blocks = num_kv_blocks(target, c, p.dtype)
+    draft = CacheConfig(block_size=block, kv_cache_dtype="bfloat16" if kv_cache_dtype == "bfloat16" else "auto")
+    return blocks * kv_bytes_per_block(draft, c, p.dtype)
+
+
+def engine_settings(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,
+                    stream_budget: int | None = None, step_tokens: int = STEP_TOKENS[0]) -> dict[str, object]:
+    """LLM keywords of the candidate (the model path is the caller's: a quantized copy is written first).
+    `step_tokens`: the engine's token budget per step (max_num_batched_tokens), which sizes one step's
+    activations and the prefill chunk."""
     block = 64 if kv_cache_dtype == "int4" else 16
     dtype = "auto" if p.gguf else str(p.dtype).removeprefix("torch.")
-    return {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "block_size": block, "max_model_len": context,
-            "max_num_seqs": concurrency,
-            "kv_cache_memory": f"{kv_pool_bytes(shape, p, kv_cache_dtype, context, concurrency, block) // MiB}MiB"}
+    pool = kv_pool_bytes(shape, p, kv_cache_dtype, context, concurrency, block, stream_budget,
+                         max_num_batched_tokens=step_tokens)
+    out: dict[str, object] = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "block_size": block,
+                              "max_model_len": context, "max_num_seqs": concurrency,
+                              "max_num_batched_tokens": step_tokens, "kv_cache_memory": f"{pool // MiB}MiB"}
+    if stream_budget is not None:
+        out.update(kv_policy="streaming", kv_budget=stream_budget, sink_tokens=STREAM_SINKS)
+    return out
 
 
 def gib(n: float) -> str:

@@ -36,6 +36,14 @@ WEIGHT_TECHNIQUES: dict[str, dict[str, Any]] = {
     "wanda-2:4": {"prune": ["--method", "wanda", "--pattern", "2:4"]},
 }
 KV_TECHNIQUES = {"kv-int8": "int8", "kv-int4": "int4"}
+# StreamingLLM (4 sinks + a window, N tokens of KV kept in all) is priced on one long stream, not on windows:
+# `streaming-N` against `stream-full` (the full cache) on the first STREAM_TOKENS tokens of the evaluation text,
+# fed in chunks of STREAM_CHUNK through the engine's paged cache (eval/longppl.py)
+STREAM_BUDGETS = (512, 1024, 2048, 4096)
+STREAM_TOKENS = 8192
+STREAM_CHUNK = 256
+STREAM_SINKS = 4
+STREAM_REFERENCE = "stream-full"
 LOSSLESS = ("speculative", "paged", "fusion")
 STORED_FILE = "quality_smollm2.json"
 
@@ -66,7 +74,38 @@ def relative_cost(table: dict[str, Any], technique: str) -> float | None:
     if technique in LOSSLESS:
         return 0.0
     ppl = table["ppl"].get(technique)
-    return None if ppl is None else ppl / table["ppl"]["float32"] - 1.0
+    reference = table["ppl"].get(STREAM_REFERENCE) if technique.startswith("streaming-") else table["ppl"]["float32"]
+    return None if ppl is None or reference is None else ppl / reference - 1.0
+
+
+def stream_budgets(context: int) -> list[int]:
+    """The StreamingLLM budgets worth pricing at `context`: those shorter than it (else nothing is evicted)."""
+    return [n for n in STREAM_BUDGETS if n < context]
+
+
+def measure_stream_quality(model: str | None, budgets: tuple[int, ...] = STREAM_BUDGETS,
+                           stream_tokens: int = STREAM_TOKENS, chunk: int = STREAM_CHUNK,
+                           log: Callable[[str], None] = print) -> dict[str, Any]:
+    """`stream-full` and `streaming-N` perplexity on one stream of `stream_tokens` tokens of the evaluation text
+    (at most the model's trained context, so the reference does not extrapolate RoPE)."""
+    from brisk.data import evaluation_text_path
+    from brisk.eval.longppl import long_perplexity
+    from brisk.model.loader import load_model, resolve_model
+
+    loaded = load_model(resolve_model(model), show_progress=False)
+    tokens = min(stream_tokens, loaded.config.max_position_embeddings)
+    text = evaluation_text_path().read_text(encoding="utf-8")
+    ppl: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for name, mode, budget in [(STREAM_REFERENCE, "full", None),
+                               *((f"streaming-{n}", "streaming", n) for n in budgets if n < tokens)]:
+        log(f"quality: {name} ...")
+        res = long_perplexity(loaded, text, mode, budget=budget, sink_tokens=STREAM_SINKS, max_tokens=tokens,
+                              chunk=chunk, progress=False)
+        ppl[name], seconds[name] = res.ppl, round(res.seconds, 1)
+        log(f"quality: {name}: ppl {res.ppl:.4f} ({res.seconds:.0f} s)")
+    return {"ppl": ppl, "seconds": seconds,
+            "stream_protocol": {"stream_tokens": tokens, "chunk": chunk, "sink_tokens": STREAM_SINKS}}
 
 
 def combined_cost(table: dict[str, Any], techniques: list[str]) -> float | None:

@@ -4,10 +4,14 @@ A decode step of B sequences at context L reads every weight once and each seque
 2 x (linear weights) x B multiply-adds' worth of work, so its time is
 
     t(B) = max(weight bytes / (bandwidth x e_fmt), B / prefill rate_fmt) + B x KV bytes(L) / (bandwidth x e_kv)
+           + (B - 1) x s
 
 with the machine's read bandwidth measured (`brisk bench membw`'s method), e_fmt the fraction of it the format's
-kernels reach at batch 1, and the prefill rate (tokens/s, compute bound) as the compute ceiling. The probe (a few
-seconds on the real model: batch-1 decode and one prefill) fixes e and the prefill rate of the probed format;
+kernels reach at batch 1, the prefill rate (tokens/s, compute bound) as the compute ceiling, e_kv the fraction the
+attention kernel reaches on the float cache (measured with the KV factors) and s what each further sequence adds
+to a step besides (scheduling, sampling, small-batch kernels). The probe (a few seconds on the real model: batch-1
+decode, one prefill, and a short decode of PROBE_BATCH sequences for s) fixes e, s and the prefill rate of the
+probed format;
 the other formats follow by the stored ratios in data/speed_factors.json (their batch-1 bandwidth fraction and
 prefill rate relative to float32, measured by `measure_factors` on this CPU family: see docs/advise.md).
 Speculative decoding multiplies the batch-1 rate by its stored speed-up, and does nothing above
@@ -25,6 +29,7 @@ from typing import Any
 
 FACTORS_FILE = "speed_factors.json"
 SPEC_DISABLE_ABOVE = 8  # the engine's default disable_by_batch_size
+PROBE_BATCH = 16
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Calibration:
     kv_bytes_read: int  # KV bytes the probe's mean decode step read
     seconds: float
     efficiency: float = 0.0  # achieved fraction of the bandwidth of the probed format
+    batch_tok_s: float = 0.0  # probe: PROBE_BATCH sequences decoding together at a short context
+    per_seq_s: float = 0.0  # s: the step time each sequence beyond the first adds besides the roofline
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,12 +75,14 @@ class Prediction:
 
 def predict(cal: Calibration, factors: dict[str, Any], precision_name: str, weight_bytes: int, kv_bytes_token: int,
             context: int, concurrency: int, spec_speedup: float = 1.0, sparse_speedup: float = 1.0,
-            kv_cache_dtype: str = "auto", num_layers: int = 0) -> Prediction:
-    """The roofline at batch 1 and at `concurrency`; KV read at the mean context of a sequence (context / 2).
+            kv_cache_dtype: str = "auto", num_layers: int = 0, stream_budget: int | None = None) -> Prediction:
+    """The roofline at batch 1 and at `concurrency`; KV read at the mean context of a sequence (context / 2; under
+    StreamingLLM with `stream_budget` tokens kept, the mean of min(t, budget) over t < context).
 
     A quantized KV cache is priced by the path it runs (factors["kv_paths"], `measure_kv_factors`): its attention
     reads fewer bytes but widens every code it reads, so its bytes go at `read` times the float cache's rate, and
-    its steps take the decode plan's Python loop (quantize on write) at `step_us` more per layer and step."""
+    its steps (quantize on write) take `step_us` more per layer and step. StreamingLLM's steps take the decode
+    plan's Python layer loop and a sink pass: kv_paths["streaming"]'s `step_us` more, added to the dtype's."""
     rows = factors["formats"]
     key = factor_key(precision_name)
     ref = rows.get(factor_key(cal.probed), rows["float32"])
@@ -81,16 +90,22 @@ def predict(cal: Calibration, factors: dict[str, Any], precision_name: str, weig
     bw = cal.read_gbps * 1e9
     eff = cal.efficiency * row["bandwidth"] / ref["bandwidth"]
     prefill = cal.prefill_tok_s * row["prefill"] / ref["prefill"]
-    path = factors.get("kv_paths", {}).get(kv_cache_dtype, {"read": 1.0, "step_us": 0.0})
-    kv_eff = cal.efficiency * path["read"]  # the attention kernels' share does not depend on the weight format
+    paths = factors.get("kv_paths", {})
+    path = {"read": 1.0, "step_us": 0.0, **paths.get(kv_cache_dtype, {})}
+    # the float cache's attention kernel against the probe's weight streaming rate, then the dtype's path
+    kv_eff = cal.efficiency * paths.get("auto", {}).get("vs_weights", 1.0) * path["read"]
     overhead = num_layers * path["step_us"] * 1e-6
     mean_ctx = context / 2
+    if stream_budget is not None and stream_budget < context:
+        mean_ctx = stream_budget - stream_budget**2 / (2 * context)
+        overhead += num_layers * paths.get("streaming", {}).get("step_us", 0.0) * 1e-6
 
     def step(batch: int) -> tuple[float, str]:
         mem = weight_bytes / (bw * eff)
         compute = batch / prefill
         kv = batch * kv_bytes_token * mean_ctx / (bw * kv_eff)
-        return max(mem, compute) + kv + overhead, "memory" if mem >= compute else "compute"
+        extra = (batch - 1) * cal.per_seq_s * row.get("per_seq", 1.0) / ref.get("per_seq", 1.0)
+        return max(mem, compute) + kv + overhead + extra, "memory" if mem >= compute else "compute"
 
     t1, _ = step(1)
     tb, bound = step(concurrency)
@@ -100,9 +115,10 @@ def predict(cal: Calibration, factors: dict[str, Any], precision_name: str, weig
 
 
 def calibrate(llm: Any, probed: str, read_gbps: float | None = None, prompt_len: int = 128, output_len: int = 24,
-              log: Callable[[str], None] = lambda m: None) -> Calibration:
+              batch: int = 1, log: Callable[[str], None] = lambda m: None) -> Calibration:
     """A few seconds on the loaded model: a batch-1 decode of `output_len` tokens after a prompt of `prompt_len`
-    (best of 2), and the prefill rate of that prompt; plus a quick read-bandwidth measurement."""
+    (best of 2), and the prefill rate of that prompt; plus a quick read-bandwidth measurement; with `batch` > 1,
+    `batch` sequences of 64 tokens decoding together (best of 2), for the per-sequence step cost."""
     from brisk.bench.latency import run_latency
     from brisk.bench.membw import QUICK_BUFFER_BYTES, measure_membw
     from brisk.bench.prompts import make_prompt, text_token_ids
@@ -120,53 +136,73 @@ def calibrate(llm: Any, probed: str, read_gbps: float | None = None, prompt_len:
     config = llm.engine.loaded.config
     kv_item = 2 if str(llm.engine.loaded.dtype) == "torch.bfloat16" else 4
     kv = kv_bytes_read(config, kv_item, int(mean_decode_context(prompt_len, output_len)))
-    cal = Calibration(read_gbps, probed, decode, prefill, weights, kv, time.perf_counter() - start)
+    cal = Calibration(read_gbps, probed, decode, prefill, weights, kv, 0.0)
     cal.efficiency = (weights + kv) * decode / (read_gbps * 1e9)
+    if batch > 1:
+        from brisk.bench.quant import decode_rate
+
+        short = make_prompt(tok, text_token_ids(tok), 0, 64)
+        output = output_len + -(-batch * 64 // (llm.engine.config.scheduler.max_num_batched_tokens or 2048))
+        cal.batch_tok_s = max(decode_rate(llm, short, batch, output)[0] for _ in range(2))
+        # what the roofline gives at this batch without s (the short context's KV reads are in the probe's e)
+        roof = max(weights / (read_gbps * 1e9 * cal.efficiency), batch / prefill)
+        cal.per_seq_s = max(0.0, (batch / cal.batch_tok_s - roof) / (batch - 1))
+    cal.seconds = time.perf_counter() - start
     log(f"probe ({probed}): decode {decode:.1f} tok/s at batch 1 ({cal.efficiency:.0%} of {read_gbps:.1f} GB/s), "
+        f"{cal.batch_tok_s:.0f} tok/s at batch {batch} ({1e3 * cal.per_seq_s:.2f} ms a sequence besides the roofline), "
         f"prefill {prefill:.0f} tok/s, {cal.seconds:.1f} s")
     return cal
 
 
-FACTOR_FORMATS = ("float32", "bfloat16", "int8", "int4-g32", "int4-g64", "int4-g128")
+FACTOR_FORMATS = ("float32", "bfloat16", "gguf", "int8", "int4-g32", "int4-g64", "int4-g128")
 
 
 def measure_factors(model: str | None, formats: tuple[str, ...] = FACTOR_FORMATS, rounds: int = 2,
                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Batch-1 bandwidth fraction and prefill rate of each format relative to float32, from one probe per format
-    per round (formats alternate within a round; the best round counts). int4 formats are RTN checkpoints written
-    to a temporary folder; the probe's read bandwidth is measured once and shared."""
+    """Batch-1 bandwidth fraction, prefill rate and per-sequence step cost (the PROBE_BATCH probe) of each format
+    relative to float32, from one probe per format per round (formats alternate within a round; the best round
+    counts). int4 formats are RTN checkpoints written to a temporary folder; gguf is a quantized GGUF model in its
+    own codes (skipped for other models); the probe's read bandwidth is measured once and shared."""
     import tempfile
     from pathlib import Path
 
     from brisk.bench.membw import QUICK_BUFFER_BYTES, measure_membw
     from brisk.bench.quant import build_checkpoint
     from brisk.engine.llm import LLM
-    from brisk.quant.config import LayerQuant
+    from brisk.model.loader import resolve_model
+    from brisk.quant.config import LayerQuant, QuantConfigError
 
     read = measure_membw(QUICK_BUFFER_BYTES, runs=3).read_gbps
     best: dict[str, Calibration] = {}
     with tempfile.TemporaryDirectory(prefix="brisk-factors-") as tmp:
         engines = {}
+        if not str(resolve_model(model)).endswith(".gguf"):
+            formats = tuple(f for f in formats if f != "gguf")
         for name in formats:
-            kw: dict[str, Any] = {"dtype": "bfloat16" if name == "bfloat16" else "float32"}
+            kw: dict[str, Any] = {"dtype": {"bfloat16": "bfloat16", "gguf": "auto"}.get(name, "float32")}
             path = model
             if name.startswith("int"):
                 group = -1 if name == "int8" else int(name.rsplit("-g", 1)[1])
                 setting = LayerQuant(bits=8 if name == "int8" else 4, group_size=group, sym=name == "int8")
                 path = str(Path(tmp) / name)
                 log(f"factors: quantizing {name} ...")
-                build_checkpoint(setting, Path(path), model)
-            engines[name] = LLM(path, kv_cache_memory="64MiB", enable_prefix_caching=False, max_model_len=512,
-                                **kw)
+                try:
+                    build_checkpoint(setting, Path(path), model)
+                except QuantConfigError as e:  # a group size that does not divide this model's layers
+                    log(f"factors: {name} skipped: {e}")
+                    continue
+            engines[name] = LLM(path, kv_cache_memory="128MiB", enable_prefix_caching=False, max_model_len=512,
+                                max_num_seqs=PROBE_BATCH, **kw)
         for _r in range(rounds):
             for name, llm in engines.items():
-                cal = calibrate(llm, name, read, log=log)
+                cal = calibrate(llm, name, read, batch=PROBE_BATCH, log=log)
                 if name not in best or cal.decode_tok_s > best[name].decode_tok_s:
                     best[name] = cal
     ref = best["float32"]
     return {"read_gbps": read,
             "formats": {n: {"bandwidth": round(c.efficiency / ref.efficiency, 3),
                             "prefill": round(c.prefill_tok_s / ref.prefill_tok_s, 3),
+                            "per_seq": round(c.per_seq_s / ref.per_seq_s, 3) if ref.per_seq_s else 1.0,
                             "decode_tok_s": round(c.decode_tok_s, 1), "prefill_tok_s": round(c.prefill_tok_s, 1)}
                         for n, c in best.items()}}
 
@@ -184,6 +220,12 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
     - step_us: the extra time of a batch-1 decode step per layer at a short context (64 tokens, so KV reads do
       not count): the Python loop and the quantize-on-write; 32 tokens per run, the dtypes alternated, the best
       of `rounds` runs each.
+
+    The "auto" row is the float cache's: `vs_weights`, the attention kernel's cache bytes per second against the bytes
+    per second the float32 model's batch-1 decode streams its weights at (so a probe's achieved rate, bandwidth x
+    e, prices the KV reads of every format, whatever the bandwidth measurement gave). The "streaming" row is
+    StreamingLLM on the float cache (budget 32 of the 64-token prompt, so every step evicts): its `step_us` is
+    measured the same way; its window is read by the float cache's kernel (read 1.0).
     """
     import statistics
 
@@ -191,6 +233,7 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
 
     from brisk.bench.latency import run_latency
     from brisk.bench.prompts import make_prompt, text_token_ids
+    from brisk.bench.roofline import weight_bytes_per_token
     from brisk.engine.llm import LLM
     from brisk.kvcache.quant import kv_bytes_per_token, make_kv_caches
     from brisk.ops.attention import paged_attention, write_kv
@@ -198,11 +241,14 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
 
     engines = {kv: LLM(model, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False,
                        max_model_len=512, dtype="float32") for kv in ("auto", *KV_FACTOR_DTYPES)}
+    engines["streaming"] = LLM(model, kv_policy="streaming", kv_budget=32, sink_tokens=4, kv_cache_memory="64MiB",
+                               max_num_batched_tokens=512, enable_prefix_caching=False, max_model_len=512,
+                               dtype="float32")
+    read: dict[str, float] = {"streaming": 1.0}
     config = engines["auto"].engine.loaded.config
     h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     layers = config.num_hidden_layers
     gen = torch.Generator().manual_seed(0)
-    read: dict[str, float] = {}
     for kv in ("auto", *KV_FACTOR_DTYPES):
         bs = 64 if kv == "int4" else 16
         per_seq = (context + bs - 1) // bs
@@ -236,11 +282,19 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
             best[kv] = max(best[kv], run_latency(llm, prompt, 32, runs=1, warmup=1).decode_tok_s)
     step = {kv: 1.0 / rate for kv, rate in best.items()}
     log("kv factors: batch-1 decode " + ", ".join(f"{kv} {rate:.1f} tok/s" for kv, rate in best.items()))
-    return {kv: {"read": round(read[kv] / read["auto"], 3),
-                 "step_us": round(max(0.0, (step[kv] - step["auto"]) / layers * 1e6), 1)}
-            for kv in KV_FACTOR_DTYPES}
+    streamed = weight_bytes_per_token(engines["auto"].engine.loaded.model) * best["auto"]
+    out: dict[str, Any] = {"auto": {"read": 1.0, "step_us": 0.0, "vs_weights": round(read["auto"] / streamed, 3)}}
+    out.update({kv: {"read": round(read[kv] / (1.0 if kv == "streaming" else read["auto"]), 3),
+                     "step_us": round(max(0.0, (step[kv] - step["auto"]) / layers * 1e6), 1)}
+                for kv in (*KV_FACTOR_DTYPES, "streaming")})
+    return out
 
 
 
-if __name__ == "__main__":  # python -m brisk.advise.speed: the kv_paths rows of data/speed_factors.json
-    print(json.dumps({"kv_paths": measure_kv_factors(None)}, indent=1))
+if __name__ == "__main__":  # python -m brisk.advise.speed [formats]: rows of data/speed_factors.json
+    import sys
+
+    if sys.argv[1:] == ["formats"]:
+        print(json.dumps(measure_factors(None), indent=1))
+    else:
+        print(json.dumps({"kv_paths": measure_kv_factors(None)}, indent=1))

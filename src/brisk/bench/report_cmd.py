@@ -369,9 +369,7 @@ def kv_rows(model: str | None, p: Params, log: Callable[[str], None]) -> list[Ro
 
 
 def best_combinations(model: str | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from brisk.advise.advisor import advise
-    from brisk.advise.speed import calibrate
-    from brisk.engine.llm import LLM
+    from brisk.advise.advisor import advise, calibrate_model
     from brisk.engine.memory import available_memory
     from brisk.model.gguf import read_gguf_config
     from brisk.model.loader import resolve_model
@@ -383,10 +381,7 @@ def best_combinations(model: str | None, log: Callable[[str], None]) -> dict[str
     else:
         max_pos = json.loads((path / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
     context = min(2048, max_pos)
-    probe = LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=min(512, max_pos),
-                enable_prefix_caching=False)
-    cal = calibrate(probe, "float32", prompt_len=min(128, max_pos // 4), log=log)  # one probe for both goals
-    del probe
+    cal = calibrate_model(model, log=log)  # one probe for both goals
     out = {}
     for goal, concurrency in (("latency", 1), ("throughput", 32)):
         a = advise(model, budget, goal, 0.02, context=context, concurrency=concurrency, calibration=cal, log=log)
