@@ -5,7 +5,7 @@ its candidates measured on this machine: the advised configuration's measured sp
     throughput  64 sequences of 2,048 tokens in 8 GiB
     long        one 32,768-token context in 8 GiB: past the default model's 8,192 positions, StreamingLLM only
 
-Measured per scenario: the advised #1, the next ranked ones, and the best-ranked candidate of each weight format
+Measured per scenario: the advised first, the next ranked ones, and the best-ranked candidate of each weight format
 and KV policy not among them (so a format the roofline under-rates is measured too), `--candidates` in all; each
 decodes after a prompt of half the context (advisor.measure_all) for `--seconds`. Then the advised configuration's
 peak resident memory in a fresh process (memprobe: its sequences' prompts of the whole context less 8 tokens, 4

@@ -108,8 +108,9 @@ def streaming_rows(model: str | None, p: Params, log: Callable[[str], None]) -> 
                 runs["streaming"].ppl, runs["full"].ppl,
                 f"KV held {held['streaming'] / 2**20:.1f} MiB vs {held['full'] / 2**20:.1f} MiB at {context} tokens "
                 "(bounded: it stays there at any length)", held["streaming"],
-                note=f"ppl on one {context}-token stream of the evaluation text (`brisk eval ppl --long`); evicting "
-                     "policies run the PyTorch attention path, not the C++ kernel")]
+                note=f"ppl on one {context}-token stream of the evaluation text (`brisk eval ppl --long`); its "
+                     "attention runs on the C++ kernel, its steps on the decode plan's Python layer loop (the full "
+                     "cache's batch-1 steps take the C++ one)")]
 
 
 def onnxruntime_rows(model: str | None, p: Params, log: Callable[[str], None]) -> list[Row]:
