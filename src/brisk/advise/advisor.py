@@ -176,7 +176,7 @@ def build_candidates(shape: mem.ModelShape, cal: spd.Calibration, factors: dict[
         weights = mem.weight_bytes(shape, p) if p.name != "given" else shape.footprint.weight_bytes(p.dtype)
         sparse = factors["techniques"]["sparsity"].get(p.sparsity, 1.0) if p.sparsity else 1.0
         for kv in KV_DTYPES:
-            block = 64 if kv == "int4" else 16
+            block = mem.kv_block_size(kv)
             item = torch.finfo(p.dtype).bits // 8
             kv_token = int(kv_bytes_per_token(kv, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block,
                                               item))
@@ -411,12 +411,11 @@ def measure_candidate(llm: Any, goal: str, concurrency: int, seconds: float, pro
     ones decode, so each request generates `output_len` tokens more than those steps (the clock starts when all
     have their first token)."""
     from brisk.bench.prompts import make_prompt, text_token_ids
-    from brisk.bench.quant import decode_rate
+    from brisk.bench.quant import decode_rate, output_len_together
 
     tok = llm.get_tokenizer()
     batch = 1 if goal == "latency" else concurrency
-    step = llm.engine.config.scheduler.max_num_batched_tokens or mem.STEP_TOKENS[0]
-    output_len += -(-batch * prompt_len // step)
+    output_len = output_len_together(llm, batch, prompt_len, output_len)
     prompt_len = min(prompt_len, llm.engine.max_model_len - output_len - 1)
     prompt = make_prompt(tok, text_token_ids(tok), 0, prompt_len)
     decode_rate(llm, prompt, 1, 4)  # warm-up

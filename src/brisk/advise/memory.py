@@ -235,6 +235,11 @@ def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context:
     return -(-pool // MiB) * MiB
 
 
+def kv_block_size(kv_cache_dtype: str) -> int:
+    """The block size a candidate runs its KV cache dtype at: int4 (KIVI) groups keys by 64 tokens."""
+    return 64 if kv_cache_dtype == "int4" else 16
+
+
 def draft_kv_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,
                    step_tokens: int = STEP_TOKENS[0]) -> int:
     """A draft model's own KV pool (spec/draft_model.py): as many blocks as the target's, in the runtime dtype's
@@ -243,7 +248,7 @@ def draft_kv_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context
     from brisk.kvcache.sizing import kv_bytes_per_block, num_kv_blocks
 
     c = shape.footprint.config
-    block = 64 if kv_cache_dtype == "int4" else 16
+    block = kv_block_size(kv_cache_dtype)
     pool = kv_pool_bytes(shape, p, kv_cache_dtype, context, concurrency, block, max_num_batched_tokens=step_tokens)
     target = CacheConfig(block_size=block, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=f"{pool // MiB}MiB")
     blocks = num_kv_blocks(target, c, p.dtype)
@@ -256,7 +261,7 @@ def engine_settings(shape: ModelShape, p: Precision, kv_cache_dtype: str, contex
     """LLM keywords of the candidate (the model path is the caller's: a quantized copy is written first).
     `step_tokens`: the engine's token budget per step (max_num_batched_tokens), which sizes one step's
     activations and the prefill chunk."""
-    block = 64 if kv_cache_dtype == "int4" else 16
+    block = kv_block_size(kv_cache_dtype)
     dtype = "auto" if p.gguf else str(p.dtype).removeprefix("torch.")
     pool = kv_pool_bytes(shape, p, kv_cache_dtype, context, concurrency, block, stream_budget,
                          max_num_batched_tokens=step_tokens)

@@ -139,10 +139,10 @@ def calibrate(llm: Any, probed: str, read_gbps: float | None = None, prompt_len:
     cal = Calibration(read_gbps, probed, decode, prefill, weights, kv, 0.0)
     cal.efficiency = (weights + kv) * decode / (read_gbps * 1e9)
     if batch > 1:
-        from brisk.bench.quant import decode_rate
+        from brisk.bench.quant import decode_rate, output_len_together
 
         short = make_prompt(tok, text_token_ids(tok), 0, 64)
-        output = output_len + -(-batch * 64 // (llm.engine.config.scheduler.max_num_batched_tokens or 2048))
+        output = output_len_together(llm, batch, 64, output_len)
         cal.batch_tok_s = max(decode_rate(llm, short, batch, output)[0] for _ in range(2))
         # what the roofline gives at this batch without s (the short context's KV reads are in the probe's e)
         roof = max(weights / (read_gbps * 1e9 * cal.efficiency), batch / prefill)
@@ -231,6 +231,7 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
 
     import torch
 
+    from brisk.advise.memory import kv_block_size
     from brisk.bench.latency import run_latency
     from brisk.bench.prompts import make_prompt, text_token_ids
     from brisk.bench.roofline import weight_bytes_per_token
@@ -250,7 +251,7 @@ def measure_kv_factors(model: str | None, rounds: int = 5, batch: int = 64, cont
     layers = config.num_hidden_layers
     gen = torch.Generator().manual_seed(0)
     for kv in ("auto", *KV_FACTOR_DTYPES):
-        bs = 64 if kv == "int4" else 16
+        bs = kv_block_size(kv)
         per_seq = (context + bs - 1) // bs
         num_blocks = batch * per_seq
         cache = make_kv_caches(kv, 1, num_blocks, bs, kvh, d, torch.float32)[0]

@@ -57,6 +57,13 @@ class QuantRow:
         return asdict(self)
 
 
+def output_len_together(llm, batch: int, prompt_len: int, output_len: int) -> int:  # noqa: ANN001
+    """`output_len` plus the steps the batch's prompts take to prefill (chunked, while the first ones decode), so
+    that every request of `decode_rate` has its first token before any finishes."""
+    step = llm.engine.config.scheduler.max_num_batched_tokens or 2048
+    return output_len + -(-batch * prompt_len // step)
+
+
 def decode_rate(llm, prompt_ids: list[int], batch: int, output_len: int) -> tuple[float, list[int]]:  # noqa: ANN001
     """Decode tokens/s of `batch` identical-length requests running together, prefill excluded: the clock starts
     when every request has its first token. Returns (tok/s, greedy tokens of request 0)."""
