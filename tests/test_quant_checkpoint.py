@@ -269,3 +269,40 @@ def test_int8_embedding_kernel_equals_the_torch_path(kernel_settings, group, dty
     kernel_settings(enabled=True)
     with pytest.raises(RuntimeError, match="id 300 is out of range for a table of 300 rows"):
         emb(torch.tensor([300]))
+
+
+def _mappings(path: Path) -> tuple[int, list[tuple[int, int]]]:
+    """Resident bytes of this process's mappings of `path` and their address ranges (/proc/self/smaps)."""
+    total, inside, ranges = 0, False, []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+            inside = line.rstrip().endswith(str(path))
+            if inside:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                ranges.append((lo, hi))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total, ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_repacked_source_pages_leave_the_resident_set(tmp_path):
+    """The codes, scales and zero points are read through the file's map into the kernels' layout; afterwards only
+    the pages of tensors the model still views (the int8 embedding, the norms) stay mapped in."""
+    from brisk.model.hugepages import model_tensors
+
+    src = tmp_path / "float"
+    make_tiny_hf_model(src, "llama", seed=2, hidden_size=512, intermediate_size=1536, num_attention_heads=4)
+    qfolder = quantize_folder(src, tmp_path / "q", LayerQuant(bits=4, group_size=64))
+    loaded = load_model(qfolder)
+    file = (qfolder / "model.safetensors").resolve()
+    stored = sum(t.nbytes for k, t in load_file(file).items() if ".layers." in k and "norm" not in k)
+    assert stored > 2_000_000  # the decoder linears' codes, scales and zero points as stored
+    resident, ranges = _mappings(file)
+    assert ranges, "the folder's weights are not memory-mapped"
+    on_map = {t.data_ptr(): t.nbytes for t in model_tensors(loaded.model)
+              if any(lo <= t.data_ptr() < hi for lo, hi in ranges)}
+    assert resident <= sum(on_map.values()) + 64 * 1024, (resident, sum(on_map.values()), stored)
+    again = load_model(qfolder)  # (a second load reads the dropped pages again from the page cache: same model)
+    assert torch.equal(prefill_logits(loaded, IDS), prefill_logits(again, IDS))

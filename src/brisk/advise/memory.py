@@ -15,9 +15,9 @@ a tied table is held twice once loaded (the lookup's and lm_head's copies).
 
 A quantized checkpoint folder is memory-mapped at load (model/mapped.py): the embedding and the norms stay views of
 the file's map, and the decoder linears' stored codes, scales and zero points are read through it into the kernels'
-repacked layout. Those source pages stay mapped and resident while the map lives (`mapped_weight_bytes`: one more
-copy of the linears' stored bytes, 55 MiB at int4 g64 and 101 MiB at int8 on the default model). A GGUF file's
-load unmaps its source pages as it goes (model/gguf_place.py), and a float model is held as it is read.
+repacked layout, after which the loader unmaps those source pages (`mapped.drop_unused_pages`): the linears are
+held once. A GGUF file's load unmaps its source pages as it goes (model/gguf_place.py), and a float model is held
+as it is read.
 
 The runtime term is measured, not the engine's conservative allowance: `PROCESS_BASE_BYTES`, what a Python process
 holds resident after importing the engine (interpreter, torch, brisk), plus `LOADED_RUNTIME_BYTES`, what a load
@@ -197,18 +197,9 @@ def estimate(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int,
     config = build_engine_config(**settings)
     est = estimate_memory(config, footprint_for(shape, p), dtype=p.dtype)
     rope = est.runtime - RUNTIME_BYTES  # the engine's runtime term is its allowance plus the RoPE tables
-    est = replace(est, weights=est.weights + extra_weights + mapped_weight_bytes(shape, p),
+    est = replace(est, weights=est.weights + extra_weights,
                   runtime=PROCESS_BASE_BYTES + LOADED_RUNTIME_BYTES + rope)
     return est, settings
-
-
-def mapped_weight_bytes(shape: ModelShape, p: Precision) -> int:
-    """Bytes of the checkpoint file's map that stay resident after a load in format `p`: a quantized folder's
-    decoder linears as stored (codes, scales, zero points), read through the map into their repacked layout."""
-    if p.bits is None:
-        return 0
-    c = shape.footprint.config
-    return int(shape.decoder_linear * int_bytes_per_weight(p.bits, p.group_size, c.hidden_size))
 
 
 def kv_pool_bytes(shape: ModelShape, p: Precision, kv_cache_dtype: str, context: int, concurrency: int,

@@ -197,6 +197,11 @@ def _holders(model: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
     return out
 
 
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds: parameters, buffers and the packed / sparse weights' fields."""
+    return [t for _, _, t in _holders(model)]
+
+
 def to_huge_pages(model: nn.Module, min_bytes: int = 4096, skip: Collection[int] = ()) -> int:
     """Move the model's CPU tensors of at least `min_bytes` into one huge-page arena (see the module docstring).
     Returns the bytes moved (0 when huge pages are not available). Tensors shared by several holders (tied

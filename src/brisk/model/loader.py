@@ -231,6 +231,13 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         # weights on 2 MiB pages: batch-1 decode streams them every token (model/hugepages.py)
         to_huge_pages(net, skip=mapped_storages)
     release_free_memory()  # what fusion and tiling replaced
+    if maps := getattr(ckpt, "mapped", []):
+        from brisk.model.hugepages import model_tensors
+        from brisk.model.mapped import drop_unused_pages
+
+        live = model_tensors(net)
+        for base in maps:  # the source pages of what was repacked (a quantized folder's codes): not resident
+            drop_unused_pages(base, live)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
                        generation_config=dict(getattr(ckpt, "generation_config", {})),
                        dummy_shape=getattr(ckpt, "shape", None))

@@ -21,6 +21,7 @@ import json
 import mmap
 import struct
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -65,6 +66,36 @@ def drop_pages(t: torch.Tensor) -> None:
     first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages
     if last > first:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def drop_unused_pages(base: torch.Tensor, live: Iterable[torch.Tensor]) -> int:
+    """Unmap every whole page of mapping `base` that none of the `live` tensors lies on (`drop_pages` on the
+    gaps between them); returns the bytes of the gaps. A load reads a quantized folder's codes, scales and zero
+    points through the map into the kernels' repacked layout: those source pages were resident, and stayed so
+    while the map lived (the embedding and the norms, views of it, keep it alive). A dropped page that is read
+    again later faults back in from the file: only pages that were written and then abandoned lose anything."""
+    if base.numel() == 0 or not sys.platform.startswith("linux"):
+        return 0
+    storage, begin = base.untyped_storage().data_ptr(), base.data_ptr()
+    end = begin + base.numel()
+    spans = []
+    for t in live:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.untyped_storage().data_ptr() != storage:
+            continue
+        if t.numel() == 0:
+            continue
+        steps = [(n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)]
+        size = t.element_size()
+        spans.append((t.data_ptr() + size * sum(s for s in steps if s < 0),
+                      t.data_ptr() + size * (sum(s for s in steps if s > 0) + 1)))
+    spans.sort()
+    dropped, at = 0, begin
+    for lo, hi in [*spans, (end, end)]:
+        if lo > at:
+            drop_pages(base[at - begin:lo - begin])
+            dropped += lo - at
+        at = max(at, hi)
+    return dropped
 
 
 def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
