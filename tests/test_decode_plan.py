@@ -280,3 +280,31 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     with pytest.raises(RuntimeError, match=r"x must be \[T <= 8, hidden\]"):
         plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.weights,
                            plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypatch, dtype):
+    """SqueezeLLM's table layers (ops.layers.LutLinear, kind 9) in the plan and its C++ loop: lut_linear there as
+    in the module path, so the same numbers."""
+    from brisk.data import calibration_text_path
+    from brisk.model.loader import load_model
+    from brisk.ops.layers import LutLinear
+    from brisk.quant.calib import CalibConfig
+    from brisk.quant.checkpoint import save_quantized
+    from brisk.quant.config import LayerQuant
+    from brisk.quant.rtn import plan_layers
+    from brisk.quant.squeezellm import SqueezeLLMConfig, squeezellm_quantize
+
+    loaded = load_model(tiny_folder, fuse=False)
+    spec = LayerQuant(bits=3, group_size=-1, sym=True, scheme="lut")
+    plan = plan_layers(loaded.model, loaded.config.tie_word_embeddings, spec)
+    calib = CalibConfig(str(calibration_text_path()), num_samples=2, seq_len=32)
+    tensors, qconfig = squeezellm_quantize(loaded, plan, spec, calib, SqueezeLLMConfig(outliers=0.01), progress=False)
+    out = save_quantized(tmp_path / "sq", loaded.config, loaded.tokenizer, qconfig, tensors)
+
+    def make_llm(**kw) -> LLM:
+        llm = LLM(str(out), kv_cache_memory="8MiB", dtype=dtype, **kw)
+        assert sum(isinstance(m, LutLinear) for m in llm.engine.loaded.model.modules()) == 4 * 2  # fused, 2 layers
+        return llm
+
+    _run_both(monkeypatch, make_llm, PROMPTS)

@@ -163,8 +163,20 @@ def _safetensors_footprint(folder: Path) -> ModelFootprint:
     """From config.json and the safetensors headers (the first 8 bytes give the header's length)."""
     from brisk.model.config import ModelConfig
 
-    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = ModelConfig.from_hf_dict(raw)
+    # SqueezeLLM layers (scheme "lut"): 3-bit codes run as 4-bit nibbles, the float16 tables as float32
+    lut_bits: dict[str, int] = {}
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("method") == "squeezellm":
+        from brisk.quant.config import QuantConfigError, QuantizationConfig
+
+        try:
+            lut_bits = {m: q.bits for m, q in QuantizationConfig.from_dict(qc).modules.items() if q.scheme == "lut"}
+        except QuantConfigError:
+            pass  # the loader says what is wrong with it
     float_params = fixed = linear = 0
+    tied_codes = 0  # a quantized tied embedding's codes: the head holds a copy of its own once loaded
     files = sorted(folder.glob("*.safetensors"))
     if not files:  # the loader says what is missing
         return _float_footprint(config, folder.name)
@@ -178,13 +190,23 @@ def _safetensors_footprint(folder: Path) -> ModelFootprint:
             numel = 1
             for d in info["shape"]:
                 numel *= d
+            module, _, leaf = name.rpartition(".")
+            if module in lut_bits and leaf in ("qweight", "lut"):
+                rows, cols = info["shape"]
+                fixed += rows * -(-(cols * 8 // lut_bits[module]) // 2) if leaf == "qweight" else numel * 4
+                continue
             if info["dtype"] in _FLOAT_DTYPES and not name.endswith(".scales"):
                 float_params += numel
                 linear += numel if len(info["shape"]) == 2 and "embed_tokens" not in name else 0
             else:
                 fixed += numel * _STORED_BYTES.get(info["dtype"], 4)
+                if name.startswith("model.embed_tokens."):
+                    tied_codes += numel * _STORED_BYTES.get(info["dtype"], 4)
     if config.tie_word_embeddings:
-        linear += config.vocab_size * config.hidden_size  # the head is a linear on the embedding's weight
+        if tied_codes:
+            fixed += tied_codes  # the quantized head's own table (the lookup keeps the embedding's)
+        else:
+            linear += config.vocab_size * config.hidden_size  # the head is a linear on the embedding's weight
     return ModelFootprint(config, float_params, fixed, linear, folder.name)
 
 

@@ -131,3 +131,50 @@ class FrozenQuantLinear(nn.Module):
         kind = "nf4" if self.codebook is not None else f"int{self.bits}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, {kind}-g{self.group_size}"
                 + (", double-quantized scales" if self.double_quant else ""))
+
+
+class _FrozenLutMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, layer: FrozenLutLinear) -> Tensor:  # noqa: ANN001
+        ctx.layer = layer
+        return layer.lut(x)  # the LutLinear's own kernels
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None]:  # noqa: ANN001
+        layer: FrozenLutLinear = ctx.layer
+        return layer.grad_input(grad_out), None
+
+
+class FrozenLutLinear(nn.Module):
+    """A SqueezeLLM layer (ops/layers.py LutLinear: per-row tables, 4-bit codes, float outliers) as a frozen base:
+    the forward through its kernels, dL/dx = dL/dy @ W with W decoded from the tables a chunk of output rows at a
+    time (ops/lut.py dequantize_lut), as FrozenQuantLinear does for affine codes."""
+
+    trains_as_module = True
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.lut = layer
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def grad_input(self, grad_out: Tensor) -> Tensor:
+        from brisk.ops.lut import dequantize_lut
+
+        g = grad_out.float()
+        rows = max(1, _CHUNK_WEIGHTS // self.in_features)
+        out = None
+        for n0 in range(0, self.out_features, rows):
+            w = dequantize_lut(self.lut.lut_weight, slice(n0, min(self.out_features, n0 + rows)))  # [rows, K]
+            part = g[..., n0:n0 + w.shape[0]] @ w
+            out = part if out is None else out.add_(part)
+        assert out is not None
+        return out.to(grad_out.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _FrozenLutMatmul.apply(x, self)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.lut.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.lut.spec.label}"

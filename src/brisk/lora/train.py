@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.lora.adapter import LoRAAdapter, module_path
-from brisk.lora.frozen import FrozenQuantLinear
+from brisk.lora.frozen import FrozenLutLinear, FrozenQuantLinear
 from brisk.model.hugepages import release_free_memory
 from brisk.model.loader import LoadedModel
-from brisk.ops.layers import QuantLinear
+from brisk.ops.layers import LutLinear, QuantLinear
 from brisk.ops.qlinear import prepack, prepack_nf4
 from brisk.quant.config import LayerQuant
 from brisk.quant.rtn import quantize_layer
@@ -82,10 +82,14 @@ def _frozen_from_float(weight: torch.Tensor, bias: torch.Tensor | None, spec: La
     return FrozenQuantLinear(pw, None if bias is None else bias.detach(), double_quant=double_quant)
 
 
-def _dequantized(q: QuantLinear) -> torch.Tensor:
+def _dequantized(q: QuantLinear | LutLinear) -> torch.Tensor:
     """A quantized layer's weight [N, K] in float32 (the values its kernels multiply with)."""
     from brisk.ops.qlinear import dequantize_packed, set_tiled
 
+    if isinstance(q, LutLinear):
+        from brisk.ops.lut import dequantize_lut
+
+        return dequantize_lut(q.lut_weight)
     set_tiled(q.packed, False)
     return dequantize_packed(q.packed)
 
@@ -116,11 +120,14 @@ def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True, requ
                 if not name.endswith("_proj"):
                     continue
                 dq = spec is not None and double_quant and spec.scheme == "nf4"
-                if isinstance(child, QuantLinear) and requantize and spec is not None:
+                if isinstance(child, QuantLinear | LutLinear) and requantize and spec is not None:
                     setattr(parent, name, _frozen_from_float(_dequantized(child), child.bias, spec, dq))
                     converted += 1
                 elif isinstance(child, QuantLinear):
                     setattr(parent, name, _frozen_from_quant(child, double_quant))
+                    kept += 1
+                elif isinstance(child, LutLinear):  # SqueezeLLM's tables: kept, trained through
+                    setattr(parent, name, FrozenLutLinear(child))
                     kept += 1
                 elif isinstance(child, nn.Linear) and spec is not None:
                     setattr(parent, name, _frozen_from_float(child.weight, child.bias, spec, dq))
@@ -172,7 +179,7 @@ def base_bytes(model: nn.Module) -> int:
     """Bytes of the frozen decoder projections (codes, scales) or float weights."""
     total = 0
     for module in model.modules():
-        if isinstance(module, FrozenQuantLinear):
+        if isinstance(module, FrozenQuantLinear | FrozenLutLinear):
             total += module.nbytes()
         elif isinstance(module, nn.Linear) and not isinstance(module, LoRATrainLinear):
             total += module.weight.numel() * module.weight.element_size()

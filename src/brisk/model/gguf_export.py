@@ -13,8 +13,9 @@ is m blocks of 32 with one scale):
     4-bit symmetric codes, any group multiple of 32  -> Q4_0   d = scale, q4 = q                 exact
     4-bit codes (integer zero), group multiple of 32 -> Q4_1   d = scale, m = -scale * zero      m rounded to float16
 
-Every other tensor is dequantized to float32 and re-encoded: F16, Q8_0, Q4_0 and Q4_1 with the `gguf` package's
-reference quantizers, Q4_K, Q5_K and Q6_K with the encoders of model/gguf_kquants.py (gguf has none). A K-quant
+Every other tensor (a SqueezeLLM layer: its table lookups plus its outliers) is dequantized to float32 and
+re-encoded: F16, Q8_0, Q4_0 and Q4_1 with the `gguf` package's reference quantizers, Q4_K, Q5_K and Q6_K with the
+encoders of model/gguf_kquants.py (gguf has none). A K-quant
 tensor whose rows are not a multiple of 256 takes llama.cpp's fallback type (Q4_K -> Q5_0, Q5_K -> Q5_1,
 Q6_K -> Q8_0), as llama-quantize does. The report says which tensor went which way.
 """
@@ -140,7 +141,14 @@ def encode_float(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
 
 
 def _dequantized(tensors: dict[str, torch.Tensor], name: str, spec: Any, k: int) -> torch.Tensor:
-    """The float32 weight [N, K] of a quantized module in brisk's checkpoint form (input order undone)."""
+    """The float32 weight [N, K] of a quantized module in brisk's checkpoint form (input order undone; a SqueezeLLM
+    layer's table lookups plus its outliers)."""
+    if spec.scheme == "lut":
+        from brisk.ops.lut import dequantize_lut
+        from brisk.quant.checkpoint import LUT_SUFFIXES, lut_weight
+
+        parts = {s: tensors[f"{name}.{s}"] for s in ("qweight", *LUT_SUFFIXES) if f"{name}.{s}" in tensors}
+        return dequantize_lut(lut_weight([parts], spec, k))
     codes = primitives.unpack(tensors[f"{name}.qweight"], spec.bits, k)
     scales = tensors[f"{name}.scales"].float()
     if spec.scheme == "nf4":

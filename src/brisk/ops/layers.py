@@ -233,10 +233,10 @@ class LutLinear(_CachedKernel, nn.Module):
         lw, b = self.lut_weight, self.bias
         op = getattr(ops, "lut_linear", None) if lw.in_features % 8 == 0 else None
         small = None if op is None else (lambda x2: op(x2, lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, b))
-        # the decode plan and the C++ layer loop do not take this kind (loop_dtypes empty): the executor runs the
-        # model's modules, whose forward takes `small` for decode rows
+        # the decode plan and the C++ layer loop (kind 9) call `small` as is, for float32 and bfloat16 rows
         return LinearKernel(LinearKind.LUT, _slots(lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, b), lw.bits, -1,
-                            MAX_ROWS[LinearKind.LUT], lw.out_features, small, lambda x: lut_linear(x, lw, b), ())
+                            MAX_ROWS[LinearKind.LUT], lw.out_features, small, lambda x: lut_linear(x, lw, b),
+                            _ACT_DTYPES if small is not None else ())
 
     def forward(self, x: Tensor) -> Tensor:
         return self.kernel()(x)
@@ -299,4 +299,4 @@ class SparseLinear(_CachedKernel, nn.Module):
                 + (f", {self.label}" if self.label else ""))
 
 
-RUNTIME_LINEARS = (FastLinear, QuantLinear, SparseLinear)
+RUNTIME_LINEARS = (FastLinear, QuantLinear, SparseLinear, LutLinear)

@@ -24,18 +24,27 @@ Per decoder linear with weight W [N, K]:
    at once (no loop over rows). The table is rounded to float16 (the checkpoint's precision) and the codes chosen
    once more against the rounded table.
 
+4. Error feedback (brisk's addition, on by default; `error_feedback=False` is the paper's method). Step 3 picks
+   each weight's nearest table entry on its own. With the table fixed, the codes are chosen instead the way GPTQ
+   chooses uniform ones (quant/gptq.py): block by block through the decoder on calibration inputs, a layer's
+   columns in descending diag(H) order, each column's rounding error pushed onto the columns not yet coded by the
+   OBS update, so the layer's *output* stays close rather than each weight. An outlier is coded too (its table
+   entry plus its float16 residual, so its error is that residual's rounding) and passes no error on. The table
+   and the outliers are those of steps 2 and 3, from the original weights; only the codes change.
+
 The embedding and the head take RTN's 8-bit codes, as with the other methods (quant/rtn.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from brisk.model.loader import LoadedModel
-from brisk.quant.calib import CalibConfig, load_calibration_ids
+from brisk.quant.calib import BlockContext, CalibConfig, load_calibration_ids
 from brisk.quant.checkpoint import encode_lut_layer
 from brisk.quant.config import LayerQuant, QuantizationConfig
 from brisk.quant.support import MethodSupport
@@ -56,11 +65,15 @@ class SqueezeLLMConfig:
     outliers: float = DEFAULT_OUTLIERS  # fraction of each matrix's weights (largest |w|) kept in the sparse part
     kmeans_iters: int = 30  # Lloyd iterations per row table; 1-D k-means from a quantile start settles in a few tens
     chunk_size: int = 1  # sequences per backward: 1 is the per-sequence (empirical) Fisher of the paper
+    error_feedback: bool = True  # step 4: GPTQ's column order and OBS updates choose the codes against the table
+    damp: float = 0.01  # step 4's Hessian dampening, a fraction of mean(diag H) (GPTQ's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= MAX_OUTLIERS:
             raise ValueError(f"the outlier fraction must be in [0, {MAX_OUTLIERS:g}] ({MAX_OUTLIERS:.0%}; the paper "
                              f"keeps 0.45%), got {self.outliers!r}")
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp must be in (0, 1) (a fraction of mean(diag H)), got {self.damp}")
         for name in ("kmeans_iters", "chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -219,6 +232,96 @@ def squeezellm_quantize_weight(weight: torch.Tensor, sensitivity: torch.Tensor, 
     return LutCodes(codes.to(torch.uint8), lut, sparse, dense + sparse)
 
 
+def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitivity: torch.Tensor, bits: int,
+                           outliers: float = DEFAULT_OUTLIERS, iters: int = 30, damp: float = 0.01,
+                           block_size: int = 128) -> LutCodes:
+    """SqueezeLLM's table and outliers for weight [N, K] (steps 2 and 3), its codes chosen with error feedback
+    against the layer's input Hessian H [K, K] (module docstring, step 4)."""
+    from brisk.quant.gptq import _inverse_hessian_factor
+
+    if bits not in LUT_BITS:
+        raise ValueError(f"SqueezeLLM tables are 3- or 4-bit here (8 or 16 entries a row), got {bits} bits")
+    w = weight.detach().float().clone()  # [N, K]
+    n, k = w.shape
+    mask = outlier_mask(w, outliers)  # [N, K], from the original weights
+    f = torch.where(mask, torch.zeros_like(w), sensitivity.detach().float())
+    lut, _ = weighted_kmeans(w, f, 1 << bits, iters)
+    lut = torch.sort(lut.half().float(), dim=1).values  # [N, C]: the checkpoint's float16 table
+    mids = (lut[:, 1:] + lut[:, :-1]) * 0.5  # [N, C - 1]
+    h = hessian.detach().float().clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0  # an input that was always 0: its weights cannot matter
+    perm = torch.argsort(h.diagonal(), descending=True)  # act-order: the most activated inputs first
+    w, mask_p = w[:, perm], mask[:, perm]
+    u = _inverse_hessian_factor(h[perm][:, perm], damp)  # [K, K] upper
+    codes = torch.empty(n, k, dtype=torch.int64)
+    kept = torch.zeros(n, k)  # the outliers' float16 residuals over their table entry
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of small vector ops (quant/gptq.py: thread hand-offs cost more)
+    try:
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            w1 = w[:, i1:i2].clone()
+            err = torch.empty_like(w1)
+            u1 = u[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                col = i1 + i
+                wc = w1[:, i]
+                q = (wc[:, None] > mids).sum(1)  # [N]: the nearest entry (a midpoint takes the lower one)
+                v = lut.gather(1, q[:, None])[:, 0]
+                residual = torch.where(mask_p[:, col], (wc - v).half().float(), torch.zeros_like(v))
+                codes[:, col] = q
+                kept[:, col] = residual
+                e = (wc - v - residual) / u1[i, i]
+                w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+                err[:, i] = e
+            w[:, i2:] -= err @ u[i1:i2, i2:]
+    finally:
+        torch.set_num_threads(threads)
+    inv = torch.argsort(perm)
+    codes, sparse = codes[:, inv].contiguous(), kept[:, inv].contiguous()
+    dense = torch.gather(lut, 1, codes)
+    return LutCodes(codes.to(torch.uint8), lut, sparse, dense + sparse)
+
+
+def squeezellm_apply(plan: dict[str, LayerQuant], fisher: dict[str, torch.Tensor], config: SqueezeLLMConfig,
+                     encoded: dict[str, dict[str, torch.Tensor]]) -> Callable[[BlockContext], None]:
+    """The per-block step of step 4 for calib.run_layerwise (as quant/gptq.py's `gptq_apply`): each stage's planned
+    linears coded against their observed input Hessian (linears sharing an input stacked into one problem), Ŵ
+    written into the model so later stages and blocks see the quantized layer."""
+    from brisk.quant.calib import HessianObserver, stages
+
+    def apply(ctx: BlockContext) -> None:
+        linears = ctx.linears()
+        for stage in stages(ctx):
+            names = [n for n in stage if f"{ctx.prefix}.{n}" in fisher]
+            if not names:
+                continue
+            ctx.status(f"observe {', '.join(n.split('.')[-1] for n in names)}")
+            observers = ctx.observe(names, lambda _n, m: HessianObserver(m.in_features))
+            batches: dict[tuple[int, int], list[str]] = {}
+            for name in names:
+                batches.setdefault((id(observers[name]), plan[f"{ctx.prefix}.{name}"].bits), []).append(name)
+            for (_, bits), members in batches.items():
+                obs = observers[members[0]]
+                assert isinstance(obs, HessianObserver)
+                ctx.status(f"squeezellm {', '.join(n.split('.')[-1] for n in members)}")
+                weight = torch.cat([linears[n].weight for n in members])  # [sum N, K]
+                sens = torch.cat([fisher.pop(f"{ctx.prefix}.{n}") for n in members])
+                result = squeezellm_gptq_weight(weight, obs.hessian(), sens, bits, config.outliers,
+                                                config.kmeans_iters, config.damp)
+                start = 0
+                for name in members:
+                    module = linears[name]
+                    rows = slice(start, start + module.out_features)
+                    start += module.out_features
+                    module.weight.data.copy_(result.w_hat[rows].to(module.weight.dtype))
+                    encoded[f"{ctx.prefix}.{name}"] = encode_lut_layer(
+                        result.codes[rows], result.lut[rows], result.sparse[rows], plan[f"{ctx.prefix}.{name}"])
+    return apply
+
+
 def sensitivity_weighted_error(weight: torch.Tensor, w_hat: torch.Tensor, sensitivity: torch.Tensor) -> float:
     """sum F (W - W_hat)^2: the paper's objective, the second-order estimate of the loss change (up to 1/2)."""
     return float((sensitivity.float() * (weight.float() - w_hat.float()).square()).sum())
@@ -237,7 +340,13 @@ def squeezellm_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
     ids = load_calibration_ids(loaded.tokenizer, calib)  # [S, L]
     fisher = fisher_diagonal(loaded.model, ids, names, config.chunk_size, progress=progress)
     encoded: dict[str, dict[str, torch.Tensor]] = {}
-    for name in _progress(names, progress, "SqueezeLLM"):
+    if config.error_feedback:
+        from brisk.quant.calib import run_layerwise
+
+        run_layerwise(loaded.model, ids, squeezellm_apply(plan, fisher, config, encoded), calib.batch_size,
+                      progress=progress, label="SqueezeLLM")
+    rest = [n for n in names if n in fisher]  # (all of them without error feedback)
+    for name in _progress(rest, progress and bool(rest), "SqueezeLLM"):
         result = squeezellm_quantize_weight(loaded.model.get_submodule(name).weight, fisher.pop(name),
                                             plan[name].bits, config.outliers, config.kmeans_iters)
         encoded[name] = encode_lut_layer(result.codes, result.lut, result.sparse, plan[name])

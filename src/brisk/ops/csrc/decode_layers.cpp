@@ -18,6 +18,7 @@
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
 //   kind 5, tiled 8/4-bit, int8 act.:   [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
+//   kind 9, table codes (SqueezeLLM):   [codes, lut, row_ptr, cols, values, bias]           -> lut_linear
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 //
@@ -97,6 +98,10 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>>
       sparse_q8;
+  // absent where lut_linear.cpp was not built (no AVX2 + FMA): plans then never pass kind 9
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const OptT&, const OptT&, const OptT&, const OptT&)>>
+      lut;
   // a quantized KV cache's ops (fused_ops.cpp, kv_write.cpp, paged_attention.cpp): absent where one did not build;
   // plans then never pass kv_bits (DecodePlan.cpp_applies)
   using Ints = int64_t;
@@ -136,6 +141,9 @@ struct Ops {
     if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
       sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const OptT&, const OptT&, int64_t, int64_t, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::lut_linear", ""}); h.has_value())
+      lut = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
+                                const OptT&, const OptT&)>();
     if (auto h = d.findSchema({"brisk::sparse_q8_linear", ""}); h.has_value())
       sparse_q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, int64_t, const OptT&)>();
@@ -179,6 +187,11 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const Params& params, int64
     TORCH_CHECK(o.sparse.has_value(), "decode_layers: sparse_linear is not built");
     return o.sparse->call(x, get(params, base), get(params, base + 1), get(params, base + 2), params[base + 3],
                           params[base + 4], bits, group, params[base + 5]);
+  }
+  if (kind == 9) {
+    TORCH_CHECK(o.lut.has_value(), "decode_layers: lut_linear is not built");
+    return o.lut->call(x, get(params, base), get(params, base + 1), params[base + 2], params[base + 3],
+                       params[base + 4], params[base + 5]);
   }
   TORCH_CHECK(kind == 4, "decode_layers: unknown linear kind ", kind);
   TORCH_CHECK(o.sparse_q8.has_value(), "decode_layers: sparse_q8_linear is not built");
