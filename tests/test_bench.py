@@ -195,6 +195,24 @@ def test_cli_membw_json(tmp_path: Path) -> None:
     assert {"cpu_count", "torch_threads", "torch_version"} <= set(doc["machine"])
 
 
+def test_cli_latency_against_another_model(tiny_dirs: dict, tmp_path: Path) -> None:
+    """--baseline-model: a second engine on another model with the same settings, runs alternated; the speedup is
+    of the first over the second, and each side's bytes per token are its own model's."""
+    out = tmp_path / "l.json"
+    r = _invoke(["latency", "--model", str(tiny_dirs["untied"]), "--baseline-model", str(tiny_dirs["tied"]),
+                 "--input-len", "8", "--output-len", "4", "--runs", "2", "--warmup", "1", "--membw", "10",
+                 "--kv-cache-memory", "4MiB", "--max-model-len", "64", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "alternated" in r.output and "tied" in r.output
+    doc = json.loads(out.read_text())
+    ours, theirs = doc["brisk"], doc["baseline_model"]
+    assert doc["speedup"]["decode_tok_s"] == pytest.approx(ours["decode_tok_s"] / theirs["decode_tok_s"])
+    assert theirs["runs"] == 2 and len(theirs["token_ids"]) == 4
+    bad = CliRunner().invoke(main, ["bench", "latency", "--model", str(tiny_dirs["untied"]), "--baseline-model",
+                                    str(tiny_dirs["tied"]), "--baseline", "hf"])
+    assert bad.exit_code != 0 and "give one" in bad.output
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 def test_cli_latency_with_hf_baseline(tiny_dirs: dict, tmp_path: Path, interleave: bool) -> None:
     out = tmp_path / "l.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from pathlib import Path
 from typing import Any
 
 import click
@@ -56,6 +57,9 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
                    "the same engine with its compiled graphs set aside; float32: the same model with every tensor "
                    "dequantized to float32 (a GGUF's float baseline, --dtype float32), runs alternated. Prints "
                    "speedups.")
+@click.option("--baseline-model", default=None, metavar="MODEL",
+              help="Also run this model (folder or GGUF file) with the same settings, runs alternated, e.g. an "
+                   "int4 RTN folder against a SqueezeLLM one. Prints speedups.")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s (from `brisk bench membw`); default: measure a quick one.")
 @click.option("--interleave/--no-interleave", default=True, show_default=True,
@@ -66,7 +70,7 @@ def _latency_figures(res: Any, bytes_per_token: float, context: float, membw_gbp
     "enable_prefix_caching": "Off by default: each run repeats the prompt, which a prefix cache would skip.",
     "compile": "Run brisk with --compile (torch.compile of the dense parts); the compile time is reported."})
 def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: str | None,
-            membw_gbps: float | None, interleave: bool, **kw: Any) -> None:
+            baseline_model: str | None, membw_gbps: float | None, interleave: bool, **kw: Any) -> None:
     """Batch-1 latency: time to first token, time per output token, decode tok/s and achieved GB/s."""
     from brisk.bench.hf_baseline import hf_latency, load_hf_model, require_transformers
     from brisk.bench.latency import merge_results, run_latency
@@ -75,6 +79,10 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
 
     if input_len < 1 or output_len < 1:
         raise ValueError(f"--input-len and --output-len must be at least 1, got {input_len} and {output_len}")
+    if baseline_model is not None:
+        if baseline is not None:
+            raise ValueError(f"--baseline {baseline} and --baseline-model are two baselines; give one")
+        baseline = "baseline_model"  # (its figures' key in the JSON)
     if baseline == "hf":
         require_transformers()  # fail before minutes of benchmarking, not after
     compile_ = kw["compile"] or kw["execution"] == "compiled"
@@ -104,13 +112,16 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     theirs_rss = None
     theirs_bytes = None
     moe = None  # MoE models: routed-expert bytes per decode token (model/moe.py ExpertBytes)
-    if baseline == "float32":
-        # a second engine on the same file, every tensor dequantized (--dtype float32); runs alternated
-        base_llm = build_llm({**kw, "dtype": "float32"})
-        theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(base_llm.engine.loaded.model), config, 4,
-                                              context)
+    if baseline in ("float32", "baseline_model"):
+        # a second engine: on the same file, every tensor dequantized (--dtype float32), or on --baseline-model;
+        # runs alternated
+        base_llm = build_llm({**kw, "dtype": "float32"} if baseline == "float32" else {**kw, "model": baseline_model})
+        base_loaded = base_llm.engine.loaded
+        theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(base_loaded.model), base_loaded.config,
+                                              torch.finfo(base_loaded.dtype).bits // 8, context)
         parts, base_parts = [], []
-        with report.progress_bar(f"alternating {kw['dtype']} / float32: {warmup} warm-up + {runs} runs each",
+        pair = f"{kw['dtype']} / float32" if baseline == "float32" else "model / baseline model"
+        with report.progress_bar(f"alternating {pair}: {warmup} warm-up + {runs} runs each",
                                  2 * total) as advance:
             for engine in (llm, base_llm):
                 if warmup:
@@ -120,7 +131,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                     sink.append(run_latency(engine, prompt, output_len, 1, 0, advance))
         ours, theirs = merge_results(parts), merge_results(base_parts)
         ours_rss = None  # both engines were held: not one model's peak
-        del base_llm
+        del base_llm, base_loaded
     elif baseline == "eager":
         # one engine, its runner switched run by run between the compiled executor and the default one
         # (engine/executor.py)
@@ -232,7 +243,8 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     title = (f"latency, batch 1: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens "
              f"-> {output_len} generated, {runs} runs, {torch.get_num_threads()} threads, "
              f"read bandwidth {membw_gbps:.1f} GB/s")
-    other = {"hf": "transformers", "eager": "brisk uncompiled", "float32": "brisk float32"}.get(baseline or "")
+    other = {"hf": "transformers", "eager": "brisk uncompiled", "float32": "brisk float32",
+             "baseline_model": Path(baseline_model or "").name}.get(baseline or "")
     console.print(report.comparison_table(title, rows, other if theirs else None))
     if compile_:
         console.print(f"--compile: {compile_s:.1f} s of compilation at start-up (every shape bucket)")
@@ -246,6 +258,9 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                       f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
     elif baseline == "float32" and theirs is not None:
         console.print("speedup = float32 time / this model's time; greedy tokens: "
+                      f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
+    elif baseline == "baseline_model" and theirs is not None:
+        console.print(f"speedup = {other}'s time / this model's time; greedy tokens: "
                       f"{'identical' if results['same_tokens'] else 'different'}; runs alternated")
     elif theirs is not None:
         same = "identical" if results["same_tokens"] else "different"

@@ -82,13 +82,16 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
               help="squeezellm: choose the codes against the fixed tables with GPTQ's column order and error "
                    "updates on calibration inputs (brisk's addition), or each weight's nearest entry (the paper's).")
+@click.option("--sensitivity-floor", type=float, default=None, metavar="F",
+              help="squeezellm: the k-means weighs each weight by its Fisher sensitivity over its row's mean plus "
+                   "F (0 = the Fisher sensitivity alone, as the paper). [default: 1]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
              alpha: float | None, activations: str, threshold: float, outliers: str | None, error_feedback: bool,
-             temperature: float, force: bool) -> None:
+             sensitivity_floor: float | None, temperature: float, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -118,6 +121,8 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     if given_feedback is not click.core.ParameterSource.DEFAULT and method != "squeezellm":
         raise click.ClickException("--error-feedback / --no-error-feedback choose SqueezeLLM's codes; use them with "
                                    "--method squeezellm")
+    if sensitivity_floor is not None and method != "squeezellm":
+        raise click.ClickException("--sensitivity-floor weighs SqueezeLLM's k-means; use it with --method squeezellm")
     outlier_fraction = 0.0
     if method == "squeezellm":
         from brisk.quant.squeezellm import DEFAULT_OUTLIERS, parse_outliers
@@ -157,7 +162,7 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         tensors, qconfig = rtn_quantize(loaded, plan, default)
     elif method == "squeezellm":
         tensors, qconfig = _squeezellm(loaded, plan, default, str(calib_text), outlier_fraction, num_samples,
-                                       seq_len, seed, error_feedback, damp, batch_size)
+                                       seq_len, seed, error_feedback, damp, batch_size, sensitivity_floor)
     elif method == "qat":
         tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr,
                                 1.0 if alpha is None else alpha, temperature,
@@ -205,15 +210,18 @@ def _squeezellm_default(bits: str, scheme: str) -> LayerQuant:
 
 def _squeezellm(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, text: str,
                 outliers: float, num_samples: int, seq_len: int, seed: int, error_feedback: bool, damp: float,
-                batch_size: int) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+                batch_size: int, sensitivity_floor: float | None
+                ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
     """SqueezeLLM: Fisher sensitivities on the calibration text, then each planned linear's tables and outliers,
     its codes chosen with error feedback layer by layer (or nearest)."""
     from brisk.quant.calib import CalibConfig, CalibrationError
-    from brisk.quant.squeezellm import SqueezeLLMConfig, squeezellm_quantize
+    from brisk.quant.squeezellm import DEFAULT_SENSITIVITY_FLOOR, SqueezeLLMConfig, squeezellm_quantize
     from brisk.train.forward import UntrainableModelError
 
     try:
-        config = SqueezeLLMConfig(outliers=outliers, error_feedback=error_feedback, damp=damp)
+        floor = DEFAULT_SENSITIVITY_FLOOR if sensitivity_floor is None else sensitivity_floor
+        config = SqueezeLLMConfig(outliers=outliers, error_feedback=error_feedback, damp=damp,
+                                  sensitivity_floor=floor)
         calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed, batch_size=batch_size)
         return squeezellm_quantize(loaded, plan, default, calib, config)
     except (CalibrationError, UntrainableModelError, ValueError) as e:

@@ -10,6 +10,11 @@ Per decoder linear with weight W [N, K]:
    computed with autograd through brisk's training forward (train/forward.py) with activation checkpointing, one
    `chunk_size` of sequences per backward, so memory stays that of one chunk. Only the planned linears' weights
    take gradients. Unlike GPTQ's layer-wise walk this is one pass over the float model: the paper does the same.
+   The k-means then weighs each weight by F / mean(F of its row) + `sensitivity_floor` (1 by default; 0 is F as
+   the paper uses it). A diagonal Fisher from a few thousand calibration tokens is noisy, and a weight it happens
+   to rate near zero would otherwise take no part in placing the table. On the default model at 3 bits (16 x 256
+   calibration tokens, step 4 on), held-out perplexity on the evaluation text / on the calibration book: floor 0
+   38.43 / 39.98, floor 1 33.28 / 36.16, floor 3 33.66 / 36.77, uniform weights 35.21 / 37.96.
 2. Dense-and-sparse decomposition (paper §3.2): W = D + S, S holding the `outliers` fraction of W's weights
    largest in magnitude (0.45% by default, the paper's main setting). D is quantized below; S is stored as a CSR
    matrix of float16 values, and we keep in S the *residual* w - D_hat at those positions, so an outlier is
@@ -55,6 +60,7 @@ SUPPORT = MethodSupport("squeezellm", TRAINABLE_ARCHITECTURES,
                               + ", ".join(TRAINABLE_ARCHITECTURES))
 
 DEFAULT_OUTLIERS = 0.0045  # the paper's 0.45%
+DEFAULT_SENSITIVITY_FLOOR = 1.0  # module docstring, step 1
 MAX_OUTLIERS = 0.1  # beyond 10% the sparse part outweighs the dense codes it is meant to help
 LUT_BITS = (3, 4)
 _KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds its temporaries (~40 bytes each)
@@ -66,12 +72,15 @@ class SqueezeLLMConfig:
     kmeans_iters: int = 30  # Lloyd iterations per row table; 1-D k-means from a quantile start settles in a few tens
     chunk_size: int = 1  # sequences per backward: 1 is the per-sequence (empirical) Fisher of the paper
     error_feedback: bool = True  # step 4: GPTQ's column order and OBS updates choose the codes against the table
+    sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR  # step 1's row-normalised F plus this (0: F as measured)
     damp: float = 0.01  # step 4's Hessian dampening, a fraction of mean(diag H) (GPTQ's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= MAX_OUTLIERS:
             raise ValueError(f"the outlier fraction must be in [0, {MAX_OUTLIERS:g}] ({MAX_OUTLIERS:.0%}; the paper "
                              f"keeps 0.45%), got {self.outliers!r}")
+        if not isinstance(self.sensitivity_floor, (int, float)) or not 0 <= self.sensitivity_floor < float("inf"):
+            raise ValueError(f"sensitivity_floor must be a finite number >= 0, got {self.sensitivity_floor!r}")
         if not 0 < self.damp < 1:
             raise ValueError(f"damp must be in (0, 1) (a fraction of mean(diag H)), got {self.damp}")
         for name in ("kmeans_iters", "chunk_size"):
@@ -131,6 +140,13 @@ def fisher_diagonal(model: nn.Module, ids: torch.Tensor, names: list[str], chunk
         for p, flag in flags.items():
             p.requires_grad_(flag)
     return {n: f.div_(len(chunks)) for n, f in zip(names, fisher, strict=True)}
+
+
+def floored_sensitivity(f: torch.Tensor, floor: float) -> torch.Tensor:
+    """F [N, K] divided by its row mean, plus `floor` (module docstring, step 1); floor 0 keeps F as it is."""
+    if floor == 0:
+        return f
+    return f / f.mean(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) + floor
 
 
 # ------------------------------------------------------------------------------------------------ k-means
@@ -339,6 +355,8 @@ def squeezellm_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
     names = [n for n, spec in plan.items() if spec.scheme == "lut"]
     ids = load_calibration_ids(loaded.tokenizer, calib)  # [S, L]
     fisher = fisher_diagonal(loaded.model, ids, names, config.chunk_size, progress=progress)
+    for name, f in fisher.items():
+        fisher[name] = floored_sensitivity(f, config.sensitivity_floor)
     encoded: dict[str, dict[str, torch.Tensor]] = {}
     if config.error_feedback:
         from brisk.quant.calib import run_layerwise

@@ -12,12 +12,13 @@
 //
 //   word = | q7 | q6 | q5 | q4 | q3 | q2 | q1 | q0 |     (bit 31 ... bit 0)
 //
-// Decode of 8 weights: broadcast the word, shift lane l right by 4 l (one variable shift), mask to 4 bits; the
-// codes then index the row's table with one 8-entry permute (lut[0..7], which reads bits 0-2 of each lane) and,
-// for 16 entries, a second permute of lut[8..15] and a blend on bit 3 of the code (shifted to the sign bit).
+// AVX2 build, decode of 8 weights: broadcast the word, shift lane l right by 4 l (one variable shift), mask to
+// 4 bits; the codes then index the row's table with one 8-entry permute (lut[0..7], which reads bits 0-2 of each
+// lane) and, for 16 entries, a second permute of lut[8..15] and a blend on bit 3 of the code (shifted to the sign bit).
 // The row's table sits in two registers for the whole row; each decoded vector is reused by up to 4 activation
-// rows. Every weight is read once per call (decode, M <= a few); the large-row path dequantizes a chunk of rows
-// with lut_dequantize and runs a GEMM (brisk/ops/lut.py).
+// rows. The AVX-512 build (BF16 dot products) takes 64 codes at a time instead, in bfloat16 (see rows_tile_bf16).
+// Every weight is read once per call (decode, M <= a few); the large-row path dequantizes a chunk of rows with
+// lut_dequantize and runs a float32 GEMM (brisk/ops/lut.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -98,6 +99,91 @@ void rows_tile(const Lut& p, const float* x, int64_t m0, int64_t n0, int64_t n1,
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BRISK_LUT_BF16 1
+// AVX-512 with BF16 dot products: the row's table (8 or 16 entries) rounded once to bfloat16 and held in one
+// register; 64 codes (32 bytes) at a time: their low nibbles are the even columns' codes and their high nibbles
+// the odd columns', each widened to 32 16-bit lanes and looked up with one vpermw, then multiplied with 32
+// bfloat16 activations by one vdpbf16ps (float32 sums of exact products). The activations are deinterleaved once
+// per call to match (per block of 64 columns: the 32 even columns, then the 32 odd ones; zero-padded to a whole
+// block), so no shuffle of the codes is needed. A 3-bit code never reads past entry 7.
+constexpr int64_t kBlock = 64;
+
+// x [M, K] (bfloat16 bits) -> [M, Kp] in the block order above, Kp = K rounded up to 64, zeros past K
+void deinterleave(const uint16_t* x, int64_t M, int64_t K, int64_t Kp, uint16_t* out) {
+  std::memset(out, 0, static_cast<size_t>(M * Kp) * sizeof(uint16_t));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = k / kBlock, j = k % kBlock;
+      out[m * Kp + b * kBlock + (j % 2) * 32 + j / 2] = x[m * K + k];
+    }
+}
+
+template <int MT, int UNR>
+void rows_tile_bf16(const Lut& p, const uint16_t* x, int64_t Kp, const float* xf, int64_t m0, int64_t n0,
+                    int64_t n1, float* out) {
+  const int64_t K = p.K, N = p.N;
+  const int64_t whole = K / kBlock;  // blocks of 64 codes read in place; a partial last one from a copy
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* t = p.lut + n * p.E;
+    const __m512 tf = p.E == 16 ? _mm512_loadu_ps(t) : _mm512_zextps256_ps512(_mm256_loadu_ps(t));
+    const __m512i table = _mm512_zextsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(tf)));
+    const uint8_t* row = p.codes + n * (K / 2);
+    __m512 acc[MT][2 * UNR];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < 2 * UNR; ++u) acc[i][u] = _mm512_setzero_ps();
+    auto step = [&](const uint8_t* c, int64_t k, int u) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      const __m512i even = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(b, nib)), table);
+      const __m512i odd =
+          _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib)), table);
+      for (int i = 0; i < MT; ++i) {
+        const uint16_t* xr = x + (m0 + i) * Kp + k;
+        acc[i][2 * u] = _mm512_dpbf16_ps(acc[i][2 * u], reinterpret_cast<__m512bh>(even),
+                                         reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr)));
+        acc[i][2 * u + 1] = _mm512_dpbf16_ps(acc[i][2 * u + 1], reinterpret_cast<__m512bh>(odd),
+                                             reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + 32)));
+      }
+    };
+    int64_t blk = 0;
+    for (; blk + UNR <= whole; blk += UNR)
+      for (int u = 0; u < UNR; ++u) step(row + (blk + u) * 32, (blk + u) * kBlock, u);
+    for (; blk < whole; ++blk) step(row + blk * 32, blk * kBlock, 0);
+    if (K % kBlock) {  // the last 8 .. 56 columns: codes past the row read as 0, their activations are 0
+      alignas(32) uint8_t last[32] = {};
+      std::memcpy(last, row + whole * 32, static_cast<size_t>((K % kBlock) / 2));
+      step(last, whole * kBlock, 0);
+    }
+    for (int i = 0; i < MT; ++i) {
+      __m512 sum = acc[i][0];
+      for (int u = 1; u < 2 * UNR; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+      float s = _mm512_reduce_add_ps(sum);
+      if (p.sparse.row_ptr) {  // the outliers in float32, as stored
+        const float* xr = xf + (m0 + i) * K;
+        for (int32_t j = p.sparse.row_ptr[n]; j < p.sparse.row_ptr[n + 1]; ++j)
+          s += p.sparse.values[j] * xr[p.sparse.cols[j]];
+      }
+      out[(m0 + i) * N + n] = s;
+    }
+  }
+}
+
+void run_bf16(const Lut& p, const uint16_t* x, int64_t Kp, const float* xf, int64_t M, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(p.K, 1));
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kTile <= M; m0 += kTile) rows_tile_bf16<kTile, 1>(p, x, Kp, xf, m0, n0, n1, out);
+    switch (M - m0) {
+      case 3: rows_tile_bf16<3, 1>(p, x, Kp, xf, m0, n0, n1, out); break;
+      case 2: rows_tile_bf16<2, 1>(p, x, Kp, xf, m0, n0, n1, out); break;
+      case 1: rows_tile_bf16<1, 2>(p, x, Kp, xf, m0, n0, n1, out); break;
+      default: break;
+    }
+  });
+}
+#endif
+
 template <bool WIDE>
 void run(const Lut& p, const float* x, int64_t M, float* out) {
   // each thread takes whole weight rows: the codes stream from memory once, every activation tile reuses them
@@ -158,12 +244,26 @@ at::Tensor lut_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "lut_linear: bias must be a contiguous [N] tensor");
-  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // [M, K] (bf16: exact)
   auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef BRISK_LUT_BF16
+  // bfloat16 activations and table entries (round to nearest even), float32 sums; the outliers read x in float32
+  auto xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();  // [M, K]
+  at::Tensor xf;
+  if (p.sparse.row_ptr) xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  if (M > 0 && N > 0) {
+    const int64_t Kp = (K + kBlock - 1) / kBlock * kBlock;
+    auto xd = at::empty({M, Kp}, xb.options());  // the activations in the kernel's block order
+    auto* xd_bits = reinterpret_cast<uint16_t*>(xd.data_ptr<at::BFloat16>());
+    deinterleave(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, Kp, xd_bits);
+    run_bf16(p, xd_bits, Kp, xf.defined() ? xf.data_ptr<float>() : nullptr, M, acc.data_ptr<float>());
+  }
+#else
+  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // [M, K] (bf16: exact)
   if (M > 0 && N > 0) {
     if (p.E == 16) run<true>(p, xf.data_ptr<float>(), M, acc.data_ptr<float>());
     else run<false>(p, xf.data_ptr<float>(), M, acc.data_ptr<float>());
   }
+#endif
   if (has_bias) acc.add_(bias->to(at::kFloat));
   auto sizes = x.sizes().vec();
   sizes.back() = N;
