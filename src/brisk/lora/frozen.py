@@ -17,6 +17,8 @@ per group of 64 weights. The float16 absmax the layer multiplies with is rebuilt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,6 +49,20 @@ def double_dequantize(codes: Tensor, scale: Tensor, mean: Tensor, shape: tuple[i
     pad = (-n) % block
     blocks = torch.nn.functional.pad(codes.float(), (0, pad)).view(-1, block) * scale[:, None]  # [B, block]
     return (blocks.flatten()[:n] + mean).view(shape)
+
+
+def chunked_grad_input(grad_out: Tensor, n: int, k: int, rows: Callable[[int, int], Tensor]) -> Tensor:
+    """grad_out [..., N] @ W [N, K] with W given a chunk of rows at a time (rows(n0, n1): [n1 - n0, K] float32,
+    dropped after use), so no float copy of W is held."""
+    g = grad_out.float()
+    step = max(1, _CHUNK_WEIGHTS // k)
+    out = None
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        part = g[..., n0:n1] @ rows(n0, n1)  # [..., K]
+        out = part if out is None else out.add_(part)
+    assert out is not None
+    return out.to(grad_out.dtype)
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -106,20 +122,14 @@ class FrozenQuantLinear(nn.Module):
 
     def grad_input(self, grad_out: Tensor) -> Tensor:
         """dL/dx = grad_out [..., N] @ dequant(W) [N, K], dequantizing W a chunk of rows at a time."""
-        g = grad_out.float()
         scales = self.group_scales()
-        rows = max(1, _CHUNK_WEIGHTS // self.in_features)
         op = get_op("quant_dequantize") if self.blocked else None
-        out = None
-        for n0 in range(0, self.out_features, rows):
-            n1 = min(self.out_features, n0 + rows)
+
+        def rows(n0: int, n1: int) -> Tensor:
             pw = self.packed(slice(n0, n1), scales)
-            w = (op(pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, pw.in_features)
-                 if op is not None else dequantize_packed(pw))  # [n1 - n0, K] float32, dropped after use
-            part = g[..., n0:n1] @ w  # [..., K]
-            out = part if out is None else out.add_(part)
-        assert out is not None
-        return out.to(grad_out.dtype)
+            return (op(pw.data, pw.scales, pw.zeros, pw.codebook, pw.bits, pw.group_size, pw.in_features)
+                    if op is not None else dequantize_packed(pw))
+        return chunked_grad_input(grad_out, self.out_features, self.in_features, rows)
 
     def forward(self, x: Tensor) -> Tensor:
         return _FrozenQuantMatmul.apply(x, self)
@@ -160,15 +170,8 @@ class FrozenLutLinear(nn.Module):
     def grad_input(self, grad_out: Tensor) -> Tensor:
         from brisk.ops.lut import dequantize_lut
 
-        g = grad_out.float()
-        rows = max(1, _CHUNK_WEIGHTS // self.in_features)
-        out = None
-        for n0 in range(0, self.out_features, rows):
-            w = dequantize_lut(self.lut.lut_weight, slice(n0, min(self.out_features, n0 + rows)))  # [rows, K]
-            part = g[..., n0:n0 + w.shape[0]] @ w
-            out = part if out is None else out.add_(part)
-        assert out is not None
-        return out.to(grad_out.dtype)
+        return chunked_grad_input(grad_out, self.out_features, self.in_features,
+                                  lambda n0, n1: dequantize_lut(self.lut.lut_weight, slice(n0, n1)))
 
     def forward(self, x: Tensor) -> Tensor:
         return _FrozenLutMatmul.apply(x, self)

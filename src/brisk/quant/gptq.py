@@ -27,7 +27,7 @@ Details, each from the paper or its reference code:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -154,37 +154,66 @@ def _column_loop(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, scale: t
         w[:, i2:] -= err @ u[i1:i2, i2:]  # lazy batch update of everything after the block
 
 
+@dataclass
+class StackedProblem:
+    """Linears of one block that share an input (q/k/v, gate/up) and a setting: their weights stacked by rows
+    [sum N, K] with the Hessian of that input; `write(w_hat, encode)` puts each member's rows back."""
+
+    prefix: str
+    members: list[str]
+    modules: list[torch.nn.Linear]
+    key: object
+    weight: torch.Tensor
+    hessian: torch.Tensor
+
+    def write(self, w_hat: torch.Tensor, encode: Callable[[str, slice], dict[str, torch.Tensor]],
+              encoded: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Ŵ into each member (so later stages and blocks see the quantized layer) and encode(name, rows) into
+        `encoded` by full module name."""
+        start = 0
+        for name, module in zip(self.members, self.modules, strict=True):
+            rows = slice(start, start + module.out_features)
+            start += module.out_features
+            module.weight.data.copy_(w_hat[rows].to(module.weight.dtype))
+            encoded[f"{self.prefix}.{name}"] = encode(f"{self.prefix}.{name}", rows)
+
+
+def stacked_problems(ctx: BlockContext, planned: Callable[[str], bool], key: Callable[[str], object], label: str,
+                     true_sequential: bool = True) -> Iterator[StackedProblem]:
+    """The block's planned linears (planned(full name)), stage by stage (calib.TRUE_SEQUENTIAL, or all at once),
+    each stage's input Hessians observed on the current weights, as one problem per shared input and key(full
+    name). Linears that share an input share H, and GPTQ-style coding treats rows independently given H: one column
+    loop instead of three. A stage is observed only once the problems before it were written back."""
+    linears = ctx.linears()
+    groups = stages(ctx) if true_sequential else [tuple(linears)]
+    for stage in groups:
+        names = [n for n in stage if planned(f"{ctx.prefix}.{n}")]
+        if not names:
+            continue
+        ctx.status(f"observe {', '.join(n.split('.')[-1] for n in names)}")
+        observers = ctx.observe(names, lambda _n, m: HessianObserver(m.in_features))
+        batches: dict[tuple[int, object], list[str]] = {}
+        for name in names:
+            batches.setdefault((id(observers[name]), key(f"{ctx.prefix}.{name}")), []).append(name)
+        for (_, k), members in batches.items():
+            obs = observers[members[0]]
+            assert isinstance(obs, HessianObserver)
+            ctx.status(f"{label} {', '.join(n.split('.')[-1] for n in members)}")
+            modules = [linears[n] for n in members]
+            yield StackedProblem(ctx.prefix, members, modules, k, torch.cat([m.weight for m in modules]),
+                                 obs.hessian())
+
+
 def gptq_apply(plan: dict[str, LayerQuant], config: GPTQConfig, encoded: dict[str, dict[str, torch.Tensor]]
                ) -> Callable[[BlockContext], None]:
     """The per-block step for calib.run_layerwise: quantize the block's planned linears with GPTQ, stage by stage,
     write Ŵ into the model (so later stages and blocks see the quantized layer) and the checkpoint tensors into
     `encoded` (by full module name)."""
     def apply(ctx: BlockContext) -> None:
-        linears = ctx.linears()
-        planned = [n for n in linears if f"{ctx.prefix}.{n}" in plan]
-        groups = stages(ctx) if config.true_sequential else [tuple(linears)]
-        for stage in groups:
-            names = [n for n in stage if n in planned]
-            if not names:
-                continue
-            ctx.status(f"observe {', '.join(n.split('.')[-1] for n in names)}")
-            observers = ctx.observe(names, lambda _n, m: HessianObserver(m.in_features))
-            # linears that share an input (q/k/v, gate/up) share H, and GPTQ treats rows independently given H:
-            # their weights are stacked into one [sum N, K] problem, one column loop instead of three
-            batches: dict[tuple[int, LayerQuant], list[str]] = {}
-            for name in names:
-                batches.setdefault((id(observers[name]), plan[f"{ctx.prefix}.{name}"]), []).append(name)
-            for (_, spec), members in batches.items():
-                obs = observers[members[0]]
-                assert isinstance(obs, HessianObserver)
-                ctx.status(f"gptq {', '.join(n.split('.')[-1] for n in members)}")
-                weight = torch.cat([linears[n].weight for n in members])  # [sum N, K]
-                codes, scale, zero, w_hat = gptq_quantize_weight(weight, obs.hessian(), spec, config)
-                start = 0
-                for name in members:
-                    module = linears[name]
-                    rows = slice(start, start + module.out_features)
-                    start += module.out_features
-                    module.weight.data.copy_(w_hat[rows].to(module.weight.dtype))
-                    encoded[f"{ctx.prefix}.{name}"] = encode_layer(codes[rows], scale[rows], zero[rows], spec)
+        for prob in stacked_problems(ctx, plan.__contains__, plan.__getitem__, "gptq", config.true_sequential):
+            spec = prob.key
+            assert isinstance(spec, LayerQuant)
+            codes, scale, zero, w_hat = gptq_quantize_weight(prob.weight, prob.hessian, spec, config)
+            prob.write(w_hat, lambda _name, rows, c=codes, s=scale, z=zero, q=spec: encode_layer(c[rows], s[rows],
+                                                                                                z[rows], q), encoded)
     return apply

@@ -304,37 +304,17 @@ def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitiv
 def squeezellm_apply(plan: dict[str, LayerQuant], fisher: dict[str, torch.Tensor], config: SqueezeLLMConfig,
                      encoded: dict[str, dict[str, torch.Tensor]]) -> Callable[[BlockContext], None]:
     """The per-block step of step 4 for calib.run_layerwise (as quant/gptq.py's `gptq_apply`): each stage's planned
-    linears coded against their observed input Hessian (linears sharing an input stacked into one problem), Ŵ
-    written into the model so later stages and blocks see the quantized layer."""
-    from brisk.quant.calib import HessianObserver, stages
+    linears coded against their observed input Hessian, Ŵ written into the model so later stages and blocks see the
+    quantized layer."""
+    from brisk.quant.gptq import stacked_problems
 
     def apply(ctx: BlockContext) -> None:
-        linears = ctx.linears()
-        for stage in stages(ctx):
-            names = [n for n in stage if f"{ctx.prefix}.{n}" in fisher]
-            if not names:
-                continue
-            ctx.status(f"observe {', '.join(n.split('.')[-1] for n in names)}")
-            observers = ctx.observe(names, lambda _n, m: HessianObserver(m.in_features))
-            batches: dict[tuple[int, int], list[str]] = {}
-            for name in names:
-                batches.setdefault((id(observers[name]), plan[f"{ctx.prefix}.{name}"].bits), []).append(name)
-            for (_, bits), members in batches.items():
-                obs = observers[members[0]]
-                assert isinstance(obs, HessianObserver)
-                ctx.status(f"squeezellm {', '.join(n.split('.')[-1] for n in members)}")
-                weight = torch.cat([linears[n].weight for n in members])  # [sum N, K]
-                sens = torch.cat([fisher.pop(f"{ctx.prefix}.{n}") for n in members])
-                result = squeezellm_gptq_weight(weight, obs.hessian(), sens, bits, config.outliers,
-                                                config.kmeans_iters, config.damp)
-                start = 0
-                for name in members:
-                    module = linears[name]
-                    rows = slice(start, start + module.out_features)
-                    start += module.out_features
-                    module.weight.data.copy_(result.w_hat[rows].to(module.weight.dtype))
-                    encoded[f"{ctx.prefix}.{name}"] = encode_lut_layer(
-                        result.codes[rows], result.lut[rows], result.sparse[rows], plan[f"{ctx.prefix}.{name}"])
+        for prob in stacked_problems(ctx, fisher.__contains__, lambda name: plan[name].bits, "squeezellm"):
+            sens = torch.cat([fisher.pop(f"{prob.prefix}.{n}") for n in prob.members])
+            r = squeezellm_gptq_weight(prob.weight, prob.hessian, sens, int(prob.key), config.outliers,
+                                       config.kmeans_iters, config.damp)
+            prob.write(r.w_hat, lambda name, rows, r=r: encode_lut_layer(r.codes[rows], r.lut[rows], r.sparse[rows],
+                                                                         plan[name]), encoded)
     return apply
 
 
