@@ -9,7 +9,8 @@ A weight [N, K] is held as
 
 `lut_linear` runs
 - few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel of ops/csrc/lut_linear.cpp, which decodes the
-  codes through the row's table in registers and adds the row's outliers, reading every weight once;
+  codes through the row's table in registers and adds the row's outliers, reading every weight once (float32
+  products on AVX2, bfloat16 ones on AVX-512 with BF16);
 - many rows (prefill): the weights dequantized (C++) a chunk of rows at a time, then the GEMM, as the affine
   formats do (ops/qlinear.py): at large M the decode is a small part of the O(M N K) product;
 - the reference path (gather from the tables, scatter the outliers, F.linear in float32) when the kernels are off
@@ -110,7 +111,8 @@ def _sparse_args(lw: LutWeight) -> tuple[torch.Tensor | None, torch.Tensor | Non
 
 
 def lut_linear(x: torch.Tensor, lw: LutWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype, float32 arithmetic."""
+    """x: [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype. Float32 arithmetic, except the
+    AVX-512 build's small-row kernel: bfloat16 tables and activations, float32 sums (ops/csrc/lut_linear.cpp)."""
     k = lw.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, this weight expects {k}")
