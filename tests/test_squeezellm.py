@@ -344,6 +344,7 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     assert res.exit_code != 0 and "--method squeezellm" in res.output
     res = run("--bits", "3", "--outliers", "0.5%", *calib)
     assert res.exit_code == 0, res.output
+    assert "2 x 16 = 32 calibration tokens for layers of 128 inputs" in res.output  # warned, still written
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["method"] == "squeezellm" and qc["bits"] == 3 and qc["method_config"]["outliers"] == 0.005
     assert qc["modules"]["model.embed_tokens"]["scheme"] == "int"  # the embedding / head: RTN int8
