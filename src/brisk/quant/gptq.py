@@ -115,43 +115,48 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, spec: Laye
     # reached them; with a block a multiple of G, a group never straddles two blocks
     block = config.block_size if static else max(1, config.block_size // g) * g
     codes = torch.empty(n, k, dtype=torch.uint8)
-    threads = torch.get_num_threads()
-    # the column loop is thousands of small vector ops: one thread, as thread hand-offs cost more than the ops
-    # (measured 30x slower with 2 threads on a busy 2-core machine); the lazy block GEMM is small too
-    torch.set_num_threads(1)
-    try:
-        _column_loop(w, u, codes, scale, zero, group_of, spec, g, block, static, top)
-    finally:
-        torch.set_num_threads(threads)
+
+    def error_of(col: int, w1: torch.Tensor, i: int) -> torch.Tensor:
+        grp = int(group_of[col])
+        if not static and col % g == 0:
+            s, z = _qparams(w1[:, i:i + g], spec, None)
+            scale[:, grp], zero[:, grp] = s[:, 0], z[:, 0]
+        s, z = scale[:, grp], zero[:, grp]  # [N]
+        wc = w1[:, i]
+        q = torch.round(wc / s).add_(z).clamp_(0, top)  # [N]: codes of this column
+        codes[:, col] = q.to(torch.uint8)
+        return wc - s * (q - z)
+
+    obs_columns(w, u, block, error_of)
     inv = torch.argsort(perm)
     codes = codes[:, inv].contiguous()
     w_hat = primitives.dequantize(codes, scale, zero)
     return codes, scale, zero, w_hat
 
 
-def _column_loop(w: torch.Tensor, u: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group_of: torch.Tensor, spec: LayerQuant, g: int, block: int, static: bool, top: int) -> None:
-    """The blocked OBS loop over (permuted) columns; fills codes (and, without static groups, scale/zero)."""
+def obs_columns(w: torch.Tensor, u: torch.Tensor, block: int,
+                error_of: Callable[[int, torch.Tensor, int], torch.Tensor]) -> None:
+    """The blocked OBS loop over the (permuted) columns of w [N, K], in place, given U [K, K] (the upper Cholesky
+    factor of H⁻¹): error_of(col, w1, i) codes column i of the current block w1 (column col of w) and returns its
+    error w - ŵ [N], which the later columns absorb (module docstring). The column loop is thousands of small
+    vector ops: it runs on one thread, as thread hand-offs cost more than the ops (measured 30x slower with 2
+    threads on a busy 2-core machine); the lazy block GEMM is small too."""
     k = w.shape[1]
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        w1 = w[:, i1:i2].clone()  # [N, B]: this block's columns, updated column by column
-        err = torch.empty_like(w1)
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            grp = int(group_of[col])
-            if not static and col % g == 0:
-                s, z = _qparams(w1[:, i:i + g], spec, None)
-                scale[:, grp], zero[:, grp] = s[:, 0], z[:, 0]
-            s, z = scale[:, grp], zero[:, grp]  # [N]
-            wc = w1[:, i]
-            q = torch.round(wc / s).add_(z).clamp_(0, top)  # [N]: codes of this column
-            codes[:, col] = q.to(torch.uint8)
-            e = (wc - s * (q - z)) / u1[i, i]
-            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]  # OBS update of the block's later columns
-            err[:, i] = e
-        w[:, i2:] -= err @ u[i1:i2, i2:]  # lazy batch update of everything after the block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i1 in range(0, k, block):
+            i2 = min(i1 + block, k)
+            w1 = w[:, i1:i2].clone()  # [N, B]: this block's columns, updated column by column
+            err = torch.empty_like(w1)
+            u1 = u[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                e = error_of(i1 + i, w1, i) / u1[i, i]
+                w1[:, i:] -= e[:, None] * u1[i, i:][None, :]  # OBS update of the block's later columns
+                err[:, i] = e
+            w[:, i2:] -= err @ u[i1:i2, i2:]  # lazy batch update of everything after the block
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass

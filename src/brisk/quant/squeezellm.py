@@ -253,7 +253,7 @@ def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitiv
                            block_size: int = 128) -> LutCodes:
     """SqueezeLLM's table and outliers for weight [N, K] (steps 2 and 3), its codes chosen with error feedback
     against the layer's input Hessian H [K, K] (module docstring, step 4)."""
-    from brisk.quant.gptq import _inverse_hessian_factor
+    from brisk.quant.gptq import _inverse_hessian_factor, obs_columns
 
     if bits not in LUT_BITS:
         raise ValueError(f"SqueezeLLM tables are 3- or 4-bit here (8 or 16 entries a row), got {bits} bits")
@@ -273,28 +273,17 @@ def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitiv
     u = _inverse_hessian_factor(h[perm][:, perm], damp)  # [K, K] upper
     codes = torch.empty(n, k, dtype=torch.int64)
     kept = torch.zeros(n, k)  # the outliers' float16 residuals over their table entry
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # thousands of small vector ops (quant/gptq.py: thread hand-offs cost more)
-    try:
-        for i1 in range(0, k, block_size):
-            i2 = min(i1 + block_size, k)
-            w1 = w[:, i1:i2].clone()
-            err = torch.empty_like(w1)
-            u1 = u[i1:i2, i1:i2]
-            for i in range(i2 - i1):
-                col = i1 + i
-                wc = w1[:, i]
-                q = (wc[:, None] > mids).sum(1)  # [N]: the nearest entry (a midpoint takes the lower one)
-                v = lut.gather(1, q[:, None])[:, 0]
-                residual = torch.where(mask_p[:, col], (wc - v).half().float(), torch.zeros_like(v))
-                codes[:, col] = q
-                kept[:, col] = residual
-                e = (wc - v - residual) / u1[i, i]
-                w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
-                err[:, i] = e
-            w[:, i2:] -= err @ u[i1:i2, i2:]
-    finally:
-        torch.set_num_threads(threads)
+
+    def error_of(col: int, w1: torch.Tensor, i: int) -> torch.Tensor:
+        wc = w1[:, i]
+        q = (wc[:, None] > mids).sum(1)  # [N]: the nearest entry (a midpoint takes the lower one)
+        v = lut.gather(1, q[:, None])[:, 0]
+        residual = torch.where(mask_p[:, col], (wc - v).half().float(), torch.zeros_like(v))
+        codes[:, col] = q
+        kept[:, col] = residual
+        return wc - v - residual
+
+    obs_columns(w, u, block_size, error_of)
     inv = torch.argsort(perm)
     codes, sparse = codes[:, inv].contiguous(), kept[:, inv].contiguous()
     dense = torch.gather(lut, 1, codes)
