@@ -19,7 +19,8 @@ def test_bench_quant_report_on_a_tiny_model(tmp_path):
     settings = "int8,int4-g64,int2-g64,int4-g64-a8"
     result = CliRunner().invoke(main, ["bench", "quant", "--model", str(src), "--settings", settings,
                                        "--text", str(text), "--window", "64", "--max-windows", "2", "--batch", "3",
-                                       "--input-len", "16", "--output-len", "6", "--json", str(out)])
+                                       "--input-len", "16", "--output-len", "6", "--prefill-len", "64",
+                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     assert [r["name"] for r in rows] == ["float32", "int8", "int4-g64", "int2-g64", "int4-g64-a8"]
@@ -34,8 +35,26 @@ def test_bench_quant_report_on_a_tiny_model(tmp_path):
     assert rows[0]["same_greedy_as_float"] is True
 
 
+def test_bench_quant_w8a8_rows_and_prefill(tmp_path):
+    """The calibrated W8A8 settings are rows like the RTN ones (int8 activations in their label), and every row
+    has a prefill figure."""
+    src = tmp_path / "float"
+    make_tiny_hf_model(src, "llama", seed=7, max_position_embeddings=512)
+    out = tmp_path / "quant.json"
+    result = CliRunner().invoke(main, ["bench", "quant", "--model", str(src), "--settings", "int8,smoothquant",
+                                       "--max-windows", "1", "--window", "64", "--batch", "2", "--input-len", "16",
+                                       "--output-len", "4", "--prefill-len", "48", "--runs", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["float32", "int8", "smoothquant"]
+    assert rows[2]["label"].endswith("int8 act") and not rows[1]["label"].endswith("int8 act")
+    assert rows[2]["size_bytes"] == rows[1]["size_bytes"]  # the same int8 per-channel weights on disk
+    assert all(r["prefill_tok_s"] > 0 and r["prefill_len"] == 48 for r in rows)
+    assert "prefill" in result.output
+
+
 def test_bench_quant_rejects_unknown_setting():
-    for bad in ("int5", "float32-a8"):
+    for bad in ("int5", "float32-a8", "smoothquant-a8"):
         result = CliRunner().invoke(main, ["bench", "quant", "--settings", bad])
         assert result.exit_code != 0 and f"unknown setting '{bad}'" in result.output, result.output
 

@@ -17,7 +17,7 @@ from brisk import LLM, SamplingParams
 from brisk.cli import main
 from brisk.data import calibration_text_path
 from brisk.model.loader import load_model
-from brisk.ops.layers import LinearKind
+from brisk.ops.layers import LinearKind, QuantLinear
 from brisk.ops.w8a8 import Int8Linear
 from brisk.quant.calib import CalibConfig, load_calibration_ids, run_layerwise
 from brisk.quant.smoothquant import SmoothQuantConfig, fake_w8a8, smooth_only, smoothing_scales
@@ -92,6 +92,11 @@ def test_checkpoint_loads_as_int8_layers_and_generates(tiny: Path, tmp_path: Pat
     llm = LLM(model=str(out))
     got = llm.generate(["Emma was"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert len(got[0].outputs[0].token_ids) == 6
+    # the 8-bit head of a W8A8 checkpoint takes int8 activations under "auto" (an RTN int8 head keeps float ones)
+    assert isinstance(llm.engine.loaded.model.lm_head, QuantLinear)
+    assert llm.engine.loaded.model.lm_head.quant_activations == "int8"
+    floats = LLM(model=str(out), quant_activations="float")
+    assert floats.engine.loaded.model.lm_head.quant_activations == "float"
 
 
 def test_quantize_cli_rejects_settings_smoothquant_does_not_take(tiny: Path, tmp_path: Path) -> None:

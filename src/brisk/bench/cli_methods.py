@@ -20,9 +20,10 @@ from brisk.engine.settings import setting_option
 @click.command("quant")
 @click.option("--settings", default="int8,int4-g64,nf4-g64,int3-g64,int2-g64", show_default=True,
               help="Comma-separated settings (float32 is always measured first as the baseline); "
-                   "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch; "
-                   "a name + '-a8' (int8-a8, int4-g64-a8) runs that checkpoint with int8 activations "
-                   "(--quant-activations int8); rows without it run float activations.")
+                   "known: float32, int8, int4-g64, int4-g64-sym, nf4-g64, int3-g64, int2-g64, int4-g32, int4-ch "
+                   "(RTN), smoothquant, smoothquant-static, llm-int8 (W8A8, calibrated on the bundled calibration "
+                   "text); an RTN name + '-a8' (int8-a8, int4-g64-a8) runs that checkpoint with int8 activations "
+                   "(--quant-activations int8); RTN rows without it run float activations.")
 @click.option("--model", "-m", default=None, help="Float model to quantize (default: SmolLM2-135M-Instruct).")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(evaluation_text_path()),
               show_default="the bundled evaluation text, Sense and Sensibility",
@@ -32,14 +33,18 @@ from brisk.engine.settings import setting_option
 @click.option("--batch", type=int, default=8, show_default=True, help="Batch size of the batched decode figure.")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens of the decode runs.")
 @click.option("--output-len", type=int, default=64, show_default=True, help="Generated tokens per decode run.")
+@click.option("--prefill-len", type=int, default=512, show_default=True,
+              help="Prompt tokens of the prefill figure (one request, time to its first token); 0 = none.")
 @click.option("--runs", type=int, default=3, show_default=True,
               help="Decode rounds (every setting once per round, so drift hits all alike); the best is kept.")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def quant(settings: str, model: str | None, text_path: str | None, window: int, max_windows: int, batch: int,
-          input_len: int, output_len: int, runs: int, threads: int | None, json_path: str | None) -> None:
-    """Quantization report: size, perplexity, batch-1 and batch-B decode tok/s per setting, against float32."""
+          input_len: int, output_len: int, prefill_len: int, runs: int, threads: int | None, json_path: str | None
+          ) -> None:
+    """Quantization report: size, perplexity, prefill tok/s, batch-1 and batch-B decode tok/s per setting, against
+    float32 (smoothquant, smoothquant-static, llm-int8: calibrated as `brisk quantize` does)."""
     from rich.table import Table
 
     from brisk.bench.quant import run_quant_report
@@ -50,17 +55,22 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
     console = report.stderr_console()
     if runs < 1:
         raise ValueError(f"--runs must be at least 1, got {runs}")
+    if prefill_len < 0:
+        raise ValueError(f"--prefill-len must be >= 0, got {prefill_len}")
     rows = run_quant_report(names, model, text, window, max_windows or None, batch, input_len, output_len, runs,
-                            log=lambda m: console.print(f"[dim]{m}"))
+                            log=lambda m: console.print(f"[dim]{m}"), prefill_len=prefill_len)
     base = rows[0]
-    table = Table(title=f"quantization (RTN; embedding/head int8): decode {input_len} -> {output_len} tokens, "
-                        f"{torch.get_num_threads()} threads" + (f", ppl window {window}" if text else ""))
-    for col in ("setting", "linear layers", "size (MB)", "ppl", "Δppl", "tok/s b=1", "speedup b=1",
-                f"tok/s b={batch}", f"speedup b={batch}", "greedy = float"):
+    table = Table(title=f"quantization (RTN unless named; embedding/head int8): decode {input_len} -> {output_len} "
+                        f"tokens, {torch.get_num_threads()} threads" + (f", ppl window {window}" if text else ""))
+    cols = ["setting", "linear layers", "size (MB)", "ppl", "Δppl"]
+    cols += [f"prefill {prefill_len} tok/s", "speedup"] if prefill_len else []
+    cols += ["tok/s b=1", "speedup b=1", f"tok/s b={batch}", f"speedup b={batch}", "greedy = float"]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("setting", "linear layers") else "right")
     for r in rows:
         dppl = f"{100 * (r.ppl / base.ppl - 1):+.2f}%" if r.ppl and base.ppl else "-"
-        table.add_row(r.name, r.label, f"{r.size_bytes / 1e6:.1f}", f"{r.ppl:.3f}" if r.ppl else "-", dppl,
+        prefill = [f"{r.prefill_tok_s:.0f}", f"{r.prefill_tok_s / base.prefill_tok_s:.2f}x"] if prefill_len else []
+        table.add_row(r.name, r.label, f"{r.size_bytes / 1e6:.1f}", f"{r.ppl:.3f}" if r.ppl else "-", dppl, *prefill,
                       f"{r.decode_tok_s_b1:.1f}", f"{r.decode_tok_s_b1 / base.decode_tok_s_b1:.2f}x",
                       f"{r.decode_tok_s_batch:.1f}", f"{r.decode_tok_s_batch / base.decode_tok_s_batch:.2f}x",
                       "yes" if r.same_greedy_as_float else "no")

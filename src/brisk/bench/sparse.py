@@ -81,13 +81,13 @@ class SparseRow:
         return {**asdict(self), "weight_gbps": self.gbps}
 
 
-def _engine(loaded, quant_activations: str = "auto"):  # noqa: ANN001, ANN202 - LoadedModel -> has .engine
+def _engine(loaded, quant_activations: str = "auto", kv_cache_memory: str = "64MiB"):  # noqa: ANN001, ANN202
     from brisk.engine.config import CacheConfig, EngineConfig
     from brisk.engine.llm_engine import LLMEngine
 
     # a small cache per engine: the report holds about a dozen engines at once
     config = EngineConfig(model=str(loaded.path), max_model_len=MAX_MODEL_LEN, quant_activations=quant_activations,
-                          cache=CacheConfig(kv_cache_memory="64MiB", enable_prefix_caching=False))
+                          cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=False))
     return SimpleNamespace(engine=LLMEngine(config, loaded))
 
 

@@ -300,6 +300,12 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
             raise QuantConfigError("quantization_config lists lm_head separately, but the model ties it to the "
                                    "embedding; list model.embed_tokens only")
         model.lm_head = _quant_linear([layer_parts.pop("lm_head")], qconfig.modules["lm_head"], h, dtype)
+    from brisk.quant.w8a8 import runs_int8_activations
+
+    if runs_int8_activations(qconfig) and isinstance(model.lm_head, QuantLinear):
+        # a W8A8 checkpoint runs int8 activations: under quant_activations "auto" its 8-bit head does too (per 32
+        # columns, finer than the decoder's per-token scales), the head being a fifth of a batch-64 step here
+        model.lm_head.auto_activations = "int8"
     if layer_parts:
         raise QuantConfigError(f"quantization_config lists modules the model does not have: "
                                f"{', '.join(sorted(layer_parts)[:5])}")

@@ -74,8 +74,11 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.option("--activations", type=click.Choice(["token", "tensor"]), default="token", show_default=True,
               help="smoothquant: int8 activation scales per token, computed at run time (dynamic), or one per "
                    "layer input, calibrated (static).")
-@click.option("--threshold", type=float, default=6.0, show_default=True,
-              help="llm-int8: input columns with |x| above this in any token of a forward run in float.")
+@click.option("--threshold", default="auto", show_default=True, metavar="auto|T",
+              help="llm-int8: input columns with |x| above the threshold in any token of a forward run in float; "
+                   "auto = calibrated per layer input (the largest of 6, 4, 3, 2, 1.5, 1, 0.75, 0.5 at which the "
+                   "int8 activations add at most the weights' own rounding error), 6.0 = bitsandbytes' fixed "
+                   "one.")
 @click.option("--outliers", default=None, metavar="FRACTION",
               help="squeezellm: share of each matrix's weights, the largest in magnitude, kept in float in a sparse "
                    "matrix, as a percentage (0.45%) or a fraction (0.0045); 0 = dense only. [default: 0.45%]")
@@ -90,7 +93,7 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
-             alpha: float | None, activations: str, threshold: float, outliers: str | None, error_feedback: bool,
+             alpha: float | None, activations: str, threshold: str, outliers: str | None, error_feedback: bool,
              sensitivity_floor: float | None, temperature: float, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
@@ -146,6 +149,11 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         default = W8
     if method == "smoothquant" and alpha is not None and not 0 <= alpha <= 1:
         raise click.ClickException(f"--alpha {alpha}: SmoothQuant's migration strength lies in [0, 1]")
+    try:
+        outlier_threshold = None if threshold == "auto" else float(threshold)
+    except ValueError:
+        raise click.ClickException(f"--threshold {threshold!r}: pass auto or a number (bitsandbytes uses "
+                                   "6.0)") from None
     start = time.perf_counter()
     loaded = load_model(model, fuse=False)  # unfused: module names are the checkpoint's HF names
     from brisk.quant.support import check_method_supports
@@ -175,7 +183,7 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
                                 batch_size=batch_size)
             tensors, qconfig = calibrated_quantize(loaded, plan, default, method, calib, damp=damp,
                                                    act_order=act_order, alpha=alpha, activations=activations,
-                                                   threshold=threshold)
+                                                   threshold=outlier_threshold)
         except (CalibrationError, ValueError) as e:
             raise click.ClickException(str(e)) from None
     save_quantized(out, loaded.config, loaded.tokenizer, qconfig, tensors, loaded.generation_config)
@@ -265,7 +273,7 @@ def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, 
 
 def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, method: str,
                         calib: CalibConfig, damp: float = 0.01, act_order: bool = True, progress: bool = True,
-                        alpha: float | None = None, activations: str = "token", threshold: float = 6.0
+                        alpha: float | None = None, activations: str = "token", threshold: float | None = None
                         ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
     """GPTQ, AWQ, SmoothQuant or LLM.int8() over the layer-wise driver: checkpoint tensors and config, in RTN's
     format (SmoothQuant's static activations add each linear's `input_scale`).
@@ -276,7 +284,7 @@ def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
     from brisk.quant.awq import AWQConfig, awq_apply
     from brisk.quant.calib import load_calibration_ids, run_layerwise
     from brisk.quant.gptq import GPTQConfig, gptq_apply
-    from brisk.quant.llm_int8 import LLMInt8Config, llm_int8_apply, outlier_summary
+    from brisk.quant.llm_int8 import LLMInt8Config, OutlierObserver, llm_int8_apply, outlier_summary, search_threshold
     from brisk.quant.rtn import checkpoint_tensors
     from brisk.quant.smoothquant import SmoothQuantConfig, smoothquant_apply
 
@@ -294,14 +302,19 @@ def calibrated_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
         apply = smoothquant_apply(plan, method_config, encoded)
     elif method == "llm-int8":
         method_config = LLMInt8Config(threshold=threshold)
-        apply = llm_int8_apply(plan, method_config, encoded)
+        observers: dict[str, OutlierObserver] = {}
+        apply = llm_int8_apply(plan, encoded, observers)
     else:
         raise ValueError(f"unknown calibrated method {method!r}; expected gptq, awq, smoothquant or llm-int8")
     run_layerwise(loaded.model, ids, apply, batch_size=calib.batch_size, progress=progress, label=method.upper())
-    if isinstance(method_config, LLMInt8Config) and progress:
-        from rich.console import Console
+    if isinstance(method_config, LLMInt8Config):
+        if method_config.threshold is None:  # the decoder's weights are rounded: search on them
+            method_config.threshold = search_threshold(loaded, ids, plan, method_config, progress)
+        method_config.outliers = {n: o.counts(method_config.threshold) for n, o in observers.items()}
+        if progress:
+            from rich.console import Console
 
-        Console(stderr=True).print("\n".join(outlier_summary(method_config)))
+            Console(stderr=True).print("\n".join(outlier_summary(method_config)))
     qconfig = QuantizationConfig(method=method, default=default, modules=dict(plan),
                                  calibration=calib.to_dict(), method_config=method_config.to_dict())
     return checkpoint_tensors(loaded, plan, encoded), qconfig

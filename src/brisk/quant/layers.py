@@ -70,9 +70,10 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     meets 8-bit codes rounded to int16 per 32 columns, 1/256 of int8's rounding error). A GGUF file's own codes
     (model/gguf_native.py) stay on float activations under "auto": on the default Q4_1 file int8 ones move the
     greedy answer of a chat prompt within a few tokens, and their perplexity cost is not measured yet; "int8" takes
-    them to the integer kernels (tiled layout, float minimums) all the same. Returns the number of layers on the
-    int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor built over the model
-    before the switch must be rebuilt (engine/executor.py)."""
+    them to the integer kernels (tiled layout, float minimums) all the same; the 8-bit head of a W8A8 checkpoint
+    (SmoothQuant, LLM.int8(): int8 activations by design) takes int8 ones under "auto". Returns the number of layers
+    on the int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor built over the
+    model before the switch must be rebuilt (engine/executor.py)."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
@@ -80,7 +81,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     count = 0
     for module in model.modules():
         if type(module) is QuantLinear:
-            auto_int8 = module.packed.bits <= 4 and getattr(module, "auto_activations", "int8") == "int8"
+            chosen = getattr(module, "auto_activations", None)  # a layer's own "auto", where its loader set one
+            auto_int8 = chosen == "int8" or (chosen is None and module.packed.bits <= 4)
             int8 = covers(module.packed) and (mode == "int8" or (mode == "auto" and auto_int8))
             module.quant_activations = "int8" if int8 else "float"
             count += int8
