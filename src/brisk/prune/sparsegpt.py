@@ -15,7 +15,8 @@ columns j.. that are still free, and U_jj^2 is the matching [H^-1]_jj. Per colum
     W[:, j:] -= err_j (outer) U[j, j:]                       the OBS compensation of column j's change
 
 Columns go in blocks of B = 128: the update is applied inside the block column by column and to the columns
-after the block at once (a [N, B] x [B, K - b1] matmul: GPTQ's "lazy batch" trick). The mask is chosen
+after the block at once (a [N, B] x [B, K - b1] matmul: GPTQ's "lazy batch" trick; the loop is GPTQ's own,
+quant/gptq.py obs_columns, shared with SqueezeLLM's error feedback). The mask is chosen
 adaptively: for unstructured sparsity at the start of each block from the saliency w^2 / U_jj^2 of the block's
 *current* (already compensated) weights, the lowest fraction s over the whole block (all rows x B columns);
 for N:M at every M-th column, per row, among the next M columns.
@@ -36,6 +37,7 @@ import torch
 from brisk.prune.masks import NMPattern, PruneConfigError, check_sparsity, nm_mask, unstructured_mask
 from brisk.quant import primitives
 from brisk.quant.config import LayerQuant
+from brisk.quant.gptq import obs_columns
 
 BLOCK_SIZE = 128
 PERCDAMP = 0.01  # dampening lambda = 1% of mean(diag H), as GPTQ / SparseGPT
@@ -84,41 +86,40 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float
     u, dead = inverse_hessian_factor(hessian, percdamp)
     w = weight.detach().float().clone()
     w[:, dead] = 0
+    out = torch.empty_like(w)  # the pruned (and quantized) columns, as each is decided
     mask = torch.zeros(n, k, dtype=torch.bool)
     codes = torch.zeros(n, k, dtype=torch.uint8) if quant is not None else None
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
-    scale = zero = None
-    for b0 in range(0, k, block_size):
-        b1 = min(b0 + block_size, k)
-        w1 = w[:, b0:b1]  # [N, B] view: the block is swept in place
-        u1 = u[b0:b1, b0:b1]  # [B, B]
-        d1 = torch.diagonal(u1)  # [B]
-        err1 = torch.zeros_like(w1)  # [N, B]
+    qparams: list[torch.Tensor] = []  # the current group's (scale, zero)
+
+    def error_of(j: int, w1: torch.Tensor, i: int) -> torch.Tensor:
+        """Column i of the block w1 (column j of w): decide its mask (the block's, at its first column; N:M's at
+        each group of M), prune and quantize it, and return its error w - ŵ."""
+        b0, b1 = j - i, j - i + w1.shape[1]
+        d1 = torch.diagonal(u[b0:b1, b0:b1])  # [B]
         mask1 = mask[:, b0:b1]  # [N, B] view
-        if pattern is None:
-            saliency = w1.pow(2) / d1.pow(2)[None, :]  # [N, B]
-            mask1.copy_(unstructured_mask(saliency, sparsity, per_row=False))
-        for i in range(b1 - b0):
-            j = b0 + i
-            if pattern is not None and i % pattern.m == 0:
-                saliency = w1[:, i:i + pattern.m].pow(2) / d1[i:i + pattern.m].pow(2)[None, :]  # [N, M]
-                mask1[:, i:i + pattern.m] = nm_mask(saliency, pattern.n, pattern.m)
-            col = w1[:, i].clone()  # [N]
-            q = col.masked_fill(mask1[:, i], 0.0)
-            if quant is not None:
-                if j % group == 0:
-                    scale, zero = _group_qparams(w, mask, j, group, quant)
-                    scales.append(scale)
-                    zeros.append(zero)
-                assert codes is not None and scale is not None and zero is not None
-                codes[:, j] = primitives.quantize(q[:, None], scale, zero, quant.bits)[:, 0]
-                q = primitives.dequantize(codes[:, j:j + 1], scale, zero)[:, 0]
-            err = (col - q) / d1[i]  # [N]
-            w1[:, i:] -= err[:, None] * u1[i, i:][None, :]  # OBS compensation inside the block
-            w1[:, i] = q  # exact value (the update above leaves it equal up to rounding)
-            err1[:, i] = err
-        w[:, b1:] -= err1 @ u[b0:b1, b1:]  # lazy update of the later columns: [N, B] x [B, K - b1]
+        if pattern is None and i == 0:
+            mask1.copy_(unstructured_mask(w1.pow(2) / d1.pow(2)[None, :], sparsity, per_row=False))
+        if pattern is not None and i % pattern.m == 0:
+            saliency = w1[:, i:i + pattern.m].pow(2) / d1[i:i + pattern.m].pow(2)[None, :]  # [N, M]
+            mask1[:, i:i + pattern.m] = nm_mask(saliency, pattern.n, pattern.m)
+        col = w1[:, i]
+        q = col.masked_fill(mask1[:, i], 0.0)
+        if quant is not None:
+            if j % group == 0:  # the group's current weights: the rest of this block, then the later columns
+                current = torch.cat([w1[:, i:], w[:, b1:]], 1)[:, :group]
+                qparams[:] = _group_qparams(current, mask[:, j:j + group], quant)
+                scales.append(qparams[0])
+                zeros.append(qparams[1])
+            assert codes is not None
+            codes[:, j] = primitives.quantize(q[:, None], qparams[0], qparams[1], quant.bits)[:, 0]
+            q = primitives.dequantize(codes[:, j:j + 1], qparams[0], qparams[1])[:, 0]
+        out[:, j] = q
+        return col - q
+
+    obs_columns(w, u, block_size, error_of)
+    w = out
     w[mask] = 0.0
     if quant is None:
         return SparseGPTResult(weight=w, mask=mask)
@@ -126,11 +127,11 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float
                            zero=torch.cat(zeros, dim=1))
 
 
-def _group_qparams(w: torch.Tensor, mask: torch.Tensor, j: int, group: int, quant: LayerQuant
+def _group_qparams(current: torch.Tensor, removed: torch.Tensor, quant: LayerQuant
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero [N, 1] of the group starting at column j, from its current weights with the entries
-    already known to be removed set to 0 (they will be exactly 0); scale rounded to float16 as stored."""
-    current = w[:, j:j + group].masked_fill(mask[:, j:j + group], 0.0)  # [N, G]
+    """Scale and zero [N, 1] of a group from its current weights [N, G] with the entries already known to be removed
+    set to 0 (they will be exactly 0); scale rounded to float16 as stored."""
+    current = current.masked_fill(removed, 0.0)
     scale, zero = primitives.choose_qparams(current, quant.bits, group_size=None, sym=quant.sym)  # [N, 1] each
     scale = scale.clamp_min(torch.finfo(torch.float16).tiny).half().float()
     return scale, zero
