@@ -97,6 +97,14 @@ def test_checkpoint_loads_as_int8_layers_and_generates(tiny: Path, tmp_path: Pat
     assert llm.engine.loaded.model.lm_head.quant_activations == "int8"
     floats = LLM(model=str(out), quant_activations="float")
     assert floats.engine.loaded.model.lm_head.quant_activations == "float"
+    # the W8A8 layers join the decode plan and the C++ layer loop (kind 7): the same tokens on every path
+    tokens = {}
+    for execution in ("modules", "plan", "cpp"):
+        run = LLM(model=str(out), execution=execution)
+        assert run.engine.runner.executor.path == execution
+        outs = run.generate(["Emma was", "The house"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        tokens[execution] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["plan"] == tokens["modules"] and tokens["cpp"] == tokens["modules"]
 
 
 def test_quantize_cli_rejects_settings_smoothquant_does_not_take(tiny: Path, tmp_path: Path) -> None:

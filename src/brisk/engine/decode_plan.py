@@ -52,6 +52,7 @@ from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, paged_attention, write_kv
 from brisk.ops.fused import rms_norm_qk_heads_
 from brisk.ops.layers import RUNTIME_LINEARS, LinearKernel
+from brisk.ops.w8a8 import Int8Linear
 
 if TYPE_CHECKING:
     from torch import nn
@@ -79,10 +80,13 @@ class _Layer:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+PLAN_LINEARS = (*RUNTIME_LINEARS, Int8Linear)  # Int8Linear: its kernel says which of its kinds the loop takes
+
+
 def _kernel_of(module: nn.Module | None, dtype: torch.dtype) -> LinearKernel | None:
     """The layer's kernel descriptor (ops/layers.py) where the plan can call it as is: a runtime linear with no
     hooks (a hook must see its inputs) whose small-row kernel takes this model dtype."""
-    if module is None or type(module) not in RUNTIME_LINEARS or module._forward_hooks or module._forward_pre_hooks:
+    if module is None or type(module) not in PLAN_LINEARS or module._forward_hooks or module._forward_pre_hooks:
         return None
     kernel = module.kernel()
     return kernel if dtype in kernel.loop_dtypes else None

@@ -21,12 +21,13 @@ one descriptor, so the three cannot drift apart: the same kernel with the same t
     4 SPARSE_Q8           mask, row_ptr, values, scales, bias            sparse_q8_linear  (int8 activations)
     5 QUANT_Q8_TILED      data, scales, zeros, bias                      quant_linear_q8t  (int8 activations)
     6 QUANT_TILED         data, scales, zeros, codebook, bias            quant_linear_t
-    7 W8A8                data, w_scale, shift_terms, input_scale, bias  (none: w8a8_linear at every row count)
+    7 W8A8                data, w_scale, shift_terms, input_scale, bias  w8a8_linear       (at every row count)
     8 W8A8_OUTLIER        data, w_scale, shift_terms, -, bias            (none: LLM.int8(), ops/w8a8.py)
     9 LUT                 codes, lut, row_ptr, cols, values, bias        lut_linear        (SqueezeLLM, ops/lut.py)
 
-Kinds 7 to 9 (ops/w8a8.py Int8Linear, LutLinear here) have no small-row kernel the C++ layer loop calls: their
-descriptors give no loop dtypes, so the decode plan refuses them and the executor runs the model's modules.
+Kind 8 (LLM.int8(), ops/w8a8.py) has no fixed kernel the C++ layer loop could call (its outlier columns change with
+every call): its descriptor gives no loop dtypes, so the decode plan refuses it and the executor runs the model's
+modules. Kind 7 (SmoothQuant) joins the loop for float32 models.
 """
 
 from __future__ import annotations

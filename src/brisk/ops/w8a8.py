@@ -204,16 +204,20 @@ class Int8Linear(_CachedKernel, nn.Module):
 
     def _build_kernel(self, ops: Any) -> LinearKernel:
         w, b, s, thr = self.weight8, self.bias, self.input_scale, self.outlier_threshold
-        if thr is None:
-            kind = LinearKind.W8A8
-            large = lambda x: w8a8_linear(x, w, b, s)  # noqa: E731
-        else:
-            kind = LinearKind.W8A8_OUTLIER
-            large = lambda x: llm_int8_linear(x, w, thr, b, self.outlier_stats)  # noqa: E731
-        # every row count takes `large` (the GEMM serves decode rows too); the decode plan and the C++ layer loop
-        # do not take these kinds (loop_dtypes empty), so the executor runs the model's modules
-        return LinearKernel(kind, _slots(w.data, w.scales, w.shift_terms, s, b), 8, -1, MAX_ROWS[kind],
-                            w.out_features, None, large, ())
+        slots = _slots(w.data, w.scales, w.shift_terms, s, b)
+        if thr is not None:
+            # LLM.int8(): the outlier columns change with every call, so there is no fixed kernel for the decode
+            # plan and the C++ layer loop to call (loop_dtypes empty): the executor runs the model's modules
+            return LinearKernel(LinearKind.W8A8_OUTLIER, slots, 8, -1, MAX_ROWS[LinearKind.W8A8_OUTLIER],
+                                w.out_features, None, lambda x: llm_int8_linear(x, w, thr, b, self.outlier_stats), ())
+        op = getattr(ops, "w8a8_linear", None) if w.tiled else None
+        small = None
+        if op is not None:
+            def small(x2: Tensor) -> Tensor:  # every row count: the GEMM serves decode rows too
+                return op(x2.float().contiguous(), w.data, w.scales, w.shift_terms, s, b).to(x2.dtype)
+        # the decode plan and the C++ layer loop (kind 7) call the op itself on float32 rows (slots in its order)
+        return LinearKernel(LinearKind.W8A8, slots, 8, -1, MAX_ROWS[LinearKind.W8A8], w.out_features, small,
+                            lambda x: w8a8_linear(x, w, b, s), (torch.float32,) if small is not None else ())
 
     def forward(self, x: Tensor) -> Tensor:
         return self.kernel()(x)

@@ -18,6 +18,7 @@
 //   kind 4, pruned int8, int8 act.:     [mask, row_ptr, values, scales, bias, -]            -> sparse_q8_linear
 //   kind 5, tiled 8/4-bit, int8 act.:   [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8t
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
+//   kind 7, W8A8 (SmoothQuant):         [data, w_scale, shift_terms, input_scale, bias, -]  -> w8a8_linear
 //   kind 9, table codes (SqueezeLLM):   [codes, lut, row_ptr, cols, values, bias]           -> lut_linear
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
@@ -98,6 +99,10 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>>
       sparse_q8;
+  // absent where int8_gemm.cpp was not built (no AVX2 + FMA): plans then never pass kind 7
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const OptT&, const OptT&)>>
+      w8a8;
   // absent where lut_linear.cpp was not built (no AVX2 + FMA): plans then never pass kind 9
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, const OptT&, const OptT&, const OptT&)>>
@@ -141,6 +146,9 @@ struct Ops {
     if (auto h = d.findSchema({"brisk::sparse_linear", ""}); h.has_value())
       sparse = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const OptT&, const OptT&, int64_t, int64_t, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::w8a8_linear", ""}); h.has_value())
+      w8a8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const OptT&, const OptT&)>();
     if (auto h = d.findSchema({"brisk::lut_linear", ""}); h.has_value())
       lut = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
                                 const OptT&, const OptT&)>();
@@ -187,6 +195,11 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const Params& params, int64
     TORCH_CHECK(o.sparse.has_value(), "decode_layers: sparse_linear is not built");
     return o.sparse->call(x, get(params, base), get(params, base + 1), get(params, base + 2), params[base + 3],
                           params[base + 4], bits, group, params[base + 5]);
+  }
+  if (kind == 7) {
+    TORCH_CHECK(o.w8a8.has_value(), "decode_layers: w8a8_linear is not built");
+    return o.w8a8->call(x.is_contiguous() ? x : x.contiguous(), get(params, base), get(params, base + 1),
+                        get(params, base + 2), params[base + 3], params[base + 4]);
   }
   if (kind == 9) {
     TORCH_CHECK(o.lut.has_value(), "decode_layers: lut_linear is not built");
