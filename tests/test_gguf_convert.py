@@ -153,3 +153,15 @@ def test_a_dead_engine_child_is_reported_with_its_signal(tmp_path):
     assert "SIGSEGV" in death_message("llama.cpp", "m.gguf", -11)
     assert "status 3" in death_message("brisk", "m.gguf", 3)
     assert "within 5 s" in death_message("brisk", "m.gguf", None, 5)
+
+
+def test_compare_file_precision_is_the_source_as_it_is(source, tmp_path):
+    """`--precisions file`: both engines run the --model file itself (any type, no re-typing), and its batch-1
+    roofline reads every tensor as stored."""
+    from brisk.bench.compare import check_precisions, gguf_for
+
+    check_precisions(source, ["file"])
+    assert gguf_for(source, "file", tmp_path, lambda _m: None) == source
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    stored = sum(int(t.n_bytes) for t in GGUFReader(source).tensors)
+    assert weight_bytes_per_token(source, "file") == stored

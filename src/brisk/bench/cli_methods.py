@@ -279,7 +279,8 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
                    "config.json; its F16 GGUF is written once and cached (~/.cache/brisk/shapes).")
 @click.option("--precisions", default="f32,f16,q8_0,q4_1", show_default=True,
               help="Comma-separated llama.cpp types, each run against brisk's matching setting: f32 (float32), "
-                   "f16 (bfloat16), q8_0 (int8), q4_1 (int4 g32).")
+                   "f16 (bfloat16), q8_0 (int8), q4_1 (int4 g32), file (the --model file as it is, any type: both "
+                   "engines on its own codes).")
 @click.option("--brisk-weights", type=click.Choice(["gguf", "rtn"]), default="gguf", show_default=True,
               help="brisk's weights on the q8_0 / q4_1 rows: gguf = the llama.cpp file itself, its own codes (int8 "
                    "g32, int4 g32 + min); rtn = brisk's RTN of the source (int8 per channel, int4 g32 asym).")

@@ -31,6 +31,7 @@ from typing import Any
 from brisk.bench.compare_child import EngineRun
 from brisk.quant.config import LayerQuant
 
+FILE = "file"
 # name -> (brisk dtype, brisk RTN setting or None, llama.cpp GGUF type); the dtype is that of an RTN row's
 # activations, a "gguf"-weights int row loads the llama.cpp file itself at --dtype auto (its own codes)
 PRECISIONS: dict[str, tuple[str, LayerQuant | None, str]] = {
@@ -38,8 +39,10 @@ PRECISIONS: dict[str, tuple[str, LayerQuant | None, str]] = {
     "f16": ("bfloat16", None, "f16"),
     "q8_0": ("float32", LayerQuant(bits=8, group_size=-1, sym=True), "q8_0"),
     "q4_1": ("float32", LayerQuant(bits=4, group_size=32, sym=False), "q4_1"),
+    "file": ("auto", None, FILE),  # the --model file as it is (any type), both engines on its own codes
 }
-BRISK_LABELS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8 (per channel)", "q4_1": "int4 g32 asym"}
+BRISK_LABELS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8 (per channel)", "q4_1": "int4 g32 asym",
+                "file": "the file's own codes (--dtype auto)"}
 GGUF_LABELS = {"q8_0": "int8 g32 (the Q8_0 codes)", "q4_1": "int4 g32 + min (the Q4_1 codes)"}
 BRISK_WEIGHTS = ("gguf", "rtn")  # int rows: the llama.cpp file's own codes, or brisk's RTN of the source
 # --baselines name -> (CompareRow attribute, label); onnxruntime runs on the f32 row only (float weights)
@@ -160,6 +163,8 @@ def check_precisions(source: Path, precisions: list[str]) -> None:
     file_type = _source_type(source)
     for name in precisions:
         gguf_type = PRECISIONS[name][2]
+        if gguf_type == FILE:
+            continue
         if gguf_type not in OUT_TYPES and not (file_type is not None and file_type.name.lower().endswith(gguf_type)):
             raise ValueError(f"the source GGUF is {file_type.name if file_type else 'of unknown type'}; brisk can "
                              f"write {', '.join(OUT_TYPES)} but not {gguf_type}: drop {gguf_type} from --precisions "
@@ -171,7 +176,7 @@ def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], N
     from brisk.model.gguf_convert import retype_gguf
 
     file_type = _source_type(source)
-    if file_type is not None and file_type.name.lower().endswith(gguf_type):
+    if gguf_type == FILE or (file_type is not None and file_type.name.lower().endswith(gguf_type)):
         return source
     out = workdir / f"{source.stem}.{gguf_type}.gguf"
     log(f"{gguf_type}: writing the llama.cpp file {out.name} ...")
@@ -338,8 +343,17 @@ BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
 def weight_bytes_per_token(source: Path, precision: str) -> float:
     """Bytes of weights one batch-1 decode step reads at `precision`: every matrix once (the embedding as the
     tied output head), norms in float32. The roofline is bandwidth / this."""
+    if precision == FILE:  # every tensor as stored (the embedding read once, as the tied head)
+        return float(_stored_bytes(str(source)))
     matrices, vectors = _element_counts(str(source))
     return BYTES_PER_WEIGHT[precision] * matrices + 4.0 * vectors
+
+
+@functools.cache
+def _stored_bytes(source: str) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(source).tensors)
 
 
 @functools.cache
