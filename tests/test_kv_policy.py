@@ -300,10 +300,6 @@ def test_h2o_settings():
         CacheConfig(kv_policy="streaming", kv_budget=64, h2o_recent=8)
     with pytest.raises(ValueError, match="speculative decoding does not support kv_policy h2o"):
         EngineConfig(cache=CacheConfig(kv_policy="h2o", kv_budget=64), spec=SpecConfig("ngram"))
-    for draft in (SpecConfig("self", model="int8"), SpecConfig("draft", model="some/draft")):
-        with pytest.raises(ValueError, match="does not support kv_policy streaming"):
-            EngineConfig(cache=CacheConfig(kv_policy="streaming", kv_budget=64), spec=draft)
-    EngineConfig(cache=CacheConfig(kv_policy="streaming", kv_budget=64), spec=SpecConfig("ngram"))  # no own cache
     assert CacheConfig(kv_policy="h2o", kv_budget=64).h2o_recent == 32
 
 

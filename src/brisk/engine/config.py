@@ -465,12 +465,6 @@ class EngineConfig:
             # attention mass that chooses the kept entries, so greedy output would no longer equal plain H2O.
             raise ValueError("speculative decoding does not support kv_policy h2o (rejected drafts would take part "
                              "in choosing the heavy hitters); use kv_policy streaming or full with it")
-        if self.spec is not None and self.spec.method in ("draft", "self") and self.cache.kv_policy == "streaming":
-            # The draft model's own KV cache has no eviction: a stream longer than its pool stops drafting, and
-            # after a rejection its next queries need keys at the window's far edge a window would have evicted.
-            raise ValueError(f"--speculative {self.spec.method}:... does not support kv_policy streaming (the "
-                             "draft model's own KV cache keeps every token, so a long stream outgrows it); use "
-                             "kv_policy full with a draft model, or --speculative ngram with streaming")
 
 
 def check_parallel(config: EngineConfig) -> None:
