@@ -19,7 +19,7 @@ def profile_decode(model: str | None, dtype: str = "float32", batch: int = 1, pr
     from torch.profiler import ProfilerActivity, profile
 
     from brisk.bench.prompts import make_prompt, text_token_ids
-    from brisk.bench.quant import decode_rate, output_len_together
+    from brisk.bench.quant import decode_rate, output_len_together, pool_for
     from brisk.bench.sparse import _engine, prune_decoder_
     from brisk.model.loader import load_model
     from brisk.ops.sparse import sparsify_model
@@ -28,8 +28,8 @@ def profile_decode(model: str | None, dtype: str = "float32", batch: int = 1, pr
     if prune:
         prune_decoder_(loaded.model, prune)
         sparsify_model(loaded.model)
-    kv = batch * (input_len + 2 * tokens + 64) * loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
-    llm = _engine(loaded, quant_activations, f"{max(64, int(1.25 * kv / 2**20))}MiB")  # every request at once
+    kv_token_bytes = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
+    llm = _engine(loaded, quant_activations, pool_for(batch, input_len, tokens, kv_token_bytes))
     tok = loaded.tokenizer
     prompt = make_prompt(tok, text_token_ids(tok), 0, input_len)
     decode_rate(llm, prompt, batch, output_len_together(llm, batch, input_len, min(8, tokens)))  # warm-up

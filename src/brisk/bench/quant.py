@@ -42,7 +42,7 @@ def base_name(name: str) -> str:
 
 def parse_setting(name: str) -> tuple[LayerQuant | None, bool]:
     """'int4-g64-a8' -> (the int4-g64 setting, True). Raises ValueError for an unknown name."""
-    base, a8 = (name[: -len(A8)], True) if name.endswith(A8) else (name, False)
+    base, a8 = base_name(name), name.endswith(A8)
     if base not in SETTINGS or (a8 and (SETTINGS[base] is None or base in W8A8_METHODS)):
         known = ", ".join([*SETTINGS, *(n + A8 for n, v in SETTINGS.items() if v is not None and n not in
                                         W8A8_METHODS)])
@@ -107,6 +107,13 @@ def decode_rate(llm, prompt_ids: list[int], batch: int, output_len: int) -> tupl
             start = now
     elapsed = time.perf_counter() - start if start is not None else float("nan")
     return tokens_after / elapsed, first_out
+
+
+def pool_for(batch: int, prompt_len: int, output_len: int, kv_token_bytes: int, floor_mib: int = 64) -> str:
+    """A KV pool that holds `batch` requests of prompt_len + output_len tokens whole (+25%, and a floor), so that
+    `decode_rate` finds them running together."""
+    need = 1.25 * batch * (prompt_len + 2 * output_len + 64) * kv_token_bytes
+    return f"{max(floor_mib, int(need / 2**20))}MiB"
 
 
 def prefill_rate(llm, prompt_ids: list[int]) -> float:  # noqa: ANN001
@@ -179,11 +186,10 @@ def run_quant_report(names: list[str], model: str | None, text: str | None, wind
                     folder = Path(tmp) / f"q{len(built)}"
                     built[key] = (str(folder), build_checkpoint(setting, folder, model, base_name(name)))
                 path, seconds = built[key]
-            # the pool holds every request of the batch whole (+25%, and 256 MiB at least), float32 KV
-            pool_mib = max(256, int(1.25 * batch * (input_len + 2 * output_len + 64) * kv_token_bytes / 2**20))
             # RTN rows: float activations unless -a8; W8A8 rows run as they load (their 8-bit head on int8 ones too);
             # the float row in float32, not a GGUF source's own codes
-            llm = LLM(path, kv_cache_memory=f"{pool_mib}MiB", enable_prefix_caching=False,
+            llm = LLM(path, kv_cache_memory=pool_for(batch, input_len, output_len, kv_token_bytes, 256),
+                      enable_prefix_caching=False,
                       dtype="float32" if setting is None else "auto",
                       quant_activations="int8" if a8 else "auto" if base_name(name) in W8A8_METHODS else "float")
             loaded = llm.engine.loaded

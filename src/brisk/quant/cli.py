@@ -76,9 +76,9 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
                    "layer input, calibrated (static).")
 @click.option("--threshold", default="auto", show_default=True, metavar="auto|T",
               help="llm-int8: input columns with |x| above the threshold in any token of a forward run in float; "
-                   "auto = calibrated per layer input (the largest of 6, 4, 3, 2, 1.5, 1, 0.75, 0.5 at which the "
-                   "int8 activations add at most the weights' own rounding error), 6.0 = bitsandbytes' fixed "
-                   "one.")
+                   "auto = searched on the calibration text (the largest of 6, 4, 3, 2, 1.5, 1, 0.5 whose "
+                   "next-token distributions stay within 0.001 nats a token of float activations'), 6.0 = "
+                   "bitsandbytes' fixed one.")
 @click.option("--outliers", default=None, metavar="FRACTION",
               help="squeezellm: share of each matrix's weights, the largest in magnitude, kept in float in a sparse "
                    "matrix, as a percentage (0.45%) or a fraction (0.0045); 0 = dense only. [default: 0.45%]")

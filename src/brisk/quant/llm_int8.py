@@ -46,7 +46,6 @@ from brisk.quant.support import DENSE_ARCHITECTURES, MethodSupport
 
 SUPPORT = MethodSupport("llm-int8", DENSE_ARCHITECTURES)  # observes the linears' inputs, folds nothing
 
-BITSANDBYTES_THRESHOLD = 6.0
 THRESHOLD_GRID = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)  # tried largest first: the fewest float columns
 KL_TOLERANCE = 0.001  # nats a token LLM.int8() may move the outputs from int8 weight-only rounding's (~0.1% ppl)
 
