@@ -371,7 +371,7 @@ class EngineConfig:
         "auto", choices=("auto", "float", "int8"),
         help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer dot products, "
              "as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = int8 for 4-bit layers, "
-             "float for 8-bit ones.")
+             "float for 8-bit ones (but int8 for the 8-bit head of a SmoothQuant / LLM.int8() checkpoint).")
     # which code runs the forward; the model runner chooses its executor from this one setting
     execution: str = setting(
         "auto", choices=EXECUTIONS,

@@ -71,7 +71,8 @@ def eval_group() -> None:
 @click.option("--segment", type=int, default=2048, show_default=True,
               help="--long: report the perplexity of consecutive segments of this many tokens.")
 @click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
-              help="Quantized models: activations as the engine treats them (auto = int8 for 4-bit layers).")
+              help="Quantized models: activations as the engine treats them (auto = int8 for 4-bit layers "
+                   "and a W8A8 checkpoint's 8-bit head).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
         kv_block_size: int, long_stream: bool, mode: str, kv_budget: int, sink_tokens: int, max_tokens: int,
