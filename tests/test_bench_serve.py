@@ -88,7 +88,9 @@ def test_check_stream_on_a_real_stream_and_its_mutations(server, prompts):
         lines = [(float(i), line) for i, line in enumerate(resp.iter_lines())]
     good = check_stream(lines, 6)
     assert (good.outcome, good.output_tokens, good.error_kind) == (Outcome.COMPLETED, 6, None)
-    assert 1 <= good.num_chunks <= 6 and good.first_token_t < good.last_token_t
+    # a fast engine may coalesce all tokens into one chunk: then the first and last token arrive together
+    assert 1 <= good.num_chunks <= 6 and good.first_token_t <= good.last_token_t
+    assert good.num_chunks == 1 or good.first_token_t < good.last_token_t
 
     data = [x for x in lines if x[1]]
     done, usage = data[-1], data[-2]
