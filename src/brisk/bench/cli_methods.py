@@ -360,6 +360,10 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
     if runs < 1 or output_len < 2:
         raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
     console = report.stderr_console()
+
+    def dim(m: str) -> None:
+        console.print(f"[dim]{m}")
+
     files: dict[str, Path] = {}  # llama.cpp type -> a file already at that type
     if shape is not None:
         from brisk.bench.shape_gguf import cached_shape_gguf
@@ -370,15 +374,14 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
         if unknown or not names:
             raise ValueError(f"unknown precision(s) {', '.join(unknown) or '(none given)'}; choose from "
                              f"{', '.join(PRECISIONS)}")
-        shape_log = lambda m: console.print(f"[dim]{m}")  # noqa: E731
         # the int rows on brisk's reading of a llama.cpp file get a file of random codes written straight at
         # that type (an 8B shape needs no 16 GB F16 file first); float rows and brisk's own RTN need the F16 one
         code_types = [PRECISIONS[n][2] for n in names if n in ("q8_0", "q4_1") and brisk_weights == "gguf"]
-        files = {t: cached_shape_gguf(shape, log=shape_log, qtype=t.upper()) for t in code_types}
+        files = {t: cached_shape_gguf(shape, log=dim, qtype=t.upper()) for t in code_types}
         if len(code_types) == len(names):
             source = files[code_types[0]]
         else:
-            source = cached_shape_gguf(shape, log=shape_log)
+            source = cached_shape_gguf(shape, log=dim)
     else:
         source = resolve_model(model)
     if source.suffix != ".gguf":
@@ -405,7 +408,7 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
                                                              "rows": [r.to_dict() for r in rows]})
 
     rows = run_compare(source, names, prompt, prefill, sizes, output_len, runs, n_threads,
-                       log=lambda m: console.print(f"[dim]{m}"), kv_cache_dtype=kv_cache_dtype,
+                       log=dim, kv_cache_dtype=kv_cache_dtype,
                        quant_activations=quant_activations, prepack_weights=prepack_weights,
                        brisk_weights=brisk_weights, membw_gbps=membw, on_update=write, baselines=others,
                        files=files)
