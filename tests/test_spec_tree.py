@@ -210,12 +210,25 @@ def test_medusa_greedy_alone_and_under_preemption(model_dir, heads_dir, plain):
     assert_no_leak(tight)
 
 
-def test_medusa_sampling_falls_back_to_a_chain(model_dir, heads_dir):
-    """Sampled requests get the heads' top-1 chain, verified by exact speculative sampling (no tree)."""
+def test_medusa_sampling_verifies_trees(model_dir, heads_dir, monkeypatch):
+    """Sampled requests draft the same static tree, verified by exact multi-draft sampling (spec/tree.py
+    accept_tree_sampling; its distribution is tested in tests/test_spec_verify.py)."""
+    import brisk.spec.tree as tree
+
+    sampled_trees = []
+    real = tree.verify_tree
+
+    def spy(logits, requests, drafts, parents):
+        sampled_trees.extend(len(d) for r, d in zip(requests, drafts, strict=True)
+                             if r.sampling_params.temperature > 0)
+        return real(logits, requests, drafts, parents)
+
+    monkeypatch.setattr(tree, "verify_tree", spy)
     llm = medusa_llm(model_dir, heads_dir)
     params = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
     out = llm.generate(make_prompts()[:2], params)
     assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    assert max(sampled_trees) > 1  # trees of several nodes, not chains
     assert llm.engine.speculator.stats.num_draft_tokens > 0
     assert_no_leak(llm)
 

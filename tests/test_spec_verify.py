@@ -1,5 +1,5 @@
-"""The verifier: hand-computed acceptance cases, consistency with the engine's sampler, and a statistical test
-that speculative sampling reproduces the target distribution."""
+"""The verifier: hand-computed acceptance cases, consistency with the engine's sampler, and statistical tests
+that speculative sampling, on chains and on token trees, reproduces the target distribution."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.sampling_params import SamplingParams
+from brisk.spec.tree import accept_tree_sampling, verify_tree
 from brisk.spec.verify import accept, accept_greedy, verify
 
 
@@ -153,3 +154,101 @@ def test_statistical_test_catches_a_biased_rule():
         return list(drafts)
 
     assert chi_square_of(accept_all, 6000, seed=123) > CHI2_63_999
+
+
+# ------------------------------------------------------------------------------ token trees: multi-draft sampling
+
+def tree_step(prev: int | None) -> tuple[list[int], list[int], torch.Tensor]:
+    """A fixed token tree after `prev` (deterministic candidates, as Medusa's top-k and EAGLE's are) and the Markov
+    target's distribution at each node: root children a, b and a repeated a; a has children c, d; c has e.
+
+        root ─ a ─ c ─ e
+             │   └ d
+             ├ b
+             └ a (again: a repeated sibling is never accepted twice)
+    """
+    base = 0 if prev is None else prev
+    a, b = (base + 1) % VOCAB, (base + 2) % VOCAB
+    c, d = (a + 3) % VOCAB, a
+    e = (c + 1) % VOCAB
+    tokens = [a, b, a, c, d, e]
+    parents = [-1, -1, -1, 0, 0, 3]
+    rows = [P1 if prev is None else P_NEXT[prev]] + [P_NEXT[x] for x in tokens]
+    return tokens, parents, torch.stack(rows)
+
+
+def generate_three_tree(rule, g: torch.Generator) -> tuple[int, ...]:
+    out: list[int] = []
+    while len(out) < 3:
+        tokens, parents, probs = tree_step(out[-1] if out else None)
+        out += rule(tokens, parents, probs, g)[1]
+    return tuple(out[:3])
+
+
+def tree_chi_square(rule, n: int, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        key = generate_three_tree(rule, g)
+        counts[key] = counts.get(key, 0) + 1
+    stat = 0.0
+    for a in range(VOCAB):
+        for b in range(VOCAB):
+            for c in range(VOCAB):
+                expected = n * float(P1[a] * P_NEXT[a, b] * P_NEXT[b, c])
+                stat += (counts.get((a, b, c), 0) - expected) ** 2 / expected
+    return stat
+
+
+def test_tree_sampling_reproduces_the_target_distribution():
+    """Same test, same 1e-3 false-failure rate as the chain's above: the three tokens produced by repeated tree
+    steps (accepted paths of any depth, residual draws at any node) follow the target's Markov chain."""
+    assert tree_chi_square(accept_tree_sampling, 6000, seed=321) < CHI2_63_999
+
+
+def test_tree_statistical_test_catches_a_biased_rule():
+    """Power: stepping into the first candidate at every node (no rejection) fails the same test."""
+    def first_child_always(tokens, parents, probs, g):
+        path, node = [], -1
+        while (kids := [i for i, p in enumerate(parents) if p == node]):
+            node = kids[0]
+            path.append(node)
+        return path, [tokens[i] for i in path] + [int(torch.multinomial(probs[node + 1], 1, generator=g))]
+
+    assert tree_chi_square(first_child_always, 6000, seed=321) > CHI2_63_999
+
+
+def test_tree_sampling_hand_cases():
+    g = torch.Generator().manual_seed(0)
+    # all of the root's mass on the second candidate: the first is rejected, the second accepted; its only child
+    # has no mass either, so the token after it comes from that node's residual, never the rejected child
+    probs = t([0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.0, 0.5, 0.0, 0.5], [0.1, 0.2, 0.3, 0.4])
+    for _ in range(50):
+        path, emitted = accept_tree_sampling([1, 2, 2], [-1, -1, 1], probs, g)
+        assert path == [1] and emitted[0] == 2 and emitted[1] in (1, 3)
+    # no candidate has mass: nothing accepted, the residual draw never returns a candidate
+    probs = t([0.5, 0.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0])
+    for _ in range(50):
+        path, emitted = accept_tree_sampling([1, 2], [-1, -1], probs, g)
+        assert path == [] and len(emitted) == 1 and emitted[0] in (0, 3)
+
+
+def test_verify_tree_samples_with_the_request_generator_and_greedy_walks_the_argmax():
+    """verify_tree takes both kinds of request in one batch: the greedy one emits the argmax path, the sampled one
+    is reproducible from its seed and only ever emits tokens of the processed (top-k) support."""
+    vocab = 8
+    torch.manual_seed(1)
+    tokens, parents = [3, 5, 6], [-1, -1, 0]
+    logits = torch.randn(2 * (len(tokens) + 1), vocab)
+    logits[0, 3] = logits[1, 6] = 9.0  # greedy: root -> 3 (draft 0) -> 6 (draft 2), then row 3's argmax
+    greedy = make_request(SamplingParams(temperature=0, max_tokens=20), [1, 2], [])
+    runs = []
+    for _ in range(2):
+        sampled = make_request(SamplingParams(temperature=0.9, top_k=3, max_tokens=20), [1, 2], [], seed=11)
+        runs.append(verify_tree(logits, [greedy, sampled], [tokens, tokens], [parents, parents]))
+    (paths, emitted, rows), again = runs[0], runs[1]
+    assert paths[0] == [0, 2] and emitted[0] == [3, 6, int(logits[3].argmax())] and rows[0] == [0, 1, 3]
+    assert (paths[1], emitted[1]) == (again[0][1], again[1][1])  # same seed, same draws
+    for node, tok in zip([-1] + paths[1], emitted[1], strict=True):  # each token within its row's top 3
+        row = 4 + 1 + node
+        assert tok in logits[row].topk(3).indices.tolist()

@@ -289,15 +289,15 @@ class ModelRunner:
 
     def _verify_trees(self, logits: torch.Tensor, trees: list[ScheduledRequest], rows: list[int],
                       requests: Mapping[str, Request], out: RunnerOutput) -> None:
-        """Greedy verification of token trees (spec/tree.py), then the accepted nodes' K/V moved to the entries
-        right after the root, where the next step's attention expects them."""
-        from brisk.spec.tree import accepted_moves, verify_tree_greedy
+        """Verification of token trees (spec/tree.py: greedy, or exact multi-draft sampling), then the accepted
+        nodes' K/V moved to the entries right after the root, where the next step's attention expects them."""
+        from brisk.spec.tree import accepted_moves, verify_tree
 
         reqs = [requests[s.req_id] for s in trees]
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in trees]
         parents = [s.tree_parents for s in trees]
         tree_logits = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
-        paths, tokens, token_rows = verify_tree_greedy(tree_logits, reqs, drafts, parents)  # type: ignore[arg-type]
+        paths, tokens, token_rows = verify_tree(tree_logits, reqs, drafts, parents)  # type: ignore[arg-type]
         src: list[int] = []
         dst: list[int] = []
         bs = self.block_size

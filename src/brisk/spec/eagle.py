@@ -264,9 +264,9 @@ class EagleProposer(Proposer):
             f = self._feed(req)
             if f is None:
                 out.append(Draft([]))
-            elif req.sampling_params.temperature < 1e-5 and req.structured is None:
+            elif req.structured is None:  # greedy or sampled: spec/tree.py verifies both exactly
                 out.append(self._tree(req, f, k))
-            else:  # the head's greedy chain, verified by speculative sampling with point-mass drafts
+            else:  # the head's greedy chain, verified by speculative sampling under the grammar's mask
                 out.append(self._chain(req, f, min(k, self.depth)))
         return out
 

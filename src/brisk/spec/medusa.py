@@ -95,8 +95,9 @@ def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[st
 
 
 class MedusaProposer(Proposer):
-    """Drafts a static token tree from the heads' top candidates (greedy requests), or the heads' top-1 chain
-    (sampled or constrained requests: verified by exact speculative sampling with point-mass drafts)."""
+    """Drafts a static token tree from the heads' top candidates (greedy and sampled requests: spec/tree.py
+    verifies both exactly), or the heads' top-1 chain for grammar-constrained requests (verified by speculative
+    sampling with point-mass drafts under the grammar's mask)."""
 
     name = "medusa"
     tree = True
@@ -130,7 +131,7 @@ class MedusaProposer(Proposer):
         for b, j in enumerate(ready):
             req, k = requests[j], num_drafts[j]
             cands = top[b]  # [K][rank]
-            if req.sampling_params.temperature < 1e-5 and req.structured is None:
+            if req.structured is None:
                 n = min(k, len(self.paths))
                 out[j] = Draft([cands[len(p) - 1][p[-1]] for p in self.paths[:n]], parents=self.parents[:n])
             else:

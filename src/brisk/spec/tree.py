@@ -14,9 +14,11 @@ decoded (tested against that in tests/test_spec_tree.py).
 
 Greedy verification (`accept_tree_greedy`) walks from the root: while some child of the current node carries the
 target's argmax at that node, step into it. The emitted tokens are the accepted path's drafts plus the argmax at
-its last node, which is plain greedy decoding token for token. The accepted nodes' K/V then moves from their
-tree entries to p + 1, p + 2, ... (`accepted_moves`); entries past the path are left to be overwritten and their
-blocks freed by the scheduler, as for rejected chain drafts.
+its last node, which is plain greedy decoding token for token. Sampled requests (`accept_tree_sampling`) try a
+node's candidates in turn, each as a point-mass draft against what the earlier rejections left of the target's
+distribution (recursive rejection sampling), so their output is distributed exactly as the target's. The accepted
+nodes' K/V then moves from their tree entries to p + 1, p + 2, ... (`accepted_moves`); entries past the path are
+left to be overwritten and their blocks freed by the scheduler, as for rejected chain drafts.
 
 Static trees (`static_tree`): Medusa's choice of paths. A path (c_1, ..., c_d) takes the c_k-th ranked candidate
 of head k at depth k; with a_k(c) the measured probability that head k's rank-c candidate is the target's token,
@@ -125,32 +127,90 @@ def tree_parents(paths: Sequence[tuple[int, ...]]) -> list[int]:
     return parents
 
 
-def verify_tree_greedy(logits: torch.Tensor, requests: Sequence, drafts: Sequence[list[int]],
-                       parents: Sequence[list[int]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """Greedy verification of token trees: logits [R, V] hold 1 + len(drafts[j]) rows per request j (root, then
-    drafts). Returns per request (accepted draft indices, emitted tokens, the rows of the emitted tokens).
+def accept_tree_sampling(tokens: Sequence[int], parents: Sequence[int], probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Exact multi-draft speculative sampling down a token tree: (accepted drafts' indices root to leaf, emitted
+    tokens). probs [1 + N, V]: the processed target distribution at the root (row 0) and after each draft i
+    (row 1 + i).
 
-    Each row's argmax is taken after the min_tokens ban and penalties, with the root-to-node path counted as
-    generated (spec/verify.py position_metadata for a chain)."""
+    At a node with candidate children c_1..c_m (the proposer's order, best first) and target distribution p, each
+    candidate is a point-mass draft of its own, tried in turn against what the earlier rejections left of p
+    (recursive rejection sampling, SpecInfer / Miao et al. 2024, with deterministic candidates):
+
+        r = p
+        for c in c_1..c_m:
+            accept c with probability r(x_c) / sum(r)        -> step into c, repeat there with p = probs[c]
+            else r(x_c) = 0                                  (the residual of a point mass: x_c removed)
+        none accepted: emit y ~ r / sum(r), stop
+
+    Each try is one rejection step of Leviathan et al.'s Algorithm 1 whose target is the current residual and whose
+    draft is a point mass, so the token leaving a node is distributed exactly as that residual, which by induction
+    is p itself: the emitted sequence is distributed as sampling from the target token by token (tested
+    statistically in tests/test_spec_tree.py). A candidate repeated among its siblings meets a residual that is 0
+    at its token and is never accepted twice."""
+    from brisk.spec.verify import draw_token, uniform
+
+    assert probs.shape[0] == len(tokens) + 1 == len(parents) + 1
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path: list[int] = []
+    node = -1
+    while True:
+        residual = probs[node + 1].clone()  # [V]
+        nxt = None
+        for c in children.get(node, ()):
+            x = tokens[c]
+            mass = float(residual.sum())
+            if mass > 0.0 and uniform(generator) * mass < float(residual[x]):
+                nxt = c
+                break
+            residual[x] = 0.0
+        if nxt is None:
+            # all mass on rejected candidates happens only through rounding (each would have been accepted
+            # with probability 1): the node's own distribution is the exact limit
+            last = residual if float(residual.sum()) > 0.0 else probs[node + 1]
+            return path, [tokens[i] for i in path] + [draw_token(last, generator)]
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree(logits: torch.Tensor, requests: Sequence, drafts: Sequence[list[int]],
+                parents: Sequence[list[int]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Verification of token trees: logits [R, V] hold 1 + len(drafts[j]) rows per request j (root, then drafts).
+    Returns per request (accepted draft indices, emitted tokens, the rows of the emitted tokens).
+
+    Every row is processed as the sampler would process it at that position (min_tokens ban and penalties with
+    the root-to-node path counted as generated, as spec/verify.py position_metadata does for a chain); greedy
+    requests then walk the argmax (`accept_tree_greedy`), sampled ones take the rest of the sampler's pipeline
+    (temperature, min_p, top-k, top-p) and `accept_tree_sampling` with the request's own generator."""
     from brisk.engine.sampler import SamplingMetadata
-    from brisk.spec.verify import processed_logits
+    from brisk.engine.sampling_params import SAMPLING_EPS
+    from brisk.spec.verify import probs_from_processed, processed_logits
 
-    params, outputs, prompts, eos = [], [], [], []
+    params, outputs, prompts, eos, gens = [], [], [], [], {}
     for req, draft, par in zip(requests, drafts, parents, strict=True):
-        assert req.sampling_params.temperature < 1e-5, "token trees are verified greedily only"
         for node in range(-1, len(draft)):
+            if req.generator is not None:
+                gens[len(params)] = req.generator
             params.append(req.sampling_params)
             outputs.append(req.output_token_ids + [draft[i] for i in path_to(par, node)])
             prompts.append(req.prompt_token_ids)
             eos.append(req.eos_token_ids)
-    meta = SamplingMetadata.from_params(params, outputs, prompts, {}, vocab_size=logits.shape[1],
+    meta = SamplingMetadata.from_params(params, outputs, prompts, gens, vocab_size=logits.shape[1],
                                         eos_token_ids=eos, device=logits.device)
-    argmax = processed_logits(logits, meta).argmax(dim=-1).tolist()
+    penalized = processed_logits(logits, meta)  # [R, V]
+    argmax = penalized.argmax(dim=-1).tolist()
+    probs = None if meta.all_greedy else probs_from_processed(penalized, meta)  # [R, V]
     paths, tokens, rows = [], [], []
     start = 0
-    for draft, par in zip(drafts, parents, strict=True):
+    for req, draft, par in zip(requests, drafts, parents, strict=True):
         n = len(draft) + 1
-        path, emitted = accept_tree_greedy(draft, par, argmax[start:start + n])
+        if req.sampling_params.temperature < SAMPLING_EPS:
+            path, emitted = accept_tree_greedy(draft, par, argmax[start:start + n])
+        else:
+            assert probs is not None
+            path, emitted = accept_tree_sampling(draft, par, probs[start:start + n], req.generator)
         paths.append(path)
         tokens.append(emitted)
         rows.append([start] + [start + 1 + i for i in path])

@@ -89,11 +89,11 @@ def probs_from_processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
     return torch.softmax(logits, dim=-1)
 
 
-def _uniform(generator: torch.Generator | None) -> float:
+def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a [V] distribution, by the engine's own sampler (exponential race)."""
     row = probs.unsqueeze(0).clone()  # [1, V]; random_sample divides in place
     return int(random_sample(row, {0: generator} if generator is not None else {})[0])
@@ -128,7 +128,7 @@ def accept(draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, tar
         px = float(p[x])
         qx = 1.0 if draft_probs is None else float(draft_probs[i, x])
         # r < p/q  <=>  r * q < p; a draft the proposer could not have drawn (q = 0) is never accepted
-        if qx > 0.0 and _uniform(generator) * qx < px:
+        if qx > 0.0 and uniform(generator) * qx < px:
             out.append(x)
             continue
         if draft_probs is None:
@@ -138,9 +138,9 @@ def accept(draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, tar
             residual = (p - draft_probs[i]).clamp_min_(0.0)
         # Zero residual mass means p <= q everywhere, i.e. p == q: then x was accepted with probability 1
         # unless numerics said otherwise; sampling from p itself is the exact limit.
-        out.append(_draw(residual if float(residual.sum()) > 0.0 else p, generator))
+        out.append(draw_token(residual if float(residual.sum()) > 0.0 else p, generator))
         return out
-    out.append(_draw(target_probs[num_drafts], generator))
+    out.append(draw_token(target_probs[num_drafts], generator))
     return out
 
 
