@@ -170,6 +170,44 @@ def test_tree_attention_equals_each_path_alone(model_dir, kv_dtype):
         assert int(got.argmax()) == int(want.argmax())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_kernel_equals_the_reference(dtype):
+    """paged_tree_attention (each tree row: the sequence's cache + its ancestors + itself) against the prefill
+    kernel followed by tree_attention_reference, in one batch with a decode, a plain chunk and two trees (one of
+    64 rows: bit 63 of the row masks); a tree of more than 64 rows takes the reference path."""
+    from brisk.ops import kernels
+    from brisk.ops.attention import paged_attention, tree_attention_reference
+
+    if kernels.get_op("paged_tree_attention") is None:
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(0)
+    bs, kvh, h, d, nb = 16, 3, 9, 64, 64
+    cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dtype)
+    small = [-1, -1, 0, 0, 1, 2, 2, 4, -1, 8, 9, 5]
+    wide = [-1] + [i - 1 if i % 3 else -1 for i in range(1, 63)]  # 63 drafts + the root = 64 rows
+    qlens = [1, 1 + len(small), 5, 1 + len(wide)]
+    ctxs = [40, 100 + qlens[1], 70, 33 + qlens[3]]
+    perm, blocks = torch.randperm(nb, generator=g).tolist(), []
+    for c in ctxs:
+        blocks.append(perm[:(c + bs - 1) // bs])
+        perm = perm[len(blocks[-1]):]
+    masks = [(1, tree_mask(small)), (3, tree_mask(wide))]
+    meta = AttentionMetadata.for_sequences(qlens, ctxs, blocks, bs, tree_masks=masks)
+    plain = AttentionMetadata.for_sequences(qlens, ctxs, blocks, bs)
+    q = torch.randn(sum(qlens), h, d, generator=g).to(dtype)
+    kv = torch.zeros(sum(qlens), kvh, d)  # this step's k / v: already in the cache, unused by the kernels
+    got = paged_attention(q, kv, kv, cache, meta, 0.125)
+    want = paged_attention(q, kv, kv, cache, plain, 0.125)
+    causal = want.clone()
+    tree_attention_reference(want, q, cache, meta, 0.125)
+    assert not torch.allclose(want.float(), causal.float(), atol=0.1)  # the masks do change the tree rows
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # summation order; bfloat16 outputs round to 8 bits
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    big = [-1] + list(range(64))  # 65 drafts: no 64-bit row masks, the reference path
+    meta = AttentionMetadata.for_sequences([66], [80], [perm[:5]], bs, tree_masks=[(0, tree_mask(big))])
+    assert meta.tree_row_bits() is None
+
+
 # ---------------------------------------------------------------------------------------------- engine
 
 

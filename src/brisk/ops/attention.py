@@ -141,6 +141,12 @@ def paged_attention(
                 tree_attention_reference(out, q, kv_cache, meta, scale)
             return out
     elif kernel_ok:
+        if meta.tree_masks and meta.sliding_window is None:  # token trees: each tree row sees its ancestors
+            tree_op, bits = kernels.get_op("paged_tree_attention"), meta.tree_row_bits()
+            if tree_op is not None and bits is not None:
+                tree_op(out, q, kv_cache, meta.query_start_loc, meta.block_tables, meta.context_lens, scale,
+                        PREFILL_Q_TILE, bits)
+                return out
         op = kernels.get_op("paged_decode_attention" if decode_only else "paged_prefill_attention")
     if op is not None and decode_only:
         op(out, q, kv_cache, meta.block_tables, meta.context_lens, scale, window)

@@ -81,9 +81,11 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None
     # token-tree verification (spec/tree.py): (sequence b, [query_len, query_len] bool) — among this step's rows of
     # sequence b, which ones each row attends (its ancestors and itself) instead of the causal triangle; every row
-    # still sees all of the sequence's earlier cache entries. Run by ops/attention.py `tree_attention_reference`.
+    # still sees all of the sequence's earlier cache entries. Run by the paged_tree_attention kernel (masks as
+    # `tree_row_bits`), or ops/attention.py `tree_attention_reference`.
     tree_masks: list[tuple[int, torch.Tensor]] | None = None
     _reference: ReferenceIndices | None = field(default=None, repr=False)
+    _tree_bits: torch.Tensor | None = field(default=None, repr=False)
     # the same step under other windows (`with_sliding_window`: gemma3's local and global layers), built once
     _windows: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
@@ -97,6 +99,24 @@ class AttentionMetadata:
         if self._reference is None:
             self._reference = build_reference_indices(self, block_size)
         return self._reference
+
+    def tree_row_bits(self) -> torch.Tensor | None:
+        """[T] int64, the tree masks as the paged_tree_attention kernel takes them: for a row of a tree sequence,
+        bit j set where it sees the sequence's in-step row j; -1 for every other row. None where a tree sequence
+        has more than 64 rows (the reference path takes those). Built by the first layer that asks, then reused."""
+        if self._tree_bits is None and self.tree_masks:
+            assert self.query_start_loc is not None
+            starts = self.query_start_loc.tolist()
+            bits = torch.full((self.num_tokens,), -1, dtype=torch.int64)
+            for b, mask in self.tree_masks:
+                q_len = starts[b + 1] - starts[b]
+                if q_len > 64:
+                    return None
+                # bit j's weight; bit 63's is the sign bit (int64 two's complement)
+                weights = torch.tensor([1 << j if j < 63 else -(1 << 63) for j in range(q_len)], dtype=torch.int64)
+                bits[starts[b]:starts[b + 1]] = (mask.cpu().to(torch.int64) * weights).sum(dim=1)
+            self._tree_bits = bits
+        return self._tree_bits
 
     @classmethod
     def for_sequences(

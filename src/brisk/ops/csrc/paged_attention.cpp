@@ -477,11 +477,19 @@ struct Problem {
   // (each row's query rotated back by its evicted-token count, ops/attention.py _sink_window_attention)
   const float* q_sink = nullptr;
   int64_t sinks = 0;
+  // token trees (spec/tree.py): per query token [T], bit j set where it sees its sequence's in-step row j (the key
+  // at position context_len - query_len + j); kAllRows for a token with no tree mask (causal as usual)
+  const int64_t* tree_bits = nullptr;
 };
+
+constexpr int64_t kAllRows = -1;  // tree_bits of a row that sees every in-step row its causal limit allows
 
 struct Scratch {
   std::vector<float> q, qs, acc, m, l, kbuf, vbuf;  // qs: the rows' q_sink during a sink pass
   std::vector<int64_t> live, live_lo, live_hi;  // rows taking part in the current chunk, and their windows
+  std::vector<int64_t> live_bits;  // and their tree masks (Problem::tree_bits), when the problem has any
+  int64_t tree_base = 0;  // position of the item's sequence's in-step row 0
+  bool tree = false;
   float scores[3][kChunk + 8];  // up to three rows' scores, then probabilities
   const float* krows[kChunk];
   const float* vrows[kChunk];
@@ -492,7 +500,8 @@ struct Scratch {
   int64_t max_rows, d;
   Scratch(int64_t max_rows_, int64_t d_)
       : q(max_rows_ * d_), qs(max_rows_ * d_), acc(max_rows_ * d_), m(max_rows_), l(max_rows_), kbuf(kChunk * d_), vbuf(kChunk * d_),
-        live(max_rows_), live_lo(max_rows_), live_hi(max_rows_), max_rows(max_rows_), d(d_) {}
+        live(max_rows_), live_lo(max_rows_), live_hi(max_rows_), live_bits(max_rows_), max_rows(max_rows_),
+        d(d_) {}
 };
 
 // ---- quantized caches (kvcache/quant.py), read in place: a chunk's rows of one kv head widened into float32 ----
@@ -589,7 +598,8 @@ inline void widen_keys_q4(const Problem& p, int64_t head, const int64_t* slots, 
 
 // Rows rows[0 .. R) (query rows sharing a kv head) against the chunk's keys [p0, p1) in s.krows / s.vrows (or, BF16
 // in place: s.krows16 / s.vrows16, the rows' q and acc in split order); row i sees positions [lo[i], hi[i]) (causal
-// limit, window) and at least one of them in the chunk.
+// limit, window) and at least one of them in the chunk; with token trees (s.tree), a row whose live_bits are not
+// kAllRows sees an in-step key (position >= s.tree_base) only where its bit is set.
 template <int R, bool BF16 = false>
 inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, const int64_t* hi, int64_t n,
                          int64_t d, int64_t p0, int64_t p1) {
@@ -611,6 +621,14 @@ inline void attend_chunk(Scratch& s, const int64_t* rows, const int64_t* lo, con
     if (lo[i] > p0 || hi[i] < p1) {  // the chunk straddles this row's causal limit or window start
       for (int64_t t = 0; t < n; ++t) {
         if (p0 + t < lo[i] || p0 + t >= hi[i]) scores[i][t] = kNegInf;
+      }
+    }
+    if (s.tree && p1 > s.tree_base) {  // a token tree's row: only its ancestors and itself among the in-step keys
+      const int64_t bits = s.live_bits[rows + i - s.live.data()];
+      if (bits != kAllRows) {
+        for (int64_t t = std::max<int64_t>(0, s.tree_base - p0); t < n; ++t) {
+          if (!((bits >> (p0 + t - s.tree_base)) & 1)) scores[i][t] = kNegInf;
+        }
       }
     }
     alpha[i] = softmax_chunk(scores[i], n, s.m[rows[i]], s.l[rows[i]]);
@@ -668,6 +686,8 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
   const int64_t row0 = p.query_start[it.seq];
   const int64_t q_len = p.query_start[it.seq + 1] - row0;
   const int64_t first_pos = ctx - q_len;  // absolute position of the sequence's query token 0
+  s.tree = p.tree_bits != nullptr;
+  s.tree_base = first_pos;
   const int64_t num_tokens = it.q_end - it.q_begin, num_heads = (it.kv_end - it.kv_begin) * g;
   const int32_t* table = p.block_tables + it.seq * p.max_blocks;
   // rows r = (token i, query head): r = i * num_heads + (kv head - kv_begin) * g + hq; token i sees [lo_i, hi_i)
@@ -788,10 +808,17 @@ void attend_item(const Problem& p, const WorkItem& it, Scratch& s, const WorkIte
       for (int64_t i = 0; i < num_tokens; ++i) {
         const int64_t lo = sink_pass ? 0 : lo_of(i), hi = hi_of(i);
         if (hi <= p0 || lo >= p1) continue;  // this token sees nothing of the chunk (causal / window)
+        const int64_t bits = p.tree_bits != nullptr ? p.tree_bits[row0 + it.q_begin + i] : kAllRows;
+        if (bits != kAllRows && p0 >= first_pos) {  // a tree row that sees none of this chunk's in-step keys
+          const int64_t width = std::min<int64_t>(p1, hi) - p0;  // keys [p0, min(p1, hi)) (hi <= first_pos + 64)
+          const uint64_t seen = static_cast<uint64_t>(bits) >> (p0 - first_pos);
+          if (width < 64 ? (seen & ((uint64_t{1} << width) - 1)) == 0 : seen == 0) continue;
+        }
         for (int64_t r = i * num_heads + j * g; r < i * num_heads + (j + 1) * g; ++r) {
           s.live[num_live] = r;
           s.live_lo[num_live] = lo;
           s.live_hi[num_live] = hi;
+          s.live_bits[num_live] = bits;
           ++num_live;
         }
       }
@@ -1180,6 +1207,38 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
                  q_tile);
 }
 
+// paged_prefill_attention for steps that verify token trees (spec/tree.py): tree_bits [T] int64, per query token
+// bit j set where it may see its sequence's in-step row j (its ancestors and itself), or -1 for a token with no
+// tree (every earlier row, as paged_prefill_attention). Each row sees its sequence's earlier cache entries as
+// usual. A sequence with tree rows has at most 64 query tokens; no sliding window (a tree attends everything).
+void paged_tree_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens, double scale, int64_t q_tile, const at::Tensor& tree_bits) {
+  const int64_t num_seqs = block_tables.size(0);
+  check_layout(out, q, kv_cache, block_tables, context_lens, num_seqs);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
+              "query_start_loc must be [num_seqs + 1] = [", num_seqs + 1, "], got ", query_start_loc.sizes());
+  TORCH_CHECK(tree_bits.dim() == 1 && tree_bits.size(0) == q.size(0) && tree_bits.scalar_type() == at::kLong &&
+                  tree_bits.is_contiguous(),
+              "tree_bits must be a contiguous int64 [T = ", q.size(0), "] tensor, got ", tree_bits.sizes(), " ",
+              tree_bits.scalar_type());
+  const at::Tensor qsl = query_start_loc.to(at::kLong).contiguous();
+  const int64_t* starts = qsl.data_ptr<int64_t>();
+  const int64_t* bits = tree_bits.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] >= 0, "query_start_loc[0] must be >= 0");
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t t = starts[b]; t < starts[b + 1]; ++t) {
+      TORCH_CHECK(bits[t] == kAllRows || (starts[b + 1] - starts[b] <= 64 && (bits[t] >> (t - starts[b]) & 1)),
+                  "tree rows: a sequence of at most 64 query tokens, each seeing itself; token ", t, " of sequence ",
+                  b, " has bits ", bits[t], " in a chunk of ", starts[b + 1] - starts[b]);
+    }
+  }
+  Problem p;
+  const CacheKind kind = float_cache(p, kv_cache);
+  p.tree_bits = bits;
+  attention_impl(out, q, p, kind, kv_cache.size(1), starts, block_tables, context_lens, scale, 0, q_tile);
+}
+
 // Either of the above on any cache, with StreamingLLM's sinks: `bits` 0 for a float32 / bfloat16 cache tensor
 // (cache = [kv_cache]), 8 or 4 for a quantized one (kvcache/quant.py; its tensors as quantized_cache lists them),
 // read in place; query_start_loc None for a decode-only step (row b of q is sequence b). num_sinks > 0 (with a
@@ -1259,6 +1318,9 @@ TORCH_LIBRARY_FRAGMENT(BRISK_OPS_NAMESPACE, m) {
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, "
       "Tensor block_tables, Tensor context_lens, float scale, int sliding_window, int q_tile) -> ()");
   m.def(
+      "paged_tree_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor query_start_loc, "
+      "Tensor block_tables, Tensor context_lens, float scale, int q_tile, Tensor tree_bits) -> ()");
+  m.def(
       "paged_attention_general(Tensor(a!) out, Tensor q, Tensor[] cache, int bits, int block_size, "
       "Tensor? query_start_loc, Tensor block_tables, Tensor context_lens, float scale, int sliding_window, "
       "int q_tile, Tensor? q_sink=None, int num_sinks=0) -> ()");
@@ -1268,6 +1330,7 @@ TORCH_LIBRARY_IMPL(BRISK_OPS_NAMESPACE, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("paged_attention_general", &paged_attention_general);
+  m.impl("paged_tree_attention", &paged_tree_attention);
 }
 
 }  // namespace brisk
