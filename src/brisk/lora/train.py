@@ -237,7 +237,7 @@ def make_lora_loss(activation_checkpointing: bool = False):  # noqa: ANN201 - tr
         hidden = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing, head=False)
         rows = hidden.last_hidden.reshape(-1, hidden.last_hidden.shape[-1])  # [B*T, hidden]
         labels = next_token_labels(ids, labelled)  # position t predicts token t + 1
-        loss, _, _ = head_loss(model.lm_head, rows, labels)
+        loss, _, _ = head_loss(model.lm_head, rows, labels, softcap=model.config.final_logit_softcapping)
         return loss, {"tokens": float((labels != -100).sum())}
 
     return loss_fn
