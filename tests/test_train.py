@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_utils import TRAINING_TEXT, make_tiny_hf_model
 from test_gemma import make_tiny_gemma3
 from test_moe import make_tiny_moe
@@ -110,6 +111,31 @@ def test_few_steps_reduce_the_loss_on_each_architecture(tmp_path, arch):
     reloaded = load_model(tmp_path / "out")
     ids = torch.arange(3, 23)
     torch.testing.assert_close(sequence_logits(reloaded, ids), sequence_logits(loaded, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_moe"])
+def test_activation_checkpointing_and_bf16_on_each_layer_kind(tmp_path, arch):
+    """Recomputed layers give the same gradients (a MoE layer routes the same tokens again in the backward), and
+    bfloat16 autocast gives a loss near float32's with gradients pointing the same way."""
+    NEW_ARCHS[arch](tmp_path)
+    loaded = load_model(tmp_path, fuse=False)
+    loaded.model.requires_grad_(True)
+    ids = torch.randint(3, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    layer = loaded.model.model.layers[0]
+    weight = layer.mlp.experts[0].down_proj.weight if arch == "qwen2_moe" else layer.mlp.down_proj.weight
+    runs = []
+    for ckpt, bf16 in ((False, False), (True, False), (False, True)):
+        loaded.model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = make_lm_loss(ckpt)(loaded.model, ids)[0]
+        loss.backward()
+        runs.append((float(loss.detach()), weight.grad.clone()))
+    (loss, grad), (loss_ckpt, grad_ckpt), (loss_bf16, grad_bf16) = runs
+    assert grad.abs().sum() > 0
+    assert loss_ckpt == loss
+    torch.testing.assert_close(grad_ckpt, grad)
+    assert abs(loss_bf16 - loss) < 0.02 * loss
+    assert F.cosine_similarity(grad_bf16.flatten(), grad.flatten(), dim=0) > 0.95
 
 
 def test_softcapped_head_loss_matches_autograd():
