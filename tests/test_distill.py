@@ -9,6 +9,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hf_utils import make_tiny_hf_model
+from test_gemma import make_tiny_gemma3
+from test_moe import make_tiny_moe
 
 from brisk.cli import main
 from brisk.data import calibration_text_path
@@ -91,3 +93,29 @@ def test_distill_cli_end_to_end(tmp_path):
     short.write_text("Emma.")
     bad = CliRunner().invoke(main, ["distill", *args[:3], "--text", str(short), "--force", "--seq-len", "32"])
     assert bad.exit_code != 0 and "fewer than one window" in bad.output
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_moe"])
+def test_distill_cli_layer_copy_student_keeps_each_layers_kind(tmp_path, arch):
+    """A layer-copy student of gemma3 keeps each copied layer's sliding / global kind, one of a MoE model which
+    layers are dense; the run lowers held-out perplexity and the student folder loads as that model."""
+    if arch == "gemma3":  # layers: sliding, sliding, global, sliding
+        make_tiny_gemma3(tmp_path / "teacher", seed=1)
+        layers, want = [0, 2], {"layer_types": ["sliding_attention", "full_attention"]}
+    else:  # layer 1 of 3 keeps a dense MLP
+        make_tiny_moe(tmp_path / "teacher", arch, seed=1, num_hidden_layers=3, mlp_only_layers=[1])
+        layers, want = [1, 2], {"mlp_only_layers": [0], "num_experts": 8}
+    text = tmp_path / "train.txt"
+    text.write_text(calibration_text_path().read_text(encoding="utf-8")[:20000])
+    held = tmp_path / "held.txt"
+    held.write_text(calibration_text_path().read_text(encoding="utf-8")[40000:45000])
+    args = [str(tmp_path / "teacher"), "layers:" + ",".join(map(str, layers)), str(tmp_path / "out"), "--text",
+            str(text), "--eval-text", str(held), "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--lr",
+            "3e-3", "--eval-windows", "1", "--eval-window", "64"]
+    result = CliRunner().invoke(main, ["distill", *args])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["training"]
+    assert record["student_layers"] == layers and record["eval_ppl_after"] < record["eval_ppl_before"]
+    student = load_model(tmp_path / "out").config
+    assert student.architecture == arch and student.num_hidden_layers == 2
+    assert {k: getattr(student, k) for k in want} == want

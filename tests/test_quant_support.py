@@ -27,8 +27,8 @@ ACCEPTS = {
     "llm-int8": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"},
     "awq": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
     "smoothquant": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
-    "qat": {"llama", "mistral", "qwen2"},
-    "squeezellm": {"llama", "mistral", "qwen2"},
+    "qat": set(SUPPORTED_ARCHITECTURES),
+    "squeezellm": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"},
 }
 
 
@@ -71,6 +71,7 @@ def _sqnr(want: torch.Tensor, got: torch.Tensor) -> float:
 
 CALIB = ["--num-samples", "2", "--seq-len", "32", "--batch-size", "2"]
 W8 = ["--bits", "8", "--group-size", "-1"]
+QAT = ["--steps", "2", "--seq-len", "32", "--batch-size", "2"]
 # (arch, method, flags, SQNR floor in dB). 8 bits per channel: measured 24-32 dB on these random dense models,
 # 20-26 on the MoE ones (rounding flips a few near-tied router choices); a wrong layout or a weight left out lands
 # near 0 dB. (At 4 bits these random 2-layer models keep only ~9 dB even for llama: too close to separate bugs.)
@@ -90,6 +91,17 @@ RUNS = [
     # entries: error feedback fits the codes to 64 calibration tokens' inputs, and on these random models that
     # costs SQNR on the random test ids (3.6 dB against 6.8; on the real model it lowers perplexity, test_squeezellm)
     ("mistral", "squeezellm", ["--bits", "4", "--no-error-feedback", *CALIB], 5.0),
+    ("qwen3", "squeezellm", ["--bits", "4", "--no-error-feedback", *CALIB], 5.0),
+    ("phi3", "squeezellm", ["--bits", "4", "--no-error-feedback", *CALIB], 5.0),
+    ("gemma3", "squeezellm", ["--bits", "4", "--no-error-feedback", *CALIB], 5.0),
+    ("gemma3", "squeezellm", ["--bits", "4", *CALIB], 5.0),  # error feedback (8.4 dB): the driver's gemma3 walk
+    # QAT through the training forward: two distillation steps from RTN's 8-bit start keep RTN's SQNR (measured
+    # 25-34 dB; a fake-quant left off a layer, or an expert's codes not exported, falls far below)
+    ("qwen3", "qat", [*W8, *QAT], 20.0),
+    ("phi3", "qat", [*W8, *QAT], 20.0),
+    ("gemma3", "qat", [*W8, *QAT], 20.0),
+    ("qwen2_moe", "qat", [*W8, *QAT], 15.0),  # every expert's linears fake-quantized and exported
+    ("mixtral", "qat", [*W8, *QAT], 15.0),
 ]
 
 
@@ -110,8 +122,7 @@ def test_quantize_cli_reloads_with_close_logits(tmp_path: Path, arch: str, metho
 
 
 REFUSED = [("mixtral", "gptq", "routed experts"), ("qwen3_moe", "awq", "routed experts"),
-           ("gemma3", "awq", "(1 + w)"), ("qwen3", "qat", "training forward"),
-           ("phi3", "squeezellm", "training forward")]
+           ("gemma3", "awq", "(1 + w)"), ("qwen3_moe", "squeezellm", "routed experts")]
 
 
 @pytest.mark.parametrize("arch,method,reason", REFUSED, ids=[f"{r[0]}-{r[1]}" for r in REFUSED])
@@ -121,4 +132,15 @@ def test_quantize_cli_refuses_with_the_reason(tmp_path: Path, arch: str, method:
     result = CliRunner().invoke(main, ["quantize", "--method", method, *CALIB, str(src), str(tmp_path / "q")])
     assert result.exit_code != 0
     assert reason in result.output and "use --method rtn" in result.output
+    assert not (tmp_path / "q" / "config.json").exists()
+
+
+def test_qat_from_gptq_refuses_moe_experts(tmp_path: Path) -> None:
+    """QAT trains MoE experts from RTN's start; --init gptq would need GPTQ on the experts, which it refuses."""
+    src = tmp_path / "float"
+    _make("qwen3_moe", src)
+    result = CliRunner().invoke(main, ["quantize", "--method", "qat", "--init", "gptq", *W8, *QAT, str(src),
+                                       str(tmp_path / "q")])
+    assert result.exit_code != 0
+    assert "--init gptq" in result.output and "routed experts" in result.output and "use --init rtn" in result.output
     assert not (tmp_path / "q" / "config.json").exists()

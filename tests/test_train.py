@@ -8,7 +8,10 @@ import signal
 
 import pytest
 import torch
-from hf_utils import make_tiny_hf_model
+import torch.nn.functional as F
+from hf_utils import TRAINING_TEXT, make_tiny_hf_model
+from test_gemma import make_tiny_gemma3
+from test_moe import make_tiny_moe
 
 from brisk.data import calibration_text_path
 from brisk.eval.ppl import sequence_logits
@@ -51,6 +54,110 @@ def test_training_forward_matches_paged_forward(tmp_path, arch, window):
     logits = causal_lm_forward(loaded.model, ids).logits  # [2, 12, V]
     for b in range(2):
         torch.testing.assert_close(logits[b], sequence_logits(loaded, ids[b]), atol=1e-4, rtol=1e-4)
+
+
+def _phi3_longrope(path, original: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(3)
+    half = 64 // 4 // 2  # head_dim / 2 of the tiny model
+    scaling = {"rope_type": "longrope", "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+               "long_factor": (1 + 4 * torch.rand(half, generator=g)).tolist()}
+    return make_tiny_hf_model(path, "phi3", rope_scaling=scaling, max_position_embeddings=256,
+                              original_max_position_embeddings=original, seed=4)
+
+
+# every architecture beyond llama / mistral, as transformers builds it (each with its features set to non-defaults:
+# qwen2's biases, qwen3's q/k norms, gemma3's (1 + w) norms, 8-token window, two RoPE tables and soft-cap, MoE
+# routers drawn wide so routing is decided by clear margins)
+NEW_ARCHS = {
+    "qwen2": lambda path: make_tiny_hf_model(path, "qwen2", seed=1),
+    "qwen3": lambda path: make_tiny_hf_model(path, "qwen3", seed=1),
+    # long-RoPE: 12-token windows within phi3's original context of 48 (short factors), and beyond one of 8 (long)
+    "phi3-short": lambda path: _phi3_longrope(path, 48),
+    "phi3-long": lambda path: _phi3_longrope(path, 8),
+    "gemma3": lambda path: make_tiny_gemma3(path, seed=1),
+    "mixtral": lambda path: make_tiny_moe(path, "mixtral", seed=1),
+    "qwen2_moe": lambda path: make_tiny_moe(path, "qwen2_moe", seed=1),
+    "qwen3_moe": lambda path: make_tiny_moe(path, "qwen3_moe", seed=1),
+}
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_training_forward_matches_paged_forward_and_transformers(tmp_path, arch):
+    ref = NEW_ARCHS[arch](tmp_path)
+    loaded = load_model(tmp_path, fuse=False)
+    assert loaded.config.architecture == arch.split("-")[0]
+    ids = torch.randint(3, loaded.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = causal_lm_forward(loaded.model, ids).logits  # [2, 12, V]
+    with torch.no_grad():
+        want = ref(ids).logits  # [2, 12, V]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    for b in range(2):
+        torch.testing.assert_close(logits[b], sequence_logits(loaded, ids[b]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-long", "gemma3", "qwen2_moe", "qwen3_moe"])
+def test_few_steps_reduce_the_loss_on_each_architecture(tmp_path, arch):
+    """A few seeded steps lower held-out perplexity (through the engine's forward), every trained weight (the
+    experts and routers of a MoE model included) moves, and the saved folder serves the trained model."""
+    NEW_ARCHS[arch](tmp_path / "float")
+    loaded = load_model(tmp_path / "float", fuse=False)
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    data = TextWindows.from_text(TRAINING_TEXT, loaded.tokenizer, seq_len=24, seed=0, source="emma")
+    result = train(loaded, make_lm_loss(), data, _config(max_steps=6, eval_window=48), tmp_path / "out",
+                   method={"method": "finetune"}, eval_text=TRAINING_TEXT, eval_source="emma")
+    assert result.record["eval_ppl_after"] < 0.97 * result.record["eval_ppl_before"]
+    still = [n for n, p in loaded.model.named_parameters() if torch.equal(p, before[n])]
+    assert not still, f"not trained: {still[:4]}"
+    reloaded = load_model(tmp_path / "out")
+    ids = torch.arange(3, 23)
+    torch.testing.assert_close(sequence_logits(reloaded, ids), sequence_logits(loaded, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_moe"])
+def test_activation_checkpointing_and_bf16_on_each_layer_kind(tmp_path, arch):
+    """Recomputed layers give the same gradients (a MoE layer routes the same tokens again in the backward), and
+    bfloat16 autocast gives a loss near float32's with gradients pointing the same way."""
+    NEW_ARCHS[arch](tmp_path)
+    loaded = load_model(tmp_path, fuse=False)
+    loaded.model.requires_grad_(True)
+    ids = torch.randint(3, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    layer = loaded.model.model.layers[0]
+    weight = layer.mlp.experts[0].down_proj.weight if arch == "qwen2_moe" else layer.mlp.down_proj.weight
+    runs = []
+    for ckpt, bf16 in ((False, False), (True, False), (False, True)):
+        loaded.model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = make_lm_loss(ckpt)(loaded.model, ids)[0]
+        loss.backward()
+        runs.append((float(loss.detach()), weight.grad.clone()))
+    (loss, grad), (loss_ckpt, grad_ckpt), (loss_bf16, grad_bf16) = runs
+    assert grad.abs().sum() > 0
+    assert loss_ckpt == loss
+    torch.testing.assert_close(grad_ckpt, grad)
+    assert abs(loss_bf16 - loss) < 0.02 * loss
+    assert F.cosine_similarity(grad_bf16.flatten(), grad.flatten(), dim=0) > 0.95
+
+
+def test_softcapped_head_loss_matches_autograd():
+    """head_loss's fused gradient through gemma3's logit soft-cap against autograd over the plain expression."""
+    from brisk.train.losses import head_loss, next_token_ce
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(3 * torch.randn(40, 16, generator=g))  # logits well into the cap's curved part
+    hidden = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    ids = torch.randint(0, 40, (2, 9), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    loss, _, _ = head_loss(head, hidden.reshape(-1, 16), labels.reshape(-1), softcap=5.0)
+    loss.backward()
+    got = (hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad, head.weight.grad = None, None
+    want = next_token_ce(torch.tanh(head(hidden) / 5.0) * 5.0, ids)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(got, (hidden.grad, head.weight.grad))
 
 
 def test_activation_checkpointing_gives_the_same_gradients(tiny):

@@ -13,6 +13,7 @@ from brisk.lora.train import (
     adapter_of,
     adapter_params,
     add_adapters,
+    check_lora_trainable,
     make_lora_loss,
     prepare_base,
     save_adapter_output,
@@ -51,6 +52,7 @@ def finetune_lora(model: str, out: str | Path, data_path: str, config: TrainConf
     # decoder, 4x the file, is never held whole); a float base dequantizes at load as before
     streamed = base != "float" and is_gguf(resolve_model(model))
     loaded = load_model(model, fuse=False, sparse=False, keep_quantized=streamed)
+    check_lora_trainable(loaded.config)
     base_info = prepare_base(loaded, base, requantize=streamed)
     paths = add_adapters(loaded.model, targets, rank, alpha, dropout, seed=config.seed, use_rslora=use_rslora)
     data = load_training_data(data_path, loaded.tokenizer, seq_len, config.seed)

@@ -28,6 +28,7 @@ from torch import nn
 
 from brisk.lora.adapter import LoRAAdapter, module_path
 from brisk.lora.frozen import FrozenLutLinear, FrozenQuantLinear
+from brisk.model.config import ModelConfig
 from brisk.model.hugepages import release_free_memory
 from brisk.model.loader import LoadedModel
 from brisk.ops.layers import LutLinear, QuantLinear
@@ -100,6 +101,16 @@ def _frozen_from_quant(q: QuantLinear, double_quant: bool) -> FrozenQuantLinear:
     pw = q.packed
     set_tiled(pw, False)  # FrozenQuantLinear reads the blocked layout (a no-op when it already is)
     return FrozenQuantLinear(pw, q.bias, double_quant=double_quant and pw.codebook is not None)
+
+
+def check_lora_trainable(config: ModelConfig) -> None:
+    """ValueError for a model whose adapters brisk could train but not serve: every dense architecture trains
+    (train/forward.py); a mixture-of-experts model is refused, its routed experts having no adapter slots in the
+    engine's LoRA layers (lora/layers.py) or in the decode plan's LoRA path."""
+    if config.is_moe:
+        raise ValueError(f"LoRA fine-tuning does not support mixture-of-experts models ({config.architecture}): "
+                         "brisk serves adapters on dense MLP and attention projections only, not on routed experts "
+                         "(brisk distill and quantize --method qat train MoE models)")
 
 
 def prepare_base(loaded: LoadedModel, base: str, double_quant: bool = True, requantize: bool = False
@@ -237,7 +248,7 @@ def make_lora_loss(activation_checkpointing: bool = False):  # noqa: ANN201 - tr
         hidden = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing, head=False)
         rows = hidden.last_hidden.reshape(-1, hidden.last_hidden.shape[-1])  # [B*T, hidden]
         labels = next_token_labels(ids, labelled)  # position t predicts token t + 1
-        loss, _, _ = head_loss(model.lm_head, rows, labels)
+        loss, _, _ = head_loss(model.lm_head, rows, labels, softcap=model.config.final_logit_softcapping)
         return loss, {"tokens": float((labels != -100).sum())}
 
     return loss_fn

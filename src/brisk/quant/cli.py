@@ -260,6 +260,11 @@ def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, 
         data = TextWindows.from_file(text, loaded.tokenizer, seq_len, seed)
         encoded = None
         if init == "gptq":
+            from brisk.quant.support import method_support
+
+            if (refusal := method_support("gptq").refusal(loaded.config)) is not None:
+                raise ValueError(f"--init gptq starts QAT from GPTQ's codes, and {refusal.split('; use')[0]}; "
+                                 "use --init rtn")
             calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed, batch_size=batch_size)
             tensors, _ = calibrated_quantize(loaded, plan, default, "gptq", calib, damp=damp, act_order=False)
             encoded = {name: {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")

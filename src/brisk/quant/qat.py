@@ -42,9 +42,10 @@ from brisk.quant.rtn import quantize_layer
 from brisk.quant.support import MethodSupport
 from brisk.train.forward import TRAINABLE_ARCHITECTURES
 
-SUPPORT = MethodSupport("qat", TRAINABLE_ARCHITECTURES,
-                        limit="QAT trains through brisk's training forward, which runs "
-                              + ", ".join(TRAINABLE_ARCHITECTURES))
+# every architecture the training forward runs, MoE experts included: brisk keeps each expert as its own MLP of
+# nn.Linear layers (model/moe.py), so every expert projection gets its own FakeQuant like any decoder linear (an
+# expert no training token is routed to keeps its RTN start); the routers stay float
+SUPPORT = MethodSupport("qat", TRAINABLE_ARCHITECTURES, moe_experts=True)
 
 if TYPE_CHECKING:
     from brisk.train.data import TextWindows

@@ -52,12 +52,12 @@ from brisk.model.loader import LoadedModel
 from brisk.quant.calib import BlockContext, CalibConfig, load_calibration_ids
 from brisk.quant.checkpoint import encode_lut_layer
 from brisk.quant.config import LayerQuant, QuantizationConfig
-from brisk.quant.support import MethodSupport
-from brisk.train.forward import TRAINABLE_ARCHITECTURES
+from brisk.quant.support import DENSE_ARCHITECTURES, MethodSupport
 
-SUPPORT = MethodSupport("squeezellm", TRAINABLE_ARCHITECTURES,
-                        limit="its sensitivities are gradients through brisk's training forward, which runs "
-                              + ", ".join(TRAINABLE_ARCHITECTURES))
+# the dense architectures (its Fisher pass runs through the training forward, which runs them all); the routed
+# experts of a MoE model are refused like the other calibrated methods': step 4's error feedback would need each
+# expert's Hessian from the tokens routed to it
+SUPPORT = MethodSupport("squeezellm", DENSE_ARCHITECTURES)
 
 DEFAULT_OUTLIERS = 0.0045  # the paper's 0.45%
 DEFAULT_SENSITIVITY_FLOOR = 1.0  # module docstring, step 1

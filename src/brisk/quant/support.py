@@ -9,8 +9,9 @@ refused before any work starts, with the reason and the methods that do handle t
     llm-int8     the same: outlier columns are found from the linears' inputs, nothing is folded
     awq          dense architectures with Llama-style RMSNorm: its scales are folded into the norm weights
     smoothquant  the same folds as awq
-    qat          the architectures the training forward runs (train/forward.py)
-    squeezellm   the same: its sensitivities are gradients of the LM loss through that forward
+    qat          every architecture (the training forward, train/forward.py, runs them all), MoE experts
+                 included: each expert's linears are trained through their own fake-quant
+    squeezellm   every dense architecture: its sensitivities are gradients of the LM loss through that forward
 
 The calibrated methods refuse MoE experts: each expert would need the statistics of the tokens routed to it.
 """

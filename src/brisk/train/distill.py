@@ -20,7 +20,7 @@ import torch
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel, build_model
 from brisk.prune.checkpoint import model_tensors
-from brisk.train.forward import causal_lm_forward
+from brisk.train.forward import causal_lm_forward, head_logits
 from brisk.train.losses import head_loss, hidden_state_loss, next_token_labels
 from brisk.train.trainer import LossFn
 
@@ -64,7 +64,15 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
 def teacher_layers_student(teacher: LoadedModel, layers: list[int]) -> LoadedModel:
     """A student with the teacher's embeddings, final norm and head and the given teacher layers, copied (the
     student trains its own weights; the teacher is left untouched)."""
-    config = dataclasses.replace(teacher.config, num_hidden_layers=len(layers))
+    c = teacher.config
+    # per-layer settings follow their layers: gemma3's sliding / global pattern, which layers are MoE
+    per_layer: dict = {}
+    if c.layer_types is not None:
+        per_layer["layer_types"] = [c.layer_types[i] for i in layers]
+    if c.is_moe:
+        per_layer |= {"decoder_sparse_step": 1,
+                      "mlp_only_layers": [j for j, i in enumerate(layers) if not c.is_moe_layer(i)]}
+    config = dataclasses.replace(c, num_hidden_layers=len(layers), **per_layer)
     tensors = {}
     for name, value in model_tensors(teacher.model, teacher.config).items():
         if name.startswith("model.layers."):
@@ -108,7 +116,8 @@ def make_distill_loss(teacher: LlamaForCausalLM, alpha: float, temperature: floa
         t_rows = t.last_hidden.reshape(-1, t.last_hidden.shape[-1])  # [B*T, hidden]
         loss, ce, kl = head_loss(student.lm_head, s.last_hidden.reshape(-1, s.last_hidden.shape[-1]),
                                  next_token_labels(ids), ce_weight=1 - alpha, kd_weight=alpha,
-                                 teacher=lambda a, b: teacher.lm_head(t_rows[a:b]), temperature=temperature)
+                                 teacher=lambda a, b: head_logits(teacher, t_rows[a:b]), temperature=temperature,
+                                 softcap=student.config.final_logit_softcapping)
         parts = {"kl": float(kl), "ce": float(ce)}
         if hidden_weight:
             assert s.hidden_states is not None and t.hidden_states is not None and layer_map is not None
@@ -132,7 +141,8 @@ def make_lm_loss(activation_checkpointing: bool = False) -> LossFn:
 def lm_loss(model: LlamaForCausalLM, ids: torch.Tensor, activation_checkpointing: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy of [B, T] windows, the head's logits formed a chunk at a time."""
     hidden = causal_lm_forward(model, ids, activation_checkpointing=activation_checkpointing, head=False).last_hidden
-    return head_loss(model.lm_head, hidden.reshape(-1, hidden.shape[-1]), next_token_labels(ids))[0]
+    return head_loss(model.lm_head, hidden.reshape(-1, hidden.shape[-1]), next_token_labels(ids),
+                     softcap=model.config.final_logit_softcapping)[0]
 
 
 def check_hidden_sizes(teacher: LoadedModel, student: LoadedModel) -> None:

@@ -62,6 +62,8 @@ def hidden_state_loss(student_hidden: list[torch.Tensor], teacher_hidden: list[t
 # backward only scales it (the trick of fused linear cross-entropy kernels, e.g. Liger's, done with plain matmuls).
 #
 #   z = h @ W^T + b                           [C, V], float32 (bfloat16 matmul under bf16 autocast)
+#   z = cap * tanh(z / cap)                   where the model soft-caps its logits (gemma3); the gradient below is
+#                                               then multiplied by d z / d z_raw = 1 - (z / cap)^2
 #   ce  = mean over labelled rows of -log softmax(z)[y]      d ce / dz  = (softmax(z) - onehot(y)) / M
 #   kl  = T^2 mean over rows of KL(p_T || softmax(z / T))     d kl / dz  = T (softmax(z / T) - p_T) / N
 #   loss = ce_weight * ce + kd_weight * kl
@@ -97,7 +99,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, teacher: TeacherLogits | None, ce_weight: float, kd_weight: float,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, v = hidden.shape[0], weight.shape[0]
         m = max(int((labels != -100).sum()), 1)
         dtype = hidden.dtype if hidden.dtype == torch.bfloat16 else torch.float32  # bfloat16: autocast's
@@ -116,6 +118,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                 z = (h @ w.t()).float()
                 if bias is not None:
                     z += bias.float()
+                if softcap:
+                    z = torch.tanh(z.div_(softcap)).mul_(softcap)
                 t = teacher(s, e) if teacher is not None and kd_weight else None
                 ce, d_ce, kl, d_kl = _chunk_terms(z, labels[s:e], t, temperature)
                 ce_sum += ce
@@ -123,6 +127,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                 dz = d_ce.mul_(ce_weight / m)
                 if d_kl is not None:
                     dz.add_(d_kl, alpha=kd_weight * temperature**2 / n)
+                if softcap:  # back through the cap: d z / d z_raw = 1 - tanh^2 = 1 - (z / cap)^2
+                    dz.mul_(1.0 - z.div_(softcap).square_())
                 if grad_h is not None:
                     grad_h[s:e] = (dz.to(dtype) @ w).float()
                 if grad_w is not None:
@@ -144,14 +150,15 @@ class _FusedHeadLoss(torch.autograd.Function):
         scale = grad_loss.to(torch.float32)
         return (None if grad_h is None else grad_h * scale.to(grad_h.dtype),
                 None if grad_w is None else grad_w * scale.to(grad_w.dtype),
-                None if grad_b is None else grad_b * scale.to(grad_b.dtype), None, None, None, None, None)
+                None if grad_b is None else grad_b * scale.to(grad_b.dtype), None, None, None, None, None, None)
 
 
 def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, ce_weight: float = 1.0,
-              kd_weight: float = 0.0, teacher: TeacherLogits | None = None, temperature: float = 1.0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              kd_weight: float = 0.0, teacher: TeacherLogits | None = None, temperature: float = 1.0,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ce_weight * mean CE of `labels` + kd_weight * T^2 * mean KL(teacher || student) at temperature T, the
-    student's logits being head(hidden), formed a chunk of rows at a time (never all at once).
+    student's logits being head(hidden) (soft-capped to softcap * tanh(logits / softcap) when `softcap` is set:
+    gemma3's final_logit_softcapping), formed a chunk of rows at a time (never all at once).
 
     hidden: [N, H] rows (the final-norm output); labels: [N] token ids, -100 where a row has no label (its CE is
     skipped, its KL still counts); teacher(start, end) gives the teacher's logits of rows start:end. Returns
@@ -163,7 +170,7 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, ce
         raise ValueError("a KL term needs the teacher's logits")
     if isinstance(head, nn.Linear) and head.weight.is_floating_point() and head.weight.layout == torch.strided:
         return _FusedHeadLoss.apply(hidden, head.weight, head.bias, labels, teacher, ce_weight, kd_weight,
-                                    temperature)
+                                    temperature, softcap)
     from torch.utils.checkpoint import checkpoint
 
     n, v = hidden.shape[0], int(head.out_features)
@@ -177,16 +184,19 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, ce
         if teacher is not None and kd_weight:
             with torch.no_grad():
                 t = teacher(s, e)
-        ce, kl = checkpoint(_module_chunk, head, hidden[s:e], labels[s:e], t, temperature, use_reentrant=False)
+        ce, kl = checkpoint(_module_chunk, head, hidden[s:e], labels[s:e], t, temperature, softcap,
+                            use_reentrant=False)
         ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
     ce_mean, kl_mean = ce_sum / m, kl_sum * temperature**2 / n
     return ce_weight * ce_mean + kd_weight * kl_mean, ce_mean.detach(), kl_mean.detach()
 
 
 def _module_chunk(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(CE sum, KL sum) of one chunk through an arbitrary head module, differentiable by autograd."""
     z = head(hidden).float()
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
     ce = F.cross_entropy(z, labels, ignore_index=-100, reduction="sum")
     if teacher is None:
         return ce, z.new_zeros(())
