@@ -306,6 +306,12 @@ def test_calibrated_methods_refuse_moe(moe_dir: tuple[str, Path, torch.nn.Module
         run_layerwise(loaded.model, torch.zeros(1, 4, dtype=torch.long), lambda ctx: None, progress=False)
 
 
+def test_lora_serving_refuses_moe_by_name(moe_dir: tuple[str, Path, torch.nn.Module]) -> None:
+    arch, path, _ = moe_dir
+    with pytest.raises(UnsupportedModelError, match=f"{arch} is a mixture-of-experts model.*--enable-lora"):
+        LLM(str(path), enable_lora=True)
+
+
 # ------------------------------------------------------------------------------------------ bytes read
 
 def test_decode_reads_each_routed_expert_once(moe_dir: tuple[str, Path, torch.nn.Module]) -> None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from brisk.model.config import MOE_ARCHITECTURES, UnsupportedModelError
+
 Tensor = torch.Tensor
 
 
@@ -146,6 +148,11 @@ class LoRALinear(nn.Module):
 def wrap_model(model: nn.Module, state: LoRAState, max_loras: int, max_rank: int) -> dict[str, tuple[int, int]]:
     """Wrap every projection of every decoder layer (fused or not) in a LoRALinear; returns the adaptable
     modules' shapes (HF path -> (out_features, in_features)), for checking adapters against the model."""
+    arch = model.config.architecture
+    if arch in MOE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"LoRA adapters are served on dense models only; {arch} is a mixture-of-experts model, whose routed "
+            "experts have no adapter layers: serve it without --enable-lora")
     shapes: dict[str, tuple[int, int]] = {}
     for i, layer in enumerate(model.model.layers):
         for parent_name, fused_name, parts in (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
