@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from brisk.model.config import FULL, SLIDING, UnsupportedModelError
 from brisk.model.llama import MLP, Attention, RMSNorm
 from brisk.ops.attention import AttentionMetadata
-from brisk.ops.fused import add_rms_norm, rms_norm
+from brisk.ops.fused import add_rms_norm, gelu_tanh_mul, rms_norm
 from brisk.ops.metadata import with_sliding_window
 
 if TYPE_CHECKING:
@@ -100,11 +100,9 @@ class GemmaMLP(MLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x)), HF's gelu_pytorch_tanh."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 I] -> 2 x [T, I]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if self.gate_up_proj is not None:  # [T, 2 I] -> gelu_tanh(gate) * up: [T, I], the decode plan's kernel
+            return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
 class GemmaDecoderLayer(torch.nn.Module):

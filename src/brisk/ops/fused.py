@@ -1,4 +1,5 @@
-"""Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up.
+"""Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up and GELU-tanh(gate)
+* up (Gemma's GeGLU).
 
 At batch-1 decode a step is ~150 small ops and each costs microseconds of dispatch whatever its size: ATen's
 rms_norm alone is ~8 ops (pow, mean, add, rsqrt, mul, ...) and runs twice per layer. The C++ kernels
@@ -14,6 +15,8 @@ when the kernels are disabled or unbuilt, off the CPU, or for a dtype or layout 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,13 +96,28 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2I] (gate columns, then up columns) -> silu(gate) * up: [..., I] (SwiGLU's product)."""
+    return _act_mul("silu_mul", gate_up, silu_mul_reference)
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., 2I] -> 2 x [..., I]
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2I] -> gelu_tanh(gate) * up: [..., I] (GeGLU with HF's gelu_pytorch_tanh: Gemma's MLP)."""
+    return _act_mul("gelu_tanh_mul", gate_up, gelu_tanh_mul_reference)
+
+
+def _act_mul(name: str, gate_up: torch.Tensor, reference: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The kernel `name` on gate_up's rows where it applies, else `reference`."""
     if (gate_up.is_cpu and gate_up.dtype in _KERNEL_DTYPES and gate_up.shape[-1] % 2 == 0
             and gate_up.is_contiguous()):
-        op = get_op("silu_mul")
+        op = get_op(name)
         if op is not None:
             if gate_up.dim() == 2:
                 return op(gate_up)
             if gate_up.numel() > 0:
                 out = op(gate_up.view(-1, gate_up.shape[-1]))  # [T, 2I] -> [T, I]
                 return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-    return silu_mul_reference(gate_up)
+    return reference(gate_up)

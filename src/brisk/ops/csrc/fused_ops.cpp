@@ -1,4 +1,4 @@
-// Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up.
+// Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up, GELU-tanh(gate) * up.
 //
 // At batch-1 decode each of these is a few hundred to a few thousand floats, so the cost is the number of ops,
 // not the arithmetic: ATen's rms_norm is ~8 ops (pow, mean, add, rsqrt, mul, to, mul, ...) and SwiGLU is 3
@@ -6,6 +6,7 @@
 //   rms_norm, float32:  x * r * w                    r = 1 / sqrt(mean(x^2) + eps), all float32
 //   rms_norm, bfloat16: bf16(w * bf16(x * r))        statistics in float32; HF's `weight * normed.to(dtype)`
 //   silu_mul, bfloat16: bf16(bf16(silu(g)) * u)      F.silu(gate) * up in bf16 rounds twice; so does this
+//   gelu_tanh_mul:      the same, with gelu_tanh(g)  (Gemma's GeGLU, F.gelu(gate, approximate="tanh") * up)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -170,12 +171,49 @@ inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-template <typename T>
-inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
-  auto f = [&](__m256 g, __m256 u) { return _mm256_mul_ps(round_to(silu8(g), out), u); };
+// gelu_tanh(g) = 0.5 g (1 + tanh(z / 2)) with z = 2 sqrt(2 / pi) (g + 0.044715 g^3); since 1 + tanh(z / 2) =
+// 2 sigmoid(z), that is g sigmoid(z): silu8's division with e = e^-|z| <= 1 (never overflows), z for g.
+//   z >= 0: g / (1 + e)        z < 0: g e / (1 + e)
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),  // 2 sqrt(2 / pi)
+                                 _mm256_fmadd_ps(g3, _mm256_set1_ps(0.044715f), g));
+  __m256 e = exp_nonpositive(_mm256_or_ps(z, sign));  // e^-|z|
+  __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// out = act(gate) * up over one row of I; act(g) rounded to T before the product, as `act(gate) * up` in T rounds it
+template <typename T, typename Act>
+inline void act_mul_row(const T* gate, const T* up, T* out, int64_t I, Act act) {
+  auto f = [&](__m256 g, __m256 u) { return _mm256_mul_ps(round_to(act(g), out), u); };
   int64_t k = 0;
   for (; k + 8 <= I; k += 8) store8(out + k, f(load8(gate + k), load8(up + k)));
   if (k < I) store_tail(out + k, f(load_tail(gate + k, I - k), load_tail(up + k, I - k)), I - k);
+}
+
+// gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> act(gate) * up [T, I]
+template <typename Act>
+at::Tensor act_mul(const char* name, const at::Tensor& gate_up, Act act) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, ": gate_up must be [T, 2I], got ",
+              gate_up.sizes());
+  TORCH_CHECK(gate_up.is_contiguous(), name, ": gate_up must be contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16, name,
+              ": gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  auto run = [&](auto* gu, auto* o) {
+    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) act_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, o + r * I, I, act);
+    });
+  };
+  if (gate_up.scalar_type() == at::kFloat)
+    run(gate_up.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
 }
 
 }  // namespace
@@ -213,25 +251,14 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return out;
 }
 
-// gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> silu(gate) * up [T, I]
+// gate_up: [T, 2I] -> silu(gate) * up [T, I] (SwiGLU)
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2I], got ",
-              gate_up.sizes());
-  TORCH_CHECK(gate_up.is_contiguous(), "silu_mul: gate_up must be contiguous");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
-              "silu_mul: gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = at::empty({T, I}, gate_up.options());
-  auto run = [&](auto* gu, auto* o) {
-    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, o + r * I, I);
-    });
-  };
-  if (gate_up.scalar_type() == at::kFloat)
-    run(gate_up.data_ptr<float>(), out.data_ptr<float>());
-  else
-    run(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
-  return out;
+  return act_mul("silu_mul", gate_up, [](__m256 g) { return silu8(g); });
+}
+
+// gate_up: [T, 2I] -> gelu_tanh(gate) * up [T, I] (GeGLU with the tanh approximation: Gemma's MLP)
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  return act_mul("gelu_tanh_mul", gate_up, [](__m256 g) { return gelu_tanh8(g); });
 }
 
 // ---- RoPE on the fused q/k/v projection, in place, and this step's keys and values into the paged cache ----
@@ -449,4 +476,5 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
 }
