@@ -126,11 +126,13 @@ def test_greedy_32_tokens_identical_batched(gemma, kwargs):
     assert llm.engine.kv_manager.block_pool.get_num_free_blocks() == llm.engine.num_blocks
 
 
-def test_executor_auto_runs_modules_and_refuses_compile(gemma):
+def test_executor_runs_the_decode_plan_and_refuses_compile(gemma):
     path, _ = gemma
     model = load_model(str(path)).model
-    assert Executor(model, "auto").path == "modules"
-    assert Executor(model, "cpp").path == "modules"  # the decode plan does not cover gemma's layer
+    # the decode plan covers gemma's layer (tests/test_decode_plan.py: the same numbers as the modules)
+    assert Executor(model, "auto").path == "cpp"
+    assert Executor(model, "plan").path == "plan"
+    assert Executor(model, "modules").path == "modules"
     with pytest.raises(CompileError, match="gemma3"):
         Executor(model, "compiled")
 
@@ -330,6 +332,23 @@ def test_awq_refuses_gemma3(gemma, tmp_path):
     result = CliRunner().invoke(main, ["quantize", "--method", "awq", "--calib-text", str(text), str(path),
                                        str(tmp_path / "q")])
     assert result.exit_code != 0 and "use --method rtn or gptq" in result.output
+
+
+@pytest.mark.slow
+def test_gemma3_270m_decode_plan_gives_the_module_path_tokens():
+    """The Q4_K_M file (tiled codes in the C++ layer loop, local and global layers of 256-dim heads) on the default
+    path and on the modules: the same greedy tokens, and the C++ loop took the decode steps."""
+    path = str(gemma3_270m_path())
+    prompt = ["The capital of France is Paris, and the capital of Italy is", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for execution in ("auto", "modules"):
+        llm = LLM(path, max_model_len=256, execution=execution)
+        executor = llm.engine.runner.executor
+        assert executor.path == ("cpp" if execution == "auto" else "modules")
+        tokens[execution] = [o.outputs[0].token_ids for o in llm.generate(prompt, params)]
+        del llm
+    assert tokens["auto"] == tokens["modules"]
 
 
 @pytest.mark.slow
