@@ -317,18 +317,26 @@ def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypa
 # ----------------------------------------------------------------------------------------- gemma3
 
 @pytest.fixture(scope="module")
-def gemma_folder(tmp_path_factory):
+def gemma_folders(tmp_path_factory):
     # 4 layers, local (window 8, shorter than the prompts plus their 12 tokens) and global, own RoPE tables, q/k
-    # norms, sandwich norms, GeGLU, head_dim 32, MQA-style 4:2 heads, a final soft-cap (outside the layers)
+    # norms, sandwich norms, GeGLU, head_dim 32, a final soft-cap (outside the layers); 4 query heads on 2 KV heads
+    # (GQA) and on 1 (MQA, as Gemma-3-270M: its k heads are a strided view for the per-head norm)
     from test_gemma import make_tiny_gemma3
 
-    path = tmp_path_factory.mktemp("plan-gemma3")
-    make_tiny_gemma3(path)
-    return path
+    paths = {}
+    for kvh in (2, 1):
+        paths[kvh] = tmp_path_factory.mktemp(f"plan-gemma3-kv{kvh}")
+        make_tiny_gemma3(paths[kvh], num_kv_heads=kvh)
+    return paths
 
 
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_plan_equals_module_path_gemma3(ops, gemma_folder, monkeypatch, chunk):
+@pytest.fixture(scope="module")
+def gemma_folder(gemma_folders):
+    return gemma_folders[2]
+
+
+@pytest.mark.parametrize("kvh,chunk", [(2, None), (1, None), (1, 4)])
+def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk):
     """gemma3's layers in both loops: each layer's window, RoPE table and scale, the (1 + w) sandwich norms and
     gelu_tanh_mul, the module path's kernels with its inputs, so the same tokens and logprobs exactly; with 4-token
     prefill chunks, steps of <= 8 rows mixing a decode and a chunk run the C++ loop."""
@@ -337,7 +345,7 @@ def test_plan_equals_module_path_gemma3(ops, gemma_folder, monkeypatch, chunk):
     kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
 
     def make_llm(**ex) -> LLM:
-        llm = LLM(str(gemma_folder), kv_cache_memory="8MiB", max_model_len=64, **kw, **ex)
+        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, **kw, **ex)
         plan = llm.engine.runner.executor.plan
         if plan is not None:  # local and global layers, each with its own table
             assert [(layer.window, layer.rope) for layer in plan.layers] == [(8, 1), (8, 1), (0, 0), (8, 1)]

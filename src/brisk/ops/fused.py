@@ -63,8 +63,9 @@ def rms_norm_qk_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     t, d = qkv.shape[0], q_weight.shape[0]
     heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)  # [T, h + 2 kvh, d]: q heads, k heads, v heads
     q, k = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads]
-    q.copy_(rms_norm(q.reshape(t * num_heads, d), q_weight, eps).view(t, num_heads, d))  # rows of d
-    k.copy_(rms_norm(k.reshape(t * num_kv_heads, d), k_weight, eps).view(t, num_kv_heads, d))
+    # rows of d, contiguous for the kernel (one k head, as MQA has, reshapes to a strided view of qkv)
+    q.copy_(rms_norm(q.reshape(t * num_heads, d).contiguous(), q_weight, eps).view(t, num_heads, d))
+    k.copy_(rms_norm(k.reshape(t * num_kv_heads, d).contiguous(), k_weight, eps).view(t, num_kv_heads, d))
     return qkv
 
 

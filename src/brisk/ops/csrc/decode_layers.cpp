@@ -395,8 +395,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
       // kernel on the same [rows of d], so the same numbers)
       at::Tensor heads = qkv.view({t, h + 2 * kvh, d});  // q heads | k heads | v heads
       at::Tensor qh = heads.slice(1, 0, h), kh = heads.slice(1, h, h + kvh);
-      qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}), get(params, p + 2), eps[i]).view({t, h, d}));
-      kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}), get(params, p + 3), eps[i]).view({t, kvh, d}));
+      qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}).contiguous(), get(params, p + 2), eps[i]).view({t, h, d}));
+      kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}).contiguous(), get(params, p + 3), eps[i]).view({t, kvh, d}));
     }
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
