@@ -335,17 +335,19 @@ def gemma_folder(gemma_folders):
     return gemma_folders[2]
 
 
-@pytest.mark.parametrize("kvh,chunk", [(2, None), (1, None), (1, 4)])
-def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk):
+@pytest.mark.parametrize("kvh,chunk,dtype", [(2, None, "float32"), (1, None, "float32"), (1, 4, "float32"),
+                                             (1, None, "bfloat16")])
+def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk, dtype):
     """gemma3's layers in both loops: each layer's window, RoPE table and scale, the (1 + w) sandwich norms and
     gelu_tanh_mul, the module path's kernels with its inputs, so the same tokens and logprobs exactly; with 4-token
-    prefill chunks, steps of <= 8 rows mixing a decode and a chunk run the C++ loop."""
+    prefill chunks, steps of <= 8 rows mixing a decode and a chunk run the C++ loop. bfloat16: the norms' float32
+    1 + w on bfloat16 rows, through the same kernels in all three paths."""
     from brisk.engine.decode_plan import GELU_TANH
 
     kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
 
     def make_llm(**ex) -> LLM:
-        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, **kw, **ex)
+        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, dtype=dtype, **kw, **ex)
         plan = llm.engine.runner.executor.plan
         if plan is not None:  # local and global layers, each with its own table
             assert [(layer.window, layer.rope) for layer in plan.layers] == [(8, 1), (8, 1), (0, 0), (8, 1)]
@@ -380,10 +382,3 @@ def test_plan_equals_module_path_gemma3_quantized(ops, gemma_folder, tmp_path, m
         return llm
 
     _run_both(monkeypatch, make_llm, PROMPTS)
-
-
-def test_plan_leaves_bfloat16_gemma3_to_the_modules(ops, gemma_folder):
-    """gemma3's bfloat16 norms apply 1 + w in float32 (HF's Gemma3RMSNorm), which the bfloat16 norm kernels do
-    not: no plan, the module path."""
-    llm = LLM(str(gemma_folder), kv_cache_memory="8MiB", max_model_len=64, dtype="bfloat16")
-    assert llm.engine.runner.executor.plan is None and llm.engine.runner.executor.path == "modules"

@@ -83,6 +83,30 @@ def test_add_rms_norm_equals_add_then_norm(ops, dtype, rows, width):
     assert_matches(got, want)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_bfloat16_rows_with_a_float32_weight(ops, rows, width):
+    """Gemma3RMSNorm on bfloat16 rows (round_once): x * r * (1 + w) all in float32, rounded to bfloat16 once (not
+    the Llama norm's two roundings): the kernels, the references and HF's formula agree; the residual add rounds as
+    before. (Without round_once the public functions keep the Llama norm's promotion to float32.)"""
+    x, residual, w = inputs(rows, width, torch.bfloat16, seed=rows * 3 + width)
+    w = w.float() - 1.0 + 1.0 + 0.01 * torch.arange(width) / width  # a float32 multiplier bf16 cannot hold
+    x32 = x.float()
+    hf = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS) * w).to(torch.bfloat16)
+    got = ops.rms_norm(x, w, EPS)
+    assert_matches(got, rms_norm_reference(x, w, EPS, round_once=True))
+    assert_matches(got, hf)
+    assert torch.equal(rms_norm(x, w, EPS, round_once=True), got)  # the public function takes the kernel
+    want_residual = residual + x
+    got = ops.add_rms_norm(x, residual, w, EPS)
+    assert torch.equal(residual, want_residual)
+    assert_matches(got, rms_norm_reference(want_residual, w, EPS, round_once=True))
+    r = want_residual.clone()
+    assert torch.equal(add_rms_norm(x, residual, w, EPS, round_once=True)[0], ops.add_rms_norm(x, r, w, EPS))
+    with pytest.raises(RuntimeError, match="weight dtype BFloat16 must be x's"):
+        ops.rms_norm(x.float(), w.bfloat16(), EPS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", WIDTHS)

@@ -183,7 +183,7 @@ class DecodePlan:
             return None
         a = model.model.layers[0].self_attn
         final = model.model.norm
-        if _hooked(final) or final.scale_weight().dtype != dtype:
+        if _hooked(final) or not _norm_dtype_ok(final, dtype):
             return None
         return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, dtype, ops,  # type: ignore[arg-type]
                           final.scale_weight(), final.eps)
@@ -230,7 +230,8 @@ class DecodePlan:
             if lora is not None:
                 lora[i][0].add_delta(hid, qkv)
             if layer.q_norm is not None:
-                rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, eps, h, kvh)
+                # (a float32 weight on bfloat16 rows comes only from a norm that rounds once: _norm_dtype_ok)
+                rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, eps, h, kvh, round_once=True)
             c, s = (cos, sin) if layer.rope is None else (cos[layer.rope], sin[layer.rope])  # [B, d/2]
             step = meta if layer.window is None else with_sliding_window(meta, layer.window or None)
             if isinstance(kv, QuantizedKVCache) or meta.evicting:
@@ -267,10 +268,17 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+def _norm_dtype_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the norm kernels compute this norm's numbers: a weight of the model dtype, or a float32 one on a norm
+    that applies it in float32 and rounds once (gemma3's 1 + w: the kernels' float32-weight form)."""
+    w = norm.scale_weight()
+    return w.dtype == dtype or (norm.round_once and w.dtype == torch.float32)
+
+
 def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
     """A decoder layer (model/llama.py DecoderLayer, model/gemma.py GemmaDecoderLayer) as the plan's plain data, or
-    None where a part is not covered: a routed expert block, a linear with no kernel for this dtype, a norm weight
-    of another dtype (gemma3's bfloat16 norms apply 1 + w in float32), hooks."""
+    None where a part is not covered: a routed expert block, a linear with no kernel for this dtype, hooks, a norm
+    weight of another dtype (_norm_dtype_ok)."""
     names = _NORMS.get(type(layer))
     attn, mlp = layer.self_attn, layer.mlp
     act = _ACTIVATIONS.get(type(mlp))
@@ -283,7 +291,7 @@ def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
     norms += [attn.q_norm, attn.k_norm]
     present = [n for n in norms if n is not None]
     if (any(p is None for p in parts) or _hooked(*present) or any(n.eps != present[0].eps for n in present)
-            or any(n.scale_weight().dtype != dtype for n in present)):
+            or any(not _norm_dtype_ok(n, dtype) for n in present)):
         return None
     ln1, attn_norm, ln2, mlp_norm, q_norm, k_norm = (None if n is None else n.scale_weight() for n in norms)
     window = rope = None

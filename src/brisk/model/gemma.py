@@ -50,6 +50,7 @@ class GemmaRMSNorm(RMSNorm):
     multiplier 1 + w is derived once per weight and reused, so float32 models take the fused kernels."""
 
     _cached: tuple[tuple[int, int, int], torch.Tensor] | None = None
+    round_once = True  # bfloat16 rows: x * r * (1 + w) in float32, rounded once, as HF's Gemma3RMSNorm
 
     def scale_weight(self) -> torch.Tensor:
         """1 + weight in float32, recomputed when the weight tensor or its contents change."""
@@ -65,17 +66,10 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        w = self.scale_weight()
-        if x.dtype == torch.float32:  # the fused kernels compute exactly this in float32
-            return rms_norm(x, w, self.eps) if residual is None else add_rms_norm(x, residual, w, self.eps)
-        if residual is not None:
-            residual.add_(x)
-            return _norm_f32(residual, w, self.eps), residual
-        return _norm_f32(x, w, self.eps)
-
-
-def _norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), w.shape, w, eps).to(x.dtype)
+        w = self.scale_weight()  # float32: the fused kernels (and their references) apply it in float32, round once
+        if residual is None:
+            return rms_norm(x, w, self.eps, round_once=True)
+        return add_rms_norm(x, residual, w, self.eps, round_once=True)
 
 
 class GemmaAttention(Attention):

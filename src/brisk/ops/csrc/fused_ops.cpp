@@ -5,6 +5,8 @@
 // (chunk, silu, mul). Here each is one pass over its rows. Rounding follows the modules they replace:
 //   rms_norm, float32:  x * r * w                    r = 1 / sqrt(mean(x^2) + eps), all float32
 //   rms_norm, bfloat16: bf16(w * bf16(x * r))        statistics in float32; HF's `weight * normed.to(dtype)`
+//   rms_norm, bfloat16 rows, float32 weight: bf16(x * r * w), all float32, rounded once (HF's Gemma3RMSNorm,
+//                                            whose 1 + w multiplies in float32)
 //   silu_mul, bfloat16: bf16(bf16(silu(g)) * u)      F.silu(gate) * up in bf16 rounds twice; so does this
 //   gelu_tanh_mul:      the same, with gelu_tanh(g)  (Gemma's GeGLU, F.gelu(gate, approximate="tanh") * up)
 #include <ATen/core/Tensor.h>
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <immintrin.h>
 
 #include "simd.h"
@@ -73,9 +76,9 @@ inline void store_tail(T* p, __m256 v, int64_t n) {
 // ---- RMSNorm ----
 
 // out = norm(x) * w for one row of H; when add != nullptr, first x := x + add is written back to x (the
-// residual stream), rounded to T as a separate `residual + x` op would round it.
-template <typename T>
-inline void rms_norm_row(T* x, const T* add, const T* w, T* out, int64_t H, float eps) {
+// residual stream), rounded to T as a separate `residual + x` op would round it. W: T, or float32 (Gemma's norm).
+template <typename T, typename W>
+inline void rms_norm_row(T* x, const T* add, const W* w, T* out, int64_t H, float eps) {
   const int64_t body = H - H % 8;
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   int64_t k = 0;
@@ -108,15 +111,18 @@ inline void rms_norm_row(T* x, const T* add, const T* w, T* out, int64_t H, floa
   const float ms = hsum(_mm256_add_ps(acc0, acc1)) / static_cast<float>(H);
   const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(ms + eps));
   auto norm = [&](__m256 xv, __m256 wv) {
-    // float32: (x * r) * w; bf16: w * bf16(x * r), then rounded once more on store
-    return _mm256_mul_ps(round_to(_mm256_mul_ps(xv, r), x), wv);
+    // float32: (x * r) * w; bf16: w * bf16(x * r), then rounded once more on store; bf16 rows with a float32
+    // weight: (x * r) * w in float32, rounded on store only
+    __m256 n = _mm256_mul_ps(xv, r);
+    if constexpr (std::is_same_v<T, W>) n = round_to(n, x);
+    return _mm256_mul_ps(n, wv);
   };
   for (k = 0; k < body; k += 8) store8(out + k, norm(load8(x + k), load8(w + k)));
   if (k < H) store_tail(out + k, norm(load_tail(x + k, H - k), load_tail(w + k, H - k)), H - k);
 }
 
-template <typename T>
-void rms_norm_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+template <typename T, typename W>
+void rms_norm_rows(T* x, const T* add, const W* w, T* out, int64_t rows, int64_t H, float eps) {
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       rms_norm_row(x + r * H, add != nullptr ? add + r * H : nullptr, w, out + r * H, H, eps);
@@ -128,8 +134,8 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weig
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": x and weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
-              " != x dtype ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op, ": weight dtype ",
+              weight.scalar_type(), " must be x's (", x.scalar_type(), ") or float32");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be [H] = [", x.size(1),
               "], got ", weight.sizes());
 }
@@ -218,22 +224,31 @@ at::Tensor act_mul(const char* name, const at::Tensor& gate_up, Act act) {
 
 }  // namespace
 
-// x: [T, H], weight: [H], same dtype (float32 or bfloat16), contiguous -> [T, H]
+// Runs f(x, weight) with their element types: float / float, bf16 / bf16, or bf16 rows with a float32 weight.
+template <typename F>
+void with_norm_types(const at::Tensor& x, const at::Tensor& weight, F f) {
+  if (x.scalar_type() == at::kFloat)
+    f(x.data_ptr<float>(), weight.data_ptr<float>());
+  else if (weight.scalar_type() == at::kFloat)
+    f(x.data_ptr<at::BFloat16>(), weight.data_ptr<float>());
+  else
+    f(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>());
+}
+
+// x: [T, H] float32 or bfloat16, weight: [H] of x's dtype or float32, contiguous -> [T, H] of x's dtype
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args("rms_norm", x, weight);
   auto out = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), static_cast<const float*>(nullptr), weight.data_ptr<float>(),
-                  out.data_ptr<float>(), T, H, static_cast<float>(eps));
-  else
-    rms_norm_rows(x.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(nullptr),
-                  weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  with_norm_types(x, weight, [&](auto* px, auto* pw) {
+    using Tx = std::remove_pointer_t<decltype(px)>;
+    rms_norm_rows(px, static_cast<const Tx*>(nullptr), pw, out.data_ptr<Tx>(), T, H, static_cast<float>(eps));
+  });
   return out;
 }
 
 // residual += x (in place), then -> rms_norm(residual, weight): vLLM's fused_add_rms_norm, one pass per row.
-// x, residual: [T, H]; weight: [H]; all one dtype, contiguous.
+// x, residual: [T, H] of one dtype; weight: [H] of that dtype or float32; all contiguous.
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_norm_args("add_rms_norm", residual, weight);
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x ", x.sizes(), " and residual ", residual.sizes(),
@@ -242,12 +257,10 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
               "add_rms_norm: x must be contiguous and of residual's dtype");
   auto out = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
-                  T, H, static_cast<float>(eps));
-  else
-    rms_norm_rows(residual.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                  out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  with_norm_types(residual, weight, [&](auto* pr, auto* pw) {
+    using Tx = std::remove_pointer_t<decltype(pr)>;
+    rms_norm_rows(pr, x.data_ptr<Tx>(), pw, out.data_ptr<Tx>(), T, H, static_cast<float>(eps));
+  });
   return out;
 }
 
