@@ -3,16 +3,24 @@
 At batch-1 decode a layer's arithmetic is a few GEMVs; what else a step costs is Python: ~270 module calls
 (`nn.Module.__call__`), the wrappers' checks for which kernel applies, and ~10 us of dispatch per op. A plan
 resolves all of that once per model: for each layer the kernels and the tensors they take (norm weights, the
-fused q/k/v and gate/up weights, packed codes of quantized layers), so a step is ~10 direct kernel calls per
-layer and nothing else:
+fused q/k/v and gate/up weights, packed codes of quantized layers) and its settings, so a step is ~10 direct kernel
+calls per layer and nothing else:
 
     h = add_rms_norm(x, residual)           (rms_norm for layer 0)
-    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 first normalizes
-                                             each q and k head in place, as ops.fused.rms_norm_qk_heads_)
+    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 and gemma3 first
+                                             normalize each q and k head in place, as ops.fused.rms_norm_qk_heads_)
     o = paged_decode_attention(q)           (reads the paged cache in place)
-    h = add_rms_norm(linear(o), residual)
-    x = linear(silu_mul(linear(h)))
+    a = linear(o)                           (gemma3: a = rms_norm(a), its post-attention norm)
+    h = add_rms_norm(a, residual)
+    x = linear(act_mul(linear(h)))          (silu_mul; gemma3 gelu_tanh_mul, then x = rms_norm(x))
     h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
+
+What differs between the architectures' layers is data in each layer's description (_Layer): the optional norms
+(qwen3's and gemma3's q/k head norms, gemma3's sandwich norms around attention and MLP, each weight the multiplier
+RMSNorm.scale_weight gives: gemma3's 1 + w), the activation, the attention scale, and gemma3's per-layer window
+(local layers; 0 on global ones) and RoPE table (the prologue stacks gemma3's global and local tables as [2, T,
+d/2]). gemma3's bfloat16 norms multiply by the float32 1 + w and round once, which the norm kernels do for a float32
+weight on bfloat16 rows (ops.fused round_once), in the module path as here.
 
 For steps of up to 8 rows (CPP_MAX_ROWS) the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a
 step, the same kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step
@@ -23,14 +31,15 @@ Steps with several rows per sequence (speculative verification of γ + 1 positio
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
-The per-head q/k norms (qwen3) run in both loops between the qkv linear and rope_cache: the Python loop calls the
-module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the same rows
-of d, so all three paths give the same numbers.
+The per-head q/k norms (qwen3, gemma3) run in both loops between the qkv linear and rope_cache: the Python loop
+calls the module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the
+same rows of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
-projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
-caches are evicted by H2O (attention scores collected); StreamingLLM's steps take the Python loop, attention
-on the kernel with its sinks. Quantized (int8 / int4) caches run both
+projections, custom linears, pruned layers of a bfloat16 model, routed experts, hooks); a step takes the module path
+when its caches are evicted by H2O (attention scores collected), or by StreamingLLM in a model whose layers have
+windows of their own (gemma3); StreamingLLM's other steps take the Python loop, attention on the kernel with its
+sinks. Quantized (int8 / int4) caches run both
 loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
 with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
 writes call; paged_attention_general). Which of these runs a step is

@@ -21,8 +21,9 @@ One layer in the residual-stream form of model/llama.py (hidden = residual + x; 
     x = post_feedforward_layernorm(mlp(h))      -> (x, residual); the next norm adds x
 
 With two RoPE tables the model's prologue gives cos / sin as [2, T, d/2]: index 0 the global table, 1 the local
-one; each attention picks its own. The fast executors (decode plan, C++ loop, torch.compile) do not cover this
-layer: engine/executor.py runs gemma3 on the module path.
+one; each attention picks its own. The decode plan and its C++ layer loop (engine/decode_plan.py) run this layer
+with the kernels the modules here call (the norms' fused kernels with the float32 1 + w, gelu_tanh_mul), so they
+give the same numbers; torch.compile (engine/compiled.py) does not cover it.
 """
 
 from __future__ import annotations
