@@ -335,19 +335,22 @@ def gemma_folder(gemma_folders):
     return gemma_folders[2]
 
 
-@pytest.mark.parametrize("kvh,chunk,dtype", [(2, None, "float32"), (1, None, "float32"), (1, 4, "float32"),
-                                             (1, None, "bfloat16")])
-def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk, dtype):
+@pytest.mark.parametrize("kvh,chunk,dtype,kv_dtype", [(2, None, "float32", "auto"), (1, None, "float32", "auto"),
+                                                      (1, 4, "float32", "auto"), (1, None, "bfloat16", "auto"),
+                                                      (1, 4, "float32", "int8")])
+def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk, dtype, kv_dtype):
     """gemma3's layers in both loops: each layer's window, RoPE table and scale, the (1 + w) sandwich norms and
     gelu_tanh_mul, the module path's kernels with its inputs, so the same tokens and logprobs exactly; with 4-token
     prefill chunks, steps of <= 8 rows mixing a decode and a chunk run the C++ loop. bfloat16: the norms' float32
-    1 + w on bfloat16 rows, through the same kernels in all three paths."""
+    1 + w on bfloat16 rows, through the same kernels in all three paths; an int8 KV cache: each layer's window and
+    table in the quantized cache's rotation, write and attention."""
     from brisk.engine.decode_plan import GELU_TANH
 
     kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
 
     def make_llm(**ex) -> LLM:
-        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, dtype=dtype, **kw, **ex)
+        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, dtype=dtype,
+                  kv_cache_dtype=kv_dtype, **kw, **ex)
         plan = llm.engine.runner.executor.plan
         if plan is not None:  # local and global layers, each with its own table
             assert [(layer.window, layer.rope) for layer in plan.layers] == [(8, 1), (8, 1), (0, 0), (8, 1)]

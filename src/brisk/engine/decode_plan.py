@@ -241,15 +241,15 @@ class DecodePlan:
             if layer.q_norm is not None:
                 # (a float32 weight on bfloat16 rows comes only from a norm that rounds once: _norm_dtype_ok)
                 rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, eps, h, kvh, round_once=True)
-            c, s = (cos, sin) if layer.rope is None else (cos[layer.rope], sin[layer.rope])  # [B, d/2]
-            step = meta if layer.window is None else with_sliding_window(meta, layer.window or None)
+            layer_cos, layer_sin = (cos, sin) if layer.rope is None else (cos[layer.rope], sin[layer.rope])  # [B, d/2]
+            window = (meta.sliding_window or 0) if layer.window is None else layer.window
             if isinstance(kv, QuantizedKVCache) or meta.evicting:
-                o = _module_attention(qkv, c, s, kv, step, h, kvh, d, layer.scale)
+                step = meta if layer.window is None else with_sliding_window(meta, layer.window or None)
+                o = _module_attention(qkv, layer_cos, layer_sin, kv, step, h, kvh, d, layer.scale)
             else:
-                self.rope_cache(qkv, c, s, kv, slots, h, kvh)
+                self.rope_cache(qkv, layer_cos, layer_sin, kv, slots, h, kvh)
                 q = qkv.view(t, h + 2 * kvh, d)[:, :h]
                 o = torch.empty((t, h, d), dtype=x.dtype)
-                window = step.sliding_window or 0
                 if qsl is None:
                     self.attention(o, q, kv, tables, lens, layer.scale, window)
                 else:
