@@ -391,12 +391,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     at::Tensor qkv = linear(o, hid, params, p + kNorms, spec, s);  // [B, (h + 2 kvh) d]
     apply_lora(qkv, hid, lora, 4 * i, lora_rows);
     if (params[p + 2].has_value()) {
-      // qwen3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
+      // qwen3, gemma3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
       // kernel on the same [rows of d], so the same numbers)
       at::Tensor heads = qkv.view({t, h + 2 * kvh, d});  // q heads | k heads | v heads
       at::Tensor qh = heads.slice(1, 0, h), kh = heads.slice(1, h, h + kvh);
-      qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}).contiguous(), get(params, p + 2), eps[i]).view({t, h, d}));
-      kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}).contiguous(), get(params, p + 3), eps[i]).view({t, kvh, d}));
+      // (rows of d made contiguous: one k head, as MQA has, reshapes to a strided view)
+      at::Tensor qn = o.rms_norm.call(qh.reshape({t * h, d}).contiguous(), get(params, p + 2), eps[i]);
+      at::Tensor kn = o.rms_norm.call(kh.reshape({t * kvh, d}).contiguous(), get(params, p + 3), eps[i]);
+      qh.copy_(qn.view({t, h, d}));
+      kh.copy_(kn.view({t, kvh, d}));
     }
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
