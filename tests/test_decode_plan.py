@@ -272,14 +272,18 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     x = torch.zeros(1, llm.engine.loaded.config.hidden_size)
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches
-    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 56 parameter slots"):
-        torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.eps, plan.final_norm, plan.final_eps)
+    with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 60 parameter slots"):
+        torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.layer_spec, plan.eps, plan.scales,
+                                          plan.final_norm, plan.final_eps)
+    with pytest.raises(RuntimeError, match="RoPE table must be -1, 0 or 1 and activation 0 or 1"):
+        torch.classes.brisk.DecodeWeights(plan.params, plan.spec, [-1, -1, 2] * 2, plan.eps, plan.scales,
+                                          plan.final_norm, plan.final_eps)
     with pytest.raises(RuntimeError, match="the weights are for 2 layers, the step passes 1 KV caches"):
-        plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, plan.scale, 0, plan.h,
-                           plan.kvh, plan.d, None, 16)
+        plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, 0, plan.h, plan.kvh, plan.d,
+                           None, 16)
     with pytest.raises(RuntimeError, match=r"x must be \[T <= 8, hidden\]"):
-        plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.weights,
-                           plan.scale, 0, plan.h, plan.kvh, plan.d, None, 16)
+        plan.decode_layers(torch.zeros(9, x.shape[1]), x, x, none, none.view(1, 1), none, kv, plan.weights, 0,
+                           plan.h, plan.kvh, plan.d, None, 16)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -305,6 +309,79 @@ def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypa
     def make_llm(**kw) -> LLM:
         llm = LLM(str(out), kv_cache_memory="8MiB", dtype=dtype, **kw)
         assert sum(isinstance(m, LutLinear) for m in llm.engine.loaded.model.modules()) == 4 * 2  # fused, 2 layers
+        return llm
+
+    _run_both(monkeypatch, make_llm, PROMPTS)
+
+
+# ----------------------------------------------------------------------------------------- gemma3
+
+@pytest.fixture(scope="module")
+def gemma_folders(tmp_path_factory):
+    # 4 layers, local (window 8, shorter than the prompts plus their 12 tokens) and global, own RoPE tables, q/k
+    # norms, sandwich norms, GeGLU, head_dim 32, a final soft-cap (outside the layers); 4 query heads on 2 KV heads
+    # (GQA) and on 1 (MQA, as Gemma-3-270M: its k heads are a strided view for the per-head norm)
+    from test_gemma import make_tiny_gemma3
+
+    paths = {}
+    for kvh in (2, 1):
+        paths[kvh] = tmp_path_factory.mktemp(f"plan-gemma3-kv{kvh}")
+        make_tiny_gemma3(paths[kvh], num_kv_heads=kvh)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(gemma_folders):
+    return gemma_folders[2]
+
+
+@pytest.mark.parametrize("kvh,chunk,dtype,kv_dtype", [(2, None, "float32", "auto"), (1, None, "float32", "auto"),
+                                                      (1, 4, "float32", "auto"), (1, None, "bfloat16", "auto"),
+                                                      (1, 4, "float32", "int8")])
+def test_plan_equals_module_path_gemma3(ops, gemma_folders, monkeypatch, kvh, chunk, dtype, kv_dtype):
+    """gemma3's layers in both loops: each layer's window, RoPE table and scale, the (1 + w) sandwich norms and
+    gelu_tanh_mul, the module path's kernels with its inputs, so the same tokens and logprobs exactly; with 4-token
+    prefill chunks, steps of <= 8 rows mixing a decode and a chunk run the C++ loop. bfloat16: the norms' float32
+    1 + w on bfloat16 rows, through the same kernels in all three paths; an int8 KV cache: each layer's window and
+    table in the quantized cache's rotation, write and attention."""
+    from brisk.engine.decode_plan import GELU_TANH
+
+    kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
+
+    def make_llm(**ex) -> LLM:
+        llm = LLM(str(gemma_folders[kvh]), kv_cache_memory="8MiB", max_model_len=64, dtype=dtype,
+                  kv_cache_dtype=kv_dtype, **kw, **ex)
+        plan = llm.engine.runner.executor.plan
+        if plan is not None:  # local and global layers, each with its own table
+            assert [(layer.window, layer.rope) for layer in plan.layers] == [(8, 1), (8, 1), (0, 0), (8, 1)]
+            assert all(layer.act == GELU_TANH and layer.mlp_norm is not None for layer in plan.layers)
+            assert plan.scales == [24 ** -0.5] * 4  # query_pre_attn_scalar, not head_dim
+        return llm
+
+    steps = _run_both(monkeypatch, make_llm, PROMPTS)
+    if chunk is None:
+        assert steps[0] == (17, False)  # the three prompts' prefill: 17 rows, the Python loop
+        assert all(s == (3, True) for s in steps[1:])  # then decode batches of three, in C++
+    else:
+        assert steps[0] == (4, False) and any(rows <= 8 and not decode for rows, decode in steps[1:])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_plan_equals_module_path_gemma3_quantized(ops, gemma_folder, tmp_path, monkeypatch, bits):
+    """An RTN copy of the gemma3 model (4-bit groups of 32, asymmetric; 8-bit per channel): its QuantLinear kernels
+    in both loops, the module path's numbers."""
+    from brisk.bench.quant import build_checkpoint
+    from brisk.ops.layers import QuantLinear
+    from brisk.quant.config import LayerQuant
+
+    out = tmp_path / f"q{bits}"
+    spec = LayerQuant(bits=4, group_size=32, sym=False) if bits == 4 else LayerQuant(bits=8, group_size=-1, sym=True)
+    build_checkpoint(spec, out, str(gemma_folder))
+
+    def make_llm(**kw) -> LLM:
+        llm = LLM(str(out), kv_cache_memory="8MiB", max_model_len=64, **kw)
+        model = llm.engine.loaded.model
+        assert sum(type(m) is QuantLinear for m in model.model.layers.modules()) == 4 * 4  # fused, 4 layers
         return llm
 
     _run_both(monkeypatch, make_llm, PROMPTS)

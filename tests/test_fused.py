@@ -11,7 +11,15 @@ from brisk import LLM, SamplingParams
 from brisk.model.loader import load_model
 from brisk.ops import kernels
 from brisk.ops.attention import AttentionMetadata
-from brisk.ops.fused import add_rms_norm, rms_norm, rms_norm_reference, silu_mul, silu_mul_reference
+from brisk.ops.fused import (
+    add_rms_norm,
+    gelu_tanh_mul,
+    gelu_tanh_mul_reference,
+    rms_norm,
+    rms_norm_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 64]  # decode, a few decodes, a prefill chunk (64 x 576 is past the threading threshold)
@@ -75,6 +83,30 @@ def test_add_rms_norm_equals_add_then_norm(ops, dtype, rows, width):
     assert_matches(got, want)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_bfloat16_rows_with_a_float32_weight(ops, rows, width):
+    """Gemma3RMSNorm on bfloat16 rows (round_once): x * r * (1 + w) all in float32, rounded to bfloat16 once (not
+    the Llama norm's two roundings): the kernels, the references and HF's formula agree; the residual add rounds as
+    before. (Without round_once the public functions keep the Llama norm's promotion to float32.)"""
+    x, residual, w = inputs(rows, width, torch.bfloat16, seed=rows * 3 + width)
+    w = w.float() - 1.0 + 1.0 + 0.01 * torch.arange(width) / width  # a float32 multiplier bf16 cannot hold
+    x32 = x.float()
+    hf = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS) * w).to(torch.bfloat16)
+    got = ops.rms_norm(x, w, EPS)
+    assert_matches(got, rms_norm_reference(x, w, EPS, round_once=True))
+    assert_matches(got, hf)
+    assert torch.equal(rms_norm(x, w, EPS, round_once=True), got)  # the public function takes the kernel
+    want_residual = residual + x
+    got = ops.add_rms_norm(x, residual, w, EPS)
+    assert torch.equal(residual, want_residual)
+    assert_matches(got, rms_norm_reference(want_residual, w, EPS, round_once=True))
+    r = want_residual.clone()
+    assert torch.equal(add_rms_norm(x, residual, w, EPS, round_once=True)[0], ops.add_rms_norm(x, r, w, EPS))
+    with pytest.raises(RuntimeError, match="weight dtype BFloat16 must be x's"):
+        ops.rms_norm(x.float(), w.bfloat16(), EPS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", WIDTHS)
@@ -98,6 +130,43 @@ def test_silu_over_the_whole_float_range(ops):
     # an absolute error of at most 87.3 e^-87.3 ~ 1.1e-36
     torch.testing.assert_close(got, want, atol=1.2e-36, rtol=2**-21)
     assert ops.silu_mul(torch.zeros(1, 16))[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gelu_tanh_mul_equals_reference(ops, dtype, rows, width):
+    g = torch.Generator().manual_seed(rows * 5 + width)
+    gate_up = (4 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    got = ops.gelu_tanh_mul(gate_up)
+    want = gelu_tanh_mul_reference(gate_up)
+    assert got.shape == want.shape == (rows, width) and got.dtype == want.dtype
+    # PyTorch's 0.5 g (1 + tanh(u)) loses the small values of the far negative side to the cancellation in 1 + tanh
+    # (absolute error ~|g| float32 ulp(1)); the kernel's g sigmoid(2u) keeps them: an absolute floor of 16 * 16 *
+    # 2^-24 for |gate|, |up| <= ~16, else a few float32 ulps, or one bf16 ulp
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-5, rtol=rtol)
+
+
+def test_gelu_tanh_over_the_whole_float_range(ops):
+    """The kernel's gelu_tanh against float64 from -120 to 120, written as g sigmoid(z) with z = 2 sqrt(2 / pi)
+    (g + 0.044715 g^3) (float64's own 1 + tanh cancels on the negative side): a few float32 ulps, plus what the
+    float32 roundings of z (g^2, g^3, the fma, the product: 4) do to e^-|z| (|z| half-ulps each, the exponential's
+    condition number), where the value is above 1e-30; below, the exponential flushes to 0 under e^-87.3, as
+    silu's."""
+    g = torch.linspace(-120, 120, 48_001)
+    got = ops.gelu_tanh_mul(torch.stack([g, torch.ones_like(g)]).reshape(1, -1))[0].double()
+    g64 = g.double()
+    z = (8 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64**3)
+    want = g64 * torch.sigmoid(z)
+    assert torch.isfinite(got).all() and ops.gelu_tanh_mul(torch.zeros(1, 16)).abs().max() == 0
+    big = want.abs() > 1e-30
+    rel = (got - want).abs()[big] / want.abs()[big]
+    assert (rel <= (8 + 4 * z.abs()[big]) * 2**-24).all(), rel.max()
+    assert (got[~big] - want[~big]).abs().max() < 1e-28
+    # and the public function: the kernel on the CPU, the reference without it
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(gelu_tanh_mul(x), gelu_tanh_mul_reference(x), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

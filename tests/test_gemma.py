@@ -25,7 +25,7 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 
 
 def make_tiny_gemma3(path: Path, seed: int = 0, layer_types: list[str] | None = None, query_pre_attn_scalar: int = 24,
-                     final_logit_softcapping: float | None = 30.0) -> torch.nn.Module:
+                     final_logit_softcapping: float | None = 30.0, num_kv_heads: int = 2) -> torch.nn.Module:
     """A 4-layer random Gemma3ForCausalLM saved as an HF folder; every Gemma feature set to a non-default value."""
     import transformers
 
@@ -33,7 +33,7 @@ def make_tiny_gemma3(path: Path, seed: int = 0, layer_types: list[str] | None = 
     eos, pad = SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=32, max_position_embeddings=512,
         sliding_window=WINDOW, layer_types=layer_types or LAYER_TYPES,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
@@ -126,11 +126,13 @@ def test_greedy_32_tokens_identical_batched(gemma, kwargs):
     assert llm.engine.kv_manager.block_pool.get_num_free_blocks() == llm.engine.num_blocks
 
 
-def test_executor_auto_runs_modules_and_refuses_compile(gemma):
+def test_executor_runs_the_decode_plan_and_refuses_compile(gemma):
     path, _ = gemma
     model = load_model(str(path)).model
-    assert Executor(model, "auto").path == "modules"
-    assert Executor(model, "cpp").path == "modules"  # the decode plan does not cover gemma's layer
+    # the decode plan covers gemma's layer (tests/test_decode_plan.py: the same numbers as the modules)
+    assert Executor(model, "auto").path == "cpp"
+    assert Executor(model, "plan").path == "plan"
+    assert Executor(model, "modules").path == "modules"
     with pytest.raises(CompileError, match="gemma3"):
         Executor(model, "compiled")
 
@@ -330,6 +332,27 @@ def test_awq_refuses_gemma3(gemma, tmp_path):
     result = CliRunner().invoke(main, ["quantize", "--method", "awq", "--calib-text", str(text), str(path),
                                        str(tmp_path / "q")])
     assert result.exit_code != 0 and "use --method rtn or gptq" in result.output
+
+
+@pytest.mark.slow
+def test_gemma3_270m_decode_plan_gives_the_module_path_tokens(monkeypatch):
+    """The Q4_K_M file (tiled codes in the C++ layer loop, local and global layers of 256-dim heads) on the default
+    path and on the modules: the same greedy tokens, and the C++ loop took the decode steps."""
+    path = str(gemma3_270m_path())
+    prompt = ["The capital of France is Paris, and the capital of Italy is", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    paths: list[str] = []
+    step_path = Executor.step_path
+    monkeypatch.setattr(Executor, "step_path", lambda self, *args: paths.append(step_path(self, *args)) or paths[-1])
+    tokens = {}
+    for execution in ("auto", "modules"):
+        llm = LLM(path, max_model_len=256, execution=execution)
+        assert llm.engine.runner.executor.path == ("cpp" if execution == "auto" else "modules")
+        paths.clear()
+        tokens[execution] = [o.outputs[0].token_ids for o in llm.generate(prompt, params)]
+        assert paths.count("cpp") == (23 if execution == "auto" else 0)  # the decode steps of the two prompts
+        del llm
+    assert tokens["auto"] == tokens["modules"]
 
 
 @pytest.mark.slow

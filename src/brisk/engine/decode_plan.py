@@ -3,16 +3,24 @@
 At batch-1 decode a layer's arithmetic is a few GEMVs; what else a step costs is Python: ~270 module calls
 (`nn.Module.__call__`), the wrappers' checks for which kernel applies, and ~10 us of dispatch per op. A plan
 resolves all of that once per model: for each layer the kernels and the tensors they take (norm weights, the
-fused q/k/v and gate/up weights, packed codes of quantized layers), so a step is ~10 direct kernel calls per
-layer and nothing else:
+fused q/k/v and gate/up weights, packed codes of quantized layers) and its settings, so a step is ~10 direct kernel
+calls per layer and nothing else:
 
     h = add_rms_norm(x, residual)           (rms_norm for layer 0)
-    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 first normalizes
-                                             each q and k head in place, as ops.fused.rms_norm_qk_heads_)
+    qkv = linear(h); rope_cache(qkv)        (RoPE in place, k and v into the paged cache; qwen3 and gemma3 first
+                                             normalize each q and k head in place, as ops.fused.rms_norm_qk_heads_)
     o = paged_decode_attention(q)           (reads the paged cache in place)
-    h = add_rms_norm(linear(o), residual)
-    x = linear(silu_mul(linear(h)))
+    a = linear(o)                           (gemma3: a = rms_norm(a), its post-attention norm)
+    h = add_rms_norm(a, residual)
+    x = linear(act_mul(linear(h)))          (silu_mul; gemma3 gelu_tanh_mul, then x = rms_norm(x))
     h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
+
+What differs between the architectures' layers is data in each layer's description (_Layer): the optional norms
+(qwen3's and gemma3's q/k head norms, gemma3's sandwich norms around attention and MLP, each weight the multiplier
+RMSNorm.scale_weight gives: gemma3's 1 + w), the activation, the attention scale, and gemma3's per-layer window
+(local layers; 0 on global ones) and RoPE table (the prologue stacks gemma3's global and local tables as [2, T,
+d/2]). gemma3's bfloat16 norms multiply by the float32 1 + w and round once, which the norm kernels do for a float32
+weight on bfloat16 rows (ops.fused round_once), in the module path as here.
 
 For steps of up to 8 rows (CPP_MAX_ROWS) the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a
 step, the same kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step
@@ -23,14 +31,15 @@ Steps with several rows per sequence (speculative verification of γ + 1 positio
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
-The per-head q/k norms (qwen3) run in both loops between the qkv linear and rope_cache: the Python loop calls the
-module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the same rows
-of d, so all three paths give the same numbers.
+The per-head q/k norms (qwen3, gemma3) run in both loops between the qkv linear and rope_cache: the Python loop
+calls the module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the
+same rows of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
-projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
-caches are evicted by H2O (attention scores collected); StreamingLLM's steps take the Python loop, attention
-on the kernel with its sinks. Quantized (int8 / int4) caches run both
+projections, custom linears, pruned layers of a bfloat16 model, routed experts, hooks); a step takes the module path
+when its caches are evicted by H2O (attention scores collected), or by StreamingLLM in a model whose layers have
+windows of their own (gemma3); StreamingLLM's other steps take the Python loop, attention on the kernel with its
+sinks. Quantized (int8 / int4) caches run both
 loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
 with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
 writes call; paged_attention_general). Which of these runs a step is
@@ -47,11 +56,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from brisk.kvcache.quant import QuantizedKVCache
+from brisk.model.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
+from brisk.model.llama import MLP, DecoderLayer
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, paged_attention, write_kv
 from brisk.ops.fused import rms_norm_qk_heads_
 from brisk.ops.layers import RUNTIME_LINEARS, LinearKernel
+from brisk.ops.metadata import with_sliding_window
 from brisk.ops.w8a8 import Int8Linear
 
 if TYPE_CHECKING:
@@ -63,17 +75,30 @@ _DTYPES = (torch.float32, torch.bfloat16)
 CPP_MAX_ROWS = 8  # ops/csrc/decode_layers.cpp takes steps of at most 8 rows (every linear on its small-row kernel)
 
 
+SILU, GELU_TANH = 0, 1  # a layer's activation kind: silu_mul (SwiGLU), gelu_tanh_mul (GeGLU, gemma3)
+
+
 @dataclass
 class _Layer:
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    eps: float
+    """One decoder layer as both loops run it: its kernels' tensors and its settings, plain data. The norm weights
+    are what multiplies the normalized rows (RMSNorm.scale_weight: gemma3's 1 + w)."""
+
+    ln1: torch.Tensor  # [hidden] the input norm (its residual add fused in)
+    ln2: torch.Tensor  # [hidden] the norm before the MLP (residual add fused in): llama's post-attention norm,
+    #                    gemma3's pre-feed-forward norm
+    eps: float  # every norm of the layer
     qkv: LinearKernel
     o: LinearKernel
     gate_up: LinearKernel
     down: LinearKernel
-    q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights of q and k (qwen3), or None
+    scale: float  # attention's score scale (head_dim ** -0.5; gemma3: query_pre_attn_scalar ** -0.5)
+    act: int = SILU
+    q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights of q and k (qwen3, gemma3), or None
     k_norm: torch.Tensor | None = None
+    attn_norm: torch.Tensor | None = None  # [hidden] a norm of the attention output before its residual add
+    mlp_norm: torch.Tensor | None = None  # [hidden] a norm of the MLP output (gemma3's sandwich norms), or None
+    window: int | None = None  # the layer's own attention window (0: full), or None: the step's (meta)
+    rope: int | None = None  # which of the prologue's stacked cos / sin tables (gemma3), or None: the only one
 
     @property
     def linears(self) -> tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]:
@@ -95,19 +120,20 @@ def _kernel_of(module: nn.Module | None, dtype: torch.dtype) -> LinearKernel | N
 class DecodePlan:
     """Straight-line decode over a model's layers; build with `DecodePlan.build(model)` (None if not covered)."""
 
-    def __init__(self, layers: list[_Layer], num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, ops: Any, final_norm: torch.Tensor, final_eps: float) -> None:
+    def __init__(self, layers: list[_Layer], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 ops: Any, final_norm: torch.Tensor, final_eps: float) -> None:
         self.layers = layers
         self.final_norm, self.final_eps = final_norm, final_eps
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
-        self.scale = scale
         self.dtype = dtype
         self.rms_norm = ops.rms_norm.default
         self.add_rms_norm = ops.add_rms_norm.default
-        self.silu_mul = ops.silu_mul.default
+        self.act_mul = {SILU: ops.silu_mul.default, GELU_TANH: getattr(ops, "gelu_tanh_mul", ops.silu_mul).default}
         self.rope_cache = ops.rope_cache.default
         self.attention = ops.paged_decode_attention.default
         self.prefill_attention = ops.paged_prefill_attention.default
+        # layers with windows of their own (gemma3's local and global layers) leave StreamingLLM's steps to the modules
+        self.own_windows = any(layer.window is not None for layer in layers)
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for steps of up to max_cpp_rows rows
         self.decode_layers = getattr(ops, "decode_layers", None)
         if self.decode_layers is not None:
@@ -117,19 +143,26 @@ class DecodePlan:
         # quantized KV caches in the C++ loop: their rotation, writes and attention built too
         self.quantized_cpp = all(hasattr(ops, name) for name in ("rope_qk", "kv_write_int8", "kv_write_int4",
                                                                    "paged_attention_general"))
+        # the C++ loop's per-layer layout (ops/csrc/decode_layers.cpp): 6 norm slots, then 6 slots per linear; 3
+        # ints per linear (kind, bits, group); the layer's window, RoPE table and activation (-1: the step's window,
+        # the one table); its eps and scale
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
+        self.layer_spec: list[int] = []
         for layer in layers:
-            self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm]  # (no q/k norms: None, None)
+            self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, layer.attn_norm, layer.mlp_norm]
             for k in layer.linears:
                 self.params += k.slots
                 self.spec += [int(k.kind), k.bits, k.group_size]
+            self.layer_spec += [-1 if layer.window is None else layer.window, -1 if layer.rope is None else layer.rope,
+                                layer.act]
         self.eps = [layer.eps for layer in layers]
+        self.scales = [layer.scale for layer in layers]
         # the C++ loop calls every linear's small-row kernel, so a step must fit all of them
         self.max_cpp_rows = min([CPP_MAX_ROWS] + [k.max_rows for layer in layers for k in layer.linears])
         # the C++ loop's copy of params / spec / eps, converted once (not at every step)
         self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
-            self.params, self.spec, self.eps, final_norm, final_eps)
+            self.params, self.spec, self.layer_spec, self.eps, self.scales, final_norm, final_eps)
         # LoRA (brisk/lora/manager.py): each row's adapter slot for the next run_cpp, -1 none; None: no adapters
         self.lora_rows: torch.Tensor | None = None
         # and for `run`: per layer the (qkv, o, gate_up, down) LoRALinear modules whose add_delta(x, y) follows
@@ -151,42 +184,22 @@ class DecodePlan:
                   "paged_prefill_attention", "quant_linear_small")
         if ops is None or not all(hasattr(ops, n) for n in needed):
             return None
-        config = model.config
-        if config.is_gemma:  # sandwich norms, GeGLU, two RoPE tables: not this loop's layer (model/gemma.py)
-            return None
         dtype = model.model.norm.weight.dtype  # the model dtype (a quantized embedding has no float weight)
-        if dtype not in _DTYPES or config.head_dim % 8:
+        if dtype not in _DTYPES or model.config.head_dim % 8 or not len(model.model.layers):
             return None
-        layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
-                return None
-            if not hasattr(mlp, "gate_up_proj"):  # a routed expert block (model/moe.py): the module path runs it
-                return None
-            parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):
-                return None
-            if norms[0].eps != norms[1].eps:
-                return None
-            qk = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-            if qk is not None and (any(w.dtype != dtype for w in qk) or attn.q_norm.eps != norms[0].eps
-                                   or any(n._forward_hooks or n._forward_pre_hooks for n in (attn.q_norm,
-                                                                                          attn.k_norm))):
-                return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts, *(qk or ())))
-        a = model.model.layers[0].self_attn if len(model.model.layers) else None
-        if a is None:
+        layers = [_layer_of(layer, dtype, ops) for layer in model.model.layers]
+        if any(layer is None for layer in layers):
             return None
+        a = model.model.layers[0].self_attn
         final = model.model.norm
-        if final._forward_hooks or final._forward_pre_hooks or final.weight.dtype != dtype:
+        if _hooked(final) or not _norm_dtype_ok(final, dtype):
             return None
-        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, dtype, ops, final.weight,
-                          final.eps)
+        return DecodePlan(layers, a.num_heads, a.num_kv_heads, a.head_dim, dtype, ops,  # type: ignore[arg-type]
+                          final.scale_weight(), final.eps)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
-        return straight_line_step(x, meta, kv_caches, self.dtype, plan=True)
+        return (straight_line_step(x, meta, kv_caches, self.dtype, plan=True)
+                and not (meta.evicting and self.own_windows))
 
     def run_cpp(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +213,7 @@ class DecodePlan:
             bits, block_size = first.bits, first.block_size
             caches = [t for kv in kv_caches for t in (kv.kernel_tensors() if bits == 8 else kv.write_state())]
         return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
-                                  self.weights, self.scale, window, self.h, self.kvh, self.d,
+                                  self.weights, window, self.h, self.kvh, self.d,
                                   _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
 
     def cpp_applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
@@ -215,38 +228,95 @@ class DecodePlan:
         """x: [B, hidden] embeddings -> (the final norm's output, the residual stream), as the layers and then
         the model's final norm (a fused residual add + RMSNorm) give them. The layer loop in Python."""
         t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
-        window = meta.sliding_window or 0
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.context_lens
         qsl = _query_start(x, meta)
         residual = x
         lora = self.lora_modules if self.lora_active else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hid = self.rms_norm(x, layer.ln1, layer.eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1,
-                                                                                            layer.eps)
+            eps = layer.eps
+            hid = self.rms_norm(x, layer.ln1, eps) if i == 0 else self.add_rms_norm(x, residual, layer.ln1, eps)
             qkv = layer.qkv(hid)  # [B, (h + 2 kvh) d]
             if lora is not None:
                 lora[i][0].add_delta(hid, qkv)
             if layer.q_norm is not None:
-                rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, layer.eps, h, kvh)
+                # (a float32 weight on bfloat16 rows comes only from a norm that rounds once: _norm_dtype_ok)
+                rms_norm_qk_heads_(qkv, layer.q_norm, layer.k_norm, eps, h, kvh, round_once=True)
+            layer_cos, layer_sin = (cos, sin) if layer.rope is None else (cos[layer.rope], sin[layer.rope])  # [B, d/2]
+            window = (meta.sliding_window or 0) if layer.window is None else layer.window
             if isinstance(kv, QuantizedKVCache) or meta.evicting:
-                o = _module_attention(qkv, cos, sin, kv, meta, h, kvh, d, self.scale)
+                step = meta if layer.window is None else with_sliding_window(meta, layer.window or None)
+                o = _module_attention(qkv, layer_cos, layer_sin, kv, step, h, kvh, d, layer.scale)
             else:
-                self.rope_cache(qkv, cos, sin, kv, slots, h, kvh)
+                self.rope_cache(qkv, layer_cos, layer_sin, kv, slots, h, kvh)
                 q = qkv.view(t, h + 2 * kvh, d)[:, :h]
                 o = torch.empty((t, h, d), dtype=x.dtype)
                 if qsl is None:
-                    self.attention(o, q, kv, tables, lens, self.scale, window)
+                    self.attention(o, q, kv, tables, lens, layer.scale, window)
                 else:
-                    self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
-            if lora is None:
-                hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
-                x = layer.down(self.silu_mul(layer.gate_up(hid)))
-                continue
+                    self.prefill_attention(o, q, kv, qsl, tables, lens, layer.scale, window, PREFILL_Q_TILE)
             attn = o.view(t, h * d)
-            hid = self.add_rms_norm(lora[i][1].add_delta(attn, layer.o(attn)), residual, layer.ln2, layer.eps)
-            act = self.silu_mul(lora[i][2].add_delta(hid, layer.gate_up(hid)))
-            x = lora[i][3].add_delta(act, layer.down(act))
+            out = layer.o(attn)  # [B, hidden]
+            if lora is not None:
+                lora[i][1].add_delta(attn, out)
+            if layer.attn_norm is not None:
+                out = self.rms_norm(out, layer.attn_norm, eps)
+            hid = self.add_rms_norm(out, residual, layer.ln2, eps)
+            gate_up = layer.gate_up(hid)  # [B, 2 I]
+            if lora is not None:
+                lora[i][2].add_delta(hid, gate_up)
+            act = self.act_mul[layer.act](gate_up)  # [B, I]
+            x = layer.down(act)
+            if lora is not None:
+                lora[i][3].add_delta(act, x)
+            if layer.mlp_norm is not None:
+                x = self.rms_norm(x, layer.mlp_norm, eps)
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _norm_dtype_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the norm kernels compute this norm's numbers: a weight of the model dtype, or a float32 one on a norm
+    that applies it in float32 and rounds once (gemma3's 1 + w: the kernels' float32-weight form)."""
+    w = norm.scale_weight()
+    return w.dtype == dtype or (norm.round_once and w.dtype == torch.float32)
+
+
+def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
+    """A decoder layer (model/llama.py DecoderLayer, model/gemma.py GemmaDecoderLayer) as the plan's plain data, or
+    None where a part is not covered: a routed expert block, a linear with no kernel for this dtype, hooks, a norm
+    weight of another dtype (_norm_dtype_ok)."""
+    names = _NORMS.get(type(layer))
+    attn, mlp = layer.self_attn, layer.mlp
+    act = _ACTIVATIONS.get(type(mlp))
+    if names is None or act is None or _hooked(layer, attn, mlp) or not hasattr(mlp, "gate_up_proj"):
+        return None  # (a routed expert block, model/moe.py, has no gate_up_proj: the module path runs it)
+    if act == GELU_TANH and not hasattr(ops, "gelu_tanh_mul"):
+        return None
+    parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norms = [None if n is None else getattr(layer, n) for n in names]  # input, attention out, pre-MLP, MLP out
+    norms += [attn.q_norm, attn.k_norm]
+    present = [n for n in norms if n is not None]
+    if (any(p is None for p in parts) or _hooked(*present) or any(n.eps != present[0].eps for n in present)
+            or any(not _norm_dtype_ok(n, dtype) for n in present)):
+        return None
+    ln1, attn_norm, ln2, mlp_norm, q_norm, k_norm = (None if n is None else n.scale_weight() for n in norms)
+    window = rope = None
+    if isinstance(attn, GemmaAttention):  # its own window (None: a global layer) and RoPE table
+        window, rope = attn.sliding_window or 0, attn.rope_index
+    return _Layer(ln1, ln2, present[0].eps, *parts, scale=attn.scale, act=act, q_norm=q_norm,  # type: ignore[misc]
+                  k_norm=k_norm, attn_norm=attn_norm, mlp_norm=mlp_norm, window=window, rope=rope)
+
+
+# each decoder layer type's norms: (input, attention output, pre-MLP, MLP output); None: the layer has none there
+_NORMS: dict[type, tuple[str | None, ...]] = {
+    DecoderLayer: ("input_layernorm", None, "post_attention_layernorm", None),
+    GemmaDecoderLayer: ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm"),
+}
+_ACTIVATIONS: dict[type, int] = {MLP: SILU, GemmaMLP: GELU_TANH}
 
 
 def _module_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: AttentionMetadata,

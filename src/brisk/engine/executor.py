@@ -14,8 +14,10 @@ Each step then runs what this table says (the first row that matches it):
     step                                                    modules  plan     cpp       compiled
     model not covered (unfused projections, hooks, a        modules  modules  modules   (refused at build)
       linear with no kernel for the model dtype)
+    gemma3: as below, except compiled                       ...      ...      ...       (refused at build)
     H2O eviction (attention statistics collected), off     modules  modules  modules   modules
-      the CPU  (decode_plan.straight_line_step)
+      the CPU  (decode_plan.straight_line_step); gemma3
+      under StreamingLLM
     StreamingLLM eviction (sinks + window)                  modules  plan     plan      modules
     int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)

@@ -21,8 +21,9 @@ One layer in the residual-stream form of model/llama.py (hidden = residual + x; 
     x = post_feedforward_layernorm(mlp(h))      -> (x, residual); the next norm adds x
 
 With two RoPE tables the model's prologue gives cos / sin as [2, T, d/2]: index 0 the global table, 1 the local
-one; each attention picks its own. The fast executors (decode plan, C++ loop, torch.compile) do not cover this
-layer: engine/executor.py runs gemma3 on the module path.
+one; each attention picks its own. The decode plan and its C++ layer loop (engine/decode_plan.py) run this layer
+with the kernels the modules here call (the norms' fused kernels with the float32 1 + w, gelu_tanh_mul), so they
+give the same numbers; torch.compile (engine/compiled.py) does not cover it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from brisk.model.config import FULL, SLIDING, UnsupportedModelError
 from brisk.model.llama import MLP, Attention, RMSNorm
 from brisk.ops.attention import AttentionMetadata
-from brisk.ops.fused import add_rms_norm, rms_norm
+from brisk.ops.fused import add_rms_norm, gelu_tanh_mul, rms_norm
 from brisk.ops.metadata import with_sliding_window
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class GemmaRMSNorm(RMSNorm):
     multiplier 1 + w is derived once per weight and reused, so float32 models take the fused kernels."""
 
     _cached: tuple[tuple[int, int, int], torch.Tensor] | None = None
+    round_once = True  # bfloat16 rows: x * r * (1 + w) in float32, rounded once, as HF's Gemma3RMSNorm
 
     def scale_weight(self) -> torch.Tensor:
         """1 + weight in float32, recomputed when the weight tensor or its contents change."""
@@ -65,17 +67,10 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        w = self.scale_weight()
-        if x.dtype == torch.float32:  # the fused kernels compute exactly this in float32
-            return rms_norm(x, w, self.eps) if residual is None else add_rms_norm(x, residual, w, self.eps)
-        if residual is not None:
-            residual.add_(x)
-            return _norm_f32(residual, w, self.eps), residual
-        return _norm_f32(x, w, self.eps)
-
-
-def _norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), w.shape, w, eps).to(x.dtype)
+        w = self.scale_weight()  # float32: the fused kernels (and their references) apply it in float32, round once
+        if residual is None:
+            return rms_norm(x, w, self.eps, round_once=True)
+        return add_rms_norm(x, residual, w, self.eps, round_once=True)
 
 
 class GemmaAttention(Attention):
@@ -100,11 +95,9 @@ class GemmaMLP(MLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x)), HF's gelu_pytorch_tanh."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 I] -> 2 x [T, I]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if self.gate_up_proj is not None:  # [T, 2 I] -> gelu_tanh(gate) * up: [T, I], the decode plan's kernel
+            return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
 class GemmaDecoderLayer(torch.nn.Module):

@@ -30,6 +30,10 @@ from brisk.ops.fused import add_rms_norm, rms_norm, rms_norm_qk_heads_, silu_mul
 
 
 class RMSNorm(nn.Module):
+    # a float32 weight on lower-precision rows multiplies in float32 and rounds once (ops.fused.rms_norm_reference):
+    # gemma3's norm, whose 1 + w is float32; Llama's applies the weight in the model dtype
+    round_once = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -75,7 +79,7 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]: q heads, k heads, v heads
             if self.q_norm is not None:
                 rms_norm_qk_heads_(qkv, self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps, h,
-                                   kvh)
+                                   kvh, self.q_norm.round_once)
             if rope_write_kv(qkv, cos, sin, kv_cache, meta, h, kvh):  # rotated in place, k and v cached
                 qkv = qkv.view(t, h + 2 * kvh, d)
                 q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]

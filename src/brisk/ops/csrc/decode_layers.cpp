@@ -8,9 +8,14 @@
 // speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears
 // switch to GEMMs.
 //
-// Per layer the Python side gives 4 + 4 * 6 optional tensors (the two norm weights, the per-head q and k norm
-// weights or none (qwen3), then for each of the fused qkv, o, fused gate/up and down projections six slots) and
-// 4 * 3 ints (kind, bits, group size):
+// Per layer the Python side gives 6 + 4 * 6 optional tensors and 4 * 3 + 3 ints. The tensors: six norm slots,
+//   0  the input norm (its residual add fused in)
+//   1  the norm before the MLP (residual add fused in): llama's post-attention norm, gemma3's pre-feed-forward one
+//   2, 3  the per-head q and k norm weights, or none (qwen3, gemma3)
+//   4  a norm of the attention output before its residual add, or none (gemma3's post-attention norm)
+//   5  a norm of the MLP output, or none (gemma3's post-feed-forward norm)
+// (each the weight that multiplies the normalized rows: gemma3's 1 + w), then for each of the fused qkv, o, fused
+// gate/up and down projections six slots; the ints, 3 per linear (kind, bits, group size):
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
 //   kind 1, 8/4-bit, int8 activations:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
@@ -20,8 +25,14 @@
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
 //   kind 7, W8A8 (SmoothQuant):         [data, w_scale, shift_terms, input_scale, bias, -]  -> w8a8_linear
 //   kind 9, table codes (SqueezeLLM):   [codes, lut, row_ptr, cols, values, bias]           -> lut_linear
-// once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
-// argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
+// and 3 per layer (layer_spec):
+//   window      the layer's own attention window (0: full; gemma3's local and global layers), or -1: the step's
+//   rope        which of the stacked cos / sin tables [2, T, d/2] the layer rotates with (gemma3: 0 global, 1
+//               local), or -1: cos / sin are the one [T, d/2] table
+//   activation  0: silu_mul (SwiGLU), 1: gelu_tanh_mul (GeGLU, gemma3)
+// and 2 floats per layer, its RMSNorm eps (every norm of the layer) and its attention scale. All of it is given
+// once, in a DecodeWeights object that every step then passes as one argument: converting the ~800-entry list and
+// ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 //
 // LoRA (brisk/lora/layers.py): DecodeWeights.set_lora gives each projection its adapters' stacked buffers,
 // A [slots, R, K] and B^T [slots, R, N] (float32, the LoRALinear's own storage, so adapters loaded later are
@@ -44,9 +55,10 @@ namespace {
 
 using OptT = std::optional<at::Tensor>;
 constexpr int64_t kSlots = 6;                  // tensor slots per linear
-constexpr int64_t kNorms = 4;                  // input / post-attention norm weights, q / k head norms (or none)
+constexpr int64_t kNorms = 6;                  // input / pre-MLP norms, q / k head norms, attention / MLP output norms
 constexpr int64_t kPerLayer = kNorms + 4 * kSlots;  // tensors per layer
 constexpr int64_t kInts = 3;                   // ints per linear
+constexpr int64_t kLayerInts = 3;              // window, RoPE table, activation
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> handle(const char* name) {
@@ -60,6 +72,8 @@ struct Ops {
       handle<at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, double)>("brisk::add_rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
       handle<at::Tensor(const at::Tensor&)>("brisk::silu_mul");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> gelu_tanh_mul =
+      handle<at::Tensor(const at::Tensor&)>("brisk::gelu_tanh_mul");
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&,
                                 int64_t, int64_t)>
       rope_cache = handle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&,
@@ -295,18 +309,29 @@ void apply_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
 struct DecodeWeights : torch::CustomClassHolder {
   Params params;
   std::vector<int64_t> spec;
+  std::vector<int64_t> layer_spec;  // per layer: window, RoPE table, activation (the header comment)
   std::vector<double> eps;
+  std::vector<double> scales;  // per layer: the attention scale
   at::Tensor final_norm;  // the model's norm after the last layer
   double final_eps;
   std::vector<at::Tensor> lora;  // per layer, per projection (qkv, o, gate_up, down): A, B; empty without LoRA
 
-  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e, at::Tensor fn, double fe)
-      : params(p.begin(), p.end()), spec(std::move(s)), eps(std::move(e)), final_norm(std::move(fn)), final_eps(fe) {
+  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<int64_t> ls, std::vector<double> e,
+                std::vector<double> sc, at::Tensor fn, double fe)
+      : params(p.begin(), p.end()), spec(std::move(s)), layer_spec(std::move(ls)), eps(std::move(e)),
+        scales(std::move(sc)), final_norm(std::move(fn)), final_eps(fe) {
     const int64_t num_layers = static_cast<int64_t>(eps.size());
     TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer &&
-                    static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts,
-                "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots and ",
-                num_layers * 4 * kInts, " ints; got ", params.size(), " and ", spec.size());
+                    static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts &&
+                    static_cast<int64_t>(layer_spec.size()) == num_layers * kLayerInts &&
+                    static_cast<int64_t>(scales.size()) == num_layers,
+                "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots, ",
+                num_layers * 4 * kInts, " linear ints, ", num_layers * kLayerInts, " layer ints and ", num_layers,
+                " scales; got ", params.size(), ", ", spec.size(), ", ", layer_spec.size(), " and ", scales.size());
+    for (int64_t i = 0; i < num_layers; ++i)
+      TORCH_CHECK(layer_spec[i * kLayerInts + 1] >= -1 && layer_spec[i * kLayerInts + 1] <= 1 &&
+                      (layer_spec[i * kLayerInts + 2] == 0 || layer_spec[i * kLayerInts + 2] == 1),
+                  "decode_layers: layer ", i, ": RoPE table must be -1, 0 or 1 and activation 0 or 1");
   }
 
   void set_lora(std::vector<at::Tensor> buffers) {
@@ -320,10 +345,12 @@ struct DecodeWeights : torch::CustomClassHolder {
 // DecodePlan.run. x is the residual stream's storage: add_rms_norm updates it in place. Without query_start a
 // decode step (one row per sequence, paged_decode_attention); with it, rows of sequence b are
 // [query_start[b], query_start[b + 1]) (speculative verification, short prefill chunks: paged_prefill_attention).
+// cos, sin: [T, d/2] float32, or [2, T, d/2] where layers pick a table (layer_spec's rope); window: the step's
+// attention window (0: none), for layers without one of their own.
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                                  const at::Tensor& slots, const at::Tensor& tables,
                                                  const at::Tensor& lens, at::TensorList kv_caches,
-                                                 const c10::intrusive_ptr<DecodeWeights>& weights, double scale,
+                                                 const c10::intrusive_ptr<DecodeWeights>& weights,
                                                  int64_t window, int64_t num_heads, int64_t num_kv_heads,
                                                  int64_t head_dim, const OptT& query_start, int64_t q_tile,
                                                  const OptT& lora_rows, int64_t kv_bits, int64_t kv_block_size) {
@@ -352,55 +379,68 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   for (int64_t i = 0; i < num_layers; ++i) {
     const int64_t p = i * kPerLayer, s = i * 4 * kInts;
     const at::Tensor& kv = kv_caches[i * per_layer];
+    const int64_t* layer = weights->layer_spec.data() + i * kLayerInts;  // window, RoPE table, activation
+    const int64_t layer_window = layer[0] < 0 ? window : layer[0];
+    TORCH_CHECK(layer[1] < 0 || (cos.dim() == 3 && sin.dim() == 3), "decode_layers: layer ", i,
+                " picks a RoPE table: cos and sin must be [2, T, d/2]");
+    const at::Tensor c = layer[1] < 0 ? cos : cos.select(0, layer[1]);  // [T, d/2]
+    const at::Tensor sn = layer[1] < 0 ? sin : sin.select(0, layer[1]);
+    const double scale = weights->scales[i];
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
     at::Tensor qkv = linear(o, hid, params, p + kNorms, spec, s);  // [B, (h + 2 kvh) d]
     apply_lora(qkv, hid, lora, 4 * i, lora_rows);
     if (params[p + 2].has_value()) {
-      // qwen3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
+      // qwen3, gemma3: RMSNorm over each q and k head's d dims before RoPE, as ops.fused.rms_norm_qk_heads_ (the same
       // kernel on the same [rows of d], so the same numbers)
       at::Tensor heads = qkv.view({t, h + 2 * kvh, d});  // q heads | k heads | v heads
       at::Tensor qh = heads.slice(1, 0, h), kh = heads.slice(1, h, h + kvh);
-      qh.copy_(o.rms_norm.call(qh.reshape({t * h, d}), get(params, p + 2), eps[i]).view({t, h, d}));
-      kh.copy_(o.rms_norm.call(kh.reshape({t * kvh, d}), get(params, p + 3), eps[i]).view({t, kvh, d}));
+      // (rows of d made contiguous: one k head, as MQA has, reshapes to a strided view)
+      at::Tensor qn = o.rms_norm.call(qh.reshape({t * h, d}).contiguous(), get(params, p + 2), eps[i]);
+      at::Tensor kn = o.rms_norm.call(kh.reshape({t * kvh, d}).contiguous(), get(params, p + 3), eps[i]);
+      qh.copy_(qn.view({t, h, d}));
+      kh.copy_(kn.view({t, kvh, d}));
     }
     at::Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     at::Tensor out = at::empty({t, h, d}, x.options());
     if (kv_bits != 0) {  // rotate, quantize on write, attend over the codes: DecodePlan.run's _quantized_attention
-      o.rope_qk->call(qkv, cos, sin, h, kvh);
+      o.rope_qk->call(qkv, c, sn, h, kvh);
       at::Tensor heads = qkv.view({t, h + 2 * kvh, d});
       at::Tensor k = heads.slice(1, h, h + kvh), v = heads.slice(1, h + kvh, h + 2 * kvh);
       const at::TensorList cache = kv_caches.slice(i * per_layer, per_layer);
       if (kv_bits == 8) o.write_int8->call(cache[0], cache[1], k, v, slots);
       else o.write_int4->call(cache, k, v, slots);
       o.attention_quantized->call(out, q, cache.slice(0, kv_bits == 8 ? 2 : 8), kv_bits, kv_block_size, query_start,
-                                  tables, lens, scale, window, q_tile, std::nullopt, 0);
+                                  tables, lens, scale, layer_window, q_tile, std::nullopt, 0);
     } else {
-      o.rope_cache.call(qkv, cos, sin, kv, slots, h, kvh);
+      o.rope_cache.call(qkv, c, sn, kv, slots, h, kvh);
       if (query_start.has_value())
-        o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, window, q_tile);
+        o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, layer_window, q_tile);
       else
-        o.attention.call(out, q, kv, tables, lens, scale, window);
+        o.attention.call(out, q, kv, tables, lens, scale, layer_window);
     }
     at::Tensor attn = out.view({t, h * d});
     at::Tensor proj = linear(o, attn, params, p + kNorms + kSlots, spec, s + kInts);
     apply_lora(proj, attn, lora, 4 * i + 1, lora_rows);
+    if (params[p + 4].has_value()) proj = o.rms_norm.call(proj, *params[p + 4], eps[i]);  // gemma3's sandwich
     hid = o.add_rms_norm.call(proj, residual, get(params, p + 1), eps[i]);
     at::Tensor gate_up = linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts);
     apply_lora(gate_up, hid, lora, 4 * i + 2, lora_rows);
-    at::Tensor act = o.silu_mul.call(gate_up);
+    at::Tensor act = layer[2] == 0 ? o.silu_mul.call(gate_up) : o.gelu_tanh_mul.call(gate_up);  // [T, I]
     cur = linear(o, act, params, p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
     apply_lora(cur, act, lora, 4 * i + 3, lora_rows);
+    if (params[p + 5].has_value()) cur = o.rms_norm.call(cur, *params[p + 5], eps[i]);
   }
   return {o.add_rms_norm.call(cur, residual, weights->final_norm, weights->final_eps), residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.class_<DecodeWeights>("DecodeWeights")
-      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double>())
+      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>,
+                       std::vector<double>, at::Tensor, double>())
       .def("set_lora", &DecodeWeights::set_lora);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
-        "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, float scale, int window, "
+        "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, int window, "
         "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None, "
         "int kv_bits=0, int kv_block_size=0) -> (Tensor, Tensor)",
         &decode_layers);

@@ -1,11 +1,14 @@
-// Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up.
+// Fused elementwise ops of the decoder layer: RMSNorm, residual add + RMSNorm, SiLU(gate) * up, GELU-tanh(gate) * up.
 //
 // At batch-1 decode each of these is a few hundred to a few thousand floats, so the cost is the number of ops,
 // not the arithmetic: ATen's rms_norm is ~8 ops (pow, mean, add, rsqrt, mul, to, mul, ...) and SwiGLU is 3
 // (chunk, silu, mul). Here each is one pass over its rows. Rounding follows the modules they replace:
 //   rms_norm, float32:  x * r * w                    r = 1 / sqrt(mean(x^2) + eps), all float32
 //   rms_norm, bfloat16: bf16(w * bf16(x * r))        statistics in float32; HF's `weight * normed.to(dtype)`
+//   rms_norm, bfloat16 rows, float32 weight: bf16(x * r * w), all float32, rounded once (HF's Gemma3RMSNorm,
+//                                            whose 1 + w multiplies in float32)
 //   silu_mul, bfloat16: bf16(bf16(silu(g)) * u)      F.silu(gate) * up in bf16 rounds twice; so does this
+//   gelu_tanh_mul:      the same, with gelu_tanh(g)  (Gemma's GeGLU, F.gelu(gate, approximate="tanh") * up)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -15,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <immintrin.h>
 
 #include "simd.h"
@@ -72,9 +76,9 @@ inline void store_tail(T* p, __m256 v, int64_t n) {
 // ---- RMSNorm ----
 
 // out = norm(x) * w for one row of H; when add != nullptr, first x := x + add is written back to x (the
-// residual stream), rounded to T as a separate `residual + x` op would round it.
-template <typename T>
-inline void rms_norm_row(T* x, const T* add, const T* w, T* out, int64_t H, float eps) {
+// residual stream), rounded to T as a separate `residual + x` op would round it. W: T, or float32 (Gemma's norm).
+template <typename T, typename W>
+inline void rms_norm_row(T* x, const T* add, const W* w, T* out, int64_t H, float eps) {
   const int64_t body = H - H % 8;
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   int64_t k = 0;
@@ -107,15 +111,18 @@ inline void rms_norm_row(T* x, const T* add, const T* w, T* out, int64_t H, floa
   const float ms = hsum(_mm256_add_ps(acc0, acc1)) / static_cast<float>(H);
   const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(ms + eps));
   auto norm = [&](__m256 xv, __m256 wv) {
-    // float32: (x * r) * w; bf16: w * bf16(x * r), then rounded once more on store
-    return _mm256_mul_ps(round_to(_mm256_mul_ps(xv, r), x), wv);
+    // float32: (x * r) * w; bf16: w * bf16(x * r), then rounded once more on store; bf16 rows with a float32
+    // weight: (x * r) * w in float32, rounded on store only
+    __m256 n = _mm256_mul_ps(xv, r);
+    if constexpr (std::is_same_v<T, W>) n = round_to(n, x);
+    return _mm256_mul_ps(n, wv);
   };
   for (k = 0; k < body; k += 8) store8(out + k, norm(load8(x + k), load8(w + k)));
   if (k < H) store_tail(out + k, norm(load_tail(x + k, H - k), load_tail(w + k, H - k)), H - k);
 }
 
-template <typename T>
-void rms_norm_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+template <typename T, typename W>
+void rms_norm_rows(T* x, const T* add, const W* w, T* out, int64_t rows, int64_t H, float eps) {
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       rms_norm_row(x + r * H, add != nullptr ? add + r * H : nullptr, w, out + r * H, H, eps);
@@ -127,8 +134,8 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weig
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": x and weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
-              " != x dtype ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op, ": weight dtype ",
+              weight.scalar_type(), " must be x's (", x.scalar_type(), ") or float32");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be [H] = [", x.size(1),
               "], got ", weight.sizes());
 }
@@ -170,32 +177,78 @@ inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-template <typename T>
-inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
-  auto f = [&](__m256 g, __m256 u) { return _mm256_mul_ps(round_to(silu8(g), out), u); };
+// gelu_tanh(g) = 0.5 g (1 + tanh(z / 2)) with z = 2 sqrt(2 / pi) (g + 0.044715 g^3); since 1 + tanh(z / 2) =
+// 2 sigmoid(z), that is g sigmoid(z): silu8's division with e = e^-|z| <= 1 (never overflows), z for g.
+//   z >= 0: g / (1 + e)        z < 0: g e / (1 + e)
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),  // 2 sqrt(2 / pi)
+                                 _mm256_fmadd_ps(g3, _mm256_set1_ps(0.044715f), g));
+  __m256 e = exp_nonpositive(_mm256_or_ps(z, sign));  // e^-|z|
+  __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// out = act(gate) * up over one row of I; act(g) rounded to T before the product, as `act(gate) * up` in T rounds it
+template <typename T, typename Act>
+inline void act_mul_row(const T* gate, const T* up, T* out, int64_t I, Act act) {
+  auto f = [&](__m256 g, __m256 u) { return _mm256_mul_ps(round_to(act(g), out), u); };
   int64_t k = 0;
   for (; k + 8 <= I; k += 8) store8(out + k, f(load8(gate + k), load8(up + k)));
   if (k < I) store_tail(out + k, f(load_tail(gate + k, I - k), load_tail(up + k, I - k)), I - k);
 }
 
+// gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> act(gate) * up [T, I]
+template <typename Act>
+at::Tensor act_mul(const char* name, const at::Tensor& gate_up, Act act) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, ": gate_up must be [T, 2I], got ",
+              gate_up.sizes());
+  TORCH_CHECK(gate_up.is_contiguous(), name, ": gate_up must be contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16, name,
+              ": gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  auto run = [&](auto* gu, auto* o) {
+    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) act_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, o + r * I, I, act);
+    });
+  };
+  if (gate_up.scalar_type() == at::kFloat)
+    run(gate_up.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
-// x: [T, H], weight: [H], same dtype (float32 or bfloat16), contiguous -> [T, H]
+// Runs f(x, weight) with their element types: float / float, bf16 / bf16, or bf16 rows with a float32 weight.
+template <typename F>
+void with_norm_types(const at::Tensor& x, const at::Tensor& weight, F f) {
+  if (x.scalar_type() == at::kFloat)
+    f(x.data_ptr<float>(), weight.data_ptr<float>());
+  else if (weight.scalar_type() == at::kFloat)
+    f(x.data_ptr<at::BFloat16>(), weight.data_ptr<float>());
+  else
+    f(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>());
+}
+
+// x: [T, H] float32 or bfloat16, weight: [H] of x's dtype or float32, contiguous -> [T, H] of x's dtype
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args("rms_norm", x, weight);
   auto out = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), static_cast<const float*>(nullptr), weight.data_ptr<float>(),
-                  out.data_ptr<float>(), T, H, static_cast<float>(eps));
-  else
-    rms_norm_rows(x.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(nullptr),
-                  weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  with_norm_types(x, weight, [&](auto* px, auto* pw) {
+    using Tx = std::remove_pointer_t<decltype(px)>;
+    rms_norm_rows(px, static_cast<const Tx*>(nullptr), pw, out.data_ptr<Tx>(), T, H, static_cast<float>(eps));
+  });
   return out;
 }
 
 // residual += x (in place), then -> rms_norm(residual, weight): vLLM's fused_add_rms_norm, one pass per row.
-// x, residual: [T, H]; weight: [H]; all one dtype, contiguous.
+// x, residual: [T, H] of one dtype; weight: [H] of that dtype or float32; all contiguous.
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_norm_args("add_rms_norm", residual, weight);
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x ", x.sizes(), " and residual ", residual.sizes(),
@@ -204,34 +257,21 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
               "add_rms_norm: x must be contiguous and of residual's dtype");
   auto out = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
-                  T, H, static_cast<float>(eps));
-  else
-    rms_norm_rows(residual.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                  out.data_ptr<at::BFloat16>(), T, H, static_cast<float>(eps));
+  with_norm_types(residual, weight, [&](auto* pr, auto* pw) {
+    using Tx = std::remove_pointer_t<decltype(pr)>;
+    rms_norm_rows(pr, x.data_ptr<Tx>(), pw, out.data_ptr<Tx>(), T, H, static_cast<float>(eps));
+  });
   return out;
 }
 
-// gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> silu(gate) * up [T, I]
+// gate_up: [T, 2I] -> silu(gate) * up [T, I] (SwiGLU)
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2I], got ",
-              gate_up.sizes());
-  TORCH_CHECK(gate_up.is_contiguous(), "silu_mul: gate_up must be contiguous");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
-              "silu_mul: gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = at::empty({T, I}, gate_up.options());
-  auto run = [&](auto* gu, auto* o) {
-    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, o + r * I, I);
-    });
-  };
-  if (gate_up.scalar_type() == at::kFloat)
-    run(gate_up.data_ptr<float>(), out.data_ptr<float>());
-  else
-    run(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
-  return out;
+  return act_mul("silu_mul", gate_up, [](__m256 g) { return silu8(g); });
+}
+
+// gate_up: [T, 2I] -> gelu_tanh(gate) * up [T, I] (GeGLU with the tanh approximation: Gemma's MLP)
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  return act_mul("gelu_tanh_mul", gate_up, [](__m256 g) { return gelu_tanh8(g); });
 }
 
 // ---- RoPE on the fused q/k/v projection, in place, and this step's keys and values into the paged cache ----
@@ -449,4 +489,5 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
 }
