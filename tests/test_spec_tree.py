@@ -234,6 +234,30 @@ def test_medusa_greedy_batched_equals_plain(model_dir, heads_dir, plain):
     assert_no_leak(llm)
 
 
+def test_tree_steps_run_on_the_decode_plan(model_dir, heads_dir, plain, monkeypatch):
+    """Verification steps with trees take the plan's Python loop (paged_tree_attention), not the module path, and
+    greedy output stays plain decoding's."""
+    from brisk.engine.decode_plan import DecodePlan
+    from brisk.ops import kernels
+
+    if kernels.get_op("paged_tree_attention") is None:
+        pytest.skip("the C++ kernels did not build here")
+    tree_rows = []
+    real = DecodePlan.run
+
+    def run(self, x, cos, sin, meta, kv):
+        if meta.tree_masks:
+            tree_rows.append(x.shape[0])
+        return real(self, x, cos, sin, meta, kv)
+
+    monkeypatch.setattr(DecodePlan, "run", run)
+    llm = medusa_llm(model_dir, heads_dir, size=12)
+    outs = llm.generate(make_prompts()[:3], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain[:3]
+    assert tree_rows and max(tree_rows) > 8  # trees of up to 13 rows per request, batched
+    assert_no_leak(llm)
+
+
 def test_medusa_greedy_alone_and_under_preemption(model_dir, heads_dir, plain):
     prompts = make_prompts()
     llm = medusa_llm(model_dir, heads_dir, size=12)

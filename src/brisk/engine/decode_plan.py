@@ -132,6 +132,8 @@ class DecodePlan:
         self.rope_cache = ops.rope_cache.default
         self.attention = ops.paged_decode_attention.default
         self.prefill_attention = ops.paged_prefill_attention.default
+        # token-tree verification steps (spec/tree.py) in the Python loop: each tree row sees its ancestors
+        self.tree_attention = getattr(ops, "paged_tree_attention", None)
         # layers with windows of their own (gemma3's local and global layers) leave StreamingLLM's steps to the modules
         self.own_windows = any(layer.window is not None for layer in layers)
         # the whole layer loop in one C++ call (ops/csrc/decode_layers.cpp) for steps of up to max_cpp_rows rows
@@ -199,7 +201,8 @@ class DecodePlan:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
         return (straight_line_step(x, meta, kv_caches, self.dtype, plan=True)
-                and not (meta.evicting and self.own_windows))
+                and not (meta.evicting and self.own_windows)
+                and not (meta.tree_masks and (self.tree_attention is None or self.own_windows)))
 
     def run_cpp(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +224,7 @@ class DecodePlan:
         int8 / int4 cache, where its kernels built (the loop then rotates with rope_qk and writes with
         kv_write_int8 / kv_write_int4, as the caches' own writes do)."""
         return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows and not meta.evicting
-                and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
+                and not meta.tree_masks and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +255,9 @@ class DecodePlan:
                 o = torch.empty((t, h, d), dtype=x.dtype)
                 if qsl is None:
                     self.attention(o, q, kv, tables, lens, layer.scale, window)
+                elif meta.tree_masks:  # (trees attend the whole context: no window; straight_line_step)
+                    self.tree_attention.default(o, q, kv, qsl, tables, lens, layer.scale, PREFILL_Q_TILE,
+                                                meta.tree_row_bits())
                 else:
                     self.prefill_attention(o, q, kv, qsl, tables, lens, layer.scale, window, PREFILL_Q_TILE)
             attn = o.view(t, h * d)
@@ -337,10 +343,16 @@ def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list
     """Whether a step can skip the module path (the decode plan, --compile's graphs): plain caches of the model
     dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
     (speculative verification, prefill chunks, mixed steps). The plan (`plan`) also takes int8 / int4 CPU caches
-    and StreamingLLM's eviction (a window, no scores collected); H2O's stays on the modules."""
+    and StreamingLLM's eviction (a window, no scores collected); H2O's stays on the modules. Token trees
+    (spec/tree.py) run on the plan's Python loop (paged_tree_attention) where their masks fit its 64-bit rows and
+    every cache is a plain float one, else on the modules (tree_attention_reference)."""
     bt = meta.block_tables
-    if bt is None or meta.stats is not None or meta.tree_masks:
-        return False  # token trees (spec/tree.py) need the module path's tree attention
+    if bt is None or meta.stats is not None:
+        return False
+    if meta.tree_masks and not (plan and meta.sliding_window is None and not meta.evicting
+                                and meta.tree_row_bits() is not None
+                                and type(kv_caches[0]) is torch.Tensor):
+        return False
     if meta.evicting and not (plan and meta.sliding_window is not None):
         return False
     decode_only = meta.num_decodes == bt.shape[0] == x.shape[0]

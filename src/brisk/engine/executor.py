@@ -19,6 +19,8 @@ Each step then runs what this table says (the first row that matches it):
       the CPU  (decode_plan.straight_line_step); gemma3
       under StreamingLLM
     StreamingLLM eviction (sinks + window)                  modules  plan     plan      modules
+    token-tree verification (spec/tree.py; trees of up to   modules  plan     plan      modules
+      64 rows, float caches)
     int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
