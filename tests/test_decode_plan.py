@@ -273,7 +273,8 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
     none = torch.zeros(1, dtype=torch.int32)
     kv = llm.engine.runner.kv_caches
     with pytest.raises(RuntimeError, match="decode_layers: 2 layers need 56 parameter slots"):
-        torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.eps, plan.final_norm, plan.final_eps)
+        torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.eps, plan.final_norm, plan.final_eps,
+                                         plan.mlp_spec)
     with pytest.raises(RuntimeError, match="the weights are for 2 layers, the step passes 1 KV caches"):
         plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, plan.scale, 0, plan.h,
                            plan.kvh, plan.d, None, 16)

@@ -23,6 +23,19 @@ Steps with several rows per sequence (speculative verification of γ + 1 positio
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
+Mixture-of-experts layers (mixtral, qwen2_moe, qwen3_moe: model/moe.py) run in both loops with the dense MLP line
+replaced by the routed block, the module path's own sequence of ops (moe_forward):
+
+    p = softmax(F.linear(h, router)); (w, e) = top-k(p)      (float32; w renormalized where the architecture does)
+    picks sorted by expert; per expert with rows: y = down(silu_mul(gate_up(h[rows])))   (its kernel descriptors)
+    x = index_add(w * y) [+ sigmoid(F.linear(h, shared_gate)) * shared(h)]              (qwen2_moe's shared expert)
+
+The Python loop calls moe_forward with each expert's descriptors; the C++ loop (steps of up to 8 rows, so every
+expert's rows fit its small-row kernel) runs the same ATen ops around the same kernels in the same order. Each
+chosen expert runs once a step on all its rows, as on the module path, and all three paths give the same numbers
+(tests/test_decode_plan_moe.py); record_expert_loads sees the routing of every path (the C++ loop writes each
+layer's rows per expert into DecodeWeights' counts while it is on).
+
 The per-head q/k norms (qwen3) run in both loops between the qkv linear and rope_cache: the Python loop calls the
 module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the same rows
 of d, so all three paths give the same numbers.
@@ -41,12 +54,15 @@ enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which bot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from brisk.kvcache.quant import QuantizedKVCache
+from brisk.model.moe import ExpertLoads, SparseMoeBlock, moe_forward
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, paged_attention, write_kv
@@ -64,20 +80,74 @@ CPP_MAX_ROWS = 8  # ops/csrc/decode_layers.cpp takes steps of at most 8 rows (ev
 
 
 @dataclass
+class _Moe:
+    """A layer's routed experts (model/moe.py SparseMoeBlock) as both loops run them: the router and the shared
+    expert's gate as float [out, hidden] weights, each expert's fused gate/up and down as kernel descriptors."""
+
+    block: SparseMoeBlock  # read for its `loads` only (record_expert_loads)
+    router: torch.Tensor  # [E, hidden], model dtype
+    experts: list[tuple[LinearKernel, LinearKernel]]  # per expert: gate_up, down
+    top_k: int
+    normalize: bool  # renormalize the top-k weights (mixtral; qwen where norm_topk_prob)
+    float32_weights: bool  # mixtral sums in float32; qwen casts the weights to the model dtype
+    shared: tuple[LinearKernel, LinearKernel] | None  # qwen2_moe's always-on expert
+    shared_gate: torch.Tensor | None  # [1, hidden], its sigmoid gate
+    silu_mul: Any  # the kernel between each expert's gate_up and down
+
+    def __post_init__(self) -> None:
+        # what moe_forward takes in place of the modules: x -> logits, x -> an expert's output
+        router, gate = self.router, self.shared_gate
+        self.route_logits = lambda x: F.linear(x, router)  # [T, E]
+        self.gate_logits = None if gate is None else (lambda x: F.linear(x, gate))  # [T, 1]
+        self.calls = [_expert_call(gu, down, self.silu_mul) for gu, down in self.experts]
+        self.shared_call = None if self.shared is None else _expert_call(*self.shared, self.silu_mul)
+
+    @property
+    def linears(self) -> list[LinearKernel]:
+        """In the C++ loop's order: every expert's gate_up, down; then the shared expert's."""
+        pairs = [*self.experts, *([self.shared] if self.shared is not None else [])]
+        return [k for pair in pairs for k in pair]
+
+    @property
+    def ints(self) -> list[int]:
+        """The C++ loop's per-layer MLP ints (ops/csrc/decode_layers.cpp): E, top-k and the three flags."""
+        return [len(self.experts), self.top_k, int(self.normalize), int(self.float32_weights),
+                int(self.shared is not None)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the block's output [T, hidden], as SparseMoeBlock.forward gives it."""
+        return moe_forward(x, self.route_logits, self.top_k, self.normalize, self.float32_weights, self.calls,
+                           self.shared_call, self.gate_logits, self.block.loads, self.block.layer_idx)
+
+
+def _expert_call(gate_up: LinearKernel, down: LinearKernel, silu_mul: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: down(silu_mul(gate_up(x)))  # [n, hidden] -> [n, 2I] -> [n, I] -> [n, hidden]
+
+
+@dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
     qkv: LinearKernel
     o: LinearKernel
-    gate_up: LinearKernel
-    down: LinearKernel
+    gate_up: LinearKernel | None  # the dense MLP's; None in a MoE layer
+    down: LinearKernel | None
     q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights of q and k (qwen3), or None
     k_norm: torch.Tensor | None = None
+    moe: _Moe | None = None  # routed experts in place of the dense MLP
 
     @property
-    def linears(self) -> tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]:
-        return self.qkv, self.o, self.gate_up, self.down
+    def mlp_linears(self) -> list[LinearKernel]:
+        if self.moe is not None:
+            return self.moe.linears
+        assert self.gate_up is not None and self.down is not None, "a dense layer has its MLP's linears"
+        return [self.gate_up, self.down]
+
+    @property
+    def linears(self) -> list[LinearKernel]:
+        """Every linear of the layer in the C++ loop's order: qkv, o, then the MLP's (mlp_linears)."""
+        return [self.qkv, self.o, *self.mlp_linears]
 
 
 PLAN_LINEARS = (*RUNTIME_LINEARS, Int8Linear)  # Int8Linear: its kernel says which of its kinds the loop takes
@@ -90,6 +160,32 @@ def _kernel_of(module: nn.Module | None, dtype: torch.dtype) -> LinearKernel | N
         return None
     kernel = module.kernel()
     return kernel if dtype in kernel.loop_dtypes else None
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _mlp_kernels(mlp: nn.Module, dtype: torch.dtype) -> tuple[LinearKernel, LinearKernel] | None:
+    """A (fused) MLP's gate_up and down descriptors, or None where the plan cannot call them."""
+    if _hooked(mlp) or getattr(mlp, "gate_up_proj", None) is None:
+        return None
+    gate_up, down = _kernel_of(mlp.gate_up_proj, dtype), _kernel_of(mlp.down_proj, dtype)
+    return None if gate_up is None or down is None else (gate_up, down)
+
+
+def _moe_of(block: SparseMoeBlock, dtype: torch.dtype, silu_mul: Any) -> _Moe | None:
+    """A routed expert block as the plan runs it, or None (unfused or uncovered experts, hooks, float weights of
+    another dtype)."""
+    gates = [block.gate] + ([block.shared_expert_gate] if block.shared_expert_gate is not None else [])
+    if _hooked(*gates) or any(g.weight.dtype != dtype for g in gates):
+        return None
+    experts = [_mlp_kernels(e, dtype) for e in block.experts]
+    shared = None if block.shared_expert is None else _mlp_kernels(block.shared_expert, dtype)
+    if any(e is None for e in experts) or (block.shared_expert is not None and shared is None):
+        return None
+    return _Moe(block, block.gate.weight, experts, block.top_k, block.normalize, block.float32_weights,  # type: ignore[arg-type]
+                shared, None if block.shared_expert_gate is None else block.shared_expert_gate.weight, silu_mul)
 
 
 class DecodePlan:
@@ -119,17 +215,25 @@ class DecodePlan:
                                                                    "paged_attention_general"))
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
+        self.mlp_spec: list[int] = []  # per layer: E (0: a dense MLP), top-k, normalize, float32 weights, shared
         for layer in layers:
             self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm]  # (no q/k norms: None, None)
-            for k in layer.linears:
+            for k in layer.linears[:2]:  # qkv, o
+                self.params += k.slots
+                self.spec += [int(k.kind), k.bits, k.group_size]
+            if layer.moe is not None:  # the router and the shared expert's gate (or none) before the experts
+                self.params += [layer.moe.router, layer.moe.shared_gate]
+            self.mlp_spec += [0] * 5 if layer.moe is None else layer.moe.ints
+            for k in layer.mlp_linears:
                 self.params += k.slots
                 self.spec += [int(k.kind), k.bits, k.group_size]
         self.eps = [layer.eps for layer in layers]
+        self.moe_layers = [layer.moe for layer in layers if layer.moe is not None]
         # the C++ loop calls every linear's small-row kernel, so a step must fit all of them
         self.max_cpp_rows = min([CPP_MAX_ROWS] + [k.max_rows for layer in layers for k in layer.linears])
         # the C++ loop's copy of params / spec / eps, converted once (not at every step)
         self.weights = None if self.decode_layers is None else torch.classes.brisk.DecodeWeights(
-            self.params, self.spec, self.eps, final_norm, final_eps)
+            self.params, self.spec, self.eps, final_norm, final_eps, self.mlp_spec)
         # LoRA (brisk/lora/manager.py): each row's adapter slot for the next run_cpp, -1 none; None: no adapters
         self.lora_rows: torch.Tensor | None = None
         # and for `run`: per layer the (qkv, o, gate_up, down) LoRALinear modules whose add_delta(x, y) follows
@@ -162,11 +266,13 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
                 return None
-            if not hasattr(mlp, "gate_up_proj"):  # a routed expert block (model/moe.py): the module path runs it
-                return None
-            parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            routed = isinstance(mlp, SparseMoeBlock)  # routed experts (model/moe.py) in place of the dense MLP
+            moe = _moe_of(mlp, dtype, ops.silu_mul.default) if routed else None
+            dense = None if routed else _mlp_kernels(mlp, dtype)
+            parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj)] + list(dense or (None, None))
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(p is None for p in parts) or any(n.weight.dtype != dtype for n in norms):
+            if (any(p is None for p in parts[:2]) or (moe is None and dense is None)
+                    or any(n.weight.dtype != dtype for n in norms)):
                 return None
             if norms[0].eps != norms[1].eps:
                 return None
@@ -175,7 +281,8 @@ class DecodePlan:
                                    or any(n._forward_hooks or n._forward_pre_hooks for n in (attn.q_norm,
                                                                                           attn.k_norm))):
                 return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts, *(qk or ())))
+            layers.append(_Layer(norms[0].weight, norms[1].weight, norms[0].eps, *parts, *(qk or (None, None)),
+                                 moe=moe))
         a = model.model.layers[0].self_attn if len(model.model.layers) else None
         if a is None:
             return None
@@ -199,9 +306,19 @@ class DecodePlan:
         if isinstance(first, QuantizedKVCache):  # each layer's tensors, flat (ops/csrc/decode_layers.cpp kv_bits)
             bits, block_size = first.bits, first.block_size
             caches = [t for kv in kv_caches for t in (kv.kernel_tensors() if bits == 8 else kv.write_state())]
-        return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
-                                  self.weights, self.scale, window, self.h, self.kvh, self.d,
-                                  _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
+        loads = self.moe_layers[0].block.loads if self.moe_layers else None  # record_expert_loads is on
+        counts = None
+        if loads is not None:  # the loop writes each MoE layer's rows per expert here
+            counts = torch.zeros(len(self.layers), max(len(m.experts) for m in self.moe_layers), dtype=torch.int64)
+            self.weights.set_expert_counts(counts)
+        try:
+            return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
+                                      self.weights, self.scale, window, self.h, self.kvh, self.d,
+                                      _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
+        finally:
+            if counts is not None:
+                self.weights.set_expert_counts(None)
+                _record_loads(loads, self.layers, counts)
 
     def cpp_applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
         """Steps of up to max_cpp_rows rows, not under eviction (StreamingLLM's sinks: the Python loop); with an
@@ -240,13 +357,27 @@ class DecodePlan:
                     self.prefill_attention(o, q, kv, qsl, tables, lens, self.scale, window, PREFILL_Q_TILE)
             if lora is None:
                 hid = self.add_rms_norm(layer.o(o.view(t, h * d)), residual, layer.ln2, layer.eps)
-                x = layer.down(self.silu_mul(layer.gate_up(hid)))
+                if layer.moe is not None:
+                    x = layer.moe(hid)  # router, top-k, each chosen expert once over its rows (model/moe.py)
+                    continue
+                x = layer.down(self.silu_mul(layer.gate_up(hid)))  # type: ignore[misc]
                 continue
+            assert layer.moe is None, "LoRA adapters wrap dense layers only"
             attn = o.view(t, h * d)
             hid = self.add_rms_norm(lora[i][1].add_delta(attn, layer.o(attn)), residual, layer.ln2, layer.eps)
-            act = self.silu_mul(lora[i][2].add_delta(hid, layer.gate_up(hid)))
-            x = lora[i][3].add_delta(act, layer.down(act))
+            act = self.silu_mul(lora[i][2].add_delta(hid, layer.gate_up(hid)))  # type: ignore[misc]
+            x = lora[i][3].add_delta(act, layer.down(act))  # type: ignore[misc]
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
+
+
+def _record_loads(loads: ExpertLoads, layers: list[_Layer], counts: torch.Tensor) -> None:
+    """What SparseMoeBlock records of a step, from the C++ loop's counts [layers, max experts]: each MoE layer's
+    rows per expert, and one call of every expert that had rows (the grouped dispatch)."""
+    for i, layer in enumerate(layers):
+        if layer.moe is not None:
+            rows = counts[i, :len(layer.moe.experts)].tolist()
+            loads.counts.append((layer.moe.block.layer_idx, rows))
+            loads.calls.append([int(n > 0) for n in rows])
 
 
 def _module_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: AttentionMetadata,

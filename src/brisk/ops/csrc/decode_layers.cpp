@@ -10,7 +10,16 @@
 //
 // Per layer the Python side gives 4 + 4 * 6 optional tensors (the two norm weights, the per-head q and k norm
 // weights or none (qwen3), then for each of the fused qkv, o, fused gate/up and down projections six slots) and
-// 4 * 3 ints (kind, bits, group size):
+// 4 * 3 ints (kind, bits, group size); a mixture-of-experts layer (model/moe.py) has, in place of the dense MLP's
+// two linears, the router, the shared expert's gate and E + S experts' two linears (S = 1 with a shared expert):
+//
+//   tensors  | ln1 ln2 q_norm k_norm | qkv (6) | o (6) | gate_up (6) | down (6) |                      dense MLP
+//            | ln1 ln2 q_norm k_norm | qkv (6) | o (6) | router shared_gate | E+S x [gate_up (6) down (6)] |  MoE
+//   ints     | qkv (3) | o (3) | gate_up (3) | down (3) |  or  | qkv (3) | o (3) | E+S x [gate_up (3) down (3)] |
+//   mlp ints | 0 0 0 0 0 |  or  | E, top_k, normalize, float32 weights, S |           (5 per layer, all layers)
+//
+// with router [E, hidden] and shared_gate [1, hidden] (or none) float weights of the model dtype, and each linear's
+// six slots (and three ints) as below:
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
 //   kind 1, 8/4-bit, int8 activations:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
@@ -23,6 +32,12 @@
 // once, in a DecodeWeights object (with the ints and each layer's RMSNorm eps) that every step then passes as one
 // argument: converting the ~800-entry list and ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
 //
+// A MoE layer's block (moe_block below) is model/moe.py moe_forward op for op: the router linear, softmax in float32,
+// topk, the renormalization, the picks ordered by expert (a stable counting sort of at most 8 x top_k ids: the
+// stable argsort's order), index_select of rows and weights, each expert with rows once on them through its
+// small-row kernels, the weighted rows index_add_-ed back in that order; then the shared expert's sigmoid-gated
+// output added. Same ATen ops, same expert kernels, same order of summation: the module path's numbers.
+//
 // LoRA (brisk/lora/layers.py): DecodeWeights.set_lora gives each projection its adapters' stacked buffers,
 // A [slots, R, K] and B^T [slots, R, N] (float32, the LoRALinear's own storage, so adapters loaded later are
 // seen), and a step passes lora_rows [T] (each row's slot, -1: none); each projection then adds B[s] (A[s] x) to
@@ -31,6 +46,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -45,8 +66,8 @@ namespace {
 using OptT = std::optional<at::Tensor>;
 constexpr int64_t kSlots = 6;                  // tensor slots per linear
 constexpr int64_t kNorms = 4;                  // input / post-attention norm weights, q / k head norms (or none)
-constexpr int64_t kPerLayer = kNorms + 4 * kSlots;  // tensors per layer
 constexpr int64_t kInts = 3;                   // ints per linear
+constexpr int64_t kMlpInts = 5;                // per layer: E (0: dense MLP), top_k, normalize, float32 weights, S
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> handle(const char* name) {
@@ -289,6 +310,63 @@ void apply_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
     TORCH_CHECK(false, "decode_layers: LoRA on ", y.scalar_type(), " activations");
 }
 
+// The MLP ints of one layer (kMlpInts, the header's "mlp ints").
+struct MlpSpec {
+  int64_t num_experts = 0, top_k = 0;  // num_experts 0: a dense MLP
+  bool normalize = false, float32_weights = false, shared = false;
+};
+
+// A (fused) MLP's down(silu_mul(gate_up(x))): its two linears at params[p...], spec[s...].
+at::Tensor mlp(const Ops& o, const at::Tensor& x, const Params& params, int64_t p, at::IntArrayRef spec, int64_t s) {
+  return linear(o, o.silu_mul.call(linear(o, x, params, p, spec, s)), params, p + kSlots, spec, s + kInts);
+}
+
+// x [T, hidden] -> a routed expert block's output [T, hidden] (model/moe.py moe_forward, op for op); p / s: the
+// layer's router slot / its first expert's ints. counts: where the rows of each expert go (record_expert_loads),
+// or null.
+at::Tensor moe_block(const Ops& o, const at::Tensor& x, const Params& params, int64_t p, at::IntArrayRef spec,
+                     int64_t s, const MlpSpec& m, int64_t* counts) {
+  const int64_t t = x.size(0), k = m.top_k, e_count = m.num_experts;
+  // route: softmax over all experts in float32, the k largest, renormalized (model/moe.py route)
+  at::Tensor probs = at::softmax(at::linear(x, get(params, p)), -1, at::kFloat);  // [T, E]
+  auto [weights, ids] = at::topk(probs, k, -1);                                   // [T, k] x 2
+  if (m.normalize) weights = weights.div(weights.sum(at::IntArrayRef{-1}, true));
+  if (!m.float32_weights) weights = weights.to(x.scalar_type());
+  // the picks grouped by expert, tokens ascending within each (= argsort(ids.flatten(), stable=True))
+  at::Tensor flat = ids.reshape({-1}).contiguous();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  std::vector<int64_t> rows_of(e_count, 0);
+  for (int64_t j = 0; j < t * k; ++j) ++rows_of[id[j]];
+  std::vector<int64_t> start(e_count + 1, 0);
+  for (int64_t e = 0; e < e_count; ++e) start[e + 1] = start[e] + rows_of[e];
+  at::Tensor order = at::empty({t * k}, flat.options()), rows = at::empty({t * k}, flat.options());
+  int64_t* po = order.data_ptr<int64_t>();
+  int64_t* pr = rows.data_ptr<int64_t>();
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t j = 0; j < t * k; ++j) {
+    const int64_t at_ = fill[id[j]]++;
+    po[at_] = j;      // the pick
+    pr[at_] = j / k;  // its token
+  }
+  if (counts != nullptr) std::copy(rows_of.begin(), rows_of.end(), counts);
+  at::Tensor xs = x.index_select(0, rows);                                    // [T*k, hidden] in expert order
+  at::Tensor ws = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T*k, 1]
+  at::Tensor ys = at::empty_like(xs);                                         // [T*k, hidden]
+  const int64_t first = p + 2;  // the first expert's gate_up slots (after the router and the shared gate)
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t n = rows_of[e];
+    if (n == 0) continue;  // an expert with no rows is not read
+    at::Tensor y = mlp(o, xs.narrow(0, start[e], n), params, first + 2 * e * kSlots, spec, s + 2 * e * kInts);
+    ys.narrow(0, start[e], n).copy_(y.mul(ws.narrow(0, start[e], n)).to(x.scalar_type()));
+  }
+  at::Tensor out = at::zeros_like(x).index_add_(0, rows, ys);  // [T, hidden]: each token's k rows, expert order
+  if (m.shared) {
+    at::Tensor shared = mlp(o, x, params, first + 2 * e_count * kSlots, spec, s + 2 * e_count * kInts);
+    out = out.add(at::sigmoid(at::linear(x, get(params, p + 1))).mul(shared));  // [T, 1] * [T, hidden]
+  }
+  return out;
+}
+
 }  // namespace
 
 // The plan's weights as decode_layers reads them, built once per plan (torch.classes.brisk.DecodeWeights).
@@ -298,21 +376,50 @@ struct DecodeWeights : torch::CustomClassHolder {
   std::vector<double> eps;
   at::Tensor final_norm;  // the model's norm after the last layer
   double final_eps;
+  std::vector<MlpSpec> mlps;                       // per layer (the header's "mlp ints")
+  std::vector<int64_t> param_start, spec_start;    // per layer: its first tensor slot, its first int
+  int64_t max_experts = 0;                         // the most experts of a layer (0: no MoE layer)
   std::vector<at::Tensor> lora;  // per layer, per projection (qkv, o, gate_up, down): A, B; empty without LoRA
+  OptT expert_counts;  // [layers, max_experts] int64: each step's rows per expert, while loads are recorded
 
-  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e, at::Tensor fn, double fe)
+  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<double> e, at::Tensor fn, double fe,
+                std::vector<int64_t> mlp_ints)
       : params(p.begin(), p.end()), spec(std::move(s)), eps(std::move(e)), final_norm(std::move(fn)), final_eps(fe) {
     const int64_t num_layers = static_cast<int64_t>(eps.size());
-    TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer &&
-                    static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts,
-                "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots and ",
-                num_layers * 4 * kInts, " ints; got ", params.size(), " and ", spec.size());
+    TORCH_CHECK(static_cast<int64_t>(mlp_ints.size()) == num_layers * kMlpInts, "decode_layers: ", num_layers,
+                " layers need ", num_layers * kMlpInts, " MLP ints; got ", mlp_ints.size());
+    int64_t num_params = 0, num_ints = 0;
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const int64_t* mi = mlp_ints.data() + i * kMlpInts;
+      MlpSpec m{mi[0], mi[1], mi[2] != 0, mi[3] != 0, mi[4] != 0};
+      TORCH_CHECK(m.num_experts >= 0 && (m.num_experts == 0 || (m.top_k >= 1 && m.top_k <= m.num_experts)),
+                  "decode_layers: layer ", i, ": top_k ", m.top_k, " of ", m.num_experts, " experts");
+      const int64_t mlp_linears = m.num_experts == 0 ? 2 : 2 * (m.num_experts + m.shared);
+      param_start.push_back(num_params);
+      spec_start.push_back(num_ints);
+      num_params += kNorms + 2 * kSlots + (m.num_experts == 0 ? 0 : 2) + mlp_linears * kSlots;
+      num_ints += (2 + mlp_linears) * kInts;
+      max_experts = std::max(max_experts, m.num_experts);
+      mlps.push_back(m);
+    }
+    TORCH_CHECK(static_cast<int64_t>(params.size()) == num_params && static_cast<int64_t>(spec.size()) == num_ints,
+                "decode_layers: ", num_layers, " layers need ", num_params, " parameter slots and ", num_ints,
+                " ints; got ", params.size(), " and ", spec.size());
   }
 
   void set_lora(std::vector<at::Tensor> buffers) {
     TORCH_CHECK(buffers.empty() || buffers.size() == eps.size() * 8, "decode_layers: LoRA needs A and B for each "
                 "of the 4 projections of ", eps.size(), " layers; got ", buffers.size(), " tensors");
+    TORCH_CHECK(buffers.empty() || max_experts == 0, "decode_layers: LoRA adapters on a mixture-of-experts model");
     lora = std::move(buffers);
+  }
+
+  // counts [layers, max_experts] int64, filled at each step with each MoE layer's rows per expert; None: stop
+  void set_expert_counts(OptT counts) {
+    TORCH_CHECK(!counts.has_value() || (counts->scalar_type() == at::kLong && counts->is_contiguous() &&
+                                        counts->numel() == static_cast<int64_t>(eps.size()) * max_experts),
+                "decode_layers: expert counts must be int64 [", eps.size(), ", ", max_experts, "]");
+    expert_counts = std::move(counts);
   }
 };
 
@@ -349,8 +456,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
   at::Tensor cur = x;
+  int64_t* counts = weights->expert_counts.has_value() ? weights->expert_counts->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; i < num_layers; ++i) {
-    const int64_t p = i * kPerLayer, s = i * 4 * kInts;
+    const int64_t p = weights->param_start[i], s = weights->spec_start[i];
     const at::Tensor& kv = kv_caches[i * per_layer];
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
@@ -386,6 +494,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     at::Tensor proj = linear(o, attn, params, p + kNorms + kSlots, spec, s + kInts);
     apply_lora(proj, attn, lora, 4 * i + 1, lora_rows);
     hid = o.add_rms_norm.call(proj, residual, get(params, p + 1), eps[i]);
+    const MlpSpec& m = weights->mlps[i];
+    if (m.num_experts > 0) {  // routed experts (model/moe.py): router, top-k, each chosen expert on its rows
+      cur = moe_block(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts, m,
+                      counts == nullptr ? nullptr : counts + i * weights->max_experts);
+      continue;
+    }
     at::Tensor gate_up = linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts);
     apply_lora(gate_up, hid, lora, 4 * i + 2, lora_rows);
     at::Tensor act = o.silu_mul.call(gate_up);
@@ -397,8 +511,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.class_<DecodeWeights>("DecodeWeights")
-      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double>())
-      .def("set_lora", &DecodeWeights::set_lora);
+      .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<double>, at::Tensor, double,
+                       std::vector<int64_t>>())
+      .def("set_lora", &DecodeWeights::set_lora)
+      .def("set_expert_counts", &DecodeWeights::set_expert_counts);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, float scale, int window, "
         "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None, "
