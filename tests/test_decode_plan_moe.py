@@ -86,11 +86,13 @@ def test_plan_runs_moe_prefill_chunks_in_cpp(ops, moe_folder, monkeypatch):
     _check_loads(loads)
 
 
-def test_plan_equals_module_path_moe_int4(ops, moe_folder, tmp_path, monkeypatch):
-    """`brisk quantize --method rtn` int4 (group 32) experts: QuantLinear kernel descriptors in both loops; the
-    router and the shared expert's gate stay float."""
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_plan_equals_module_path_moe_int4(ops, moe_folder, tmp_path, monkeypatch, activations):
+    """`brisk quantize --method rtn` int4 (group 32) experts: QuantLinear kernel descriptors in both loops (float
+    activations, or rounded to int8 as quant_activations auto gives 4-bit layers); the router and the shared
+    expert's gate stay float."""
     from brisk.bench.quant import build_checkpoint
-    from brisk.ops.layers import QuantLinear
+    from brisk.ops.layers import LinearKind, QuantLinear
     from brisk.quant.config import LayerQuant
 
     arch, _ = moe_folder
@@ -100,9 +102,14 @@ def test_plan_equals_module_path_moe_int4(ops, moe_folder, tmp_path, monkeypatch
     build_checkpoint(LayerQuant(bits=4, group_size=32, sym=False), out, str(path))
 
     def make_llm(**kw) -> LLM:
-        llm = LLM(str(out), kv_cache_memory="8MiB", **kw)
+        llm = LLM(str(out), kv_cache_memory="8MiB", quant_activations=activations, **kw)
         expert = llm.engine.loaded.model.model.layers[1].mlp.experts[5]
         assert isinstance(expert.gate_up_proj, QuantLinear) and isinstance(expert.down_proj, QuantLinear)
+        plan = llm.engine.runner.executor.plan
+        if plan is not None:
+            int8 = {LinearKind.QUANT_Q8, LinearKind.QUANT_Q8_TILED}
+            kinds = {k.kind for layer in plan.layers for k in layer.mlp_linears}
+            assert kinds and (kinds <= int8 if activations == "int8" else not kinds & int8)
         return llm
 
     _run_both(monkeypatch, make_llm, PROMPTS)
