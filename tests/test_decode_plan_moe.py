@@ -140,6 +140,26 @@ def test_plan_equals_module_path_moe_gguf(ops, tmp_path, monkeypatch, qtype):
     _run_both(monkeypatch, make_llm, PROMPTS)
 
 
+def test_plan_equals_module_path_moe_pruned(ops, tmp_path, monkeypatch):
+    """Magnitude-pruned experts (50% per row: ops.sparse.SparseLinear, kind SPARSE) in both loops."""
+    from test_sparse_linear import write_pruned
+
+    from brisk.ops.layers import LinearKind, SparseLinear
+
+    make_tiny_moe(tmp_path / "hf", "qwen3_moe", seed=2)
+    folder = write_pruned(tmp_path / "hf", tmp_path / "pruned", 0.5)
+
+    def make_llm(**kw) -> LLM:
+        llm = LLM(str(folder), kv_cache_memory="8MiB", **kw)
+        assert isinstance(llm.engine.loaded.model.model.layers[0].mlp.experts[2].down_proj, SparseLinear)
+        plan = llm.engine.runner.executor.plan
+        if plan is not None:
+            assert {k.kind for layer in plan.layers for k in layer.mlp_linears} == {LinearKind.SPARSE}
+        return llm
+
+    _run_both(monkeypatch, make_llm, PROMPTS)
+
+
 def test_plan_covers_mixed_dense_and_moe_layers(ops, tmp_path, monkeypatch):
     """Layer 0 keeps a dense MLP (mlp_only_layers): the C++ layout holds a dense layer beside routed ones."""
     make_tiny_moe(tmp_path, "qwen3_moe", seed=2, num_hidden_layers=3, mlp_only_layers=[0])
