@@ -322,13 +322,16 @@ at::Tensor mlp(const Ops& o, const at::Tensor& x, const Params& params, int64_t 
 }
 
 // x [T, hidden] -> a routed expert block's output [T, hidden] (model/moe.py moe_forward, op for op); p / s: the
-// layer's router slot / its first expert's ints. counts: where the rows of each expert go (record_expert_loads),
-// or null.
+// layer's router slot / its first expert's ints. counts: null, or [E] filled with each expert's rows this step
+// (record_expert_loads).
 at::Tensor moe_block(const Ops& o, const at::Tensor& x, const Params& params, int64_t p, at::IntArrayRef spec,
                      int64_t s, const MlpSpec& m, int64_t* counts) {
   const int64_t t = x.size(0), k = m.top_k, e_count = m.num_experts;
+  const at::Tensor& router = get(params, p);  // [E, hidden]
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == e_count && router.size(1) == x.size(1),
+              "decode_layers: the router must be [", e_count, ", ", x.size(1), "], got ", router.sizes());
   // route: softmax over all experts in float32, the k largest, renormalized (model/moe.py route)
-  at::Tensor probs = at::softmax(at::linear(x, get(params, p)), -1, at::kFloat);  // [T, E]
+  at::Tensor probs = at::softmax(at::linear(x, router), -1, at::kFloat);  // [T, E]
   auto [weights, ids] = at::topk(probs, k, -1);                                   // [T, k] x 2
   if (m.normalize) weights = weights.div(weights.sum(at::IntArrayRef{-1}, true));
   if (!m.float32_weights) weights = weights.to(x.scalar_type());
