@@ -276,8 +276,8 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
         torch.classes.brisk.DecodeWeights(plan.params[:-1], plan.spec, plan.layer_spec, plan.eps, plan.scales,
                                           plan.final_norm, plan.final_eps)
     with pytest.raises(RuntimeError, match="RoPE table must be -1, 0 or 1 and activation 0 or 1"):
-        torch.classes.brisk.DecodeWeights(plan.params, plan.spec, [-1, -1, 2] * 2, plan.eps, plan.scales,
-                                          plan.final_norm, plan.final_eps)
+        torch.classes.brisk.DecodeWeights(plan.params, plan.spec, [-1, -1, 2, 0, 0, 0, 0, 0] * 2, plan.eps,
+                                          plan.scales, plan.final_norm, plan.final_eps)
     with pytest.raises(RuntimeError, match="the weights are for 2 layers, the step passes 1 KV caches"):
         plan.decode_layers(x, x, x, none, none.view(1, 1), none, kv[:1], plan.weights, 0, plan.h, plan.kvh, plan.d,
                            None, 16)

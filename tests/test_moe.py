@@ -36,8 +36,8 @@ def make_tiny_moe(path: Path, arch: str, seed: int = 0, num_experts: int = 8, to
         config = transformers.MixtralConfig(**common, num_local_experts=num_experts, **overrides)
         cls = transformers.MixtralForCausalLM
     elif arch == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**common, num_experts=num_experts, moe_intermediate_size=32,
-                                             shared_expert_intermediate_size=48, **overrides)
+        config = transformers.Qwen2MoeConfig(**common, **({"num_experts": num_experts, "moe_intermediate_size": 32,
+                                                           "shared_expert_intermediate_size": 48} | overrides))
         cls = transformers.Qwen2MoeForCausalLM
     else:
         # norm_topk_prob as Qwen3-30B-A3B has it (and llama.cpp's qwen3moe assumes); qwen2_moe keeps it off

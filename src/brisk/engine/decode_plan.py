@@ -12,7 +12,8 @@ calls per layer and nothing else:
     o = paged_decode_attention(q)           (reads the paged cache in place)
     a = linear(o)                           (gemma3: a = rms_norm(a), its post-attention norm)
     h = add_rms_norm(a, residual)
-    x = linear(act_mul(linear(h)))          (silu_mul; gemma3 gelu_tanh_mul, then x = rms_norm(x))
+    x = linear(act_mul(linear(h)))          (silu_mul; gemma3 gelu_tanh_mul, then x = rms_norm(x); a MoE layer:
+                                             the routed block below)
     h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
 
 What differs between the architectures' layers is data in each layer's description (_Layer): the optional norms
@@ -31,33 +32,48 @@ Steps with several rows per sequence (speculative verification of γ + 1 positio
 batches) run the same loop with paged_prefill_attention over query_start_loc instead of paged_decode_attention, as
 the module path does; verification steps of up to 8 rows thus also run in C++.
 
+Mixture-of-experts layers (mixtral, qwen2_moe, qwen3_moe: model/moe.py) run in both loops with the dense MLP line
+replaced by the routed block (_Moe), the module path's own sequence of ops (moe_forward):
+
+    p = softmax(F.linear(h, router)); (w, e) = top-k(p)      (float32; w renormalized where the architecture does)
+    picks sorted by expert; per expert with rows: y = down(act_mul(gate_up(h[rows])))   (its kernel descriptors)
+    x = index_add(w * y) [+ sigmoid(F.linear(h, shared_gate)) * shared(h)]              (qwen2_moe's shared expert)
+
+The Python loop calls moe_forward with each expert's descriptors; the C++ loop (steps of up to 8 rows, so every
+expert's rows fit its small-row kernel) runs the same ATen ops around the same kernels in the same order. Each
+chosen expert runs once a step on all its rows, as on the module path, and all three paths give the same numbers
+(tests/test_decode_plan_moe.py); record_expert_loads sees the routing of every path (the C++ loop writes each
+layer's rows per expert into DecodeWeights' counts while it is on).
+
 The per-head q/k norms (qwen3, gemma3) run in both loops between the qkv linear and rope_cache: the Python loop
 calls the module path's own function (ops.fused.rms_norm_qk_heads_), the C++ loop the same rms_norm kernel on the
 same rows of d, so all three paths give the same numbers.
 
 A model gets no plan, and keeps the module path, when any layer has a part the plan does not cover (unfused
-projections, custom linears, pruned layers of a bfloat16 model, routed experts, hooks); a step takes the module path
-when its caches are evicted by H2O (attention scores collected), or by StreamingLLM in a model whose layers have
-windows of their own (gemma3); StreamingLLM's other steps take the Python loop, attention on the kernel with its
-sinks. Quantized (int8 / int4) caches run both
-loops: the Python one as the module path (apply_rope, the cache's write, attention over the codes), the C++ one
-with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 / kv_write_int4, which the caches'
-writes call; paged_attention_general). Which of these runs a step is
-decided in one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a
-model, chosen by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear
-enters the plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
+projections, custom linears, pruned layers of a bfloat16 model, hooks); a step takes the module path when its
+caches are evicted by H2O (attention scores collected), or by StreamingLLM in a model whose layers have windows of
+their own (gemma3); StreamingLLM's other steps take the Python loop, attention on the kernel with its sinks.
+Quantized (int8 / int4) caches run both loops: the Python one as the module path (apply_rope, the cache's write,
+attention over the codes), the C++ one with the same kernels (rope_qk, bit-identical to apply_rope; kv_write_int8 /
+kv_write_int4, which the caches' writes call; paged_attention_general). Which of these runs a step is decided in
+one place, engine/executor.py; the plan lives beside it in engine/ because it is a way of running a model, chosen
+by the engine's settings, and the model itself (model/llama.py) must not know it exists. Each linear enters the
+plan as its kernel descriptor (ops/layers.py LinearKernel), which both loops call or pass on as is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from brisk.kvcache.quant import QuantizedKVCache
 from brisk.model.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
 from brisk.model.llama import MLP, DecoderLayer
+from brisk.model.moe import ExpertLoads, SparseMoeBlock, moe_forward
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, paged_attention, write_kv
@@ -76,6 +92,53 @@ CPP_MAX_ROWS = 8  # ops/csrc/decode_layers.cpp takes steps of at most 8 rows (ev
 
 
 SILU, GELU_TANH = 0, 1  # a layer's activation kind: silu_mul (SwiGLU), gelu_tanh_mul (GeGLU, gemma3)
+_ACT_OPS = {SILU: "silu_mul", GELU_TANH: "gelu_tanh_mul"}  # each kind's kernel (ops)
+_DENSE_MLP_INTS = [0, 0, 0, 0, 0]  # a dense layer's MoE ints in the C++ loop's layer_spec (_Moe.ints)
+
+
+@dataclass
+class _Moe:
+    """A layer's routed experts (model/moe.py SparseMoeBlock) as both loops run them: the router and the shared
+    expert's gate as float [out, hidden] weights, each expert's fused gate/up and down as kernel descriptors."""
+
+    block: SparseMoeBlock  # read for its `loads` only (record_expert_loads)
+    router: torch.Tensor  # [E, hidden], model dtype
+    experts: list[tuple[LinearKernel, LinearKernel]]  # per expert: gate_up, down
+    top_k: int
+    normalize: bool  # renormalize the top-k weights (mixtral; qwen where norm_topk_prob)
+    float32_weights: bool  # mixtral sums in float32; qwen casts the weights to the model dtype
+    shared: tuple[LinearKernel, LinearKernel] | None  # qwen2_moe's always-on expert
+    shared_gate: torch.Tensor | None  # [1, hidden], its sigmoid gate
+    act_mul: Any  # the kernel between each expert's gate_up and down (the layer's act)
+
+    def __post_init__(self) -> None:
+        # what moe_forward takes in place of the modules: x -> logits, x -> an expert's output
+        router, gate = self.router, self.shared_gate
+        self.route_logits = lambda x: F.linear(x, router)  # [T, E]
+        self.gate_logits = None if gate is None else (lambda x: F.linear(x, gate))  # [T, 1]
+        self.calls = [_expert_call(gu, down, self.act_mul) for gu, down in self.experts]
+        self.shared_call = None if self.shared is None else _expert_call(*self.shared, self.act_mul)
+
+    @property
+    def linears(self) -> list[LinearKernel]:
+        """In the C++ loop's order: every expert's gate_up, down; then the shared expert's."""
+        pairs = [*self.experts, *([self.shared] if self.shared is not None else [])]
+        return [k for pair in pairs for k in pair]
+
+    @property
+    def ints(self) -> list[int]:
+        """The C++ loop's MoE ints of the layer (ops/csrc/decode_layers.cpp): E, top-k and the three flags."""
+        return [len(self.experts), self.top_k, int(self.normalize), int(self.float32_weights),
+                int(self.shared is not None)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the block's output [T, hidden], as SparseMoeBlock.forward gives it."""
+        return moe_forward(x, self.route_logits, self.top_k, self.normalize, self.float32_weights, self.calls,
+                           self.shared_call, self.gate_logits, self.block.loads, self.block.layer_idx)
+
+
+def _expert_call(gate_up: LinearKernel, down: LinearKernel, act_mul: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: down(act_mul(gate_up(x)))  # [n, hidden] -> [n, 2I] -> [n, I] -> [n, hidden]
 
 
 @dataclass
@@ -89,20 +152,29 @@ class _Layer:
     eps: float  # every norm of the layer
     qkv: LinearKernel
     o: LinearKernel
-    gate_up: LinearKernel
-    down: LinearKernel
+    gate_up: LinearKernel | None  # the dense MLP's; None in a MoE layer
+    down: LinearKernel | None
     scale: float  # attention's score scale (head_dim ** -0.5; gemma3: query_pre_attn_scalar ** -0.5)
-    act: int = SILU
+    act: int = SILU  # the MLP's activation (a MoE layer: its experts')
     q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm weights of q and k (qwen3, gemma3), or None
     k_norm: torch.Tensor | None = None
     attn_norm: torch.Tensor | None = None  # [hidden] a norm of the attention output before its residual add
     mlp_norm: torch.Tensor | None = None  # [hidden] a norm of the MLP output (gemma3's sandwich norms), or None
     window: int | None = None  # the layer's own attention window (0: full), or None: the step's (meta)
     rope: int | None = None  # which of the prologue's stacked cos / sin tables (gemma3), or None: the only one
+    moe: _Moe | None = None  # routed experts in place of the dense MLP
 
     @property
-    def linears(self) -> tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]:
-        return self.qkv, self.o, self.gate_up, self.down
+    def mlp_linears(self) -> list[LinearKernel]:
+        if self.moe is not None:
+            return self.moe.linears
+        assert self.gate_up is not None and self.down is not None, "a dense layer has its MLP's linears"
+        return [self.gate_up, self.down]
+
+    @property
+    def linears(self) -> list[LinearKernel]:
+        """Every linear of the layer in the C++ loop's order: qkv, o, then the MLP's (mlp_linears)."""
+        return [self.qkv, self.o, *self.mlp_linears]
 
 
 PLAN_LINEARS = (*RUNTIME_LINEARS, Int8Linear)  # Int8Linear: its kernel says which of its kinds the loop takes
@@ -128,7 +200,7 @@ class DecodePlan:
         self.dtype = dtype
         self.rms_norm = ops.rms_norm.default
         self.add_rms_norm = ops.add_rms_norm.default
-        self.act_mul = {SILU: ops.silu_mul.default, GELU_TANH: getattr(ops, "gelu_tanh_mul", ops.silu_mul).default}
+        self.act_mul = {act: getattr(ops, name, ops.silu_mul).default for act, name in _ACT_OPS.items()}
         self.rope_cache = ops.rope_cache.default
         self.attention = ops.paged_decode_attention.default
         self.prefill_attention = ops.paged_prefill_attention.default
@@ -145,21 +217,24 @@ class DecodePlan:
         # quantized KV caches in the C++ loop: their rotation, writes and attention built too
         self.quantized_cpp = all(hasattr(ops, name) for name in ("rope_qk", "kv_write_int8", "kv_write_int4",
                                                                    "paged_attention_general"))
-        # the C++ loop's per-layer layout (ops/csrc/decode_layers.cpp): 6 norm slots, then 6 slots per linear; 3
-        # ints per linear (kind, bits, group); the layer's window, RoPE table and activation (-1: the step's window,
-        # the one table); its eps and scale
+        # the C++ loop's per-layer layout (ops/csrc/decode_layers.cpp): 6 norm slots, 6 slots per linear of qkv and
+        # o, a MoE layer's router and shared-expert gate, 6 slots per linear of the MLP (dense: gate_up, down; MoE:
+        # each expert's); 3 ints per linear (kind, bits, group); 8 ints per layer: its window, RoPE table and
+        # activation (-1: the step's window, the one table), then E (0: a dense MLP), top-k, normalize, float32
+        # weights, shared expert; its eps and scale
         self.params: list[torch.Tensor | None] = []
         self.spec: list[int] = []
         self.layer_spec: list[int] = []
         for layer in layers:
-            self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, layer.attn_norm, layer.mlp_norm]
-            for k in layer.linears:
-                self.params += k.slots
-                self.spec += [int(k.kind), k.bits, k.group_size]
+            gates = [] if layer.moe is None else [layer.moe.router, layer.moe.shared_gate]  # (shared: or None)
+            self.params += [layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, layer.attn_norm, layer.mlp_norm,
+                            *layer.qkv.slots, *layer.o.slots, *gates, *(t for k in layer.mlp_linears for t in k.slots)]
+            self.spec += [n for k in layer.linears for n in (int(k.kind), k.bits, k.group_size)]
             self.layer_spec += [-1 if layer.window is None else layer.window, -1 if layer.rope is None else layer.rope,
-                                layer.act]
+                                layer.act, *(_DENSE_MLP_INTS if layer.moe is None else layer.moe.ints)]
         self.eps = [layer.eps for layer in layers]
         self.scales = [layer.scale for layer in layers]
+        self.moe_layers = [layer.moe for layer in layers if layer.moe is not None]
         # the C++ loop calls every linear's small-row kernel, so a step must fit all of them
         self.max_cpp_rows = min([CPP_MAX_ROWS] + [k.max_rows for layer in layers for k in layer.linears])
         # the C++ loop's copy of params / spec / eps, converted once (not at every step)
@@ -215,9 +290,19 @@ class DecodePlan:
         if isinstance(first, QuantizedKVCache):  # each layer's tensors, flat (ops/csrc/decode_layers.cpp kv_bits)
             bits, block_size = first.bits, first.block_size
             caches = [t for kv in kv_caches for t in (kv.kernel_tensors() if bits == 8 else kv.write_state())]
-        return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
-                                  self.weights, window, self.h, self.kvh, self.d,
-                                  _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
+        loads = self.moe_layers[0].block.loads if self.moe_layers else None  # record_expert_loads is on
+        counts = None
+        if loads is not None:  # the loop writes each MoE layer's rows per expert here
+            counts = torch.zeros(len(self.layers), max(len(m.experts) for m in self.moe_layers), dtype=torch.int64)
+            self.weights.set_expert_counts(counts)
+        try:
+            return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
+                                      self.weights, window, self.h, self.kvh, self.d,
+                                      _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
+        finally:
+            if counts is not None:
+                self.weights.set_expert_counts(None)
+                _record_loads(loads, self.layers, counts)
 
     def cpp_applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
         """Steps of up to max_cpp_rows rows, not under eviction (StreamingLLM's sinks: the Python loop); with an
@@ -267,13 +352,17 @@ class DecodePlan:
             if layer.attn_norm is not None:
                 out = self.rms_norm(out, layer.attn_norm, eps)
             hid = self.add_rms_norm(out, residual, layer.ln2, eps)
-            gate_up = layer.gate_up(hid)  # [B, 2 I]
-            if lora is not None:
-                lora[i][2].add_delta(hid, gate_up)
-            act = self.act_mul[layer.act](gate_up)  # [B, I]
-            x = layer.down(act)
-            if lora is not None:
-                lora[i][3].add_delta(act, x)
+            if layer.moe is not None:
+                assert lora is None, "LoRA adapters wrap dense layers only"
+                x = layer.moe(hid)  # router, top-k, each chosen expert once over its rows (model/moe.py)
+            else:
+                gate_up = layer.gate_up(hid)  # type: ignore[misc]  # [B, 2 I]
+                if lora is not None:
+                    lora[i][2].add_delta(hid, gate_up)
+                act = self.act_mul[layer.act](gate_up)  # [B, I]
+                x = layer.down(act)  # type: ignore[misc]
+                if lora is not None:
+                    lora[i][3].add_delta(act, x)
             if layer.mlp_norm is not None:
                 x = self.rms_norm(x, layer.mlp_norm, eps)
         return self.add_rms_norm(x, residual, self.final_norm, self.final_eps), residual
@@ -291,21 +380,26 @@ def _norm_dtype_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
-    """A decoder layer (model/llama.py DecoderLayer, model/gemma.py GemmaDecoderLayer) as the plan's plain data, or
-    None where a part is not covered: a routed expert block, a linear with no kernel for this dtype, hooks, a norm
-    weight of another dtype (_norm_dtype_ok)."""
+    """A decoder layer (model/llama.py DecoderLayer, with a dense MLP or routed experts; model/gemma.py
+    GemmaDecoderLayer) as the plan's plain data, or None where a part is not covered: a linear with no kernel for
+    this dtype (an unfused MLP among them), hooks, a norm or router weight of another dtype (_norm_dtype_ok)."""
     names = _NORMS.get(type(layer))
     attn, mlp = layer.self_attn, layer.mlp
-    act = _ACTIVATIONS.get(type(mlp))
-    if names is None or act is None or _hooked(layer, attn, mlp) or not hasattr(mlp, "gate_up_proj"):
-        return None  # (a routed expert block, model/moe.py, has no gate_up_proj: the module path runs it)
-    if act == GELU_TANH and not hasattr(ops, "gelu_tanh_mul"):
+    routed = isinstance(mlp, SparseMoeBlock)  # routed experts (model/moe.py) in place of the dense MLP
+    act = _activation_of([*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert is not None else [])]
+                         if routed else [mlp], ops)
+    if names is None or act is None or _hooked(layer, attn, mlp):
         return None
-    parts = [_kernel_of(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    act_mul = getattr(ops, _ACT_OPS[act]).default
+    moe = _moe_of(mlp, dtype, act_mul) if routed else None
+    dense = None if routed else _mlp_kernels(mlp, dtype)
+    if moe is None and dense is None:
+        return None
+    parts = [_kernel_of(attn.qkv_proj, dtype), _kernel_of(attn.o_proj, dtype), *(dense or (None, None))]
     norms = [None if n is None else getattr(layer, n) for n in names]  # input, attention out, pre-MLP, MLP out
     norms += [attn.q_norm, attn.k_norm]
     present = [n for n in norms if n is not None]
-    if (any(p is None for p in parts) or _hooked(*present) or any(n.eps != present[0].eps for n in present)
+    if (any(p is None for p in parts[:2]) or _hooked(*present) or any(n.eps != present[0].eps for n in present)
             or any(not _norm_dtype_ok(n, dtype) for n in present)):
         return None
     ln1, attn_norm, ln2, mlp_norm, q_norm, k_norm = (None if n is None else n.scale_weight() for n in norms)
@@ -313,7 +407,37 @@ def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
     if isinstance(attn, GemmaAttention):  # its own window (None: a global layer) and RoPE table
         window, rope = attn.sliding_window or 0, attn.rope_index
     return _Layer(ln1, ln2, present[0].eps, *parts, scale=attn.scale, act=act, q_norm=q_norm,  # type: ignore[misc]
-                  k_norm=k_norm, attn_norm=attn_norm, mlp_norm=mlp_norm, window=window, rope=rope)
+                  k_norm=k_norm, attn_norm=attn_norm, mlp_norm=mlp_norm, window=window, rope=rope, moe=moe)
+
+
+def _activation_of(mlps: list[nn.Module], ops: Any) -> int | None:
+    """The activation kind the MLPs (one dense MLP, or a block's experts) share, or None: unknown, mixed or not
+    built."""
+    acts = {_ACTIVATIONS.get(type(m)) for m in mlps}
+    act = acts.pop() if len(acts) == 1 else None
+    return act if act is not None and hasattr(ops, _ACT_OPS[act]) else None
+
+
+def _mlp_kernels(mlp: nn.Module, dtype: torch.dtype) -> tuple[LinearKernel, LinearKernel] | None:
+    """A (fused) MLP's gate_up and down descriptors, or None where the plan cannot call them."""
+    if _hooked(mlp) or getattr(mlp, "gate_up_proj", None) is None:
+        return None
+    gate_up, down = _kernel_of(mlp.gate_up_proj, dtype), _kernel_of(mlp.down_proj, dtype)
+    return None if gate_up is None or down is None else (gate_up, down)
+
+
+def _moe_of(block: SparseMoeBlock, dtype: torch.dtype, act_mul: Any) -> _Moe | None:
+    """A routed expert block as the plan runs it, or None (unfused or uncovered experts, hooks, float weights of
+    another dtype)."""
+    gates = [block.gate] + ([block.shared_expert_gate] if block.shared_expert_gate is not None else [])
+    if _hooked(*gates) or any(g.weight.dtype != dtype for g in gates):
+        return None
+    experts = [_mlp_kernels(e, dtype) for e in block.experts]
+    shared = None if block.shared_expert is None else _mlp_kernels(block.shared_expert, dtype)
+    if any(e is None for e in experts) or (block.shared_expert is not None and shared is None):
+        return None
+    return _Moe(block, block.gate.weight, experts, block.top_k, block.normalize, block.float32_weights,  # type: ignore[arg-type]
+                shared, None if block.shared_expert_gate is None else block.shared_expert_gate.weight, act_mul)
 
 
 # each decoder layer type's norms: (input, attention output, pre-MLP, MLP output); None: the layer has none there
@@ -323,6 +447,16 @@ _NORMS: dict[type, tuple[str | None, ...]] = {
                         "post_feedforward_layernorm"),
 }
 _ACTIVATIONS: dict[type, int] = {MLP: SILU, GemmaMLP: GELU_TANH}
+
+
+def _record_loads(loads: ExpertLoads, layers: list[_Layer], counts: torch.Tensor) -> None:
+    """What SparseMoeBlock records of a step, from the C++ loop's counts [layers, max experts]: each MoE layer's
+    rows per expert, and one call of every expert that had rows (the grouped dispatch)."""
+    for i, layer in enumerate(layers):
+        if layer.moe is not None:
+            rows = counts[i, :len(layer.moe.experts)].tolist()
+            loads.counts.append((layer.moe.block.layer_idx, rows))
+            loads.calls.append([int(n > 0) for n in rows])
 
 
 def _module_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: AttentionMetadata,

@@ -25,6 +25,9 @@ Each step then runs what this table says (the first row that matches it):
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
 
+A mixture-of-experts model's steps follow the same rows: its routed layers run in both plan loops (router, top-k,
+each chosen expert's kernels once over its rows, as model/moe.py's moe_forward); compiled refuses it at build.
+
 So a batch-1 int4 decode step under the default (auto, kernels built) is DecodePlan.run_cpp: one decode_layers
 call whose linears are each QuantLinear's kernel descriptor (ops/layers.py: kind QUANT_TILED on AVX-512 builds,
 else QUANT; QUANT_Q8_TILED / QUANT_Q8 with int8 activations, as quant_activations "auto" gives 4-bit layers).

@@ -21,6 +21,11 @@ tokens in one `index_add_`:
     ids [T, k] -> flat [T*k] -> argsort (stable) -> | rows of expert 0 | rows of expert 1 | ... | expert E-1 |
                                                        one expert call per non-empty run; an empty one costs nothing
 
+That sequence (`moe_forward`) is the oracle of the decode fast path too: the decode plan's Python loop calls it with
+each expert's kernel descriptors in place of the modules, and its C++ layer loop (steps of up to 8 rows) runs the
+same ATen ops (router linear, softmax, topk, index_select, index_add_) around the same expert kernels, so all three
+paths give the same numbers (engine/decode_plan.py).
+
 The experts are ordinary `MLP` modules of model/llama.py (gate_proj / up_proj / down_proj, fused into gate_up_proj
 at load like any MLP), so every runtime linear (FastLinear, QuantLinear, SparseLinear) and every tool that walks
 linears (quantization, pruning by magnitude) sees them with no special case. The router and the shared-expert gate
@@ -129,20 +134,33 @@ class SparseMoeBlock(nn.Module):
         self.loads: ExpertLoads | None = None  # set while record_expert_loads is active (benchmarks)
 
     def forward(self, x: Tensor) -> Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] x 2
-        if not self.float32_weights:
-            weights = weights.to(x.dtype)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
-        experts: Sequence[Callable[[Tensor], Tensor]] = self.experts
-        if self.loads is not None:  # benchmarks: the routing, and each expert's calls counted as they happen
-            self.loads.counts.append((self.layer_idx, counts))
-            calls = [0] * self.num_experts
-            self.loads.calls.append(calls)
-            experts = [_counted(e, calls, j) for j, e in enumerate(self.experts)]
-        out = grouped_experts(x, weights, ids, experts, counts)  # [T, H]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return moe_forward(x, self.gate, self.top_k, self.normalize, self.float32_weights, self.experts,
+                           self.shared_expert, self.shared_expert_gate, self.loads, self.layer_idx)
+
+
+def moe_forward(x: Tensor, router: Callable[[Tensor], Tensor], top_k: int, normalize: bool, float32_weights: bool,
+                experts: Sequence[Callable[[Tensor], Tensor]], shared_expert: Callable[[Tensor], Tensor] | None = None,
+                shared_gate: Callable[[Tensor], Tensor] | None = None, loads: ExpertLoads | None = None,
+                layer_idx: int = 0) -> Tensor:
+    """A MoE block's output for x [T, H] (the module docstring's sum): the one sequence of ops that the module path
+    (SparseMoeBlock) and the decode plan's Python loop (engine/decode_plan.py, with each expert's kernel
+    descriptors) both run; the C++ layer loop (ops/csrc/decode_layers.cpp moe_block) runs the same ATen ops in
+    the same order, so the three give the same numbers. `router` / `shared_gate`: x -> [T, E] / [T, 1] logits;
+    `loads`: record the routing (record_expert_loads)."""
+    weights, ids = route(router(x), top_k, normalize)  # [T, k] x 2
+    if not float32_weights:
+        weights = weights.to(x.dtype)
+    counts = torch.bincount(ids.reshape(-1), minlength=len(experts)).tolist()
+    if loads is not None:  # benchmarks: the routing, and each expert's calls counted as they happen
+        loads.counts.append((layer_idx, counts))
+        calls = [0] * len(experts)
+        loads.calls.append(calls)
+        experts = [_counted(e, calls, j) for j, e in enumerate(experts)]
+    out = grouped_experts(x, weights, ids, experts, counts)  # [T, H]
+    if shared_expert is not None:
+        assert shared_gate is not None, "a shared expert comes with its gate"
+        out = out + torch.sigmoid(shared_gate(x)) * shared_expert(x)  # [T, 1] * [T, H]
+    return out
 
 
 def _counted(expert: Callable[[Tensor], Tensor], calls: list[int], j: int) -> Callable[[Tensor], Tensor]:

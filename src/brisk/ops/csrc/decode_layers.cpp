@@ -8,14 +8,25 @@
 // speculative verification or short prefill chunks (query_start given); larger ones stay in Python, whose linears
 // switch to GEMMs.
 //
-// Per layer the Python side gives 6 + 4 * 6 optional tensors and 4 * 3 + 3 ints. The tensors: six norm slots,
+// Per layer the Python side gives the tensors, the ints of each linear and the layer's own ints; a
+// mixture-of-experts layer (model/moe.py) has, in place of the dense MLP's two linears, the router, the shared
+// expert's gate and the E + S experts' two linears each (S = 1 with a shared expert):
+//
+//   tensors  | norms (6) | qkv (6) | o (6) | gate_up (6) | down (6) |                                   dense MLP
+//            | norms (6) | qkv (6) | o (6) | router shared_gate | E+S x [gate_up (6) down (6)] |          MoE
+//   ints     | qkv (3) | o (3) | gate_up (3) | down (3) |  or  | qkv (3) | o (3) | E+S x [gate_up (3) down (3)] |
+//   layer    | window rope activation | 0 0 0 0 0 |  or  | window rope activation | E top_k normalize f32 S |
+//
+// so the layers' offsets into the tensors and ints are computed once, in DecodeWeights' constructor. The six norm
+// slots:
 //   0  the input norm (its residual add fused in)
 //   1  the norm before the MLP (residual add fused in): llama's post-attention norm, gemma3's pre-feed-forward one
 //   2, 3  the per-head q and k norm weights, or none (qwen3, gemma3)
 //   4  a norm of the attention output before its residual add, or none (gemma3's post-attention norm)
 //   5  a norm of the MLP output, or none (gemma3's post-feed-forward norm)
-// (each the weight that multiplies the normalized rows: gemma3's 1 + w), then for each of the fused qkv, o, fused
-// gate/up and down projections six slots; the ints, 3 per linear (kind, bits, group size):
+// (each the weight that multiplies the normalized rows: gemma3's 1 + w); router [E, hidden] and shared_gate
+// [1, hidden] (or none) are float weights of the model dtype; each linear has six slots and three ints (kind, bits,
+// group size):
 //   kind 0, float weight:               [weight, bias, -, -, -, -]                          -> linear_small_m
 //   kind 1, 8/4-bit, int8 activations:  [data, scales, zeros (- if symmetric), bias, -, -]  -> quant_linear_q8
 //   kind 2, packed codes, float act.:   [data, scales, zeros, codebook, bias, -]            -> quant_linear_small
@@ -25,14 +36,25 @@
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
 //   kind 7, W8A8 (SmoothQuant):         [data, w_scale, shift_terms, input_scale, bias, -]  -> w8a8_linear
 //   kind 9, table codes (SqueezeLLM):   [codes, lut, row_ptr, cols, values, bias]           -> lut_linear
-// and 3 per layer (layer_spec):
+// The layer's 8 ints (layer_spec):
 //   window      the layer's own attention window (0: full; gemma3's local and global layers), or -1: the step's
 //   rope        which of the stacked cos / sin tables [2, T, d/2] the layer rotates with (gemma3: 0 global, 1
 //               local), or -1: cos / sin are the one [T, d/2] table
-//   activation  0: silu_mul (SwiGLU), 1: gelu_tanh_mul (GeGLU, gemma3)
+//   activation  0: silu_mul (SwiGLU), 1: gelu_tanh_mul (GeGLU, gemma3); a MoE layer's experts use it too
+//   E           the number of routed experts, 0: a dense MLP (the four after it then 0 too)
+//   top_k       the experts each row picks
+//   normalize   1: the top-k weights renormalized to sum 1 (mixtral; qwen where norm_topk_prob)
+//   f32         1: the weighted sum in float32 (mixtral), 0: the weights cast to the model dtype first (qwen)
+//   S           1: a shared expert (qwen2_moe), gated by sigmoid(shared_gate x)
 // and 2 floats per layer, its RMSNorm eps (every norm of the layer) and its attention scale. All of it is given
 // once, in a DecodeWeights object that every step then passes as one argument: converting the ~800-entry list and
 // ~360 ints at each call cost ~45 us a step (1.3% of an int4 step).
+//
+// A MoE layer's block (moe_block below) is model/moe.py moe_forward op for op: the router linear, softmax in float32,
+// topk, the renormalization, the picks ordered by expert (a stable counting sort of at most 8 x top_k ids: the
+// stable argsort's order), index_select of rows and weights, each expert with rows once on them through its
+// small-row kernels, the weighted rows index_add_-ed back in that order; then the shared expert's sigmoid-gated
+// output added. Same ATen ops, same expert kernels, same order of summation: the module path's numbers.
 //
 // LoRA (brisk/lora/layers.py): DecodeWeights.set_lora gives each projection its adapters' stacked buffers,
 // A [slots, R, K] and B^T [slots, R, N] (float32, the LoRALinear's own storage, so adapters loaded later are
@@ -42,6 +64,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -56,9 +84,8 @@ namespace {
 using OptT = std::optional<at::Tensor>;
 constexpr int64_t kSlots = 6;                  // tensor slots per linear
 constexpr int64_t kNorms = 6;                  // input / pre-MLP norms, q / k head norms, attention / MLP output norms
-constexpr int64_t kPerLayer = kNorms + 4 * kSlots;  // tensors per layer
 constexpr int64_t kInts = 3;                   // ints per linear
-constexpr int64_t kLayerInts = 3;              // window, RoPE table, activation
+constexpr int64_t kLayerInts = 8;              // window, RoPE table, activation; E, top_k, normalize, f32, S
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> handle(const char* name) {
@@ -303,41 +330,131 @@ void apply_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
     TORCH_CHECK(false, "decode_layers: LoRA on ", y.scalar_type(), " activations");
 }
 
+// One layer's ints (layer_spec, the header's table) and its offsets into the tensors and the linears' ints.
+struct LayerSpec {
+  int64_t window = -1, rope = -1, act = 0;  // -1: the step's window, the one RoPE table; act 0 silu, 1 gelu_tanh
+  int64_t num_experts = 0, top_k = 0;       // num_experts 0: a dense MLP
+  bool normalize = false, float32_weights = false, shared = false;
+  int64_t param_start = 0, spec_start = 0;  // the layer's first tensor slot, its first linear int
+};
+
+// [T, 2I] -> [T, I]: the layer's activation of gate times up
+at::Tensor act_mul(const Ops& o, const at::Tensor& gate_up, int64_t act) {
+  return act == 0 ? o.silu_mul.call(gate_up) : o.gelu_tanh_mul.call(gate_up);
+}
+
+// A (fused) MLP's down(act_mul(gate_up(x))): its two linears at params[p...], spec[s...].
+at::Tensor mlp(const Ops& o, const at::Tensor& x, const Params& params, int64_t p, at::IntArrayRef spec, int64_t s,
+               int64_t act) {
+  return linear(o, act_mul(o, linear(o, x, params, p, spec, s), act), params, p + kSlots, spec, s + kInts);
+}
+
+// x [T, hidden] -> a routed expert block's output [T, hidden] (model/moe.py moe_forward, op for op); p / s: the
+// layer's router slot / its first expert's ints. counts: null, or [E] filled with each expert's rows this step
+// (record_expert_loads).
+at::Tensor moe_block(const Ops& o, const at::Tensor& x, const Params& params, int64_t p, at::IntArrayRef spec,
+                     int64_t s, const LayerSpec& m, int64_t* counts) {
+  const int64_t t = x.size(0), k = m.top_k, e_count = m.num_experts;
+  const at::Tensor& router = get(params, p);  // [E, hidden]
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == e_count && router.size(1) == x.size(1),
+              "decode_layers: the router must be [", e_count, ", ", x.size(1), "], got ", router.sizes());
+  // route: softmax over all experts in float32, the k largest, renormalized (model/moe.py route)
+  at::Tensor probs = at::softmax(at::linear(x, router), -1, at::kFloat);  // [T, E]
+  auto [weights, ids] = at::topk(probs, k, -1);                                   // [T, k] x 2
+  if (m.normalize) weights = weights.div(weights.sum(at::IntArrayRef{-1}, true));
+  if (!m.float32_weights) weights = weights.to(x.scalar_type());
+  // the picks grouped by expert, tokens ascending within each (= argsort(ids.flatten(), stable=True))
+  at::Tensor flat = ids.reshape({-1}).contiguous();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  std::vector<int64_t> rows_of(e_count, 0);
+  for (int64_t j = 0; j < t * k; ++j) ++rows_of[id[j]];
+  std::vector<int64_t> start(e_count + 1, 0);
+  for (int64_t e = 0; e < e_count; ++e) start[e + 1] = start[e] + rows_of[e];
+  at::Tensor order = at::empty({t * k}, flat.options()), rows = at::empty({t * k}, flat.options());
+  int64_t* po = order.data_ptr<int64_t>();
+  int64_t* pr = rows.data_ptr<int64_t>();
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t j = 0; j < t * k; ++j) {
+    const int64_t at_ = fill[id[j]]++;
+    po[at_] = j;      // the pick
+    pr[at_] = j / k;  // its token
+  }
+  if (counts != nullptr) std::copy(rows_of.begin(), rows_of.end(), counts);
+  at::Tensor xs = x.index_select(0, rows);                                    // [T*k, hidden] in expert order
+  at::Tensor ws = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T*k, 1]
+  at::Tensor ys = at::empty_like(xs);                                         // [T*k, hidden]
+  const int64_t first = p + 2;  // the first expert's gate_up slots (after the router and the shared gate)
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t n = rows_of[e];
+    if (n == 0) continue;  // an expert with no rows is not read
+    at::Tensor y = mlp(o, xs.narrow(0, start[e], n), params, first + 2 * e * kSlots, spec, s + 2 * e * kInts, m.act);
+    ys.narrow(0, start[e], n).copy_(y.mul(ws.narrow(0, start[e], n)).to(x.scalar_type()));
+  }
+  at::Tensor out = at::zeros_like(x).index_add_(0, rows, ys);  // [T, hidden]: each token's k rows, expert order
+  if (m.shared) {
+    at::Tensor shared = mlp(o, x, params, first + 2 * e_count * kSlots, spec, s + 2 * e_count * kInts, m.act);
+    out = out.add(at::sigmoid(at::linear(x, get(params, p + 1))).mul(shared));  // [T, 1] * [T, hidden]
+  }
+  return out;
+}
+
 }  // namespace
 
 // The plan's weights as decode_layers reads them, built once per plan (torch.classes.brisk.DecodeWeights).
 struct DecodeWeights : torch::CustomClassHolder {
   Params params;
   std::vector<int64_t> spec;
-  std::vector<int64_t> layer_spec;  // per layer: window, RoPE table, activation (the header comment)
+  std::vector<LayerSpec> layers;  // per layer: its ints (layer_spec, the header's table) and offsets
   std::vector<double> eps;
   std::vector<double> scales;  // per layer: the attention scale
   at::Tensor final_norm;  // the model's norm after the last layer
   double final_eps;
+  int64_t max_experts = 0;       // the most experts of a layer (0: no MoE layer)
   std::vector<at::Tensor> lora;  // per layer, per projection (qkv, o, gate_up, down): A, B; empty without LoRA
+  OptT expert_counts;  // [layers, max_experts] int64: each step's rows per expert, while loads are recorded
 
-  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<int64_t> ls, std::vector<double> e,
+  DecodeWeights(c10::List<OptT> p, std::vector<int64_t> s, std::vector<int64_t> layer_spec, std::vector<double> e,
                 std::vector<double> sc, at::Tensor fn, double fe)
-      : params(p.begin(), p.end()), spec(std::move(s)), layer_spec(std::move(ls)), eps(std::move(e)),
-        scales(std::move(sc)), final_norm(std::move(fn)), final_eps(fe) {
+      : params(p.begin(), p.end()), spec(std::move(s)), eps(std::move(e)), scales(std::move(sc)),
+        final_norm(std::move(fn)), final_eps(fe) {
     const int64_t num_layers = static_cast<int64_t>(eps.size());
-    TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer &&
-                    static_cast<int64_t>(spec.size()) == num_layers * 4 * kInts &&
-                    static_cast<int64_t>(layer_spec.size()) == num_layers * kLayerInts &&
+    TORCH_CHECK(static_cast<int64_t>(layer_spec.size()) == num_layers * kLayerInts &&
                     static_cast<int64_t>(scales.size()) == num_layers,
-                "decode_layers: ", num_layers, " layers need ", num_layers * kPerLayer, " parameter slots, ",
-                num_layers * 4 * kInts, " linear ints, ", num_layers * kLayerInts, " layer ints and ", num_layers,
-                " scales; got ", params.size(), ", ", spec.size(), ", ", layer_spec.size(), " and ", scales.size());
-    for (int64_t i = 0; i < num_layers; ++i)
-      TORCH_CHECK(layer_spec[i * kLayerInts + 1] >= -1 && layer_spec[i * kLayerInts + 1] <= 1 &&
-                      (layer_spec[i * kLayerInts + 2] == 0 || layer_spec[i * kLayerInts + 2] == 1),
-                  "decode_layers: layer ", i, ": RoPE table must be -1, 0 or 1 and activation 0 or 1");
+                "decode_layers: ", num_layers, " layers need ", num_layers * kLayerInts, " layer ints and ",
+                num_layers, " scales; got ", layer_spec.size(), " and ", scales.size());
+    int64_t num_params = 0, num_ints = 0;
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const int64_t* li = layer_spec.data() + i * kLayerInts;
+      LayerSpec l{li[0], li[1], li[2], li[3], li[4], li[5] != 0, li[6] != 0, li[7] != 0, num_params, num_ints};
+      TORCH_CHECK(l.rope >= -1 && l.rope <= 1 && (l.act == 0 || l.act == 1), "decode_layers: layer ", i,
+                  ": RoPE table must be -1, 0 or 1 and activation 0 or 1");
+      TORCH_CHECK(l.num_experts == 0 ? l.top_k == 0 && !l.shared : l.top_k >= 1 && l.top_k <= l.num_experts,
+                  "decode_layers: layer ", i, ": top_k ", l.top_k, " of ", l.num_experts, " experts");
+      // | norms | qkv | o | (router, shared gate: MoE) | dense: gate_up, down; MoE: E + S x (gate_up, down) |
+      const int64_t mlp_linears = l.num_experts == 0 ? 2 : 2 * (l.num_experts + l.shared);
+      num_params += kNorms + 2 * kSlots + (l.num_experts == 0 ? 0 : 2) + mlp_linears * kSlots;
+      num_ints += (2 + mlp_linears) * kInts;
+      max_experts = std::max(max_experts, l.num_experts);
+      layers.push_back(l);
+    }
+    TORCH_CHECK(static_cast<int64_t>(params.size()) == num_params && static_cast<int64_t>(spec.size()) == num_ints,
+                "decode_layers: ", num_layers, " layers need ", num_params, " parameter slots and ", num_ints,
+                " linear ints; got ", params.size(), " and ", spec.size());
   }
 
   void set_lora(std::vector<at::Tensor> buffers) {
     TORCH_CHECK(buffers.empty() || buffers.size() == eps.size() * 8, "decode_layers: LoRA needs A and B for each "
                 "of the 4 projections of ", eps.size(), " layers; got ", buffers.size(), " tensors");
+    TORCH_CHECK(buffers.empty() || max_experts == 0, "decode_layers: LoRA adapters on a mixture-of-experts model");
     lora = std::move(buffers);
+  }
+
+  // counts [layers, max_experts] int64, filled at each step with each MoE layer's rows per expert; None: stop
+  void set_expert_counts(OptT counts) {
+    TORCH_CHECK(!counts.has_value() || (counts->scalar_type() == at::kLong && counts->is_contiguous() &&
+                                        counts->numel() == static_cast<int64_t>(eps.size()) * max_experts),
+                "decode_layers: expert counts must be int64 [", eps.size(), ", ", max_experts, "]");
+    expert_counts = std::move(counts);
   }
 };
 
@@ -376,15 +493,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
   at::Tensor cur = x;
+  int64_t* counts = weights->expert_counts.has_value() ? weights->expert_counts->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; i < num_layers; ++i) {
-    const int64_t p = i * kPerLayer, s = i * 4 * kInts;
+    const LayerSpec& layer = weights->layers[i];
+    const int64_t p = layer.param_start, s = layer.spec_start;
     const at::Tensor& kv = kv_caches[i * per_layer];
-    const int64_t* layer = weights->layer_spec.data() + i * kLayerInts;  // window, RoPE table, activation
-    const int64_t layer_window = layer[0] < 0 ? window : layer[0];
-    TORCH_CHECK(layer[1] < 0 || (cos.dim() == 3 && sin.dim() == 3), "decode_layers: layer ", i,
+    const int64_t layer_window = layer.window < 0 ? window : layer.window;
+    TORCH_CHECK(layer.rope < 0 || (cos.dim() == 3 && sin.dim() == 3), "decode_layers: layer ", i,
                 " picks a RoPE table: cos and sin must be [2, T, d/2]");
-    const at::Tensor c = layer[1] < 0 ? cos : cos.select(0, layer[1]);  // [T, d/2]
-    const at::Tensor sn = layer[1] < 0 ? sin : sin.select(0, layer[1]);
+    const at::Tensor c = layer.rope < 0 ? cos : cos.select(0, layer.rope);  // [T, d/2]
+    const at::Tensor sn = layer.rope < 0 ? sin : sin.select(0, layer.rope);
     const double scale = weights->scales[i];
     at::Tensor hid = i == 0 ? o.rms_norm.call(cur, get(params, p), eps[i])
                             : o.add_rms_norm.call(cur, residual, get(params, p), eps[i]);
@@ -424,11 +542,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
     apply_lora(proj, attn, lora, 4 * i + 1, lora_rows);
     if (params[p + 4].has_value()) proj = o.rms_norm.call(proj, *params[p + 4], eps[i]);  // gemma3's sandwich
     hid = o.add_rms_norm.call(proj, residual, get(params, p + 1), eps[i]);
-    at::Tensor gate_up = linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts);
-    apply_lora(gate_up, hid, lora, 4 * i + 2, lora_rows);
-    at::Tensor act = layer[2] == 0 ? o.silu_mul.call(gate_up) : o.gelu_tanh_mul.call(gate_up);  // [T, I]
-    cur = linear(o, act, params, p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
-    apply_lora(cur, act, lora, 4 * i + 3, lora_rows);
+    if (layer.num_experts > 0) {  // routed experts (model/moe.py): router, top-k, each chosen expert on its rows
+      cur = moe_block(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts, layer,
+                      counts == nullptr ? nullptr : counts + i * weights->max_experts);
+    } else {
+      at::Tensor gate_up = linear(o, hid, params, p + kNorms + 2 * kSlots, spec, s + 2 * kInts);  // [T, 2I]
+      apply_lora(gate_up, hid, lora, 4 * i + 2, lora_rows);
+      at::Tensor act = act_mul(o, gate_up, layer.act);  // [T, I]
+      cur = linear(o, act, params, p + kNorms + 3 * kSlots, spec, s + 3 * kInts);
+      apply_lora(cur, act, lora, 4 * i + 3, lora_rows);
+    }
     if (params[p + 5].has_value()) cur = o.rms_norm.call(cur, *params[p + 5], eps[i]);
   }
   return {o.add_rms_norm.call(cur, residual, weights->final_norm, weights->final_eps), residual};
@@ -438,7 +561,8 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.class_<DecodeWeights>("DecodeWeights")
       .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>,
                        std::vector<double>, at::Tensor, double>())
-      .def("set_lora", &DecodeWeights::set_lora);
+      .def("set_lora", &DecodeWeights::set_lora)
+      .def("set_expert_counts", &DecodeWeights::set_expert_counts);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, int window, "
         "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None, "
