@@ -18,10 +18,11 @@ calls per layer and nothing else:
 
 What differs between the architectures' layers is data in each layer's description (_Layer): the optional norms
 (qwen3's and gemma3's q/k head norms, gemma3's sandwich norms around attention and MLP, each weight the multiplier
-RMSNorm.scale_weight gives: gemma3's 1 + w), the activation, the attention scale, and gemma3's per-layer window
+RMSNorm.scale_weight gives: gemma3's 1 + w), the activation, the attention scale, gemma3's per-layer window
 (local layers; 0 on global ones) and RoPE table (the prologue stacks gemma3's global and local tables as [2, T,
-d/2]). gemma3's bfloat16 norms multiply by the float32 1 + w and round once, which the norm kernels do for a float32
-weight on bfloat16 rows (ops.fused round_once), in the module path as here.
+d/2]), and the MLP: a dense one's two linears or routed experts (_Moe, below). gemma3's bfloat16 norms multiply
+by the float32 1 + w and round once, which the norm kernels do for a float32 weight on bfloat16 rows (ops.fused
+round_once), in the module path as here.
 
 For steps of up to 8 rows (CPP_MAX_ROWS) the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a
 step, the same kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step
