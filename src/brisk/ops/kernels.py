@@ -44,14 +44,15 @@ import torch
 from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, has_amx_int8, running_tier
 
 __all__ = ["KernelSettings", "settings", "configure", "override", "disabled", "get_ops", "get_op", "kernel_isa",
-           "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources", "amx_in_use"]
+           "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources", "amx_in_use",
+           "amx_min_rows"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.RLock()  # build_all holds it, and get_ops around its call (one build per process)
-_state: dict[str, Any] = {"tried": False, "ops": None, "amx": False}
+_state: dict[str, Any] = {"tried": False, "ops": None, "amx": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +101,18 @@ def _apply_amx() -> None:
     """Tell the loaded W8A8 GEMM whether to use AMX: settings.amx, the CPU's flags, then the kernel's own request
     for the tile state (once per process)."""
     op = getattr(_state["ops"], "w8a8_amx", None) if _state["ops"] is not None else None
-    _state["amx"] = bool(op(settings.amx and has_amx_int8(cpu_flags()))) if op is not None else False
+    _state["amx"] = int(op(settings.amx and has_amx_int8(cpu_flags()))) if op is not None else 0
+
+
+def amx_min_rows() -> int:
+    """The row count from which the W8A8 GEMM runs on AMX-INT8 tiles (prefill, batches), 0 when AMX is not in use
+    (the CPU lacks it, the kernels are not loaded or are disabled, settings.amx is off)."""
+    return int(_state["amx"]) if settings.enabled else 0
 
 
 def amx_in_use() -> bool:
-    """True when the W8A8 GEMM runs on AMX-INT8 tiles for its larger row counts (prefill, large batches)."""
-    return bool(_state["amx"]) and settings.enabled
+    """True when the W8A8 GEMM runs on AMX-INT8 tiles for its larger row counts."""
+    return amx_min_rows() > 0
 
 
 @contextlib.contextmanager
