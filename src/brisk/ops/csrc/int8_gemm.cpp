@@ -10,8 +10,12 @@
 // AVX2 build (no VNNI): VPMADDUBSW on |xq| and sign(xq) * wq (VPSIGNB), then VPMADDWD by ones. With |xq|, |wq| <=
 // 127 a pair of products is at most 2 * 127 * 127 = 32258 < 2^15, so the saturating int16 step never saturates
 // and the result is exact as well. Both builds give the same int32 sums, bit for bit `torch` int32 matmul.
-// (AMX-INT8 tiles would take the same layout in 16x64 blocks; this build has none: no CPU here reports amx_int8,
-// and nothing is shipped that could not be run.)
+// AMX-INT8 (Intel Sapphire Rapids and later; in the AVX-512 builds, chosen at run time): TDPBUSD on the same
+// shifted activations, the weights' B tiles read in place from the layout below (16 of its 64-byte lines are one
+// 16 x 64-byte tile), the same int32 sums into the same epilogue; for 4 rows and more (prefill, batches), where it
+// runs 2-7x the VNNI path. Its code is one function compiled for AMX (amx_items, below), called only when
+// w8a8_amx() switched it on: /proc/cpuinfo reports amx_tile and amx_int8 (ops/kernels.py asks), Linux granted the
+// process the tile state (arch_prctl), and the setting allows it (BRISK_DISABLE_AMX, kernels.configure(amx=...)).
 //
 // Weight layout (ops/w8a8.py pack_weight; N a multiple of 16, K of 4), as quant_q8t.cpp's 8-bit tiles:
 //   w [N / 16][K / 4][16][4] int8: per 4 input columns a tile of 16 rows stores one 64-byte line, lane r (dword r)
@@ -20,7 +24,7 @@
 // one broadcast: 29 of the 32 zmm registers, 24 VPDPBUSD per 4 weight loads and 6 broadcasts.
 // AVX2: 4 rows x 1 tile (two ymm halves) = 8 accumulators.
 // Work items are (weight panel, chunk of 48 rows), panel-major, so a thread keeps one panel of weights in L1/L2
-// while it walks the rows.
+// while it walks the rows. AMX: 32 rows x 2 tiles per block, row-block-major (see the AMX section).
 //
 // Activation rounding (bit for bit ops/w8a8.py quantize_rows): dynamic per token, amax = max_k |x[m, k]|,
 // xs = amax / 127, xq = round_half_even(x * (127 / amax)) (0 where amax = 0); static per tensor (a calibrated
