@@ -4,13 +4,17 @@ Two checks per tier (this CPU's, and avx2, the tier of AVX2-only machines):
 - the compiler: every macro its flags define (what a flag implies included: -mavx2 brings __POPCNT__, __XSAVE__)
   names an extension the tier requires the CPU to report;
 - the libraries: the executable sections of every built .so, decoded with iced-x86, name no CPUID feature outside
-  the tier's required flags and the x86-64 baseline. AMX, VP2INTERSECT or an extension a flag implies silently would
+  the tier's required flags and the x86-64 baseline. VP2INTERSECT or an extension a flag implies silently would
   show up here as a feature no CPU check covers.
+- AMX: no tier requires it. Its instructions may appear in one function only, int8_gemm.cpp's `amx_items` (compiled
+  with target("amx-tile,amx-int8") and called only after the run-time check: /proc/cpuinfo's amx_tile and amx_int8,
+  the kernel's arch_prctl grant of the tile state, settings.amx); an AMX instruction in any other function fails.
 Builds are the cached ones (each source built at most once per tier, shared with the rest of the suite).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import platform
 import re
@@ -50,6 +54,8 @@ MACRO_TO_CPUINFO = {"__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4
                     "__AVX512CD__": "avx512cd", "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16",
                     "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2"}
 _AVX2 = next(t for t in isa.TIERS if t.name == "avx2")
+AMX_FEATURES = {"AMX_TILE", "AMX_INT8"}
+AMX_LIBRARY, AMX_FUNCTION = "int8_gemm", "amx_items"  # where AMX may be: the function behind the run-time check
 
 
 def tiers_to_check() -> list[isa.Tier]:
@@ -93,13 +99,24 @@ def built_libraries(tier: isa.Tier) -> list[Path]:
     return paths
 
 
-def cpuid_features(library: Path) -> dict[str, str]:
-    """{iced CPUID feature name: one instruction using it} over the library's executable sections."""
+def _functions(elf) -> tuple[list[int], list[tuple[int, str]]]:  # noqa: ANN001 - an ELFFile
+    """The function symbols of the library, sorted: (start addresses, [(end, name)])."""
+    table = elf.get_section_by_name(".symtab") or elf.get_section_by_name(".dynsym")
+    funcs = sorted((sym["st_value"], sym["st_value"] + sym["st_size"], sym.name) for sym in table.iter_symbols()
+                   if sym["st_info"]["type"] == "STT_FUNC" and sym["st_size"] > 0)
+    return [f[0] for f in funcs], [(f[1], f[2]) for f in funcs]
+
+
+def cpuid_features(library: Path) -> dict[str, dict[str, str]]:
+    """{iced CPUID feature name: {function symbol: one instruction of it using the feature}} over the library's
+    executable sections (the symbol "?" where an instruction lies in no function symbol; only AMX instructions
+    are looked up, other features name their first function)."""
     names = {v: k for k, v in vars(iced_x86.CpuidFeature).items() if isinstance(v, int) and not k.startswith("_")}
     formatter = iced_x86.Formatter(iced_x86.FormatterSyntax.INTEL)
-    seen: dict[str, str] = {}
+    seen: dict[str, dict[str, str]] = {}
     with open(library, "rb") as f:
         elf = elffile.ELFFile(f)
+        starts, ends = _functions(elf)
         for section in elf.iter_sections():
             if not section["sh_flags"] & 0x4 or section["sh_type"] != "SHT_PROGBITS":  # SHF_EXECINSTR
                 continue
@@ -107,19 +124,30 @@ def cpuid_features(library: Path) -> dict[str, str]:
                 if ins.is_invalid:
                     continue
                 for feature in ins.cpuid_features():
-                    seen.setdefault(names[feature], formatter.format(ins))
+                    by_function = seen.setdefault(names[feature], {})
+                    if names[feature] in AMX_FEATURES or not by_function:
+                        i = bisect.bisect_right(starts, ins.ip) - 1
+                        function = ends[i][1] if i >= 0 and ins.ip < ends[i][0] else "?"
+                        by_function.setdefault(function, formatter.format(ins))
     return seen
 
 
 @pytest.mark.parametrize("tier", tiers_to_check(), ids=lambda t: t.name)
 def test_built_libraries_use_only_checked_instructions(tier):
-    allowed, seen = tier.requires, set()
+    allowed, seen, amx_seen = tier.requires, set(), set()
     for library in built_libraries(tier):
         features = cpuid_features(library)
         assert "X64" in features, f"{library.name}: decoded no code"
         seen |= set(features)
-        outside = {name: example for name, example in features.items() if name not in BASELINE
-                   and ICED_TO_CPUINFO.get(name, name.lower()) not in allowed}
+        outside = {name: next(iter(example.values())) for name, example in features.items() if name not in BASELINE
+                   and name not in AMX_FEATURES and ICED_TO_CPUINFO.get(name, name.lower()) not in allowed}
         assert not outside, f"{library.name} ({tier.name}) uses instructions no CPUID check covers: {outside}"
+        for name in AMX_FEATURES & set(features):
+            stray = {fn: ex for fn, ex in features[name].items() if AMX_LIBRARY not in library.name
+                     or AMX_FUNCTION not in fn}
+            assert not stray, f"{library.name} ({tier.name}): {name} outside {AMX_FUNCTION}: {stray}"
+            amx_seen.add(name)
     # the decode did see the tier's vector code (quant_q8t alone has none outside the AVX-512 tiers)
     assert {"AVX2", "FMA", "F16C"} <= seen and (tier.name == "avx2") != ("AVX512F" in seen)
+    # and the AMX path where it is built (the AVX-512 tiers): the check above did look at its instructions
+    assert amx_seen == (set() if tier.name == "avx2" else AMX_FEATURES), amx_seen

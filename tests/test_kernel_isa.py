@@ -53,6 +53,14 @@ def test_tier_follows_the_flags_the_cpu_reports(cpu):
                                                                           "avx512vbmi", "sse4a")}
 
 
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_amx_path_needs_both_amx_flags(cpu):
+    # the W8A8 GEMM's AMX path is no tier: the CPU's amx_tile and amx_int8 (then the kernel's tile-state request)
+    flags = set(CPUS[cpu].split())
+    assert isa.has_amx_int8(flags) == (cpu == "Intel Sapphire Rapids")
+    assert not isa.has_amx_int8(flags - {"amx_int8"}) and not isa.has_amx_int8(flags - {"amx_tile"})
+
+
 def test_tiers_are_nested_and_every_cflag_is_checked():
     # each tier's compiler flags name an extension its requires covers (-mavx512vbmi2 -> avx512_vbmi2, not the
     # different CPUID bit avx512vbmi); what a flag implies is checked by test_kernel_instructions.py, against the
@@ -81,6 +89,9 @@ def test_this_process_follows_this_cpu_and_the_settings():
                                             "TORCH_EXTENSIONS_DIR": "/cache/ext"})
     assert (read.isa, read.enabled, str(read.cache_dir)) == ("avx2", False, "/cache/ext")
     assert kernels.KernelSettings.from_env({"BRISK_DISABLE_KERNELS": "0"}).enabled
+    # the AMX switch: on unless BRISK_DISABLE_AMX says otherwise
+    assert kernels.KernelSettings.from_env({}).amx and kernels.KernelSettings.from_env({"BRISK_DISABLE_AMX": "0"}).amx
+    assert not kernels.KernelSettings.from_env({"BRISK_DISABLE_AMX": "1"}).amx
 
 
 def test_build_folder_is_keyed_by_the_exact_flags(tmp_path):

@@ -1,6 +1,7 @@
 """The W8A8 integer GEMM (ops/csrc/int8_gemm.cpp, ops/w8a8.py) against plain PyTorch: the activation rounding and
 the int32 sums bit for bit, the float result against the reference's float scaling. Runs on the AVX-512 VNNI build
-and, from tests/test_kernel_isa.py, on the AVX2 build."""
+and, from tests/test_kernel_isa.py, on the AVX2 build; on a CPU with AMX-INT8, the AMX path against the VNNI path
+(the same int32 sums and float outputs, bit for bit)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import pytest
 import torch
 from conftest import ops_with
 
-from brisk.ops import w8a8
+from brisk.ops import kernels, w8a8
 
 # (M, N, K): row tails of the 6-row (VNNI) and 4-row (AVX2) blocks, panels of 1-4 tiles, K not a multiple of 16
 SHAPES = [(1, 64, 64), (7, 48, 580), (13, 576, 576), (50, 960, 576), (3, 16, 4), (64, 32, 1536)]
+# the AMX path (from 4 rows): odd row counts in 16-row tiles and 32-row blocks, K tails of 1, 9 and 15 groups of 4
+# beside whole 64-column steps (and K = 4: the tail alone), panels of 1 and 2 tiles (N / 16 odd and even)
+AMX_SHAPES = [(4, 16, 64), (5, 48, 4), (17, 48, 580), (33, 576, 576), (50, 960, 100), (64, 32, 1536), (129, 80, 68),
+              (31, 16, 124)]
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +110,60 @@ def test_llm_int8_takes_outlier_columns_in_float(ops) -> None:  # noqa: ANN001
     plain = w8a8.w8a8_linear(x, packed)
     exact = x @ w_hat.t()
     assert (got - exact)[2].abs().max() < 0.2 * (plain - exact)[2].abs().max()
+
+
+@pytest.fixture(scope="module")
+def amx_rows(ops) -> int:  # noqa: ANN001
+    """The row count from which the GEMM takes AMX here (switched on for the module), or skip: no AMX-INT8."""
+    with kernels.override(amx=True):
+        rows = kernels.amx_min_rows()
+    if not rows:
+        pytest.skip("no AMX-INT8 here (the CPU, the build tier, or the kernel's tile-state request)")
+    return rows
+
+
+@pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES)
+def test_amx_int_mm_is_bit_exact(ops, amx_rows: int, m: int, n: int, k: int) -> None:  # noqa: ANN001
+    assert m >= amx_rows  # (each shape takes the AMX path)
+    q, _, packed = _weight(n, k, seed=m + k)
+    gen = torch.Generator().manual_seed(200 + m)
+    xq = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
+    xq[0] = 127  # whole rows of extremes: shifted 255 across every K step and the tail, and -127
+    xq[-1] = -127
+    ref = w8a8.int_mm_reference(xq, q)
+    with kernels.override(amx=True):
+        assert kernels.amx_in_use()
+        got_amx = ops.w8a8_int_mm(xq, packed.data, packed.col_sum)
+    with kernels.override(amx=False):
+        assert not kernels.amx_in_use()
+        got_vnni = ops.w8a8_int_mm(xq, packed.data, packed.col_sum)
+    assert torch.equal(got_amx, ref)
+    assert torch.equal(got_vnni, ref)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES)
+def test_amx_w8a8_linear_equals_the_vnni_path(ops, amx_rows: int, m: int, n: int, k: int) -> None:  # noqa: ANN001
+    _, _, packed = _weight(n, k, seed=11 + m)
+    gen = torch.Generator().manual_seed(m + 1)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[m // 2] = 0.0  # a zero row: scale 0
+    bias = torch.randn(n, generator=gen)
+    static = torch.tensor([0.02])  # static: values beyond 127 * 0.02 clamp
+    for b, s in ((None, None), (bias, None), (None, static), (bias, static)):
+        with kernels.override(amx=True):
+            got = w8a8.w8a8_linear(x, packed, b, s)
+        with kernels.override(amx=False):
+            vnni = w8a8.w8a8_linear(x, packed, b, s)
+        # the same int32 sums through the same epilogue: equal bit for bit, not just close
+        assert torch.equal(got, vnni)
+        torch.testing.assert_close(got, w8a8.w8a8_reference(x, packed, b, s), rtol=1e-6, atol=1e-5)
+
+
+def test_amx_switch(ops, amx_rows: int) -> None:  # noqa: ANN001
+    with kernels.override(amx=False):
+        assert kernels.amx_min_rows() == 0
+        with kernels.override(amx=True):
+            assert kernels.amx_min_rows() == amx_rows
+        assert not kernels.amx_in_use()
+    with kernels.override(amx=True), kernels.disabled():
+        assert not kernels.amx_in_use()  # the kernels off: nothing runs on AMX

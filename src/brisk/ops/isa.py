@@ -7,7 +7,13 @@ avx2 tier requires popcnt, sse4_2 and xsave as well. The compiler never emits an
 extensions, so a CPU that reports every required flag runs every instruction of the tier's build. Linux clears
 a flag in /proc/cpuinfo when the kernel does not enable its register state (XCR0), so these flags already mean
 "usable by this process", except for AMX, whose tile data each process must request with arch_prctl
-(ARCH_REQ_XCOMP_PERM); no tier enables AMX, and tests/test_kernel_instructions.py decodes every build to keep it so.
+(ARCH_REQ_XCOMP_PERM).
+
+AMX is therefore no tier and no tier's compiler flag enables it. The AVX-512 builds of the W8A8 GEMM
+(ops/csrc/int8_gemm.cpp) hold one function compiled with `target("amx-tile,amx-int8")`, called only after a run-time
+check: /proc/cpuinfo reports amx_tile and amx_int8 (`has_amx_int8`), the process was granted the tile state, and
+the setting allows it (ops/kernels.py). tests/test_kernel_instructions.py decodes every build and fails on an AMX
+instruction in any other function.
 
     tier      compiler flags (beyond x86-64)                      CPUs
     avx512    avx2 tier + AVX-512 F/BW/VL/DQ, VNNI, BF16, VBMI2   AMD Zen 4/5, Intel Sapphire/Emerald Rapids
@@ -50,6 +56,7 @@ _AVX512_NV = Tier("avx512nv", _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx5
                   _AVX2.requires | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
 _AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2",), _AVX512_NV.requires | {"avx512_vbmi2"})
 GENERIC = Tier("generic", (), frozenset())
+AMX_INT8 = frozenset({"amx_tile", "amx_int8"})  # what the W8A8 GEMM's AMX path needs the CPU to report
 
 TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2)  # best first
 ISA_CHOICES = ("avx2", "avx512")  # what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for
@@ -63,6 +70,12 @@ def cpu_flags() -> frozenset[str]:
             return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
     except OSError:
         return frozenset()
+
+
+def has_amx_int8(flags: Iterable[str]) -> bool:
+    """The CPU reports AMX tiles with int8 dot products (Intel Sapphire Rapids and later): the W8A8 GEMM's AMX path
+    may be tried (it still needs the kernel's grant of the tile state, asked for by the kernel itself)."""
+    return AMX_INT8 <= frozenset(flags)
 
 
 def choose_tier(flags: Iterable[str], isa: str | None = None) -> Tier:

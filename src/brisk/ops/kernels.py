@@ -17,6 +17,11 @@ Every kernel has a pure-PyTorch reference path next to it, taken when
   or `with disabled():` in-process);
 - the tensors are not on the CPU, or a dtype / shape the kernel does not cover.
 Callers ask for an op by name (`get_op`), so a missing one is just "use the reference path".
+
+AMX is not a tier: the AVX-512 builds carry an AMX-INT8 path for the W8A8 GEMM (ops/csrc/int8_gemm.cpp) in a
+function of its own, switched on at run time (`w8a8_amx`) once the library is loaded, only where /proc/cpuinfo reports
+amx_tile and amx_int8 and Linux grants the process the tile state, unless `settings.amx` is off (BRISK_DISABLE_AMX=1,
+`configure(amx=False)`: every row count on the VNNI path, for A/B runs and tests). `amx_in_use()` says which.
 """
 
 from __future__ import annotations
@@ -36,17 +41,18 @@ from typing import Any
 
 import torch
 
-from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, running_tier
+from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, has_amx_int8, running_tier
 
 __all__ = ["KernelSettings", "settings", "configure", "override", "disabled", "get_ops", "get_op", "kernel_isa",
-           "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources"]
+           "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources", "amx_in_use",
+           "amx_min_rows"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.RLock()  # build_all holds it, and get_ops around its call (one build per process)
-_state: dict[str, Any] = {"tried": False, "ops": None}
+_state: dict[str, Any] = {"tried": False, "ops": None, "amx": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,7 @@ class KernelSettings:
     enabled: bool = True  # False: every op takes its PyTorch reference path (BRISK_DISABLE_KERNELS=1)
     isa: str | None = None  # "avx2" caps the build at the AVX2 tier on an AVX-512 CPU (BRISK_KERNEL_ISA)
     cache_dir: Path = Path.home() / ".cache" / "brisk" / "ext"  # TORCH_EXTENSIONS_DIR, or $XDG_CACHE_HOME/brisk/ext
+    amx: bool = True  # False: the W8A8 GEMM stays on VNNI on an AMX CPU too (BRISK_DISABLE_AMX=1)
 
     def __post_init__(self) -> None:
         if self.isa is not None and self.isa not in ISA_CHOICES:
@@ -71,20 +78,41 @@ class KernelSettings:
                              "best this CPU has)")
         root = env.get("TORCH_EXTENSIONS_DIR")
         cache = Path(root) if root else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
-        return cls(enabled=env.get("BRISK_DISABLE_KERNELS", "") in ("", "0"), isa=isa, cache_dir=cache)
+        return cls(enabled=env.get("BRISK_DISABLE_KERNELS", "") in ("", "0"), isa=isa, cache_dir=cache,
+                   amx=env.get("BRISK_DISABLE_AMX", "") in ("", "0"))
 
 
 settings = KernelSettings.from_env()  # the start-up read: the only place these environment variables are looked at
 
 
 def configure(**changes: Any) -> KernelSettings:
-    """Change the settings in-process (fields of KernelSettings); returns the previous ones. `enabled` applies to
-    the next call; `isa` and `cache_dir` to a build not made yet: a process builds and loads its kernels once (two
-    tiers' libraries cannot both register the same ops in torch.ops.brisk)."""
+    """Change the settings in-process (fields of KernelSettings); returns the previous ones. `enabled` and `amx`
+    apply to the next call; `isa` and `cache_dir` to a build not made yet: a process builds and loads its kernels
+    once (two tiers' libraries cannot both register the same ops in torch.ops.brisk)."""
     global settings
     previous = settings
     settings = dataclasses.replace(settings, **changes)
+    if settings.amx != previous.amx:
+        _apply_amx()
     return previous
+
+
+def _apply_amx() -> None:
+    """Tell the loaded W8A8 GEMM whether to use AMX: settings.amx, the CPU's flags, then the kernel's own request
+    for the tile state (once per process)."""
+    op = getattr(_state["ops"], "w8a8_amx", None) if _state["ops"] is not None else None
+    _state["amx"] = int(op(settings.amx and has_amx_int8(cpu_flags()))) if op is not None else 0
+
+
+def amx_min_rows() -> int:
+    """The row count from which the W8A8 GEMM runs on AMX-INT8 tiles (prefill, batches), 0 when AMX is not in use
+    (the CPU lacks it, the kernels are not loaded or are disabled, settings.amx is off)."""
+    return int(_state["amx"]) if settings.enabled else 0
+
+
+def amx_in_use() -> bool:
+    """True when the W8A8 GEMM runs on AMX-INT8 tiles for its larger row counts."""
+    return amx_min_rows() > 0
 
 
 @contextlib.contextmanager
@@ -228,6 +256,7 @@ def build_all(jobs: int | None = None) -> list[BuildResult]:
             results = list(pool.map(_try_build, sources))
         _state["ops"] = torch.ops.brisk if any(r.error is None for r in results) else None
         _state["tried"] = True
+        _apply_amx()
     return results
 
 

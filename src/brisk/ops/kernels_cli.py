@@ -51,9 +51,10 @@ def info(load: bool) -> None:
     click.echo("flags checked: " + " ".join(f"{f}{'' if f in flags else '(-)'}" for f in checked))
     extra = sorted(f for f in flags if f.startswith(("amx", "avx512_vp2intersect", "avx512_fp16", "avx_vnni")))
     if extra:
-        click.echo("also reported (no tier uses them): " + " ".join(extra))
+        click.echo("also reported (no tier uses them; amx_tile + amx_int8 enable the W8A8 GEMM's AMX path): "
+                   + " ".join(extra))
     s = kernels.settings
-    click.echo(f"settings: enabled={s.enabled} isa={s.isa or 'best'} cache={s.cache_dir}")
+    click.echo(f"settings: enabled={s.enabled} isa={s.isa or 'best'} amx={s.amx} cache={s.cache_dir}")
     for line in isa_.explain(flags, s.isa) if flags else ["no /proc/cpuinfo: torch's CPU detection decides"]:
         click.echo("  " + line)
     tier = kernels.kernel_tier()
@@ -71,6 +72,18 @@ def info(load: bool) -> None:
 
     names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("brisk::"))
     click.echo(f"ops loaded ({len(names)}): " + " ".join(names))
+    click.echo("amx: " + _amx_line(isa_.has_amx_int8(flags), s.amx, kernels.amx_min_rows()))
+
+
+def _amx_line(cpu_has: bool, wanted: bool, min_rows: int) -> str:
+    """Whether the W8A8 GEMM runs on AMX-INT8 tiles here, and why not."""
+    if min_rows:
+        return f"in use: W8A8 GEMMs of >= {min_rows} rows on AMX-INT8 tiles, fewer rows on VNNI"
+    if not cpu_has:
+        return "not in use (the CPU does not report amx_tile and amx_int8)"
+    if not wanted:
+        return "not in use (switched off: BRISK_DISABLE_AMX / configure(amx=False))"
+    return "not in use (this build has no AMX path, or Linux refused the tile state: arch_prctl)"
 
 
 def _cpu_model() -> str:

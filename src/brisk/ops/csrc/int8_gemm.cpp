@@ -10,8 +10,12 @@
 // AVX2 build (no VNNI): VPMADDUBSW on |xq| and sign(xq) * wq (VPSIGNB), then VPMADDWD by ones. With |xq|, |wq| <=
 // 127 a pair of products is at most 2 * 127 * 127 = 32258 < 2^15, so the saturating int16 step never saturates
 // and the result is exact as well. Both builds give the same int32 sums, bit for bit `torch` int32 matmul.
-// (AMX-INT8 tiles would take the same layout in 16x64 blocks; this build has none: no CPU here reports amx_int8,
-// and nothing is shipped that could not be run.)
+// AMX-INT8 (Intel Sapphire Rapids and later; in the AVX-512 builds, chosen at run time): TDPBUSD on the same
+// shifted activations, the weights' B tiles read in place from the layout below (16 of its 64-byte lines are one
+// 16 x 64-byte tile), the same int32 sums into the same epilogue; for 4 rows and more (prefill, batches), where it
+// runs 2-7x the VNNI path. Its code is one function compiled for AMX (amx_items, below), called only when
+// w8a8_amx() switched it on: /proc/cpuinfo reports amx_tile and amx_int8 (ops/kernels.py asks), Linux granted the
+// process the tile state (arch_prctl), and the setting allows it (BRISK_DISABLE_AMX, kernels.configure(amx=...)).
 //
 // Weight layout (ops/w8a8.py pack_weight; N a multiple of 16, K of 4), as quant_q8t.cpp's 8-bit tiles:
 //   w [N / 16][K / 4][16][4] int8: per 4 input columns a tile of 16 rows stores one 64-byte line, lane r (dword r)
@@ -20,7 +24,7 @@
 // one broadcast: 29 of the 32 zmm registers, 24 VPDPBUSD per 4 weight loads and 6 broadcasts.
 // AVX2: 4 rows x 1 tile (two ymm halves) = 8 accumulators.
 // Work items are (weight panel, chunk of 48 rows), panel-major, so a thread keeps one panel of weights in L1/L2
-// while it walks the rows.
+// while it walks the rows. AMX: 32 rows x 2 tiles per block, row-block-major (see the AMX section).
 //
 // Activation rounding (bit for bit ops/w8a8.py quantize_rows): dynamic per token, amax = max_k |x[m, k]|,
 // xs = amax / 127, xq = round_half_even(x * (127 / amax)) (0 where amax = 0); static per tensor (a calibrated
@@ -34,12 +38,20 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
+    defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define BRISK_AMX 1  // the AMX-INT8 path (VNNI builds, GCC >= 11, Linux: arch_prctl grants the tile state)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -239,9 +251,149 @@ void micro_dispatch(int mr, int nr, const uint8_t* xu, int64_t K, const int8_t* 
   }
 }
 
+#ifdef BRISK_AMX
+// ------------------------------------------------------------------------------------------ AMX-INT8
+// Eight tile registers of up to 16 rows x 64 bytes; TDPBUSD C[16 x 16 int32] += A[16 x 64 u8] . B[16 x 64 s8], where
+// A row i holds 64 activations of row i (16 groups of 4 columns) and B row g holds group g's 4 weights of each of
+// 16 outputs: exactly 16 consecutive 64-byte lines of the weight layout above, read in place (stride 64).
+//
+//   tmm0 C[rows 0-15][tile 0]   tmm1 C[0-15][tile 1]   tmm4 A rows 0-15    tmm6 B tile 0 (16 groups = 64 columns)
+//   tmm2 C[16-31][tile 0]       tmm3 C[16-31][tile 1]  tmm5 A rows 16-31   tmm7 B tile 1
+//
+// A block is 32 rows x 32 outputs, 4 TDPBUSD per 4 tile loads and 64 columns of K. The activations are the VNNI
+// build's shifted xu (u8), so the sums, the 128 * colsum correction and the epilogue are the VNNI path's.
+// K tail (K % 64 = 4 g, g < 16 groups): A still loads 64 bytes a row (the rest of the row and the next row's first
+// bytes; the buffer has 64 bytes of slack after its last row), against a B tile whose first g lines are the
+// weights' and whose other lines are zeros (a copy of g lines per tile and work item): the extra bytes add 0.
+// Rows: A loads 16 rows at a time, so the activation buffer holds M rounded up to 16 rows (activation_buffer);
+// the padded rows' sums land in C rows that are never stored.
+constexpr int64_t kAmxK = 64;         // bytes of K per A tile row
+constexpr int64_t kAmxMBlock = 32;    // rows per block and work item (2 A tiles)
+// fewer rows stay on VNNI (Sapphire Rapids: AMX 0.7-0.95x VNNI at 1-2 rows, a tie at 4, 1.7-2.7x at 8)
+constexpr int64_t kAmxMinRows = 4;
+
+std::atomic<bool> g_amx{false};  // set by w8a8_amx(): the CPU has AMX-INT8 and this process may use it
+
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux (>= 5.16) allocates the 8 KiB tile state only for a process
+// that asked; a tile instruction without the grant faults. Asked once per process.
+bool request_amx_permission() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+// The one function that runs tile instructions (amx_items, the helpers inlined into it) carries this target: AMX
+// is enabled for it alone, the rest of the build stays within its tier, and tests/test_kernel_instructions.py
+// checks that no AMX instruction lies in any other function. It is reached only through gemm() when g_amx is set.
+#define BRISK_AMX_FN __attribute__((target("amx-tile,amx-int8"), noinline))
+#define BRISK_AMX_INLINE inline __attribute__((target("amx-tile,amx-int8"), always_inline))
+
+struct alignas(64) TileConfig {  // palette 1: the 64-byte operand of LDTILECFG
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of tmm0..tmm15 (only 8 exist)
+  uint8_t rows[16] = {};
+};
+
+// acc (int32 [32][32], row stride 32) = the MT x NT tiles' sums over K of the block at xu (rows of K bytes) and the
+// panel at w (NT tiles of tile_bytes), tail: NT zero-padded B tiles of the K tail (null when K % 64 == 0)
+template <int MT, int NT>
+BRISK_AMX_INLINE void amx_block(const uint8_t* xu, int64_t K, const int8_t* w, int64_t tile_bytes,
+                                const int8_t* tail, int32_t* acc) {
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  const int64_t full = K / kAmxK;
+  for (int64_t kc = 0; kc <= full; ++kc) {
+    const int8_t* b;
+    int64_t b_stride = 64;
+    if (kc < full) {
+      b = w + kc * kAmxK * kTile;  // 16 groups x 64 bytes
+    } else if (tail != nullptr) {
+      b = tail;
+    } else {
+      break;
+    }
+    const int64_t b1 = kc < full ? tile_bytes : kTile * kAmxK;  // the second tile: in the panel, or the next copy
+    const uint8_t* a = xu + kc * kAmxK;
+    _tile_loadd(4, a, K);
+    if constexpr (MT == 2) _tile_loadd(5, a + 16 * K, K);
+    _tile_loadd(6, b, b_stride);
+    if constexpr (NT == 2) _tile_loadd(7, b + b1, b_stride);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbusd(1, 4, 7);
+    if constexpr (MT == 2) _tile_dpbusd(2, 5, 6);
+    if constexpr (MT == 2 && NT == 2) _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, acc, 128);
+  if constexpr (NT == 2) _tile_stored(1, acc + 16, 128);
+  if constexpr (MT == 2) _tile_stored(2, acc + 16 * 32, 128);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, acc + 16 * 32 + 16, 128);
+}
+
+// Work items [a, b) of (block of 32 rows, panel of 2 tiles), row-block-major: the block's activations (32 K bytes)
+// stay in L1 while the panels of weights stream from L2 (measured on Sapphire Rapids, M = 512: ~1.5x the
+// panel-major order, where the activations were streamed instead).
+template <typename MakeEpi>
+BRISK_AMX_FN void amx_items(int64_t a, int64_t b, const uint8_t* xu, int64_t M, int64_t K, const int8_t* w,
+                            int64_t N, const MakeEpi& make_epi) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t tiles = N / kTile, panels = (tiles + 1) / 2;
+  const int64_t tile_bytes = kTile * K, tail_groups = (K % kAmxK) / 4;
+  alignas(64) int32_t acc[32 * 32];           // C tiles: [32 rows][2 tiles x 16 outputs]
+  alignas(64) int8_t tail[2 * kTile * kAmxK];  // the K tail's B tiles of one panel, zero-padded to 16 groups
+  for (int64_t item = a; item < b; ++item) {
+    const int64_t mb = item / panels, p = item % panels;
+    const int64_t t0 = 2 * p, m0 = mb * kAmxMBlock;
+    const int nt = static_cast<int>(std::min<int64_t>(2, tiles - t0));
+    const int mr = static_cast<int>(std::min<int64_t>(kAmxMBlock, M - m0));
+    const int8_t* wp = w + t0 * tile_bytes;
+    if (tail_groups > 0) {
+      std::memset(tail, 0, sizeof(tail));
+      for (int j = 0; j < nt; ++j)
+        std::memcpy(tail + j * kTile * kAmxK, wp + j * tile_bytes + (K / kAmxK) * kAmxK * kTile, tail_groups * 64);
+    }
+    const int8_t* tp = tail_groups > 0 ? tail : nullptr;
+    const uint8_t* x = xu + m0 * K;
+    if (mr > 16) {
+      if (nt == 2) amx_block<2, 2>(x, K, wp, tile_bytes, tp, acc);
+      else amx_block<2, 1>(x, K, wp, tile_bytes, tp, acc);
+    } else {
+      if (nt == 2) amx_block<1, 2>(x, K, wp, tile_bytes, tp, acc);
+      else amx_block<1, 1>(x, K, wp, tile_bytes, tp, acc);
+    }
+    const auto epi = make_epi(m0, t0 * kTile);
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nt; ++j) epi(i, j, _mm512_load_si512(acc + i * 32 + 16 * j));
+  }
+  _tile_release();  // the thread's tile state back to init: no 8 KiB to save at each context switch
+}
+
+template <typename MakeEpi>
+void gemm_amx(const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int64_t N, const MakeEpi& make_epi) {
+  const int64_t panels = (N / kTile + 1) / 2, blocks = (M + kAmxMBlock - 1) / kAmxMBlock;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t a, int64_t b) {
+    amx_items(a, b, xu, M, K, w, N, make_epi);
+  });
+}
+#endif  // BRISK_AMX
+
 // the GEMM over work items (panel of kNR tiles, chunk of kMChunk rows); make_epi(m0, n0) gives a block's epilogue
 template <typename MakeEpi>
 void gemm(const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int64_t N, const MakeEpi& make_epi) {
+#ifdef BRISK_AMX
+  if (M >= kAmxMinRows && g_amx.load(std::memory_order_relaxed)) {
+    gemm_amx(xu, M, K, w, N, make_epi);
+    return;
+  }
+#endif
   const int64_t tiles = N / kTile, panels = (tiles + kNR - 1) / kNR, chunks = (M + kMChunk - 1) / kMChunk;
   const int64_t tile_bytes = kTile * K;
   at::parallel_for(0, panels * chunks, 1, [&](int64_t a, int64_t b) {
@@ -266,6 +418,15 @@ void check_weight(const char* op, const at::Tensor& w, const at::Tensor& colsum,
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.dim() == 1 &&
                   colsum.size(0) == w.size(0),
               op, ": col_sum must be int32 [N]");
+}
+
+// The kernels' activation rows: [M, K] uint8 in a buffer of M rounded up to 16 rows plus 64 bytes (the AMX path
+// loads 16-row tiles of 64 bytes a row), the padding zeroed
+at::Tensor activation_buffer(int64_t M, int64_t K, const at::TensorOptions& options) {
+  const int64_t rows = (M + 15) / 16 * 16;
+  auto buf = at::empty({rows * K + 64}, options.dtype(at::kByte));
+  std::memset(buf.data_ptr<uint8_t>() + M * K, 0, (rows - M) * K + 64);
+  return buf;
 }
 
 // 128 * colsum (the VNNI build's shift), or zeros where the build takes signed activations directly
@@ -303,14 +464,15 @@ at::Tensor w8a8_int_mm(const at::Tensor& xq, const at::Tensor& w, const at::Tens
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   check_weight("w8a8_int_mm", w, colsum, K);
   TORCH_CHECK(xq.min().item<int8_t>() >= -127, "w8a8_int_mm: activation codes must lie in [-127, 127]");
-  at::Tensor xu = kVnni ? at::bitwise_xor(xq.view(at::kByte), 0x80) : xq.view(at::kByte);
-  xu = xu.contiguous();
+  const at::Tensor xu = activation_buffer(M, K, xq.options());
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(xq.data_ptr<int8_t>());
+  uint8_t* up = xu.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < M * K; ++i) up[i] = qp[i] ^ (kVnni ? 0x80 : 0);
   const at::Tensor c128 = shift_terms(colsum);
   auto out = at::empty({M, N}, colsum.options());
   int32_t* o = out.data_ptr<int32_t>();
   const int32_t* cp = c128.data_ptr<int32_t>();
-  gemm(xu.data_ptr<uint8_t>(), M, K, w.data_ptr<int8_t>(), N,
-       [&](int64_t m0, int64_t n0) { return IntEpi{o, N, m0, n0, cp}; });
+  gemm(up, M, K, w.data_ptr<int8_t>(), N, [&](int64_t m0, int64_t n0) { return IntEpi{o, N, m0, n0, cp}; });
   return out;
 }
 
@@ -328,7 +490,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "w8a8_linear: bias must be float32 [N]");
   const float s = input_scale.has_value() && input_scale->defined() ? input_scale->item<float>() : 0.f;
-  auto xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  const at::Tensor xu = activation_buffer(M, K, x.options());  // [M, K] rows (+ the AMX path's padding)
   auto xs = at::empty({M}, x.options());
   const float* xp = x.data_ptr<float>();
   uint8_t* up = xu.data_ptr<uint8_t>();
@@ -348,10 +510,25 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 at::Tensor w8a8_shift_terms(const at::Tensor& colsum) { return shift_terms(colsum); }
 
+// enable: use AMX-INT8 for the GEMMs of at least kAmxMinRows rows from now on, where this build has the AMX path and
+// the process is granted the tile state (ops/kernels.py asks only where /proc/cpuinfo reports amx_tile and
+// amx_int8); enable = false: the VNNI path for every row count. Returns the row count from which AMX is used, 0
+// when it is not.
+int64_t w8a8_amx(bool enable) {
+#ifdef BRISK_AMX
+  g_amx.store(enable && request_amx_permission());
+  return g_amx.load() ? kAmxMinRows : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("w8a8_quantize_rows(Tensor x, Tensor? input_scale) -> (Tensor, Tensor)", &w8a8_quantize_rows);
   m.def("w8a8_int_mm(Tensor xq, Tensor w, Tensor col_sum) -> Tensor", &w8a8_int_mm);
   m.def("w8a8_shift_terms(Tensor col_sum) -> Tensor", &w8a8_shift_terms);
+  m.def("w8a8_amx(bool enable) -> int", &w8a8_amx);
   m.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor col_sum128, Tensor? input_scale, Tensor? bias) "
         "-> Tensor", &w8a8_linear);
 }
