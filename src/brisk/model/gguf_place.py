@@ -18,7 +18,8 @@ file's header first, as those later steps would make it:
 Then the C++ kernel (ops/csrc/repack.cpp `gguf_repack`) decodes each tensor from the file's memory map straight
 into its rows of the final buffers: the same bytes, scales and minimums as the multi-pass way, bit for bit
 (tests/test_gguf_place.py). The source pages are unmapped again a chunk at a time (mapped.py `drop_pages`), so that
-the file's pages do not add to the resident set. Stacked MoE experts, and every matrix where the C++ kernels are
+the file's pages do not add to the resident set. The chunks are shared by one thread per intra-op thread, each
+taking the next in file order (`_repack_chunks`). Stacked MoE experts, and every matrix where the C++ kernels are
 not built, take the multi-pass way.
 """
 
