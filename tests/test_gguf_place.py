@@ -204,3 +204,60 @@ def test_parts_of_two_types_in_one_container_fuse_as_the_multi_pass_way_does(tmp
     layer = new.model.model.layers[0]
     assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
     assert _greedy(new) == _greedy(old)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_chunks_shared_by_several_threads_give_the_multi_pass_weights(tmp_path, monkeypatch, qtype: T) -> None:
+    # one tile (16 rows) per chunk, three threads taking chunks as they come: every tensor is written by several
+    # threads in turn, some of them into rows of a fused buffer another thread is writing
+    wide = qtype in _WIDE
+    config = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64) if wide else tiny_config()
+    path = tmp_path / f"chunks-{qtype.name}.gguf"
+    _write_model(path, qtype, config, random_state_dict(config, seed=8))
+    old = _multi_pass(monkeypatch, path)
+    ticks: list[int] = []
+    previous = torch.get_num_threads()
+    monkeypatch.setattr(gguf_place, "_CHUNK_BYTES", 1)
+    torch.set_num_threads(3)
+    try:
+        chunked = gguf_place._repack_chunks
+
+        def counted(base, chunks, workers, progress):  # noqa: ANN001
+            assert workers == 3 and len(chunks) > 2 * len({id(c[0]) for c in chunks})  # several chunks per tensor
+            return chunked(base, chunks, workers, ticks.append)
+
+        monkeypatch.setattr(gguf_place, "_repack_chunks", counted)
+        new = load_model(path, keep_quantized=True, show_progress=False)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.get_num_threads() == previous
+    _assert_same_model(new, old)
+    # progress: every repacked tensor's bytes in the file, once
+    from brisk.model.gguf import read_gguf
+
+    assert sum(ticks) == sum(info.n_bytes for info in read_gguf(path).tensors.values() if info.qtype == qtype)
+
+
+def test_an_error_in_a_repack_thread_reaches_the_caller(tmp_path, monkeypatch) -> None:
+    config = tiny_config()
+    path = tmp_path / "error.gguf"
+    _write_model(path, T.Q4_1, config, random_state_dict(config, seed=8))
+    kernel = kernels.get_op("gguf_repack")
+    calls = []
+
+    def failing(*args):  # noqa: ANN002
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("gguf_repack: injected failure")
+        return kernel(*args)
+
+    monkeypatch.setattr(gguf_place, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(gguf_place, "get_op", lambda name: failing if name == "gguf_repack" else kernels.get_op(name))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            load_model(path, keep_quantized=True, show_progress=False)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.get_num_threads() == previous

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import mmap
 import os
 import sys
 from collections.abc import Collection, Iterator, Mapping
@@ -117,8 +118,12 @@ def huge_pages_available() -> bool:
 
 def _arena(nbytes: int) -> tuple[torch.Tensor, int] | None:
     """(a uint8 buffer, the offset of its 2 MiB-aligned start) with nbytes from there advised MADV_HUGEPAGE, or
-    None if the kernel refuses. Nothing is touched yet: pages are faulted in, huge, on first write."""
-    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    None if the kernel refuses. The buffer is a fresh private anonymous mapping: it reads as zeros, and nothing is
+    touched yet (pages are faulted in, huge and zeroed by the kernel, on first write); it is unmapped when the last
+    tensor on it goes."""
+    size = nbytes + HUGE_PAGE
+    # (private: a shared anonymous mapping is shmem, whose huge pages follow another setting, usually off)
+    buf = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     start = (buf.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE - buf.data_ptr()
     span = min((nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, buf.numel() - start)
     libc = ctypes.CDLL(None, use_errno=True)
@@ -129,7 +134,9 @@ def _arena(nbytes: int) -> tuple[torch.Tensor, int] | None:
 
 def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor] | None:
     """`count` zero tensors of one shape in one huge-page arena (the per-layer KV caches: attention reads them
-    through block tables, a TLB miss per 4 KiB page otherwise), or None where huge pages are not available."""
+    through block tables, a TLB miss per 4 KiB page otherwise), or None where huge pages are not available. The
+    arena is a fresh mapping, zeros already: nothing is written here, and a cache's pages become resident as
+    blocks are first written (a load no longer spends 0.2-0.5 s clearing a pool it may not fill)."""
     if not huge_pages_available() or count == 0:
         return None
     each = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -140,9 +147,7 @@ def huge_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[t
     buf, start = arena
     out = []
     for i in range(count):
-        t = buf[start + i * step:start + i * step + each].view(dtype).view(shape)
-        t.zero_()
-        out.append(t)
+        out.append(buf[start + i * step:start + i * step + each].view(dtype).view(shape))
     return out
 
 
