@@ -63,14 +63,26 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;       // weight rows per tile (lanes of a 512-bit vector)
 constexpr int kMaxRows = 8;         // activation rows per pass over a tile
-// Software prefetch 8 KiB ahead (as quant_q8.cpp's avx512 build; 4 and 16 KiB measured no better), NON-TEMPORAL: a
-// batch-1 step streams ~87 MB of int4 weights through a 32 MB L3 that cannot keep them to the next step anyway, and
-// marking them non-temporal leaves the L3 to what is reused (the KV cache, activations, the engine's own data). Same
-// engine, alternated runs of int4 g64 a8 batch-1 decode: T1 -> NTA medians 333.9 -> 350.1 tok/s (best 344.6 ->
-// 384.4), again 337.8 -> 352.2 (350.6 -> 389.8); batch 8 1011 -> 1030. Keeping the first 20-60 of a step's 121
-// weights temporal (a subset that could stay in L3 across steps) was no better than all non-temporal.
+// Software prefetch 8 KiB ahead (as quant_q8.cpp's avx512 build; 4 and 16 KiB measured no better). The cache level
+// depends on the maker of the CPU. AMD (Zen 5): NON-TEMPORAL, since a batch-1 step streams ~87 MB of int4 weights
+// through a 32 MB L3 that cannot keep them to the next step anyway, and marking them non-temporal leaves the L3 to
+// what is reused (the KV cache, activations, the engine's own data). Same engine, alternated runs of int4 g64 a8
+// batch-1 decode: T1 -> NTA medians 333.9 -> 350.1 tok/s (best 344.6 -> 384.4), again 337.8 -> 352.2 (350.6 ->
+// 389.8); batch 8 1011 -> 1030. Keeping the first 20-60 of a step's 121 weights temporal (a subset that could stay
+// in L3 across steps) was no better than all non-temporal. Intel (Xeon, Sapphire Rapids class): T1 (L2), as the
+// other kernels' avx512 builds; NTA there throttled every kernel of this file, in cache as from memory (a 262,144 x
+// 640 int8 head, 2 threads, same process: float activations 12.1 -> 6.9 ms, int8 activations 16.6 -> 5.6 ms, a
+// plain int64 sum of the same bytes 5.3 ms; 4,096 rows in L2, 1 thread: 0.33 -> 0.16 ms).
 constexpr int64_t kPrefetchBytes = 8192;
-constexpr auto kPrefetchHint = _MM_HINT_NTA;
+const bool kStreamNonTemporal = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+}();
+
+BRISK_INLINE_T void prefetch_stream(const void* p) {
+  if (kStreamNonTemporal) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
+  else _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+}
 
 struct TW {
   const uint8_t* data;
@@ -135,7 +147,7 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
       if constexpr (BITS == 4) {
         for (int c = 0; c < 4; ++c) {
           const uint8_t* wc = w + (b * 4 + c) * 64;
-          _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, kPrefetchHint);
+          prefetch_stream(wc);
           const __m512i d = _mm512_loadu_si512(wc);
           const __m512i lo = _mm512_and_si512(d, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
@@ -148,7 +160,7 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
       } else {  // 8 bits: a line per 4 columns, the codes as they are (vpdpbusd takes them unsigned)
         for (int c = 0; c < 8; ++c) {
           const uint8_t* wc = w + (b * 8 + c) * 64;
-          _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, kPrefetchHint);
+          prefetch_stream(wc);
           const __m512i d = _mm512_loadu_si512(wc);
           for (int m = 0; m < MT; ++m) {
             const int8_t* xm = x.xq + m * x.K + b * kBlock + c * 4;
@@ -278,7 +290,7 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
       for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_ps();
     for (int64_t l = 0; l < lines; ++l) {
       const uint8_t* wl = w + (g * lines + l) * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(wl) + kPrefetchBytes, kPrefetchHint);
+      prefetch_stream(wl);
       const __m512i d = _mm512_loadu_si512(wl);
       const int64_t c0 = g * group + l * kCols;  // the line's first column
       for (int j = 0; j < kCols; ++j) {
@@ -390,7 +402,7 @@ void tile16(const TW& p, int64_t t, const TX16& x, const float* bias, float* out
         for (int m = 0; m < MT; ++m) acc[a][m] = _mm512_setzero_si512();
       for (int64_t l = 0; l < lines; ++l) {
         const uint8_t* wl = w + (c0 / 4 + l) * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(wl) + kPrefetchBytes, kPrefetchHint);
+        prefetch_stream(wl);
         const __m512i d = _mm512_loadu_si512(wl);
         const __m512i lo = _mm512_and_si512(d, low), hi = _mm512_srli_epi16(d, 8);
         for (int m = 0; m < MT; ++m) {
