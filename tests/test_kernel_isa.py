@@ -134,3 +134,11 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     assert kernels._clear_stale_lock(tmp_path) and not lock.exists()
     assert not kernels._clear_stale_lock(tmp_path)  # nothing to remove
+
+
+def test_the_cpu_maker_picks_the_stream_prefetch_define():
+    assert isa.vendor_cflags("AuthenticAMD") == ("-DBRISK_CPU_AMD",)
+    assert isa.vendor_cflags("GenuineIntel") == () and isa.vendor_cflags("") == ()
+    key_amd = kernels.build_directory("x", kernels.kernel_sources()[0], ("-O3", *isa.vendor_cflags("AuthenticAMD")))
+    key_intel = kernels.build_directory("x", kernels.kernel_sources()[0], ("-O3", *isa.vendor_cflags("GenuineIntel")))
+    assert key_amd != key_intel

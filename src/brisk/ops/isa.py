@@ -72,6 +72,23 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The running CPU's vendor_id from /proc/cpuinfo (AuthenticAMD, GenuineIntel, ...; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def vendor_cflags(vendor: str) -> tuple[str, ...]:
+    """Compiler defines for the CPU's maker: BRISK_CPU_AMD selects the weight-stream prefetch that measured best on
+    AMD (non-temporal, ops/csrc/quant_q8t.cpp); every other CPU gets the default (into L2)."""
+    return ("-DBRISK_CPU_AMD",) if vendor == "AuthenticAMD" else ()
+
+
 def has_amx_int8(flags: Iterable[str]) -> bool:
     """The CPU reports AMX tiles with int8 dot products (Intel Sapphire Rapids and later): the W8A8 GEMM's AMX path
     may be tried (it still needs the kernel's grant of the tile state, asked for by the kernel itself)."""

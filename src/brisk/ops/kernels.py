@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, has_amx_int8, running_tier
+from brisk.ops.isa import ISA_CHOICES, Tier, cpu_flags, cpu_vendor, has_amx_int8, running_tier, vendor_cflags
 
 __all__ = ["KernelSettings", "settings", "configure", "override", "disabled", "get_ops", "get_op", "kernel_isa",
            "kernel_tier", "cpu_flags", "build_all", "library_path", "kernel_sources", "amx_in_use",
@@ -154,7 +154,9 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the runtime
 # it links (libgomp.so.1) is the one torch already loaded.
-_CFLAGS = ("-O3", "-fopenmp")
+# The CPU's maker adds a define (isa.vendor_cflags), so a home directory shared by an AMD and an Intel machine keeps a
+# build for each.
+_CFLAGS = ("-O3", "-fopenmp", *vendor_cflags(cpu_vendor()))
 _LDFLAGS = ("-fopenmp",)
 
 

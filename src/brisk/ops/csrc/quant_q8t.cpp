@@ -64,24 +64,25 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;       // weight rows per tile (lanes of a 512-bit vector)
 constexpr int kMaxRows = 8;         // activation rows per pass over a tile
 // Software prefetch 8 KiB ahead (as quant_q8.cpp's avx512 build; 4 and 16 KiB measured no better). The cache level
-// depends on the maker of the CPU. AMD (Zen 5): NON-TEMPORAL, since a batch-1 step streams ~87 MB of int4 weights
-// through a 32 MB L3 that cannot keep them to the next step anyway, and marking them non-temporal leaves the L3 to
-// what is reused (the KV cache, activations, the engine's own data). Same engine, alternated runs of int4 g64 a8
-// batch-1 decode: T1 -> NTA medians 333.9 -> 350.1 tok/s (best 344.6 -> 384.4), again 337.8 -> 352.2 (350.6 ->
-// 389.8); batch 8 1011 -> 1030. Keeping the first 20-60 of a step's 121 weights temporal (a subset that could stay
-// in L3 across steps) was no better than all non-temporal. Intel (Xeon, Sapphire Rapids class): T1 (L2), as the
-// other kernels' avx512 builds; NTA there throttled every kernel of this file, in cache as from memory (a 262,144 x
-// 640 int8 head, 2 threads, same process: float activations 12.1 -> 6.9 ms, int8 activations 16.6 -> 5.6 ms, a
-// plain int64 sum of the same bytes 5.3 ms; 4,096 rows in L2, 1 thread: 0.33 -> 0.16 ms).
+// depends on the maker of the CPU (BRISK_CPU_AMD: ops/isa.py vendor_cflags). AMD (Zen 5): NON-TEMPORAL, since a
+// batch-1 step streams ~87 MB of int4 weights through a 32 MB L3 that cannot keep them to the next step anyway, and
+// marking them non-temporal leaves the L3 to what is reused (the KV cache, activations, the engine's own data). Same
+// engine, alternated runs of int4 g64 a8 batch-1 decode: T1 -> NTA medians 333.9 -> 350.1 tok/s (best 344.6 ->
+// 384.4), again 337.8 -> 352.2 (350.6 -> 389.8); batch 8 1011 -> 1030. Keeping the first 20-60 of a step's 121
+// weights temporal (a subset that could stay in L3 across steps) was no better than all non-temporal. Intel (Xeon,
+// Sapphire Rapids class): T1 (L2), as the other kernels' avx512 builds; NTA there throttled every kernel of this
+// file, in cache as from memory (a 262,144 x 640 int8 head, 2 threads, same process: float activations 12.1 -> 6.9
+// ms, int8 activations 16.6 -> 5.6 ms, a plain int64 sum of the same bytes 5.3 ms; 4,096 rows in L2, 1 thread:
+// 0.33 -> 0.16 ms).
 constexpr int64_t kPrefetchBytes = 8192;
-const bool kStreamNonTemporal = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-}();
+#ifdef BRISK_CPU_AMD
+constexpr auto kPrefetchHint = _MM_HINT_NTA;
+#else
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+#endif
 
 BRISK_INLINE_T void prefetch_stream(const void* p) {
-  if (kStreamNonTemporal) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
-  else _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, kPrefetchHint);
 }
 
 struct TW {
