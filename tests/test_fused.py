@@ -169,6 +169,21 @@ def test_gelu_tanh_over_the_whole_float_range(ops):
     torch.testing.assert_close(gelu_tanh_mul(x), gelu_tanh_mul_reference(x), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 100, 1 << 16 | 5])
+def test_half_to_bfloat16_rounds_as_through_float(ops, n):
+    # every float16 bit pattern once (normals, subnormals, zeros, infinities, NaNs), then random values
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for src in (every[:n], every.roll(n)[-n:], (torch.randn(n) * 300).to(torch.float16)):
+        dst = torch.empty(src.numel(), dtype=torch.bfloat16)
+        ops.half_to_bfloat16(src, dst)
+        want = src.float().to(torch.bfloat16)
+        assert torch.equal(dst.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(dst[ok].view(torch.int16), want[ok].view(torch.int16))
+    with pytest.raises(RuntimeError, match="dst must be contiguous bfloat16"):
+        ops.half_to_bfloat16(torch.zeros(8, dtype=torch.float16), torch.zeros(9, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reference_path_equals_kernel_path(kernel_settings, ops, dtype):
     """The public functions, kernels on, then switched off: same values, same in-place contract."""

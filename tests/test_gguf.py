@@ -135,9 +135,10 @@ def test_quantized_load_equals_reference_dequant_unpermuted(tmp_path):
     assert ((ckpt.tensors["model.layers.1.self_attn.q_proj.weight"] - w).view(-1, 32).abs() <= 0.51 * step).all()
 
 
-def test_load_in_bfloat16(tmp_path):
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.F16])  # F16: the C++ half -> bfloat16 pass, against through float32
+def test_load_in_bfloat16(tmp_path, qtype):
     config = tiny_config()
-    path = write_tiny_model(tmp_path / "m.gguf", random_state_dict(config), config, T.Q8_0)
+    path = write_tiny_model(tmp_path / "m.gguf", random_state_dict(config), config, qtype)
     f32, bf16 = load_gguf(path).tensors, load_gguf(path, dtype=torch.bfloat16).tensors
     for name, t in f32.items():
         assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], t.to(torch.bfloat16))
