@@ -162,3 +162,23 @@ def test_gemm_row_buckets_are_few():
     from brisk.ops.linear import gemm_rows
 
     assert len({gemm_rows(r) for r in range(9, 8193)}) == 15 + 12 + 60
+
+
+def test_bfloat16_rows_from_the_threshold_take_atens_gemm(ops):
+    """linear_small_m hands bfloat16 x bfloat16 calls of BF16_GEMM_ROWS+ rows to ATen's GEMM where the AMX switch
+    set the threshold (CPUs with AMX-BF16); below it, and for float32 x, its own loops run."""
+    from brisk.ops import kernels
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 64).bfloat16(), torch.randn(48)
+    try:
+        assert ops.linear_small_bf16_gemm_rows(kernels.BF16_GEMM_ROWS) == kernels.BF16_GEMM_ROWS
+        x = torch.randn(8, 64).bfloat16()
+        assert torch.equal(ops.linear_small_m(x, w, b), F.linear(x, w, b.bfloat16()))
+        below = ops.linear_small_m(x[:3], w, b)  # the kernel: float32 sums rounded once
+        torch.testing.assert_close(below, (x[:3].float() @ w.float().T + b).bfloat16(), rtol=1e-2, atol=1e-2)
+        assert ops.linear_small_bf16_gemm_rows(0) == 0
+        torch.testing.assert_close(ops.linear_small_m(x, w, b), (x.float() @ w.float().T + b).bfloat16(),
+                                   rtol=1e-2, atol=1e-2)
+    finally:
+        kernels._apply_amx()  # the process's own setting back: the CPU's flags and the AMX switch

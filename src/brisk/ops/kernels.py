@@ -97,11 +97,18 @@ def configure(**changes: Any) -> KernelSettings:
     return previous
 
 
+BF16_GEMM_ROWS = 4  # linear_small_m's bfloat16 rows from which ATen's GEMM runs them on an AMX-BF16 CPU
+
+
 def _apply_amx() -> None:
     """Tell the loaded W8A8 GEMM whether to use AMX: settings.amx, the CPU's flags, then the kernel's own request
     for the tile state (once per process)."""
     op = getattr(_state["ops"], "w8a8_amx", None) if _state["ops"] is not None else None
     _state["amx"] = int(op(settings.amx and has_amx_int8(cpu_flags()))) if op is not None else 0
+    # bfloat16 x bfloat16 linears of 4+ rows to oneDNN's GEMM (AMX-BF16 tiles) instead of linear_small_m's loops
+    bf16 = getattr(_state["ops"], "linear_small_bf16_gemm_rows", None) if _state["ops"] is not None else None
+    if bf16 is not None:
+        bf16(BF16_GEMM_ROWS if settings.amx and "amx_bf16" in cpu_flags() else 0)
 
 
 def amx_min_rows() -> int:

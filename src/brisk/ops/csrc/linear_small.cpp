@@ -1,10 +1,12 @@
 // Small-M linear (decode): out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W float32 or bfloat16, M <= 16.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -357,6 +359,18 @@ void gather_x(const T* x, int64_t M, int64_t K, bool deinterleave, float* dst) {
 
 // x: [M, K] (float32 or the weight dtype), weight: [N, K] contiguous, bias: [N] or empty -> [M, N] in x's dtype.
 // A bfloat16 result is the float32 sum (+ bias) rounded once, as before (at::BFloat16's round-to-nearest-even).
+// From this many rows, bfloat16 x times bfloat16 weights is left to ATen's GEMM (oneDNN): on a CPU with AMX-BF16
+// its tile GEMM streams the weights at the memory's speed from a few rows on, where the vdpbf16ps loops below
+// become compute-bound (Xeon, 2 threads, four 16384 x 3072 weights: 8 rows 25.3 -> 19.1 ms, 4 rows 21.7 -> 19.9;
+// 1-2 rows no faster). 0 (the default): never. Set by ops/kernels.py with the AMX switch, where /proc/cpuinfo
+// reports amx_bf16.
+std::atomic<int64_t> g_bf16_gemm_rows{0};
+
+int64_t linear_small_bf16_gemm_rows(int64_t rows) {
+  g_bf16_gemm_rows.store(std::max<int64_t>(rows, 0));
+  return g_bf16_gemm_rows.load();
+}
+
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear_small_m: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.size(1) == weight.size(1), "linear_small_m: K mismatch");
@@ -367,6 +381,10 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const s
               "linear_small_m: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const bool bf16_w = weight.scalar_type() == at::kBFloat16;
+  if (const int64_t gemm_rows = g_bf16_gemm_rows.load(std::memory_order_relaxed);
+      gemm_rows > 0 && M >= gemm_rows && bf16_w && x.scalar_type() == at::kBFloat16)
+    return at::linear(x, weight, bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->to(at::kBFloat16))
+                                                                        : std::nullopt);
   const bool eo = bf16_w && M <= 8 && K % 16 == 0;
   const bool f32_x = x.scalar_type() == at::kFloat;
   auto xc = x.contiguous();
@@ -420,6 +438,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const s
 // shape function engine/compiled.py registers (a catch-all kernel would have to be decomposed, which C++ cannot).
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_small_bf16_gemm_rows(int rows) -> int", &linear_small_bf16_gemm_rows);
 }
 
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
