@@ -123,11 +123,14 @@ def generate_three(rule, g: torch.Generator, gamma: int = 2) -> tuple[int, ...]:
     return tuple(out[:3])
 
 
-def chi_square_of(rule, n: int, seed: int) -> float:
+def chi_square_of(rule, n: int, seed: int, generate=None) -> float:
+    """Pearson's statistic of n three-token sequences made by `generate(rule, g)` (default: the chain's
+    generate_three) against the target Markov chain's probabilities."""
+    generate = generate or generate_three
     g = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(n):
-        key = generate_three(rule, g)
+        key = generate(rule, g)
         counts[key] = counts.get(key, 0) + 1
     stat = 0.0
     for a in range(VOCAB):
@@ -186,18 +189,7 @@ def generate_three_tree(rule, g: torch.Generator) -> tuple[int, ...]:
 
 
 def tree_chi_square(rule, n: int, seed: int) -> float:
-    g = torch.Generator().manual_seed(seed)
-    counts: dict[tuple[int, ...], int] = {}
-    for _ in range(n):
-        key = generate_three_tree(rule, g)
-        counts[key] = counts.get(key, 0) + 1
-    stat = 0.0
-    for a in range(VOCAB):
-        for b in range(VOCAB):
-            for c in range(VOCAB):
-                expected = n * float(P1[a] * P_NEXT[a, b] * P_NEXT[b, c])
-                stat += (counts.get((a, b, c), 0) - expected) ** 2 / expected
-    return stat
+    return chi_square_of(rule, n, seed, generate_three_tree)
 
 
 def test_tree_sampling_reproduces_the_target_distribution():

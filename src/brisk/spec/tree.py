@@ -69,14 +69,20 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
     return out[::-1]
 
 
+def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
+    """node -> its children's indices in draft order (-1: the root, whose children are the first-level drafts)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    return children
+
+
 def accept_tree_greedy(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]
                        ) -> tuple[list[int], list[int]]:
     """(accepted drafts' indices root to leaf, emitted tokens). argmax[0] is the target's argmax at the root,
     argmax[1 + i] at draft i; emitted = the accepted drafts' tokens + the argmax at the last accepted node."""
     assert len(argmax) == len(tokens) + 1 == len(parents) + 1
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
+    children = children_of(parents)
     path: list[int] = []
     node = -1
     while True:
@@ -151,9 +157,7 @@ def accept_tree_sampling(tokens: Sequence[int], parents: Sequence[int], probs: t
     from brisk.spec.verify import draw_token, uniform
 
     assert probs.shape[0] == len(tokens) + 1 == len(parents) + 1
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
+    children = children_of(parents)
     path: list[int] = []
     node = -1
     while True:
