@@ -118,12 +118,16 @@ def test_silu_mul_equals_reference(ops, dtype, rows, width):
     assert_matches(got, silu_mul_reference(gate_up))
 
 
+def gated_over_the_range(op) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a torch.ops.brisk op
+    """(gates from -120 to 120, op's float64 outputs for them with up = 1): one [1, 2I] row, gate = g, up = 1."""
+    g = torch.linspace(-120, 120, 48_001)
+    return g, op(torch.stack([g, torch.ones_like(g)]).reshape(1, -1))[0].double()
+
+
 def test_silu_over_the_whole_float_range(ops):
     """The kernel's own exp: within a few float32 ulps of float64 silu from -120 to 120 (where e^-g overflows
     and e^g underflows), and exactly silu(0) = 0."""
-    g = torch.linspace(-120, 120, 48_001)
-    gate_up = torch.stack([g, torch.ones_like(g)]).reshape(1, -1)  # [1, 2I]: gate = g, up = 1
-    got = ops.silu_mul(gate_up)[0].double()
+    g, got = gated_over_the_range(ops.silu_mul)
     want = torch.nn.functional.silu(g.double())
     assert torch.isfinite(got).all()
     # relative 4 ulps (2^-21) where the value is a normal float; below g = -87.3 the kernel flushes e^g to 0,
@@ -154,8 +158,7 @@ def test_gelu_tanh_over_the_whole_float_range(ops):
     float32 roundings of z (g^2, g^3, the fma, the product: 4) do to e^-|z| (|z| half-ulps each, the exponential's
     condition number), where the value is above 1e-30; below, the exponential flushes to 0 under e^-87.3, as
     silu's."""
-    g = torch.linspace(-120, 120, 48_001)
-    got = ops.gelu_tanh_mul(torch.stack([g, torch.ones_like(g)]).reshape(1, -1))[0].double()
+    g, got = gated_over_the_range(ops.gelu_tanh_mul)
     g64 = g.double()
     z = (8 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64**3)
     want = g64 * torch.sigmoid(z)
