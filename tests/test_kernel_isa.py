@@ -142,3 +142,15 @@ def test_the_cpu_maker_picks_the_stream_prefetch_define():
     key_amd = kernels.build_directory("x", kernels.kernel_sources()[0], ("-O3", *isa.vendor_cflags("AuthenticAMD")))
     key_intel = kernels.build_directory("x", kernels.kernel_sources()[0], ("-O3", *isa.vendor_cflags("GenuineIntel")))
     assert key_amd != key_intel
+
+
+def test_kernels_info_names_the_prefetch_and_the_bfloat16_path():
+    from click.testing import CliRunner
+
+    from brisk.ops.kernels_cli import info
+
+    out = CliRunner().invoke(info, ["--load"]).output
+    amd = isa.cpu_vendor() == "AuthenticAMD"
+    assert f"weight-stream prefetch of the tiled kernels: {'non-temporal (AMD)' if amd else 'into L2'}" in out
+    on_amx = kernels.settings.amx and "amx_bf16" in isa.cpu_flags() and kernels.get_ops() is not None
+    assert ("bfloat16 linears of 4-8 rows: ATen's GEMM" in out) == on_amx, out

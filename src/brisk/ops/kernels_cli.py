@@ -46,12 +46,16 @@ def info(load: bool) -> None:
 
     flags = isa_.cpu_flags()
     model = _cpu_model()
-    click.echo(f"cpu: {model}")
+    vendor = isa_.cpu_vendor()
+    click.echo(f"cpu: {model}" + (f" ({vendor})" if vendor else ""))
+    click.echo("weight-stream prefetch of the tiled kernels: "
+               + ("non-temporal (AMD)" if isa_.vendor_cflags(vendor) else "into L2"))
     checked = sorted(set().union(*(t.requires for t in isa_.TIERS)))
     click.echo("flags checked: " + " ".join(f"{f}{'' if f in flags else '(-)'}" for f in checked))
     extra = sorted(f for f in flags if f.startswith(("amx", "avx512_vp2intersect", "avx512_fp16", "avx_vnni")))
     if extra:
-        click.echo("also reported (no tier uses them; amx_tile + amx_int8 enable the W8A8 GEMM's AMX path): "
+        click.echo("also reported (no tier uses them; amx_tile + amx_int8 enable the W8A8 GEMM's AMX path, amx_bf16 "
+                   "the bfloat16 GEMM hand-off): "
                    + " ".join(extra))
     s = kernels.settings
     click.echo(f"settings: enabled={s.enabled} isa={s.isa or 'best'} amx={s.amx} cache={s.cache_dir}")
@@ -73,6 +77,9 @@ def info(load: bool) -> None:
     names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("brisk::"))
     click.echo(f"ops loaded ({len(names)}): " + " ".join(names))
     click.echo("amx: " + _amx_line(isa_.has_amx_int8(flags), s.amx, kernels.amx_min_rows()))
+    bf16_gemm = s.enabled and s.amx and "amx_bf16" in flags and hasattr(ops, "linear_small_bf16_gemm_rows")
+    click.echo("bfloat16 linears of 4-8 rows: " + ("ATen's GEMM (oneDNN, AMX-BF16)" if bf16_gemm
+                                                   else "linear_small_m's own loops"))
 
 
 def _amx_line(cpu_has: bool, wanted: bool, min_rows: int) -> str:
