@@ -107,12 +107,17 @@ def test_bfloat16_rows_with_a_float32_weight(ops, rows, width):
         ops.rms_norm(x.float(), w.bfloat16(), EPS)
 
 
+def random_gate_up(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[rows, 2 width] gate | up values of spread 4, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return (4 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_silu_mul_equals_reference(ops, dtype, rows, width):
-    g = torch.Generator().manual_seed(rows * 7 + width)
-    gate_up = (4 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    gate_up = random_gate_up(rows, width, dtype, seed=rows * 7 + width)
     got = ops.silu_mul(gate_up)
     assert got.shape == (rows, width)
     assert_matches(got, silu_mul_reference(gate_up))
@@ -140,8 +145,7 @@ def test_silu_over_the_whole_float_range(ops):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_gelu_tanh_mul_equals_reference(ops, dtype, rows, width):
-    g = torch.Generator().manual_seed(rows * 5 + width)
-    gate_up = (4 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
+    gate_up = random_gate_up(rows, width, dtype, seed=rows * 5 + width)
     got = ops.gelu_tanh_mul(gate_up)
     want = gelu_tanh_mul_reference(gate_up)
     assert got.shape == want.shape == (rows, width) and got.dtype == want.dtype
