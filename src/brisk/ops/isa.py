@@ -62,25 +62,26 @@ TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2)  # best first
 ISA_CHOICES = ("avx2", "avx512")  # what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for
 
 
+def cpuinfo_field(name: str) -> str:
+    """The value of the first `name` line of /proc/cpuinfo (the first CPU's), stripped; empty where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((line for line in f if line.split(":", 1)[0].strip() == name), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The running CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
-    except OSError:
-        return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The running CPU's vendor_id from /proc/cpuinfo (AuthenticAMD, GenuineIntel, ...; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    return cpuinfo_field("vendor_id")
 
 
 def vendor_cflags(vendor: str) -> tuple[str, ...]:

@@ -45,7 +45,7 @@ def info(load: bool) -> None:
     from brisk.ops import kernels
 
     flags = isa_.cpu_flags()
-    model = _cpu_model()
+    model = isa_.cpuinfo_field("model name") or "unknown"
     vendor = isa_.cpu_vendor()
     click.echo(f"cpu: {model}" + (f" ({vendor})" if vendor else ""))
     click.echo("weight-stream prefetch of the tiled kernels: "
@@ -91,12 +91,3 @@ def _amx_line(cpu_has: bool, wanted: bool, min_rows: int) -> str:
     if not wanted:
         return "not in use (switched off: BRISK_DISABLE_AMX / configure(amx=False))"
     return "not in use (this build has no AMX path, or Linux refused the tile state: arch_prctl)"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            line = next((x for x in f if x.startswith("model name")), "")
-    except OSError:
-        line = ""
-    return line.split(":", 1)[1].strip() if ":" in line else "unknown"
