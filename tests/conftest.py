@@ -9,6 +9,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# the weights cache (model/weights_cache.py) stays off unless a test turns it on in a folder of its own: loads in
+# tests convert what they load, as they always did, and nothing is written to the user's cache
+os.environ["BRISK_WEIGHTS_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session")

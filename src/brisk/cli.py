@@ -246,6 +246,7 @@ def _register_commands() -> None:
     from brisk.bench.report_cmd import report_command
     from brisk.eval.cli import eval_group
     from brisk.lora.cli import finetune
+    from brisk.model.cache_cli import cache_group
     from brisk.model.export_cli import export
     from brisk.ops.kernels_cli import kernels_group
     from brisk.prune.cli import prune
@@ -253,8 +254,8 @@ def _register_commands() -> None:
     from brisk.spec.cli import spec_group
     from brisk.train.cli import distill
 
-    for command in (advise_command, bench, distill, eval_group, export, finetune, kernels_group, prune, quantize,
-                    report_command, spec_group):
+    for command in (advise_command, bench, cache_group, distill, eval_group, export, finetune, kernels_group, prune,
+                    quantize, report_command, spec_group):
         main.add_command(command)
 
 

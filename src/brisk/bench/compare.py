@@ -58,6 +58,10 @@ class EngineFigures:
     decode_tok_s: dict[int, float] = field(default_factory=dict)  # batch size -> decode tokens/s
     greedy_b1: list[int] = field(default_factory=list)
     load_s: float | None = None  # wall seconds from the file to an engine ready to run (best run)
+    # brisk: the best load that converted the file (None: every run mapped its weights from the cache), and whether
+    # any run mapped them (model/weights_cache.py: a file's first load converts and writes it, the next ones map it)
+    load_converting_s: float | None = None
+    weights_cache_hit: bool = False
     rss_bytes: int | None = None  # resident memory the load and warm-up added to the engine's process
     peak_rss_load_bytes: int | None = None  # the process's peak during the load, above its RSS before it
     peak_rss_bytes: int | None = None  # the process's peak from the load on, interpreter and libraries included
@@ -68,6 +72,10 @@ class EngineFigures:
         """Fold in one run: best times and rates (a stray process only ever slows a run), largest memory."""
         self.prefill_s = min(self.prefill_s or run.prefill_s, run.prefill_s)
         self.load_s = min(self.load_s or run.load_s, run.load_s)
+        if run.weights_cache_hit:
+            self.weights_cache_hit = True
+        else:
+            self.load_converting_s = min(self.load_converting_s or run.load_s, run.load_s)
         for b, rate in run.decode_tok_s.items():
             self.decode_tok_s[b] = max(self.decode_tok_s.get(b, 0.0), rate)
         self.greedy_b1 = run.greedy_b1 or self.greedy_b1
@@ -449,7 +457,12 @@ def compare_table(rows: list[CompareRow], sizes: list[int], title: str,
                 add(("", "", "greedy b=1 tokens equal to brisk's"), "",
                     [("yes" if f.greedy_b1 == ours.greedy_b1 else "no" if f.greedy_b1 else "", "")
                      for _, f in theirs])
-        add(("", "", "load (s)"), fmt(ours.load_s, ".2f"), [(fmt(f.load_s, ".2f"), "") for _, f in theirs])
+        add(("", "", "load (s)" + (", weights cache hit" if ours.weights_cache_hit else "")), fmt(ours.load_s, ".2f"),
+            [(fmt(f.load_s, ".2f"), fmt(f.load_s / ours.load_s if f.load_s and ours.load_s else None, ".2f", "x"))
+             for _, f in theirs])
+        if ours.weights_cache_hit and ours.load_converting_s is not None:
+            add(("", "", "first load, converting the file (s)"), fmt(ours.load_converting_s, ".2f"),
+                [("", "") for _ in theirs])
         add(("", "", "RSS added by load + warm-up (MiB)"), mib(ours.rss_bytes),
             [(mib(f.rss_bytes), "") for _, f in theirs])
         add(("", "", "peak RSS of the engine's process (MiB)"), mib(ours.peak_rss_bytes),

@@ -47,6 +47,7 @@ class EngineRun:
     prefill_s: float
     decode_tok_s: dict[int, float] = field(default_factory=dict)
     greedy_b1: list[int] = field(default_factory=list)
+    weights_cache_hit: bool = False  # brisk mapped its converted weights from the cache (model/weights_cache.py)
 
 
 class EngineChildError(RuntimeError):
@@ -132,7 +133,8 @@ def _measure_brisk(job: EngineJob) -> EngineRun:
     decode_rate(llm, job.prompt_ids, 1, 4)  # warm-up: kernels built, pages touched
     rss = report.current_rss_bytes() - rss0
     prefill_s = _brisk_prefill_seconds(llm, job.prefill_ids)
-    run = EngineRun(load_s, rss, 0, peak_load, prefill_s)
+    run = EngineRun(load_s, rss, 0, peak_load, prefill_s,
+                    weights_cache_hit=llm.engine.loaded.weights_cache == "hit")
     for b in job.batch_sizes:
         rate, toks = decode_rate(llm, job.prompt_ids, b, job.output_len)
         run.decode_tok_s[b] = rate

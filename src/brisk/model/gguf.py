@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from brisk.model import mapped
+from brisk.model import mapped, weights_cache
 from brisk.model.config import ModelConfig, UnsupportedModelError
 from brisk.model.fuse import FusedBuffers
 from brisk.model.generation_config import generation_config_from_gguf_metadata
@@ -398,6 +398,9 @@ class GGUFCheckpoint:
     packed_types: dict[str, str] = field(default_factory=dict)
     # buffers the packed weights were written into in their final place (a huge-page arena): to_huge_pages skips them
     placed: list[torch.Tensor] = field(default_factory=list)
+    # model/weights_cache.py: "hit" (the converted weights were mapped from the cache), "written" (this load wrote
+    # its entry), None (not cached: off, or too little converted)
+    cached: str | None = None
 
 
 # ggml float types a tensor can be mapped from, when the model runs in that dtype
@@ -443,6 +446,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
             raise GGUFError(f"{f.path}: tensor {name!r} has type {info.qtype.name}, which is not supported; "
                             f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     tokenizer = tokenizer_from_gguf_metadata(f.metadata, f.path)
+    # what this load converts (repacked, fused, re-typed) is cached on disk: a later load maps it (weights_cache.py)
+    cache = weights_cache.Settings.from_env()
+    options = {"dtype": str(dtype), "fuse": fuse, "mmap": mmap_weights, "own_precision": keep_quantized}
+    if (hit := weights_cache.lookup(cache, f.path, options)) is not None:
+        if progress is not None:
+            progress(sum(info.n_bytes for info in f.tensors.values()))
+        return GGUFCheckpoint(config, hit.tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
+                              mapped=hit.mapped, packed=hit.packed, packed_types=hit.packed_types, cached="hit")
 
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     if config.is_gemma:
@@ -512,9 +523,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
         if progress is not None:
             progress(info.n_bytes)
     fh.close()
+    written = weights_cache.store(cache, f.path, options, tensors, packed, packed_types, base if used else None)
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
                           mapped=[base] if used and base is not None else [], packed=packed,
-                          packed_types=packed_types, placed=placed)
+                          packed_types=packed_types, placed=placed, cached="written" if written else None)
 
 
 def _repack_tensors(f: GGUFFile, config: ModelConfig, expected: dict[str, tuple[str, tuple[int, ...]]],

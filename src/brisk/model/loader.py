@@ -79,6 +79,8 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     dummy_shape: str | None = None  # load_format "dummy": the shape of the random weights (path: the tokenizer's)
+    # model/weights_cache.py: "hit" (converted weights mapped from the cache), "written" (this load wrote them), None
+    weights_cache: str | None = None
     # the model's own generation config (model/generation_config.py): an HF folder's generation_config.json, a
     # GGUF file's general.sampling.* values; brisk's checkpoints written from this model carry it on
     generation_config: dict[str, Any] = field(default_factory=dict)
@@ -240,7 +242,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
             drop_unused_pages(base, live)
     return LoadedModel(net, config, tokenizer, path, dtype, time.perf_counter() - start,
                        generation_config=dict(getattr(ckpt, "generation_config", {})),
-                       dummy_shape=getattr(ckpt, "shape", None))
+                       dummy_shape=getattr(ckpt, "shape", None), weights_cache=getattr(ckpt, "cached", None))
 
 
 @dataclass
