@@ -199,6 +199,10 @@ def test_least_recently_used_entries_go_beyond_the_size_limit(tmp_path, cache) -
     left = {Path(e.file).name for e in weights_cache.entries(s)}
     assert len(gone) == 1 and left == {"m0.gguf", "m2.gguf"}
     assert not (cache / "stale.999999999.partial").exists()
+    # a file deleted (a benchmark's temporary one) or rewritten: its entry goes at the next eviction
+    paths[2].unlink()
+    s.max_bytes = 32 << 30
+    assert weights_cache.evict(s) and {Path(e.file).name for e in weights_cache.entries(s)} == {"m0.gguf"}
 
 
 def test_settings_from_the_environment() -> None:

@@ -287,6 +287,9 @@ def run_compare(source: Path, precisions: list[str], prompt_ids: list[int], pref
                     if on_update:
                         on_update(rows)
             gc.collect()
+    from brisk.model import weights_cache
+
+    weights_cache.evict(weights_cache.Settings.from_env())  # the entries of the files written in `tmp`: gone now
     return rows
 
 

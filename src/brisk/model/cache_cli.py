@@ -27,7 +27,8 @@ def info() -> None:
                f"kept within {s.max_bytes / 2**30:.0f} GiB (least recently used deleted first)")
     for e in found:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
-        click.echo(f"  {e.bytes / 2**30:7.2f} GiB  used {used}  {e.file}")
+        gone = "  (its file is gone or changed: deleted at the next write)" if e.orphaned() else ""
+        click.echo(f"  {e.bytes / 2**30:7.2f} GiB  used {used}  {e.file}{gone}")
     click.echo(f"{len(found)} entries, {sum(e.bytes for e in found) / 2**30:.2f} GiB")
 
 

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,14 +167,19 @@ def store(settings: Settings, path: Path, options: dict[str, Any], tensors: dict
         return False
     src_ptr = source.untyped_storage().data_ptr() if source is not None and source.numel() else None
     every = list(tensors.values()) + [t for pw in packed.values() for t in _packed_tensors(pw)]
-    spans = _spans(t for t in every if t.untyped_storage().data_ptr() != src_ptr)
+    try:
+        spans = _spans(t for t in every if t.untyped_storage().data_ptr() != src_ptr)
+    except ValueError as e:
+        log.warning("%s", e)
+        return False
     total = sum(hi - lo for _, lo, hi in spans.values())
     if total < settings.min_bytes:
         return False
     name = key(path, options)
     folder = settings.folder
     meta_path, bin_path = folder / f"{name}.json", folder / f"{name}.bin"
-    tmp = folder / f"{name}.{os.getpid()}.partial"
+    unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"  # (pid first: `evict` tells a dead writer's leftovers by it)
+    tmp = folder / f"{name}.{unique}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free < total + _FREE_MARGIN:
@@ -198,7 +204,9 @@ def store(settings: Settings, path: Path, options: dict[str, Any], tensors: dict
             return {"in": where, "byte": byte, "shape": list(t.shape), "stride": list(t.stride()),
                     "dtype": str(t.dtype).removeprefix("torch.")}
 
-        meta = {"format": FORMAT, "file": str(path.resolve()), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+        st = path.stat()
+        meta = {"format": FORMAT, "file": str(path.resolve()), "file_size": st.st_size,
+                "file_mtime_ns": st.st_mtime_ns, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "options": options, "bin_bytes": at, "uses_source": False,
                 "tensors": {n: spec(t) for n, t in tensors.items()}, "packed": {}, "packed_types": packed_types}
         for n, pw in packed.items():
@@ -208,10 +216,10 @@ def store(settings: Settings, path: Path, options: dict[str, Any], tensors: dict
             t.untyped_storage().data_ptr() == src_ptr for t in every)
         tmp.replace(bin_path)
         text = json.dumps(meta)
-        part = folder / f"{name}.{os.getpid()}.json.partial"
+        part = folder / f"{name}.{unique}.json.partial"
         part.write_text(text)
         part.replace(meta_path)
-    except OSError as e:
+    except (OSError, ValueError, RuntimeError) as e:
         log.warning("weights cache: not written to %s (%s)", folder, e)
         _remove(tmp, bin_path)
         return False
@@ -270,6 +278,16 @@ class Entry:
     bytes: int
     last_used: float
     written: str
+    file_size: int | None = None
+    file_mtime_ns: int | None = None
+
+    def orphaned(self) -> bool:
+        """Whether its GGUF file is gone or is no longer the file it was written from (its key cannot be met)."""
+        try:
+            st = Path(self.file).stat()
+        except OSError:
+            return True
+        return (self.file_size, self.file_mtime_ns) != (st.st_size, st.st_mtime_ns)
 
 
 def entries(settings: Settings) -> list[Entry]:
@@ -283,16 +301,16 @@ def entries(settings: Settings) -> list[Entry]:
         try:
             meta = json.loads(meta_path.read_text())
             out.append(Entry(name, meta.get("file", "?"), bin_path.stat().st_size, meta_path.stat().st_mtime,
-                             meta.get("written", "?")))
+                             meta.get("written", "?"), meta.get("file_size"), meta.get("file_mtime_ns")))
         except (OSError, ValueError):
             continue
     return sorted(out, key=lambda e: -e.last_used)
 
 
 def evict(settings: Settings, keep: str | None = None) -> list[str]:
-    """Delete the least recently used entries beyond `settings.max_bytes` (never `keep`), and the leftovers of
-    writes that did not finish (a .partial whose process is gone, a .bin without its .json). Returns the names
-    deleted."""
+    """Delete the entries of files that are gone or changed (a benchmark's temporary file, an edited model), the
+    least recently used entries beyond `settings.max_bytes` (never `keep`), and the leftovers of writes that did
+    not finish (a .partial whose process is gone, a .bin without its .json). Returns the names deleted."""
     if settings.folder is None or not settings.folder.is_dir():
         return []
     folder = settings.folder
@@ -306,7 +324,7 @@ def evict(settings: Settings, keep: str | None = None) -> list[str]:
     gone, total = [], 0
     for e in entries(settings):
         total += e.bytes
-        if total > settings.max_bytes and e.name != keep:
+        if e.name != keep and (e.orphaned() or total > settings.max_bytes):
             _remove(folder / f"{e.name}.json", folder / f"{e.name}.bin")
             gone.append(e.name)
             total -= e.bytes

@@ -257,6 +257,15 @@ def zero_fraction(module: nn.Module) -> float | None:
     return None
 
 
+def _row_sample_zero_fraction(w: torch.Tensor, every: int = 8) -> float:
+    """Zero fraction of every `every`-th row of `w`: the load's quick look before `zero_fraction`'s exact count,
+    which reads every weight (a 1B float32 model: 0.46 of a 1.25 s load that maps its weights). Pruning spreads its
+    zeros over the rows (unstructured, N:M) or zeroes whole rows or columns (structured), so the sample estimates
+    the fraction well; a dense layer leaves after reading an eighth of its bytes."""
+    rows = w[::every] if w.dim() == 2 and w.shape[0] >= 8 * every else w
+    return 1.0 - torch.count_nonzero(rows).item() / max(1, rows.numel())
+
+
 def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | None = None,
                      int8_dot: bool = False) -> nn.Module | None:
     """The SparseLinear for a linear layer whose zero fraction reaches the threshold of its value kind, else None.
@@ -282,6 +291,8 @@ def to_sparse_module(module: nn.Module, min_sparsity: dict[int, float | None] | 
         # bfloat16 models keep the dense path: float32 values would double their bytes
         if threshold is None or module.weight.dtype != torch.float32:
             return None
+        if _row_sample_zero_fraction(module.weight) < threshold / 2:
+            return None  # far from sparse enough in a look at every 8th row: not worth the exact count of all
         frac = zero_fraction(module)
         if frac is None or frac < threshold:
             return None
