@@ -121,5 +121,10 @@ def test_quantize_cli_qat_end_to_end(tmp_path):
     assert gptq.exit_code == 0, gptq.output
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["method_config"][
         "init"] == "gptq"
+    bf16 = CliRunner().invoke(main, [*args, "--force", "--bf16"])  # matmuls in bfloat16 autocast
+    assert bf16.exit_code == 0, bf16.output
+    training = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["method_config"][
+        "training"]
+    assert training["config"]["bf16_autocast"] is True
     nf4 = CliRunner().invoke(main, [*args, "--force", "--scheme", "nf4", "--bits", "4"])
     assert nf4.exit_code != 0 and "int" in nf4.output

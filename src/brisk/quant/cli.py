@@ -89,12 +89,14 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
               help="squeezellm: the k-means weighs each weight by its Fisher sensitivity over its row's mean plus "
                    "F (0 = the Fisher sensitivity alone, as the paper). [default: 1]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
+@click.option("--bf16", "bf16_autocast", is_flag=True,
+              help="qat: matmuls in bfloat16 autocast, float32 master weights (pays on AVX512-BF16 / AMX CPUs).")
 @click.option("--force", is_flag=True, help="Write into OUT even if it already holds a checkpoint.")
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
              alpha: float | None, activations: str, threshold: str, outliers: str | None, error_feedback: bool,
-             sensitivity_floor: float | None, temperature: float, force: bool) -> None:
+             sensitivity_floor: float | None, temperature: float, bf16_autocast: bool, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
     OUT loads with no other flags: brisk generate --model OUT, LLM(model=OUT).
@@ -174,7 +176,7 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     elif method == "qat":
         tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr,
                                 1.0 if alpha is None else alpha, temperature,
-                                num_samples, seq_len, seed, batch_size, damp)
+                                num_samples, seq_len, seed, batch_size, damp, bf16_autocast)
     else:
         from brisk.quant.calib import CalibConfig, CalibrationError
 
@@ -246,7 +248,8 @@ def _squeezellm(loaded: LoadedModel, plan: dict[str, LayerQuant], default: Layer
 
 def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, out: Path, text: str, init: str,
          steps: int, lr: float, alpha: float, temperature: float, num_samples: int, seq_len: int, seed: int,
-         batch_size: int, damp: float) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
+         batch_size: int, damp: float, bf16_autocast: bool = False
+         ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
     """QAT on the trainer: GPTQ's codes first when asked, then `steps` distillation steps, then the export."""
     from brisk.quant.calib import CalibConfig, CalibrationError
     from brisk.quant.qat import QATConfig, qat_quantize
@@ -256,7 +259,7 @@ def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, 
     try:
         qat = QATConfig(init=init, alpha=alpha, temperature=temperature)
         config = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(10, steps // 10),
-                             checkpoint_every=0, seed=seed)
+                             checkpoint_every=0, seed=seed, bf16_autocast=bf16_autocast)
         data = TextWindows.from_file(text, loaded.tokenizer, seq_len, seed)
         encoded = None
         if init == "gptq":
