@@ -128,3 +128,31 @@ def test_quantize_cli_qat_end_to_end(tmp_path):
     assert training["config"]["bf16_autocast"] is True
     nf4 = CliRunner().invoke(main, [*args, "--force", "--scheme", "nf4", "--bits", "4"])
     assert nf4.exit_code != 0 and "int" in nf4.output
+
+
+def test_init_gptq_distills_from_the_float_model_not_from_gptqs(tmp_path, monkeypatch):
+    # GPTQ writes its quantized weights into the model it calibrates; the teacher QAT distills from must be the
+    # model as it was before (a copy of the GPTQ model would make the loss ~0 from the first step)
+    import brisk.quant.qat as qat_module
+
+    make_tiny_hf_model(tmp_path / "float", seed=2)
+    original = {k: v.clone() for k, v in load_model(tmp_path / "float", fuse=False).model.state_dict().items()}
+    seen = {}
+    real = qat_module.qat_quantize
+
+    def spy(loaded, plan, default, qat, config, data, out, init=None, teacher=None):  # noqa: ANN001, ANN202
+        seen["teacher"] = {k: v.clone() for k, v in teacher.state_dict().items()}
+        seen["student"] = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+        return real(loaded, plan, default, qat, config, data, out, init=init, teacher=teacher)
+
+    monkeypatch.setattr(qat_module, "qat_quantize", spy)
+    text = tmp_path / "train.txt"
+    text.write_text(TRAINING_TEXT)
+    result = CliRunner().invoke(main, ["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", "qat",
+                                       "--bits", "3", "--group-size", "32", "--text", str(text), "--steps", "1",
+                                       "--seq-len", "32", "--batch-size", "2", "--init", "gptq",
+                                       "--num-samples", "2"])
+    assert result.exit_code == 0, result.output
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(seen["teacher"][name], original[name])  # the float weights
+    assert not torch.equal(seen["student"][name], original[name])  # GPTQ's, where the student starts

@@ -474,9 +474,6 @@ def check_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got {tp} and {pp}")
     if tp * pp == 1:
         return
-    if tp > 1 and pp > 1:
-        raise ValueError("tensor and pipeline parallelism together are not built; use tensor_parallel_size or "
-                         "pipeline_parallel_size, not both")
     world = tp * pp
     if config.nnodes < 1 or world % config.nnodes:
         raise ValueError(f"nnodes ({config.nnodes}) must divide the {world} parallel ranks")

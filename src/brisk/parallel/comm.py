@@ -46,7 +46,7 @@ class Group:
         """Every rank's x (equal shapes), on rank 0 in rank order; None elsewhere."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.device_group)
+        dist.gather(x, parts, group=self.device_group, group_dst=0)  # the group's rank 0 (a subgroup's too)
         return parts
 
     def _isend(self, x: torch.Tensor, dst: int, group: Any) -> None:

@@ -47,6 +47,10 @@ class ParallelState:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     spawned: bool  # this process was spawned by brisk as a worker (it returns to worker_main when stopped)
+    # the tensor-parallel group of this rank's pipeline stage (the whole group without pipeline parallelism);
+    # None without tensor parallelism. Global rank g is stage g // tp, tensor rank g % tp (the driver, rank 0:
+    # stage 0, tensor rank 0)
+    tp_group: Group | None = None
     procs: list[Any] = field(default_factory=list)  # rank -> the worker processes this process spawned
     conns: dict[int, Any] = field(default_factory=dict)  # rank -> read end of its status pipe
     threads: int = 0  # this rank's torch threads (0: left as they are)
@@ -54,6 +58,16 @@ class ParallelState:
     @property
     def is_driver(self) -> bool:
         return self.group.rank == 0
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.group.rank // self.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its stage's tensor-parallel group."""
+        return self.group.rank % self.tensor_parallel_size
 
 
 _STATE: ParallelState | None = None
@@ -86,7 +100,15 @@ def _join(rank: int, world: int, init_method: str, config: EngineConfig, spawned
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     group = Group(rank, world, device_group=None, cpu_group=cpu_group)
-    return ParallelState(group, config.tensor_parallel_size, config.pipeline_parallel_size, spawned)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp_group = group if tp > 1 and pp == 1 else None
+    if tp > 1 and pp > 1:  # one tensor-parallel group per stage; every rank creates every group, in one order
+        for stage in range(pp):
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            sub = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+            if rank in ranks:
+                tp_group = Group(rank - stage * tp, tp, device_group=sub, cpu_group=None)
+    return ParallelState(group, tp, pp, spawned, tp_group=tp_group)
 
 
 def _threads(config: EngineConfig, local_world: int) -> int:

@@ -80,7 +80,7 @@ def pipeline_step(engine: LLMEngine) -> list[RequestOutput]:
     """LLMEngine.step for a pipeline-parallel engine: fill the pipeline, then finish its oldest micro-batch."""
     runner = engine.runner
     scheduler = engine.scheduler
-    num_stages = runner.state.group.size  # type: ignore[attr-defined]
+    num_stages = runner.state.pipeline_parallel_size  # type: ignore[attr-defined]
     while len(runner.in_flight) < num_stages:  # type: ignore[attr-defined]
         busy = {s.req_id for item in runner.in_flight for s in item.sched.scheduled}  # type: ignore[attr-defined]
         sched = schedule_around(scheduler, busy, num_stages)

@@ -138,8 +138,13 @@ class _InFlight:
 
 
 class _StageMixin:
-    """Runs one contiguous stage of layers: receive (x, residual) from the previous rank (or embed, on stage 0),
-    run the stage's layers, send them on (or, on the last stage, the final norm and the logits to rank 0)."""
+    """Runs one contiguous stage of layers: receive (x, residual) from the previous stage (or embed, on stage 0),
+    run the stage's layers, send them on (or, on the last stage, the final norm and the logits to rank 0).
+
+    With tensor parallelism inside the stages (global rank g = stage * tp + tensor rank), every rank of a stage
+    runs the stage on its shard (the all-reduces within the stage's group) and ends with the whole hidden state,
+    so tensor rank r sends to tensor rank r of the next stage, g + tp; on the last stage the vocabulary-parallel
+    head gathers the logits on its tensor rank 0, which sends them to the driver."""
 
     model: LlamaForCausalLM
     state: launch.ParallelState
@@ -147,31 +152,32 @@ class _StageMixin:
 
     @property
     def first(self) -> bool:
-        return self.state.group.rank == 0
+        return self.state.pp_rank == 0
 
     @property
     def last(self) -> bool:
-        return self.state.group.rank == self.state.group.size - 1
+        return self.state.pp_rank == self.state.pipeline_parallel_size - 1
 
     def run_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                     context_lens: torch.Tensor | None) -> torch.Tensor | None:
         model, group, rank = self.model, self.state.group, self.state.group.rank
+        step = self.state.tensor_parallel_size  # global ranks from one stage to the next
         t = ids.shape[0]
         if self.first:
             x, cos, sin = model.prologue(ids, positions, meta, context_lens)  # [T, hidden], [T, d/2] x 2
             residual = None
         else:
             cos, sin = model.cos_sin(positions, context_lens)  # [T, d/2]
-            both = group.recv(torch.empty((2, t, self.hidden_size), dtype=self.dtype), rank - 1)  # [2, T, hidden]
+            both = group.recv(torch.empty((2, t, self.hidden_size), dtype=self.dtype), rank - step)  # [2, T, hidden]
             x, residual = both[0], both[1].clone()
         for layer, kv in zip(model.model.layers, self.kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, meta, kv)
         if not self.last:
-            group.send(torch.stack([x, residual]), rank + 1)  # [2, T, hidden]
+            group.send(torch.stack([x, residual]), rank + step)  # [2, T, hidden]
             return None
         hidden, _ = model.model.norm(x, residual)
-        logits = model.compute_logits(hidden, meta)  # [N, vocab]
-        if not self.first:
+        logits = model.compute_logits(hidden, meta)  # [N, vocab] (tensor rank 0; the others their slice)
+        if not self.first and self.state.tp_rank == 0:
             group.send(logits.contiguous(), 0)
         return logits
 
@@ -214,8 +220,9 @@ class PipelineDriverRunner(_StageMixin, DriverRunner):
         """The oldest micro-batch's RunnerOutput (its logits received from the last stage, then sampled)."""
         item = self.in_flight.popleft()
         try:
-            if item.logits.shape[0]:
-                self.state.group.recv(item.logits, self.state.group.size - 1)
+            if item.logits.shape[0]:  # from the last stage's tensor rank 0
+                last = (self.state.pipeline_parallel_size - 1) * self.state.tensor_parallel_size
+                self.state.group.recv(item.logits, last)
             self._collecting = item
             return item.sched, ModelRunner.execute(self, item.sched, requests)  # the sampling half (below)
         except RuntimeError as e:
@@ -269,12 +276,16 @@ def make_parallel_runner(config: Any, model: LlamaForCausalLM, num_blocks: int, 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     hidden_size = model.config.hidden_size
     full_bytes = weight_bytes(model)
-    if tp > 1:
-        shard_model(model, group)
-        cls: type[_ShardRunner] = DriverRunner if state.is_driver else _ShardRunner
-    else:
-        take_stage(model, stage_layers(model.config.num_hidden_layers, pp)[group.rank], group.rank, pp)
+    if pp > 1:  # this rank's stage first (its layers; the embedding / head where the stage holds them)
+        take_stage(model, stage_layers(model.config.num_hidden_layers, pp)[state.pp_rank], state.pp_rank, pp)
+    if tp > 1:  # then its tensor-parallel share of the stage
+        assert state.tp_group is not None
+        shard_model(model, state.tp_group)
+    cls: type[_ShardRunner]
+    if pp > 1:
         cls = PipelineDriverRunner if state.is_driver else StageWorkerRunner
+    else:
+        cls = DriverRunner if state.is_driver else _ShardRunner
     cache = config.cache
     runner = cls(model, num_blocks, cache.block_size, dtype,
                  config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy, execution="modules")

@@ -257,14 +257,15 @@ def shard_model(model: nn.Module, group: Group) -> None:
         mlp.down_proj = RowParallelLinear(cut_linear(mlp.down_proj, cols=(i0, i1), keep_bias=False), d_bias, group)
         attn.num_heads, attn.num_kv_heads = hs.num_heads, hs.num_kv_heads
     vocab = split_evenly(c.vocab_size, world)
-    embed, head = model.model.embed_tokens, model.lm_head
+    embed, head = model.model.embed_tokens, model.lm_head  # (None on a pipeline stage that does not hold it)
     if type(embed) is nn.Embedding:
         model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *vocab[rank], group)
     # a quantized embedding stays whole on every rank (each looks its rows up itself: no all-reduce)
-    if head.bias is not None or type(head) not in (nn.Linear, FastLinear, QuantLinear):
+    if head is not None and (head.bias is not None or type(head) not in (nn.Linear, FastLinear, QuantLinear)):
         raise ShardingError(f"tensor parallelism cannot split an lm_head of type {type(head).__name__} (with a "
                             "bias or custom); use a float or quantized lm_head without bias")
-    model.lm_head = ParallelLMHead(cut_linear(head, rows=[vocab[rank]]), vocab, rank, group)
+    if head is not None:
+        model.lm_head = ParallelLMHead(cut_linear(head, rows=[vocab[rank]]), vocab, rank, group)
     model.config = dataclasses.replace(c, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads,
                                        intermediate_size=i1 - i0, head_dim=d)
 

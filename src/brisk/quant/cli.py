@@ -261,18 +261,22 @@ def _qat(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, 
         config = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(10, steps // 10),
                              checkpoint_every=0, seed=seed, bf16_autocast=bf16_autocast)
         data = TextWindows.from_file(text, loaded.tokenizer, seq_len, seed)
-        encoded = None
+        encoded, teacher = None, None
         if init == "gptq":
+            import copy
+
             from brisk.quant.support import method_support
 
             if (refusal := method_support("gptq").refusal(loaded.config)) is not None:
                 raise ValueError(f"--init gptq starts QAT from GPTQ's codes, and {refusal.split('; use')[0]}; "
                                  "use --init rtn")
             calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed, batch_size=batch_size)
+            # GPTQ writes its quantized weights into the model as it goes: the teacher is the float model before it
+            teacher = copy.deepcopy(loaded.model)
             tensors, _ = calibrated_quantize(loaded, plan, default, "gptq", calib, damp=damp, act_order=False)
             encoded = {name: {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")
                               and k.rsplit(".", 1)[-1] in ("qweight", "scales", "qzeros")} for name in plan}
-        result = qat_quantize(loaded, plan, default, qat, config, data, out, init=encoded)
+        result = qat_quantize(loaded, plan, default, qat, config, data, out, init=encoded, teacher=teacher)
     except (CalibrationError, TrainDataError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     shutil.rmtree(out / "last", ignore_errors=True)  # the trainer's resumable float state: no use once exported

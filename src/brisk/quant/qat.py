@@ -197,16 +197,20 @@ def num_scale_parameters(model: nn.Module) -> int:
 
 def qat_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, qat: QATConfig,
                  config: TrainConfig, data: TextWindows, out: Path,
-                 init: dict[str, dict[str, Tensor]] | None = None) -> tuple[dict[str, Tensor], QuantizationConfig]:
+                 init: dict[str, dict[str, Tensor]] | None = None,
+                 teacher: nn.Module | None = None) -> tuple[dict[str, Tensor], QuantizationConfig]:
     """QAT of `loaded` (unfused, float) with the float model as teacher; checkpoint tensors and config.
 
-    The trainer (train/trainer.py) runs the loop and writes its log, loss curve and resumable state to `out`;
-    the caller writes the quantized checkpoint over the float one it leaves there.
+    `teacher`: the float model, where `loaded`'s weights no longer are (GPTQ, which `init` comes from, writes its
+    quantized weights into the model it calibrates); default: a copy of `loaded.model` as it is now. The trainer
+    (train/trainer.py) runs the loop and writes its log, loss curve and resumable state to `out`; the caller writes
+    the quantized checkpoint over the float one it leaves there.
     """
     from brisk.train.distill import make_distill_loss
     from brisk.train.trainer import train
 
-    teacher = copy.deepcopy(loaded.model).requires_grad_(False)  # the float model, before any fake-quant
+    # the float model, before any fake-quant
+    teacher = (copy.deepcopy(loaded.model) if teacher is None else teacher).requires_grad_(False)
     frozen = prepare_qat(loaded, plan, init)
     loss_fn = make_distill_loss(teacher, qat.alpha, qat.temperature,
                                 activation_checkpointing=config.activation_checkpointing)
