@@ -404,7 +404,8 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, help="Tensor-parallel ranks: heads, MLP and vocabulary split over N processes (torch.distributed).")
     pipeline_parallel_size: int = setting(
-        1, help="Pipeline-parallel ranks: contiguous layer stages over N processes, several micro-batches in flight.")
+        1, help="Pipeline-parallel ranks: contiguous layer stages over N processes, several micro-batches in flight; "
+                "with --tensor-parallel-size T each stage is split over T ranks (T x N processes).")
     nnodes: int = setting(1, help="Machines the parallel ranks span (each runs this command with its --node-rank).")
     node_rank: int = setting(0, help="This machine's index among --nnodes (0 = the driver's).")
     master_addr: str = setting("127.0.0.1", help="Address of node 0 for the ranks' rendezvous.")
