@@ -449,7 +449,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
     # what this load converts (repacked, fused, re-typed) is cached on disk: a later load maps it (weights_cache.py)
     cache = weights_cache.Settings.from_env()
     options = {"dtype": str(dtype), "fuse": fuse, "mmap": mmap_weights, "own_precision": keep_quantized}
-    if (hit := weights_cache.lookup(cache, f.path, options)) is not None:
+    entry = weights_cache.key(f.path, options) if cache.folder is not None else None  # hashed once a load
+    if (hit := weights_cache.lookup(cache, f.path, options, entry)) is not None:
         if progress is not None:
             progress(sum(info.n_bytes for info in f.tensors.values()))
         return GGUFCheckpoint(config, hit.tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
@@ -523,7 +524,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, fuse: bool =
         if progress is not None:
             progress(info.n_bytes)
     fh.close()
-    written = weights_cache.store(cache, f.path, options, tensors, packed, packed_types, base if used else None)
+    written = weights_cache.store(cache, f.path, options, tensors, packed, packed_types, base if used else None,
+                                  entry)
     return GGUFCheckpoint(config, tensors, tokenizer, generation_config_from_gguf_metadata(f.metadata),
                           mapped=[base] if used and base is not None else [], packed=packed,
                           packed_types=packed_types, placed=placed, cached="written" if written else None)

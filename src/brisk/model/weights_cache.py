@@ -126,11 +126,12 @@ def _tier_name() -> str:
     return kernels.kernel_tier().name
 
 
-def lookup(settings: Settings, path: Path, options: dict[str, Any]) -> Cached | None:
-    """The entry for this file and these settings mapped back, or None (no entry, off, damaged: then deleted)."""
+def lookup(settings: Settings, path: Path, options: dict[str, Any], name: str | None = None) -> Cached | None:
+    """The entry for this file and these settings (`name`: their `key`, computed here if not given) mapped back, or
+    None (no entry, off, damaged: then deleted)."""
     if settings.folder is None:
         return None
-    name = key(path, options)
+    name = name or key(path, options)
     meta_path, bin_path = settings.folder / f"{name}.json", settings.folder / f"{name}.bin"
     if not meta_path.is_file():
         return None
@@ -160,7 +161,8 @@ def lookup(settings: Settings, path: Path, options: dict[str, Any]) -> Cached | 
 
 
 def store(settings: Settings, path: Path, options: dict[str, Any], tensors: dict[str, torch.Tensor],
-          packed: dict[str, PackedWeight], packed_types: dict[str, str], source: torch.Tensor | None) -> bool:
+          packed: dict[str, PackedWeight], packed_types: dict[str, str], source: torch.Tensor | None,
+          name: str | None = None) -> bool:
     """Write an entry for this load's outputs (`source`: the GGUF file's map, which some tensors may view: those
     are recorded as views of it, not copied). Returns whether an entry was written; never fails the load."""
     if settings.folder is None:
@@ -175,7 +177,7 @@ def store(settings: Settings, path: Path, options: dict[str, Any], tensors: dict
     total = sum(hi - lo for _, lo, hi in spans.values())
     if total < settings.min_bytes:
         return False
-    name = key(path, options)
+    name = name or key(path, options)
     folder = settings.folder
     meta_path, bin_path = folder / f"{name}.json", folder / f"{name}.bin"
     unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"  # (pid first: `evict` tells a dead writer's leftovers by it)
@@ -241,13 +243,18 @@ def _spans(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[torch.UntypedStor
             raise ValueError("weights cache: negative strides")
         storage = t.untyped_storage()
         lo = t.storage_offset() * t.element_size()
-        hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+        hi = lo + _extent(t.shape, t.stride(), t.element_size())
         ptr = storage.data_ptr()
         if ptr in out:
             _, a, b = out[ptr]
             lo, hi = min(lo, a), max(hi, b)
         out[ptr] = (storage, lo, hi)
     return out
+
+
+def _extent(shape: Iterable[int], stride: Iterable[int], itemsize: int) -> int:
+    """Bytes from a strided tensor's first element to just past its last (non-negative strides, numel > 0)."""
+    return (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize
 
 
 def _from_spec(spec: dict[str, Any], base: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
@@ -257,7 +264,7 @@ def _from_spec(spec: dict[str, Any], base: torch.Tensor, source: torch.Tensor | 
     if buf is None or spec["byte"] % itemsize or buf.numel() % itemsize:
         raise ValueError(f"a tensor at byte {spec['byte']} of the {spec['in']} is not aligned to its {dtype}")
     shape, stride = spec["shape"], spec["stride"]
-    end = spec["byte"] + (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize
+    end = spec["byte"] + _extent(shape, stride, itemsize)
     if end > buf.numel():
         raise ValueError(f"a tensor ends at byte {end}, past the {spec['in']}'s {buf.numel()}")
     return buf.view(dtype).as_strided(shape, stride, spec["byte"] // itemsize)
