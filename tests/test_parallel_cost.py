@@ -46,21 +46,55 @@ def test_single_and_tensor_parallel_step_hand_computed():
     assert single.tok_s == pytest.approx(1 / 3.01)
     tp = predict(SHAPE, "tp", 2, 1, SPEED, LINK, bytes_per_param=1.0, act_bytes=4)
     # each rank streams half: 1.5 s; 2 layers x 2 all-reduces of 1 x 10 x 4 = 40 bytes: 4 x (2 ms + 40 ms);
-    # logits gather: 1 x (1 ms + 1 x 50 x 4 bytes / 1000) = 201 ms
+    # logits gather: 1 x (1 ms + 1 x 50 x 4 bytes / 1000) = 201 ms; the schedule to the worker: 1 ms
     assert tp.compute_s == pytest.approx(1.5)
-    assert tp.comm_s == pytest.approx(4 * 0.042 + 0.201)
-    assert tp.step_s == pytest.approx(0.01 + 1.5 + 0.369)
+    assert tp.comm_s == pytest.approx(4 * 0.042 + 0.201 + 0.001)
+    assert tp.step_s == pytest.approx(0.01 + 1.5 + 0.370)
     assert tp.read_bytes_per_rank == pytest.approx(1500)
+    # sends on a link of their own: only the schedule's latency moves (collectives stay on LINK)
+    tp2 = predict(SHAPE, "tp", 2, 1, SPEED, LINK, bytes_per_param=1.0, p2p=Link(5e-3, 1000.0))
+    assert tp2.comm_s == pytest.approx(4 * 0.042 + 0.201 + 0.005)
+
+
+def test_host_time_per_step_per_layer_and_per_token():
+    speed = RankSpeed(1000.0, 1e9, step_overhead_s=0.01, layer_overhead_s=0.002, step_token_s=0.001,
+                      layer_token_s=0.0005)
+    # driver: 10 ms + 4 x 1 ms, + 3 layers x (2 ms + 4 x 0.5 ms); a worker only the layers
+    assert speed.host_s(3, 4) == pytest.approx(0.014 + 3 * 0.004)
+    assert speed.host_s(3, 4, driver=False) == pytest.approx(3 * 0.004)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        RankSpeed(1000.0, 1e9, layer_token_s=-1.0)
 
 
 def test_pipeline_overlap_hand_computed():
     link = Link(0.0, 1e12)  # a free link: only the stages count
-    # stage 0: 1 layer = 1 s; stage 1: 1 layer + head = 2 s; + 10 ms host each
+    # stage 0: 1 layer = 1 s + the driver's 10 ms host; stage 1: 1 layer + head = 2 s
     one = predict(SHAPE, "pp", 2, 1, SPEED, link, bytes_per_param=1.0)
-    assert one.step_s == pytest.approx(1.01 + 2.01, rel=1e-6)  # one micro-batch walks both stages
+    assert one.step_s == pytest.approx(1.01 + 2.0, rel=1e-6)  # one micro-batch walks both stages
     four = predict(SHAPE, "pp", 2, 4, SPEED, link, bytes_per_param=1.0)
-    assert four.step_s == pytest.approx(2 * 2.01, rel=1e-6)  # 2 micro-batches: 2 x the slowest stage
-    assert four.tok_s == pytest.approx(4 / 4.02, rel=1e-6)
+    assert four.step_s == pytest.approx(2 * 2.0, rel=1e-6)  # 2 micro-batches: 2 x the slowest stage
+    assert four.tok_s == pytest.approx(4 / 4.0, rel=1e-6)
+    # a slow driver makes the first stage the slowest
+    slow = predict(SHAPE, "pp", 2, 4, RankSpeed(1000.0, 1e9, step_overhead_s=1.5), link, bytes_per_param=1.0)
+    assert slow.step_s == pytest.approx(2 * 2.5, rel=1e-6)
+    # the hand-offs on the p2p link: stage 0 sends [2, 2, 10] float32 (160 bytes), stage 1 the logits (2 x 100 x 4)
+    wire = Link(0.0, 1000.0)
+    sent = predict(SHAPE, "pp", 2, 4, SPEED, link, bytes_per_param=1.0, p2p=wire)
+    assert sent.step_s == pytest.approx(2 * (2.0 + 0.8), rel=1e-6)
+
+
+def test_fit_link_least_squares():
+    from brisk.bench.cli_parallel import fit_link
+
+    pts = [{"bytes": b, "seconds": 1e-4 + b / 2e9} for b in (1000, 10_000, 100_000)]
+    fit = fit_link(pts)
+    assert fit["latency_s"] == pytest.approx(1e-4) and fit["bandwidth"] == pytest.approx(2e9)
+    # a ring all-reduce on 2 ranks: 2 latencies, the bytes once
+    ar = fit_link([{"bytes": b, "seconds": 2e-4 + b / 2e9} for b in (1000, 100_000)], steps=2, share=1)
+    assert ar["latency_s"] == pytest.approx(1e-4) and ar["bandwidth"] == pytest.approx(2e9)
+    # noise larger than the bytes' part: all latency, never a negative bandwidth
+    flat = fit_link([{"bytes": 1000, "seconds": 3e-4}, {"bytes": 100_000, "seconds": 2e-4}])
+    assert flat["latency_s"] == pytest.approx(2.5e-4) and flat["bandwidth"] == pytest.approx(100_000 / 2e-4)
 
 
 def test_more_bandwidth_is_faster_and_more_ranks_split_the_weights():
@@ -118,7 +152,11 @@ def test_bench_parallel_end_to_end(tmp_path):
     for row in doc["summary"].values():
         assert row["measured_tok_s"] > 0 and row["predicted_tok_s"] > 0
     assert [p["bytes"] for p in doc["link"]["all_reduce"]] == [r * 64 * 4 for r in (1, 4, 16)]
-    assert doc["link"]["fit"]["bandwidth"] > 0
+    assert [p["bytes"] for p in doc["link"]["gather"]] == [r * 192 * 4 for r in (1, 4)]  # vocab 384 / 2 ranks
+    assert [p["bytes"] for p in doc["link"]["send_recv"]] == ([2 * r * 64 * 4 for r in (1, 4, 16)]
+                                                              + [r * 384 * 4 for r in (1, 4)])
+    assert doc["link"]["collectives"]["bandwidth"] > 0 and doc["link"]["p2p"]["bandwidth"] > 0
+    assert all(doc["decode"][f"modules/{b}"]["forward_s"] > 0 for b in (1, 4))
     assert len(doc["compute"]["tp"]) == 2 and set(doc["compute"]["tp"][0]["seconds"]) == {"1", "4", "16"}
     # tensor parallelism: each rank holds about half the weights
     full = doc["weight_bytes_per_rank"]["single"][0]

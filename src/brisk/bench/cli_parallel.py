@@ -14,54 +14,78 @@ from brisk.bench import report
 from brisk.bench.options import build_llm, describe_model, engine_flags, set_threads
 
 
-def fit_link(points: list[dict[str, float]], ranks: int) -> dict[str, float]:
-    """The Link whose ring all-reduce (parallel/cost.py all_reduce_s) matches the measured one at the smallest and
-    the largest message: t = 2 (N-1) a + 2 (N-1)/N x bytes / b."""
-    small, big = points[0], points[-1]
-    steps = 2 * (ranks - 1)
-    extra_s = big["seconds"] - small["seconds"]
-    extra_b = (big["bytes"] - small["bytes"]) * steps / ranks
-    bw = extra_b / extra_s if extra_s > 0 else big["bytes"] * steps / ranks / big["seconds"]
-    return {"latency_s": small["seconds"] / steps, "bandwidth": bw}
+def fit_link(points: list[dict[str, float]], steps: float = 1.0, share: float = 1.0) -> dict[str, float]:
+    """The (latency, bandwidth) of a message costing t = steps x a + share x bytes / b, fitted by least squares to
+    the measured (bytes, seconds) points (bandwidth held positive: at small messages the noise of a loaded link can
+    exceed the bytes' part). A ring all-reduce on N ranks: steps = 2 (N-1), share = 2 (N-1)/N; a send: 1 and 1."""
+    xs = [p["bytes"] * share for p in points]
+    ys = [p["seconds"] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # no measurable bytes' part: the whole time is latency, the bandwidth that of the largest
+        big = max(points, key=lambda p: p["bytes"])
+        return {"latency_s": my / steps, "bandwidth": big["bytes"] * share / big["seconds"]}
+    return {"latency_s": max(0.0, my - slope * mx) / steps, "bandwidth": 1.0 / slope}
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """(fixed, per token) of a cost measured at token counts {n: seconds}: the line through the smallest and the
+    largest, each part clipped at 0."""
+    lo, hi = min(points), max(points)
+    per = max(0.0, (points[hi] - points[lo]) / (hi - lo)) if hi > lo else 0.0
+    return max(0.0, points[lo] - per * lo), per
+
+
 def _predictions(shape: Any, decode: dict[str, Any], single_compute: dict[str, float],
-                 probes: list[dict[str, Any]], link: Any, batches: tuple[int, ...], prefill: int,
-                 bytes_per_param: float, single_linear_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The cost model fitted here. Effective bandwidth and flop/s of the linears (decode rows, prefill rows) from
-    the compute probes. Host seconds: the single process's = its measured step less its linears; a rank's = per
-    layer, from the module-path process on a rank's threads (its step less the whole model's linears at those
-    threads: the PP stages' probes added up), divided by the layers."""
+                 modules_compute: dict[str, float], probes: list[dict[str, Any]], link: Any, p2p: Any,
+                 batches: tuple[int, ...], bytes_per_param: float, single_linear_bytes: int
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The cost model fitted here. Each rank's bandwidth = its linears' bytes over their decode-row seconds; its
+    flop/s = the linears' flops at the largest decode batch over their seconds (a skinny matmul's rate, not a
+    prefill's). Host seconds, each a fixed part plus a part per token (the line through batch 1 and --batch):
+    the single process's a step = its measured step less its linears; a rank's from the module-path process on a
+    rank's threads: a step = its step less its forward (scheduling, sampling: the driver's), a layer = its forward
+    less its linears (timed in that process, at those threads), over the layers."""
     from brisk.parallel.cost import RankSpeed, predict
 
-    flops_prefill = 2 * shape.matmul_params * prefill
-    single_speed = RankSpeed(single_linear_bytes / single_compute["1"], flops_prefill / single_compute[str(prefill)])
+    top = max(batches)
+    flops_top = 2 * shape.matmul_params * top
+    single_speed = RankSpeed(single_linear_bytes / single_compute["1"], flops_top / single_compute[str(top)])
     speeds: dict[str, Any] = {"single": single_speed}
     for mode in ("tp", "pp"):
-        # the ranks' mean: each rank's linear bytes over its decode seconds; its flops over its prefill seconds
+        # the ranks' mean: each rank's linear bytes over its decode seconds; its flops over its batch seconds
         bws = [p["compute"][mode]["linear_bytes"] / p["compute"][mode]["seconds"]["1"] for p in probes]
         share = [p["compute"][mode]["linear_bytes"] / single_linear_bytes for p in probes]
-        fls = [flops_prefill * sh / p["compute"][mode]["seconds"][str(prefill)]
-               for sh, p in zip(share, probes, strict=True)]
+        fls = [flops_top * sh / p["compute"][mode]["seconds"][str(top)] for sh, p in zip(share, probes, strict=True)]
         speeds[mode] = RankSpeed(_mean(bws), _mean(fls))
-    preds: dict[str, Any] = {}
-    hosts: dict[str, Any] = {}
+    single_host, rank_step, rank_layer = {}, {}, {}
     for b in batches:
-        host = max(0.0, b / decode[f"single/{b}"]["tok_s"] - single_compute[str(b)])
-        rank_linears = sum(p["compute"]["pp"]["seconds"][str(b)] for p in probes)
-        layer_host = max(0.0, b / decode[f"modules/{b}"]["tok_s"] - rank_linears) / shape.num_layers
-        hosts[str(b)] = {"single_step_s": host, "rank_layer_s": layer_host}
+        single_host[b] = max(0.0, b / decode[f"single/{b}"]["tok_s"] - single_compute[str(b)])
+        mod = decode[f"modules/{b}"]
+        step = b / mod["tok_s"]
+        forward = mod["forward_s"] / mod["steps"] if mod["steps"] else step
+        rank_step[b] = max(0.0, step - forward)
+        rank_layer[b] = max(0.0, forward - modules_compute[str(b)]) / shape.num_layers
+    s0, s1 = _line(single_host)
+    r0, r1 = _line(rank_step)
+    l0, l1 = _line(rank_layer)
+    hosts = {str(b): {"single_step_s": single_host[b], "rank_step_s": rank_step[b], "rank_layer_s": rank_layer[b]}
+             for b in batches}
+    preds: dict[str, Any] = {}
+    for b in batches:
         for mode in ("single", "tp", "pp"):
             sp = speeds[mode]
-            sp = (RankSpeed(sp.mem_bandwidth, sp.flops, step_overhead_s=host) if mode == "single"
-                  else RankSpeed(sp.mem_bandwidth, sp.flops, layer_overhead_s=layer_host))
+            sp = (RankSpeed(sp.mem_bandwidth, sp.flops, step_overhead_s=s0, step_token_s=s1) if mode == "single"
+                  else RankSpeed(sp.mem_bandwidth, sp.flops, step_overhead_s=r0, step_token_s=r1,
+                                 layer_overhead_s=l0, layer_token_s=l1))
             ranks = 1 if mode == "single" else len(probes)
             preds[f"{mode}/{b}"] = predict(shape, mode, ranks, b, sp, link if mode != "single" else None,
-                                           bytes_per_param=bytes_per_param).to_dict()
+                                           bytes_per_param=bytes_per_param, p2p=p2p).to_dict()
     fitted = {k: {"mem_bandwidth": v.mem_bandwidth, "flops": v.flops} for k, v in speeds.items()}
     return preds, {**fitted, "host": hosts}
 
@@ -99,8 +123,8 @@ def _print_predictions(shape_name: str, ranks: int, batches: tuple[int, ...], li
               help="Prompt tokens of every request; also the prefill chunk of the compute probe.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per request.")
 @click.option("--reps", type=int, default=20, show_default=True, help="Repeats of every probe (median).")
-@click.option("--runs", type=int, default=3, show_default=True,
-              help="Decode runs of every engine and batch; the fastest is reported.")
+@click.option("--runs", type=int, default=5, show_default=True,
+              help="Decode runs of every engine and batch; the median is reported (and every run in the JSON).")
 @click.option("--short", is_flag=True, help="A quick pass: 8 tokens out, 5 repeats, 1 run (for a smoke test).")
 @click.option("--predict", "predict_shape", default=None,
               help="Measure nothing: print the cost model's predictions for this shape (a name in model/dummy.py or "
@@ -150,8 +174,15 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     engine_kw = {k: v for k, v in engine_kwargs(kw).items() if v is not None}
     console = Console()
 
-    # decode first: the single process's model is also the one whose linears are timed with every thread
+    from brisk.engine.llm_engine import load_engine_model
+    from brisk.engine.settings import build_engine_config
+
+    # decode first; the single and module-path processes' linears are timed right after their own runs (a fresh
+    # load: the engine may have converted its own), so that the host time subtracted from their steps comes from
+    # the same minute of a machine whose speed drifts
     decode: dict[str, Any] = {}
+    linears: dict[str, dict[str, float]] = {}
+    single_linear_bytes = 0
     weights: dict[str, list[int]] = {}
     model_facts: dict[str, Any] = {}
     rank_threads = max(1, threads // ranks)
@@ -172,55 +203,72 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                     config = loaded.config
                 for b in batches:
                     run_decode(llm, b, input_len, min(output_len, 4), seed=1)  # warm-up
-                    # best of --runs: another process's load only ever makes a run slower
-                    res = [run_decode(llm, b, input_len, output_len, seed=2 + r) for r in range(runs)]
-                    best = max(res, key=lambda d: d.tok_s)
+                    # the median of --runs: a shared VM's runs spread both ways (a neighbour's load, a stolen
+                    # core), and the probes it is compared with are means and medians too
+                    res = sorted((run_decode(llm, b, input_len, output_len, seed=2 + r) for r in range(runs)),
+                                 key=lambda d: d.tok_s)
+                    best = res[len(res) // 2]
                     decode[f"{mode}/{b}"] = {"batch": b, "tok_s": best.tok_s, "decode_tokens": best.decode_tokens,
-                                             "decode_s": best.decode_s, "tok_s_all": [d.tok_s for d in res]}
+                                             "decode_s": best.decode_s, "steps": best.steps,
+                                             "forward_s": best.forward_s, "tok_s_all": [d.tok_s for d in res]}  # sorted
                     advance(runs * b * output_len)
                 weights[mode] = llm.engine.rank_weight_bytes()
+                if mode in ("single", "modules"):
+                    fresh = load_engine_model(build_engine_config(**{**engine_kw, **sizes}))
+                    linears[mode] = time_linears(fresh.model, fresh.dtype, rows, reps)
+                    single_linear_bytes = single_linear_bytes or linear_bytes(fresh.model)
+                    del fresh
             finally:
                 llm.engine.shutdown()
             del llm
     torch.set_num_threads(threads)
-
-    # the single process's linears with every thread (a fresh load: the engine may have converted its own)
-    from brisk.engine.llm_engine import load_engine_model
-    from brisk.engine.settings import build_engine_config
-
-    single_loaded = load_engine_model(build_engine_config(**engine_kw))
-    single_compute = time_linears(single_loaded.model, single_loaded.dtype, rows, reps)
-    single_linear_bytes = linear_bytes(single_loaded.model)
-    del single_loaded
+    single_compute = linears["single"]
 
     with report.progress_bar(f"probes: {ranks} ranks x {max(1, threads // ranks)} threads", 1) as advance:
         probes = run_probes({**engine_kw, "num_threads": max(1, threads // ranks)}, ranks, max(1, threads // ranks),
-                            config.hidden_size, rows, reps)
+                            config.hidden_size, config.vocab_size, rows, reps, link_reps=25 * reps)
         advance(1)
 
     shape = model_shape(config)
-    link_fit = fit_link([{k: _mean([p["all_reduce"][i][k] for p in probes]) for k in ("bytes", "seconds")}
-                         for i in range(len(probes[0]["all_reduce"]))], ranks)
-    link = Link(link_fit["latency_s"], link_fit["bandwidth"])
+    def points(op: str, among: list[dict[str, Any]]) -> list[dict[str, float]]:  # the ranks' mean a message
+        return [{k: _mean([p[op][i][k] for p in among]) for k in ("bytes", "seconds")}
+                for i in range(len(among[0][op]))]
+
+    # collectives: latency from the all-reduces, bandwidth from the sends when the all-reduce shows none
+    p2p_fit = fit_link(points("send_recv", probes[1:2]))
+    ar_fit = fit_link(points("all_reduce", probes), 2 * (ranks - 1), 2 * (ranks - 1) / ranks)
+    link_fit = {"latency_s": ar_fit["latency_s"], "bandwidth": min(ar_fit["bandwidth"], p2p_fit["bandwidth"])}
+    link, p2p = Link(link_fit["latency_s"], link_fit["bandwidth"]), Link(p2p_fit["latency_s"], p2p_fit["bandwidth"])
     bytes_per_param = single_linear_bytes / shape.matmul_params
-    preds, speeds = _predictions(shape, decode, single_compute, probes, link, batches, input_len,
+    preds, speeds = _predictions(shape, decode, single_compute, linears["modules"], probes, link, p2p, batches,
                                  bytes_per_param, single_linear_bytes)
 
     # ------------------------------------------------------------------ tables
-    from brisk.parallel.cost import all_reduce_s, send_s
+    from brisk.parallel.cost import all_reduce_s, gather_s, send_s
 
-    t = Table(title=f"link: gloo, {ranks} ranks on this machine; fitted latency {link.latency_s * 1e6:.0f} us, "
-                    f"bandwidth {link.bandwidth / 1e9:.2f} GB/s (fitted to the all-reduce; means of --reps)")
-    for col in ("rows x hidden", "bytes", "all-reduce us", "model us", "all-reduce GB/s", "send/recv us",
-                "model us ", "send/recv GB/s"):
+    t = Table(title=f"link: gloo, {ranks} ranks on this machine, each message after a small matmul, means of "
+                    f"{25 * reps}; collectives: latency {link.latency_s * 1e6:.0f} us a ring step, "
+                    f"{link.bandwidth / 1e9:.2f} GB/s; sends: {p2p.latency_s * 1e6:.0f} us + {p2p.bandwidth / 1e9:.2f} "
+                    f"GB/s (least-squares fits)")
+    for col in ("message", "shape", "bytes", "measured us", "model us", "GB/s"):
         t.add_column(col, justify="right")
-    rows_ = probes[0]["all_reduce"]
-    ar = [_mean([p["all_reduce"][i]["seconds"] for p in probes]) for i in range(len(rows_))]
-    sr = [_mean([p["send_recv"][i]["seconds"] for p in probes[:2]]) for i in range(len(rows_))]
-    for i, r in enumerate(rows_):
-        t.add_row(f"{r['rows']} x {config.hidden_size}", f"{r['bytes']:,}", f"{ar[i] * 1e6:.0f}",
-                  f"{all_reduce_s(r['bytes'], ranks, link) * 1e6:.0f}", f"{r['bytes'] / ar[i] / 1e9:.2f}",
-                  f"{sr[i] * 1e6:.0f}", f"{send_s(r['bytes'], link) * 1e6:.0f}", f"{r['bytes'] / sr[i] / 1e9:.2f}")
+    measured: dict[str, list[dict[str, Any]]] = {}
+    for op, among in (("all_reduce", probes), ("gather", probes), ("send_recv", probes[1:2])):
+        measured[op] = [{**r, "seconds": pt["seconds"]} for r, pt in zip(probes[0][op], points(op, among), strict=True)]
+    vocab_share = config.vocab_size // ranks
+    for op, rs in measured.items():
+        for r in rs:
+            if op == "all_reduce":
+                shape_s, model_s = f"{r['rows']} x {config.hidden_size}", all_reduce_s(r["bytes"], ranks, link)
+            elif op == "gather":
+                shape_s, model_s = f"{r['rows']} x {vocab_share}", gather_s(r["bytes"], ranks, link)
+            else:
+                hand_off = r["bytes"] == 2 * r["rows"] * config.hidden_size * 4
+                shape_s = (f"2 x {r['rows']} x {config.hidden_size}" if hand_off
+                           else f"{r['rows']} x {config.vocab_size}")
+                model_s = send_s(r["bytes"], p2p)
+            t.add_row(op.replace("_", " ").replace("send recv", "send"), shape_s, f"{r['bytes']:,}",
+                      f"{r['seconds'] * 1e6:.0f}", f"{model_s * 1e6:.0f}", f"{r['bytes'] / r['seconds'] / 1e9:.2f}")
     console.print(t)
 
     t = Table(title=f"compute of the linears per rank ({max(1, threads // ranks)} threads each, all ranks at once; "
@@ -233,6 +281,8 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
         t.add_column(f"{n} row{'s' if n > 1 else ''}", justify="right")
     t.add_row("whole", "-", str(config.num_hidden_layers), f"{single_linear_bytes / 2**20:.1f}",
               *(f"{single_compute[str(n)] * 1e3:.2f}" for n in rows))
+    t.add_row(f"whole, {rank_threads} thr", "-", str(config.num_hidden_layers), f"{single_linear_bytes / 2**20:.1f}",
+              *(f"{linears['modules'][str(n)] * 1e3:.2f}" for n in rows))
     for mode in ("tp", "pp"):
         for p in probes:
             c = p["compute"][mode]
@@ -246,8 +296,9 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
                               for k, v in speeds.items() if k != "host")
                   + "; host a step, single process: " + ", ".join(
                       f"{h['single_step_s'] * 1e3:.1f} ms (batch {b})" for b, h in speeds["host"].items())
-                  + f"; a rank, per layer ({rank_threads} thread(s), module path): " + ", ".join(
-                      f"{h['rank_layer_s'] * 1e3:.2f} ms (batch {b})" for b, h in speeds["host"].items()))
+                  + f"; a rank ({rank_threads} thread(s), module path), the driver's a step and a layer's: "
+                  + ", ".join(f"{h['rank_step_s'] * 1e3:.2f} and {h['rank_layer_s'] * 1e3:.2f} ms (batch {b})"
+                              for b, h in speeds["host"].items()))
 
     t = Table(title=f"decode tok/s: {model_facts['name']} ({model_facts['dtype']}), {input_len} prompt tokens -> "
                     f"{output_len}, same run; predicted = parallel/cost.py fitted here")
@@ -280,10 +331,10 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     if json_path:
         report.write_json(json_path, "parallel", click.get_current_context().params, {
             "model": model_facts, "threads": threads, "ranks": ranks, "rows": list(rows),
-            "link": {"fit": link_fit, "all_reduce": [{**r, "seconds": ar[i]} for i, r in enumerate(rows_)],
-                     "send_recv": [{**r, "seconds": sr[i]} for i, r in enumerate(rows_)]},
+            "link": {"collectives": link_fit, "p2p": p2p_fit, **measured},
             "compute": {"single": {"seconds": single_compute, "linear_bytes": single_linear_bytes,
                                    "threads": threads},
+                        "modules": {"seconds": linears["modules"], "threads": rank_threads},
                         **{mode: [p["compute"][mode] for p in probes] for mode in ("tp", "pp")}},
             "rank_speeds": [{"rank": p["rank"], "mem_bandwidth": p["mem_bandwidth"], "flops": p["flops"]}
                             for p in probes],

@@ -42,34 +42,46 @@ def _median_s(fn: Any, reps: int) -> float:
     return statistics.median(_times(fn, reps))
 
 
-def _mean_s(fn: Any, reps: int) -> float:
-    """The mean, not the median: an engine step waits on dozens of collectives in a row, so a peer's late
-    (descheduled) turn counts at its full weight."""
-    return statistics.fmean(_times(fn, reps))
+def _link_probe(rank: int, hidden: int, vocab: int, rows: tuple[int, ...], reps: int
+                ) -> dict[str, list[dict[str, float]]]:
+    """The messages the parallel engine sends, every rank running it, each call after a small matmul (as in a
+    forward, where a rank computes between its collectives): all_reduce of rows x hidden; gather to rank 0 of rows
+    x vocab/N (tensor parallelism's logits); send rank 0 -> 1 (blocking, one way, the receiver waiting) of
+    [2, rows, hidden] (a pipeline stage's hand-off) and of rows x vocab (the last stage's logits)."""
+    world = dist.get_world_size()
+    w = torch.randn(hidden, 4 * hidden)
+    busy = torch.randn(8, hidden)
+    out: dict[str, list[dict[str, float]]] = {"all_reduce": [], "gather": [], "send_recv": []}
 
-
-def _link_probe(rank: int, hidden: int, rows: tuple[int, ...], reps: int) -> dict[str, list[dict[str, float]]]:
-    """all_reduce and send/recv (rank 0 <-> rank 1) of rows x hidden float32; every rank runs it."""
-    out: dict[str, list[dict[str, float]]] = {"all_reduce": [], "send_recv": []}
-    for n in rows:
-        x = torch.randn(n, hidden)
+    def timed(fn: Any) -> float:
         dist.barrier()
-        s = _mean_s(lambda x=x: dist.all_reduce(x), reps)
-        out["all_reduce"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
+        fn()
+        total = 0.0
+        for _ in range(reps):
+            torch.mm(busy, w)
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        return total / reps
+
     for n in rows:
         x = torch.randn(n, hidden)
+        out["all_reduce"].append({"rows": n, "bytes": x.numel() * 4, "seconds": timed(lambda x=x: dist.all_reduce(x))})
+    for n in sorted({1, max(rows[:-1] or rows)}):  # the decode batches (the last row count is the prefill chunk)
+        x = torch.randn(n, max(1, vocab // world))
+        parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+        out["gather"].append({"rows": n, "bytes": x.numel() * 4,
+                              "seconds": timed(lambda x=x, parts=parts: dist.gather(x, parts, dst=0))})
+    for shape in [(2, n, hidden) for n in rows] + [(n, vocab) for n in sorted({1, max(rows[:-1] or rows)})]:
+        x = torch.randn(*shape)
 
-        def ping(x: torch.Tensor = x) -> None:  # one way = half a round trip
+        def one_way(x: torch.Tensor = x) -> None:
             if rank == 0:
                 dist.send(x, 1)
-                dist.recv(x, 1)
             elif rank == 1:
                 dist.recv(x, 0)
-                dist.send(x, 0)
 
-        dist.barrier()
-        s = _mean_s(ping, reps) / 2
-        out["send_recv"].append({"rows": n, "bytes": x.numel() * 4, "seconds": s})
+        out["send_recv"].append({"rows": shape[-2], "bytes": x.numel() * 4, "seconds": timed(one_way)})
     return out
 
 
@@ -166,12 +178,12 @@ def _compute_probe(engine_kw: dict[str, Any], rank: int, world: int, rows: tuple
 
 
 def _probe_main(rank: int, world: int, port: int, threads: int, engine_kw: dict[str, Any], hidden: int,
-                rows: tuple[int, ...], reps: int, queue: Any) -> None:
+                vocab: int, rows: tuple[int, ...], reps: int, link_reps: int, queue: Any) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = {"rank": rank, "threads": threads, **_link_probe(rank, hidden, rows, reps), **_speed_probe(reps),
-                  "compute": _compute_probe(engine_kw, rank, world, rows, reps)}
+        result = {"rank": rank, "threads": threads, **_link_probe(rank, hidden, vocab, rows, link_reps),
+                  **_speed_probe(reps), "compute": _compute_probe(engine_kw, rank, world, rows, reps)}
         queue.put(result)
     except BaseException as e:
         queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
@@ -180,8 +192,8 @@ def _probe_main(rank: int, world: int, port: int, threads: int, engine_kw: dict[
         dist.destroy_process_group()
 
 
-def run_probes(engine_kw: dict[str, Any], world: int, threads: int, hidden: int, rows: tuple[int, ...], reps: int,
-               timeout: float = 600.0) -> list[dict[str, Any]]:
+def run_probes(engine_kw: dict[str, Any], world: int, threads: int, hidden: int, vocab: int, rows: tuple[int, ...],
+               reps: int, link_reps: int, timeout: float = 600.0) -> list[dict[str, Any]]:
     """Every rank's probe results (see the module docstring), in rank order."""
     import torch.multiprocessing as mp
 
@@ -190,7 +202,8 @@ def run_probes(engine_kw: dict[str, Any], world: int, threads: int, hidden: int,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_probe_main, args=(r, world, port, threads, engine_kw, hidden, rows, reps, queue),
+    procs = [ctx.Process(target=_probe_main, args=(r, world, port, threads, engine_kw, hidden, vocab, rows, reps,
+                                                                link_reps, queue),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -212,6 +225,8 @@ class DecodeRun:
     batch: int
     decode_tokens: int  # tokens produced after every request had its first one
     decode_s: float
+    steps: int = 0  # engine steps in decode_s
+    forward_s: float = 0.0  # of decode_s, inside the model's forward (a one-process engine's runner; else 0)
 
     @property
     def tok_s(self) -> float:
@@ -230,10 +245,13 @@ def run_decode(llm: Any, batch: int, input_len: int, output_len: int, seed: int 
     for _ in range(batch):
         engine.add_request(None, torch.randint(3, vocab, (input_len,), generator=g).tolist(), params)
     started: set[str] = set()
-    t0, count = None, 0
+    t0, count, steps, forward_s = None, 0, 0, 0.0
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
+        if t0 is not None:
+            steps += 1
+            forward_s += getattr(engine.runner, "last_timing", (0.0, 0.0, 0.0))[1]
         for out in outs:
             new = out.outputs[0].num_new_tokens
             if t0 is not None:
@@ -243,7 +261,7 @@ def run_decode(llm: Any, batch: int, input_len: int, output_len: int, seed: int 
             t0 = now
     if t0 is None or count == 0:
         raise ValueError(f"--output-len {output_len} leaves no decode steps to time; use at least 2")
-    return DecodeRun(batch, count, now - t0)
+    return DecodeRun(batch, count, now - t0, steps, forward_s)
 
 
 def threads_default() -> int:

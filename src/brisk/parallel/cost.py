@@ -4,8 +4,9 @@ One engine step on one rank costs
 
     t_rank = host + max(bytes_r / BW_r, flops_r / F_r) + comm
 
-    host      the rank's host time outside the weights: a fixed part per step (scheduling, sampling, messages)
-              and a part per layer it runs (Python dispatch of the module path, kernel launches)
+    host      the rank's host time outside the weights: a part per step, on the driver only (scheduling,
+              sampling), and a part per layer it runs (Python dispatch of the module path, attention, norms),
+              each a fixed cost plus a cost per token of the step
     bytes_r   the weights the rank streams per step (its share of every layer's matmuls, its share of lm_head)
               plus the K/V its heads read
     flops_r   2 x (the rank's matmul parameters) x tokens in the step
@@ -13,13 +14,16 @@ One engine step on one rank costs
               machine runs: on a machine of C cores, N ranks get C/N threads each, so BW_r and F_r are not the
               single process's (that is what `brisk bench parallel` measures, concurrently on every rank)
 
-and the collectives, over a link of latency a and bandwidth b:
+and the messages, collectives over a link of latency a and bandwidth b, point-to-point sends over a link of its
+own (a', b'; the same link unless given: a collective library's all-reduce can cost several times its send):
 
     tensor parallel (N ranks)   2 all-reduces a layer (after o_proj and down_proj) of tokens x hidden activations,
                                 ring: 2 (N-1) a + 2 (N-1)/N x bytes / b each; the logits gathered on rank 0:
-                                (N-1) (a + tokens x vocab/N x 4 / b)
-    pipeline parallel (N stages) one send per stage boundary ([2, tokens, hidden]: x and the residual), a + bytes / b,
-                                and the logits back from the last stage to rank 0
+                                (N-1) (a + tokens x vocab/N x 4 / b); the step's schedule sent to every worker:
+                                (N-1) a'
+    pipeline parallel (N stages) one send per stage boundary ([2, tokens, hidden]: x and the residual), a' + bytes / b',
+                                the logits back from the last stage to rank 0, and the schedule to every stage;
+                                the driver's host time a step falls on the first stage
 
 Pipeline overlap: the engine keeps k = min(N, batch) micro-batches (of ceil(batch / k) requests) in flight. A round
 that returns every request's next token then takes max(sum of the stage times, k x the slowest stage): one
@@ -37,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from brisk.model.config import ModelConfig
 
@@ -62,15 +67,22 @@ class RankSpeed:
 
     mem_bandwidth: float
     flops: float
-    step_overhead_s: float = 0.0  # per engine step
+    step_overhead_s: float = 0.0  # per engine step (the driver's)
     layer_overhead_s: float = 0.0  # per layer the rank runs, per step
+    step_token_s: float = 0.0  # per engine step, per token of the step (the driver's)
+    layer_token_s: float = 0.0  # per layer the rank runs, per token of the step
 
     def __post_init__(self) -> None:
         if self.mem_bandwidth <= 0 or self.flops <= 0:
             raise ValueError(f"a rank needs memory bandwidth and flop/s above 0, got {self.mem_bandwidth} and "
                              f"{self.flops}")
-        if self.step_overhead_s < 0 or self.layer_overhead_s < 0:
+        if min(self.step_overhead_s, self.layer_overhead_s, self.step_token_s, self.layer_token_s) < 0:
             raise ValueError("host overheads cannot be negative")
+
+    def host_s(self, num_layers: float, tokens: int, driver: bool = True) -> float:
+        """Host seconds of a step of `tokens` tokens through `num_layers` layers; the per-step part on the driver."""
+        step = self.step_overhead_s + self.step_token_s * tokens if driver else 0.0
+        return step + num_layers * (self.layer_overhead_s + self.layer_token_s * tokens)
 
 
 @dataclass(frozen=True)
@@ -148,11 +160,13 @@ class Prediction:
 
 
 def predict(model: ModelShape, mode: str, ranks: int, batch: int, speed: RankSpeed, link: Link | None = None,
-            bytes_per_param: float = 2.0, act_bytes: int = 4, kv_bytes: int = 2, context: int = 0) -> Prediction:
+            bytes_per_param: float = 2.0, act_bytes: int = 4, kv_bytes: int = 2, context: int = 0,
+            p2p: Link | None = None) -> Prediction:
     """Predicted decode step (see the module docstring) of `batch` requests, each attending to `context` positions.
 
     `speed` is one rank's (for "single": the whole process's); `bytes_per_param` the weights' storage (2 for
-    bf16, about 0.56 for 4-bit with group-64 scales); `act_bytes` the activations' dtype on the wire."""
+    bf16, about 0.56 for 4-bit with group-64 scales); `act_bytes` the activations' dtype on the wire; `link` the
+    collectives', `p2p` the point-to-point sends' (default: `link`)."""
     if mode not in MODES:
         raise ValueError(f"unknown parallel mode {mode!r}: use one of {', '.join(MODES)}")
     if ranks < 1 or batch < 1:
@@ -167,11 +181,11 @@ def predict(model: ModelShape, mode: str, ranks: int, batch: int, speed: RankSpe
     head_bytes = model.head_params * bytes_per_param
     kv_layer = model.kv_values_per_token * kv_bytes * context  # one request, one layer
 
-    def rank_s(num_layers: float, share: float, head: float, tokens: int) -> tuple[float, float, float]:
+    def rank_s(num_layers: float, share: float, head: float, tokens: int, driver: bool = True
+               ) -> tuple[float, float, float]:
         nbytes = num_layers * (layer_bytes + kv_layer * tokens) * share + head * head_bytes
         flops = 2 * tokens * (num_layers * model.layer_params * share + head * model.head_params)
-        host = speed.step_overhead_s + speed.layer_overhead_s * num_layers
-        return roofline_s(nbytes, flops, speed), host, nbytes
+        return roofline_s(nbytes, flops, speed), speed.host_s(num_layers, tokens, driver), nbytes
 
     if mode in ("single", "tp"):
         compute, host, nbytes = rank_s(model.num_layers, 1 / ranks, 1 / ranks, batch)
@@ -179,20 +193,23 @@ def predict(model: ModelShape, mode: str, ranks: int, batch: int, speed: RankSpe
         if mode == "tp":
             assert link is not None
             comm = (2 * model.num_layers * all_reduce_s(batch * model.hidden_size * act_bytes, ranks, link)
-                    + gather_s(batch * model.vocab_size / ranks * 4, ranks, link))
+                    + gather_s(batch * model.vocab_size / ranks * 4, ranks, link)
+                    + (ranks - 1) * (p2p or link).latency_s)  # the schedule to every worker
         step = host + compute + comm
         return Prediction(mode, ranks, batch, compute, host, comm, step, batch / step, nbytes)
 
     assert link is not None
+    wire = p2p or link
     k = min(ranks, batch)  # micro-batches in flight
     m = math.ceil(batch / k)  # requests per micro-batch
     stage_layers = [len(range(s, model.num_layers, ranks)) for s in range(ranks)]  # sizes differ by at most one
     stages = []
     for s, num_layers in enumerate(stage_layers):
         last = s == ranks - 1
-        compute, host, nbytes = rank_s(num_layers, 1.0, 1.0 if last else 0.0, m)
+        compute, host, nbytes = rank_s(num_layers, 1.0, 1.0 if last else 0.0, m, driver=s == 0)
         out = m * model.vocab_size * 4 if last else 2 * m * model.hidden_size * act_bytes  # logits | (x, residual)
-        stages.append((host + compute + send_s(out, link), compute, host, send_s(out, link), nbytes))
+        sends = send_s(out, wire) + ((ranks - 1) * wire.latency_s if s == 0 else 0.0)  # (+ the schedule)
+        stages.append((host + compute + sends, compute, host, sends, nbytes))
     round_s = max(sum(st[0] for st in stages), k * max(st[0] for st in stages))
     slow = max(stages, key=lambda st: st[0])
     return Prediction(mode, ranks, batch, slow[1], slow[2], slow[3], round_s, batch / round_s,
@@ -200,7 +217,7 @@ def predict(model: ModelShape, mode: str, ranks: int, batch: int, speed: RankSpe
 
 
 def speedup(model: ModelShape, mode: str, ranks: int, batch: int, single: RankSpeed, rank: RankSpeed, link: Link,
-            **kw: float) -> float:
+            **kw: Any) -> float:
     """tok/s of `mode` on `ranks` over the single process's, at the same batch."""
     ours = predict(model, mode, ranks, batch, rank, link, **kw)
     base = predict(model, "single", 1, batch, single, **kw)
@@ -208,7 +225,7 @@ def speedup(model: ModelShape, mode: str, ranks: int, batch: int, single: RankSp
 
 
 def prediction_rows(model: ModelShape, ranks: int, batches: tuple[int, ...], single: RankSpeed, rank: RankSpeed,
-                    link: Link, **kw: float) -> list[dict[str, float | int | str]]:
+                    link: Link, **kw: Any) -> list[dict[str, float | int | str]]:
     """For each batch: the single process's, TP's and PP's predictions on `ranks`, each with its speed-up."""
     rows = []
     for b in batches:
