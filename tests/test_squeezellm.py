@@ -65,11 +65,12 @@ def random_lut_weight(bits: int, n: int, k: int, nnz: int, seed: int = 0) -> Lut
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("nnz", [0, 37])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("k", [96, 200])  # 200: four-vector steps, then one of 16, then a half vector of 8
+@pytest.mark.parametrize("k", [96, 200, 256])  # whole blocks of 128 codes, a partial one, both
 def test_lut_kernel_equals_gather_then_matmul(ops, bits: int, nnz: int, rows: int, k: int) -> None:
-    lw = random_lut_weight(bits, 40, k, nnz, seed=rows)
+    # 43 weight rows: groups of 4 that share a pass, then 3 alone
+    lw = random_lut_weight(bits, 43, k, nnz, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
-    bias = torch.randn(40)
+    bias = torch.randn(43)
     # the oracle: a gather from the tables, then the matmul. The AVX-512 BF16 build multiplies bfloat16 tables
     # and activations (float32 sums, outliers in float32): its oracle takes the same roundings
     bf16 = kernels.kernel_tier().name.startswith("avx512")
