@@ -122,7 +122,8 @@ def _print_predictions(shape_name: str, ranks: int, batches: tuple[int, ...], li
 @click.option("--input-len", type=int, default=64, show_default=True,
               help="Prompt tokens of every request; also the prefill chunk of the compute probe.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="Generated tokens per request.")
-@click.option("--reps", type=int, default=20, show_default=True, help="Repeats of every probe (median).")
+@click.option("--reps", type=int, default=20, show_default=True,
+              help="Repeats of every compute probe (median); the link probes send 25 x as many messages (mean).")
 @click.option("--runs", type=int, default=5, show_default=True,
               help="Decode runs of every engine and batch; the median is reported (and every run in the JSON).")
 @click.option("--short", is_flag=True, help="A quick pass: 8 tokens out, 5 repeats, 1 run (for a smoke test).")
