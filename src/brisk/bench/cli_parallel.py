@@ -235,7 +235,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
         return [{k: _mean([p[op][i][k] for p in among]) for k in ("bytes", "seconds")}
                 for i in range(len(among[0][op]))]
 
-    # collectives: latency from the all-reduces, bandwidth from the sends when the all-reduce shows none
+    # collectives: fitted to the all-reduces, their bandwidth no higher than the sends' (the same sockets)
     p2p_fit = fit_link(points("send_recv", probes[1:2]))
     ar_fit = fit_link(points("all_reduce", probes), 2 * (ranks - 1), 2 * (ranks - 1) / ranks)
     link_fit = {"latency_s": ar_fit["latency_s"], "bandwidth": min(ar_fit["bandwidth"], p2p_fit["bandwidth"])}
