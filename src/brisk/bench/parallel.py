@@ -67,12 +67,13 @@ def _link_probe(rank: int, hidden: int, vocab: int, rows: tuple[int, ...], reps:
     for n in rows:
         x = torch.randn(n, hidden)
         out["all_reduce"].append({"rows": n, "bytes": x.numel() * 4, "seconds": timed(lambda x=x: dist.all_reduce(x))})
-    for n in sorted({1, max(rows[:-1] or rows)}):  # the decode batches (the last row count is the prefill chunk)
+    decode_rows = sorted({1, max(rows[:-1] or rows)})  # the decode batches (the last row count: the prefill chunk)
+    for n in decode_rows:
         x = torch.randn(n, max(1, vocab // world))
         parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
         out["gather"].append({"rows": n, "bytes": x.numel() * 4,
                               "seconds": timed(lambda x=x, parts=parts: dist.gather(x, parts, dst=0))})
-    for shape in [(2, n, hidden) for n in rows] + [(n, vocab) for n in sorted({1, max(rows[:-1] or rows)})]:
+    for shape in [(2, n, hidden) for n in rows] + [(n, vocab) for n in decode_rows]:
         x = torch.randn(*shape)
 
         def one_way(x: torch.Tensor = x) -> None:
@@ -202,9 +203,9 @@ def run_probes(engine_kw: dict[str, Any], world: int, threads: int, hidden: int,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_probe_main, args=(r, world, port, threads, engine_kw, hidden, vocab, rows, reps,
-                                                                link_reps, queue),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_probe_main, daemon=True,
+                         args=(r, world, port, threads, engine_kw, hidden, vocab, rows, reps, link_reps, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = []
