@@ -287,12 +287,13 @@ def test_cpp_layer_loop_rejects_inconsistent_arguments(ops, tiny_folder):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypatch, dtype):
-    """SqueezeLLM's table layers (ops.layers.LutLinear, kind 9) in the plan and its C++ loop: lut_linear there as
-    in the module path, so the same numbers."""
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypatch, dtype, activations):
+    """SqueezeLLM's table layers (ops.layers.LutLinear: kind 9, or 10 with int8 activations) in the plan and its C++
+    loop: lut_linear / lut_linear_q8 there as in the module path, so the same numbers."""
     from brisk.data import calibration_text_path
     from brisk.model.loader import load_model
-    from brisk.ops.layers import LutLinear
+    from brisk.ops.layers import LinearKind, LutLinear
     from brisk.quant.calib import CalibConfig
     from brisk.quant.checkpoint import save_quantized
     from brisk.quant.config import LayerQuant
@@ -307,11 +308,16 @@ def test_plan_equals_module_path_squeezellm(ops, tiny_folder, tmp_path, monkeypa
     out = save_quantized(tmp_path / "sq", loaded.config, loaded.tokenizer, qconfig, tensors)
 
     def make_llm(**kw) -> LLM:
-        llm = LLM(str(out), kv_cache_memory="8MiB", dtype=dtype, **kw)
-        assert sum(isinstance(m, LutLinear) for m in llm.engine.loaded.model.modules()) == 4 * 2  # fused, 2 layers
+        llm = LLM(str(out), kv_cache_memory="8MiB", dtype=dtype, quant_activations=activations, **kw)
+        luts = [m for m in llm.engine.loaded.model.modules() if isinstance(m, LutLinear)]
+        assert len(luts) == 4 * 2  # fused, 2 layers
+        kind = LinearKind.LUT_Q8 if activations == "int8" else LinearKind.LUT
+        assert all(m.kernel().kind is kind for m in luts)
         return llm
 
-    _run_both(monkeypatch, make_llm, PROMPTS)
+    # the integer table kernel needs AVX-512 VBMI; without it int8 activations take lut_linear_q8's float path in
+    # the plan's Python loop and the module path alike
+    _run_both(monkeypatch, make_llm, PROMPTS, cpp=activations == "float" or hasattr(ops, "lut_linear_q8"))
 
 
 # ----------------------------------------------------------------------------------------- gemma3

@@ -47,10 +47,11 @@ def test_tier_follows_the_flags_the_cpu_reports(cpu):
     assert tier.name == EXPECTED[cpu]
     assert tier.requires <= set(flags)  # (what makes it safe: every flag the build needs is reported)
     assert isa.choose_tier(flags, "avx2").name == ("generic" if tier.name == "generic" else "avx2")
-    # nothing outside the chosen tier's checked flags reaches the build: AMX, VP2INTERSECT, FP16, VBMI are not in
-    # any tier, so a machine that reports them gets the same library as one that does not
+    # nothing outside the chosen tier's checked flags reaches the build: AMX, VP2INTERSECT, FP16 are not in any
+    # tier, so a machine that reports them gets the same library as one that does not; VBMI only with VBMI2
     assert not {f for f in tier.requires if f.startswith("amx") or f in ("avx512_vp2intersect", "avx512_fp16",
-                                                                          "avx512vbmi", "sse4a")}
+                                                                          "sse4a")}
+    assert ("avx512vbmi" in tier.requires) == ("avx512_vbmi2" in tier.requires)
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -67,7 +68,7 @@ def test_tiers_are_nested_and_every_cflag_is_checked():
     # compiler's own macros and the instructions in the built libraries
     spelled = {"-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mavx512f": "avx512f", "-mavx512bw": "avx512bw",
                "-mavx512vl": "avx512vl", "-mavx512dq": "avx512dq", "-mavx512vnni": "avx512_vnni",
-               "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2"}
+               "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2", "-mavx512vbmi": "avx512vbmi"}
     for tier in isa.TIERS:
         assert {spelled[f] for f in tier.cflags} <= tier.requires, tier.name
     names = [t.name for t in isa.TIERS]

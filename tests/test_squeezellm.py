@@ -22,7 +22,17 @@ from brisk.eval.size import model_size
 from brisk.model.loader import LoadedModel, load_model
 from brisk.ops import kernels
 from brisk.ops.layers import LutLinear
-from brisk.ops.lut import LutWeight, csr_from_dense, dequantize_lut, lut_linear, pack_nibbles, unpack_nibbles
+from brisk.ops.lut import (
+    LutWeight,
+    csr_from_dense,
+    dequantize_lut,
+    lut_linear,
+    lut_linear_q8,
+    lut_q8_reference,
+    pack_nibbles,
+    quantize_tables,
+    unpack_nibbles,
+)
 from brisk.quant import primitives
 from brisk.quant.calib import CalibConfig, load_calibration_ids
 from brisk.quant.checkpoint import encode_lut_layer, lut_weight, save_quantized
@@ -108,6 +118,60 @@ def test_lut_reference_path_without_kernels(kernel_settings) -> None:
     x = torch.randn(2, 40)
     kernel_settings(enabled=False)
     assert torch.equal(lut_linear(x, lw), F.linear(x, dequantize_lut(lw)))
+
+
+def test_rounded_tables_stay_within_half_a_step() -> None:
+    for bits in (3, 4):
+        lw = random_lut_weight(bits, 30, 64, 5)
+        lw.lut[3] = 0.0  # an all-zero table: scale 0, every entry at the zero point
+        rt = quantize_tables(lw)
+        e = 1 << bits
+        t = rt.qlut[:, 16:].contiguous().view(torch.float32).reshape(-1)
+        assert torch.equal(t, lw.lut.abs().amax(1) / 127)
+        u = rt.qlut[:, :e].long()
+        assert int(u.min()) >= 1 and int(u.max()) <= 255 and torch.all(rt.qlut[:, e:16] == 128)
+        assert torch.all(u[3] == 128) and torch.all(rt.weight.lut[3] == 0)
+        assert torch.all((rt.weight.lut - lw.lut).abs() <= t[:, None] / 2 * (1 + 1e-5))
+        assert torch.equal(rt.weight.lut, t[:, None] * (u.float() - 128))
+        assert rt.weight.codes is lw.codes and rt.weight.values is lw.values
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("nnz", [0, 37, 900])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("k", [32, 128, 576])  # a partial 128-column chunk alone, a whole one, both
+def test_int8_table_kernel_equals_its_integer_reference(bits: int, nnz: int, rows: int, k: int) -> None:
+    ops = ops_with("lut_linear_q8") if "-mavx512vbmi" in kernels.kernel_tier().cflags else None
+    # 43 weight rows: groups of 4 sharing a pass and 3 alone, outlier blocks of 16 rows and a partial one; 900
+    # outliers put more than 16 in a block
+    lw = random_lut_weight(bits, 43, k, min(nnz, 43 * k // 4), seed=rows + k)
+    rt = quantize_tables(lw)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    x[:, k // 3] = 60.0  # an outlier column: its 32-column block gets a coarser int8 grid
+    bias = torch.randn(43)
+    want = lut_q8_reference(x, rt, bias)  # exact integer sums per block, float64 after
+    # float32 sums of float32 products: a few ulps of the largest partial sums (~1e3)
+    if ops is not None:
+        got = ops.lut_linear_q8(x, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-4)
+        xb = x.bfloat16()  # bfloat16 rows: widened exactly, the result rounded once
+        torch.testing.assert_close(ops.lut_linear_q8(xb, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, None),
+                                   lut_q8_reference(xb.float(), rt).bfloat16())
+    # the dispatcher: the kernel where it built, else the rounded x through lut_linear's paths (bfloat16 products
+    # on an AVX-512 BF16 build without VBMI)
+    bf16_fallback = ops is None and kernels.kernel_tier().name.startswith("avx512")
+    tol = 2e-2 if bf16_fallback else 2e-4
+    torch.testing.assert_close(lut_linear_q8(x, rt, bias), want, rtol=1e-5 if tol < 1e-3 else 1e-2, atol=tol)
+    many = torch.randn(40, k)  # past MAX_SMALL_M rows: the rounded x, dequantized rounded tables, a GEMM
+    torch.testing.assert_close(lut_linear_q8(many, rt), lut_q8_reference(many, rt), rtol=1e-5, atol=2e-4)
+    with kernels.disabled():  # and the reference path
+        torch.testing.assert_close(lut_linear_q8(x, rt, bias), want, rtol=1e-5, atol=2e-4)
+
+
+def test_int8_activations_need_whole_blocks_of_32() -> None:
+    lw = random_lut_weight(4, 8, 40, 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lut_linear_q8(torch.randn(1, 40), quantize_tables(lw))
 
 
 def test_nibble_packing_round_trips_and_matches_the_4_bit_checkpoint_layout() -> None:

@@ -369,9 +369,10 @@ class EngineConfig:
     # tiled kernel rounds x to int16 per 32 columns: ~2e-5 of an output, ops/qlinear.py round_activations_16)
     quant_activations: str = setting(
         "auto", choices=("auto", "float", "int8"),
-        help="Activations of 8/4-bit quantized models: float, or int8 per 32 columns with integer dot products, "
-             "as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = int8 for 4-bit layers, "
-             "float for 8-bit ones (but int8 for the 8-bit head of a SmoothQuant / LLM.int8() checkpoint).")
+        help="Activations of 8/4/3-bit quantized models: float, or int8 per 32 columns with integer dot products, "
+             "as llama.cpp's Q8 dots (faster decode, slightly different logits); auto = int8 for 4-bit layers and "
+             "SqueezeLLM's 3/4-bit tables, float for 8-bit ones (but int8 for the 8-bit head of a SmoothQuant / "
+             "LLM.int8() checkpoint).")
     # which code runs the forward; the model runner chooses its executor from this one setting
     execution: str = setting(
         "auto", choices=EXECUTIONS,

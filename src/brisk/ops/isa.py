@@ -49,12 +49,14 @@ class Tier:
 _AVX2 = Tier("avx2", ("-mavx2", "-mfma", "-mf16c"),
              frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "xsave", "avx", "avx2", "fma", "f16c"}))
 # 512-bit float (F), byte/word (BW), 256/128-bit EVEX forms (VL), dword/qword (DQ), int8 dot products (VNNI:
-# vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps). VBMI2 (vpexpandb, the sparse int8 kernel's AVX-512 path) is
-# a CPUID bit of its own, distinct from VBMI (vpermb), which no tier enables.
+# vpdpbusd) and bfloat16 dot products (BF16: vdpbf16ps). The avx512 tier adds VBMI2 (vpexpandb, the sparse int8
+# kernel's AVX-512 path) and VBMI (vpermb, the int8 table kernel of lut_linear.cpp): two CPUID bits of their own,
+# which every CPU with VBMI2 (Ice Lake and later, Zen 4 and later) reports together.
 _AVX512_NV = Tier("avx512nv", _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                                               "-mavx512bf16"),
                   _AVX2.requires | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
-_AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2",), _AVX512_NV.requires | {"avx512_vbmi2"})
+_AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2", "-mavx512vbmi"),
+               _AVX512_NV.requires | {"avx512_vbmi2", "avx512vbmi"})
 GENERIC = Tier("generic", (), frozenset())
 AMX_INT8 = frozenset({"amx_tile", "amx_int8"})  # what the W8A8 GEMM's AMX path needs the CPU to report
 

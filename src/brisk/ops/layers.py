@@ -24,6 +24,7 @@ one descriptor, so the three cannot drift apart: the same kernel with the same t
     7 W8A8                data, w_scale, shift_terms, input_scale, bias  w8a8_linear       (at every row count)
     8 W8A8_OUTLIER        data, w_scale, shift_terms, -, bias            (none: LLM.int8(), ops/w8a8.py)
     9 LUT                 codes, lut, row_ptr, cols, values, bias        lut_linear        (SqueezeLLM, ops/lut.py)
+   10 LUT_Q8              codes, qlut, row_ptr, cols, values, bias       lut_linear_q8     (int8 activations)
 
 Kind 8 (LLM.int8(), ops/w8a8.py) has no fixed kernel the C++ layer loop could call (its outlier columns change with
 every call): its descriptor gives no loop dtypes, so the decode plan refuses it and the executor runs the model's
@@ -69,6 +70,7 @@ class LinearKind(IntEnum):
     W8A8 = 7
     W8A8_OUTLIER = 8
     LUT = 9
+    LUT_Q8 = 10
 
 
 ANY_ROWS = sys.maxsize
@@ -93,6 +95,7 @@ MAX_ROWS: dict[LinearKind, int] = {
     LinearKind.W8A8_OUTLIER: ANY_ROWS,
     # 16: as QUANT, a table decode inside the GEMV against dequantize + GEMM (not measured apart)
     LinearKind.LUT: lut.MAX_SMALL_M,
+    LinearKind.LUT_Q8: lut.MAX_SMALL_M,
 }
 
 
@@ -226,12 +229,29 @@ class LutLinear(_CachedKernel, nn.Module):
         for name in ("row_ptr", "cols", "values"):
             self.register_buffer(f"outlier_{name}", getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # "int8": x rounded to int8 per 32 columns against tables rounded to uint8 (set_quant_activations)
+        self.quant_activations = "float"
+        self._rounded: lut.RoundedTables | None = None  # quantize_tables(lut_weight), made on first use
+
+    def rounded_tables(self) -> lut.RoundedTables:
+        """The tables rounded for int8 activations (ops/lut.py quantize_tables): 20 bytes a row, not saved."""
+        if self._rounded is None or self._rounded.weight.codes is not self.lut_weight.codes:
+            self._rounded = lut.quantize_tables(self.lut_weight)
+        return self._rounded
 
     def _kernel_key(self) -> tuple[Any, ...]:
-        return id(self.lut_weight), id(self.bias)
+        return id(self.lut_weight), id(self.bias), self.quant_activations
 
     def _build_kernel(self, ops: Any) -> LinearKernel:
         lw, b = self.lut_weight, self.bias
+        if self.quant_activations == "int8" and lw.in_features % 32 == 0:
+            rt = self.rounded_tables()
+            op = getattr(ops, "lut_linear_q8", None)
+            small = None if op is None else (lambda x2: op(x2, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, b))
+            # without the integer kernel (no AVX-512 VBMI) every call takes lut_linear_q8's float paths
+            return LinearKernel(LinearKind.LUT_Q8, _slots(lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, b),
+                                lw.bits, -1, MAX_ROWS[LinearKind.LUT_Q8], lw.out_features, small,
+                                lambda x: lut.lut_linear_q8(x, rt, b), _ACT_DTYPES if small is not None else ())
         op = getattr(ops, "lut_linear", None) if lw.in_features % 8 == 0 else None
         small = None if op is None else (lambda x2: op(x2, lw.codes, lw.lut, lw.row_ptr, lw.cols, lw.values, b))
         # the decode plan and the C++ layer loop (kind 9) call `small` as is, for float32 and bfloat16 rows
@@ -244,7 +264,7 @@ class LutLinear(_CachedKernel, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}, "
-                f"{self.lut_weight.nnz} outliers")
+                f"{self.lut_weight.nnz} outliers" + (", int8 activations" if self.quant_activations == "int8" else ""))
 
 
 class SparseLinear(_CachedKernel, nn.Module):

@@ -15,6 +15,11 @@ A weight [N, K] is held as
   formats do (ops/qlinear.py): at large M the decode is a small part of the O(M N K) product;
 - the reference path (gather from the tables, scatter the outliers, F.linear in float32) when the kernels are off
   or did not build, off the CPU, or for K not a multiple of 8.
+
+With int8 activations (`lut_linear_q8`, the engine's `quant_activations` for these layers) x is rounded to int8 per
+32 columns as for the affine int4 kernels (ops/qlinear_q8.py) and each row's table to uint8 once
+(`quantize_tables`): the AVX-512 VBMI kernel then multiplies bytes with integer dot products (lut_linear.cpp), and
+every other path computes the same function in float: the rounded x times the rounded tables plus the outliers.
 """
 
 from __future__ import annotations
@@ -163,3 +168,73 @@ def concat_rows(parts: list[LutWeight]) -> LutWeight:
     return LutWeight(bits=first.bits, out_features=sum(p.out_features for p in parts), in_features=first.in_features,
                      codes=torch.cat([p.codes for p in parts]), lut=torch.cat([p.lut for p in parts]),
                      row_ptr=row_ptr, cols=cols, values=values)
+
+
+QLUT_BYTES = 20  # a row of quantize_tables' uint8 table: 16 table bytes, then the row's float32 scale
+
+
+@dataclass(eq=False)
+class RoundedTables:
+    """The tables of one LutWeight rounded for int8 activations (quantize_tables)."""
+
+    qlut: torch.Tensor  # uint8 [N, 20]: u = round(lut / t) + 128 (16 bytes; a 3-bit row's 8 .. 15 hold 128), then t
+    weight: LutWeight  # the same codes and outliers with the rounded float tables t * (u - 128)
+
+
+def quantize_tables(lw: LutWeight) -> RoundedTables:
+    """Round every row's table to uint8 with zero point 128 and the row's scale t = max|lut| / 127, as the int8
+    table kernel reads it (ops/csrc/lut_linear.cpp): entries t * (u - 128), u in 1 .. 255. A 3-bit or 4-bit
+    non-uniform table moves by at most t / 2 = max|lut| / 254 per entry."""
+    lut = lw.lut
+    t = lut.abs().amax(dim=1) / 127.0  # [N] float32
+    inv = torch.where(t > 0, 1.0 / t.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(t))
+    u = (torch.round(lut * inv[:, None]).clamp(-127, 127) + 128).to(torch.uint8)  # [N, E]
+    qlut = torch.full((lw.out_features, QLUT_BYTES), 128, dtype=torch.uint8)
+    qlut[:, :u.shape[1]] = u
+    qlut[:, 16:] = t.contiguous().view(torch.uint8).view(-1, 4)
+    rounded = t[:, None] * (u.float() - 128.0)  # [N, E]
+    return RoundedTables(qlut, LutWeight(lw.bits, lw.out_features, lw.in_features, lw.codes, rounded.contiguous(),
+                                         lw.row_ptr, lw.cols, lw.values))
+
+
+def lut_linear_q8(x: torch.Tensor, tables: RoundedTables, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) rounded to int8 per 32 columns, times the rounded tables plus the outliers (+ bias)
+    -> [..., N] in x's dtype. Few rows on an AVX-512 VBMI build: the integer kernel (exact int32 sums per block);
+    otherwise the rounded x through lut_linear's paths: the same function, up to their float rounding."""
+    from brisk.ops.qlinear_q8 import fake_quantize_activations
+
+    lw = tables.weight
+    k = lw.in_features
+    if x.shape[-1] != k or k % 32:
+        raise ValueError(f"x has {x.shape[-1]} features, this weight expects {k} (int8 activations: a multiple of 32)")
+    if x.is_cpu and x.dtype in _KERNEL_DTYPES and x.numel() <= MAX_SMALL_M * k:
+        op = get_op("lut_linear_q8")
+        if op is not None:
+            return op(x, lw.codes, tables.qlut, *_sparse_args(lw), bias)
+    return lut_linear(fake_quantize_activations(x).float(), lw, bias).to(x.dtype)
+
+
+def lut_q8_reference(x: torch.Tensor, tables: RoundedTables, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Oracle of the int8 table kernel in float64: x [M, K] -> [M, N] float32, the integer sums per 32-column block
+    exact, times the blocks' scales and the rows' scales, plus the outliers against the rounded x."""
+    from brisk.ops.sparse_q8 import quantize_activations_q8
+
+    lw = tables.weight
+    m, k = x.shape
+    xq, xs = quantize_activations_q8(x.float())  # [M, K], [M, K / 32]
+    q = unpack_nibbles(lw.codes).long()  # [N, K]
+    u = torch.gather(tables.qlut[:, :16].long(), 1, q) - 128  # [N, K]
+    t = tables.qlut[:, 16:].contiguous().view(torch.float32).reshape(-1).double()  # [N]
+    nb = k // 32
+    dots = torch.einsum("mbc,nbc->mnb", xq.view(m, nb, 32).double(), u.view(-1, nb, 32).double())  # exact
+    out = (dots * xs.double()[:, None, :]).sum(-1) * t[None, :]
+    if lw.row_ptr is not None:
+        xr = (xq.view(m, nb, 32).double() * xs.double()[..., None]).view(m, k)
+        assert lw.cols is not None and lw.values is not None
+        rows = torch.repeat_interleave(torch.arange(lw.out_features), (lw.row_ptr[1:] - lw.row_ptr[:-1]).long())
+        sparse = torch.zeros(lw.out_features, k, dtype=torch.float64)
+        sparse.index_put_((rows, lw.cols.long()), lw.values.double(), accumulate=True)
+        out = out + xr @ sparse.T
+    if bias is not None:
+        out = out + bias.double()
+    return out.float()

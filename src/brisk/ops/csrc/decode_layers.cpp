@@ -36,6 +36,7 @@
 //   kind 6, tiled 8/4-bit, float act.:  [data, scales, zeros, codebook, bias, -]            -> quant_linear_t
 //   kind 7, W8A8 (SmoothQuant):         [data, w_scale, shift_terms, input_scale, bias, -]  -> w8a8_linear
 //   kind 9, table codes (SqueezeLLM):   [codes, lut, row_ptr, cols, values, bias]           -> lut_linear
+//   kind 10, table codes, int8 act.:    [codes, qlut, row_ptr, cols, values, bias]          -> lut_linear_q8
 // The layer's 8 ints (layer_spec):
 //   window      the layer's own attention window (0: full; gemma3's local and global layers), or -1: the step's
 //   rope        which of the stacked cos / sin tables [2, T, d/2] the layer rotates with (gemma3: 0 global, 1
@@ -148,6 +149,10 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, const OptT&, const OptT&, const OptT&)>>
       lut;
+  // absent without AVX-512 VBMI (lut_linear.cpp's int8 kernel): plans then never pass kind 10
+  std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const OptT&, const OptT&, const OptT&, const OptT&)>>
+      lut_q8;
   // a quantized KV cache's ops (fused_ops.cpp, kv_write.cpp, paged_attention.cpp): absent where one did not build;
   // plans then never pass kv_bits (DecodePlan.cpp_applies)
   using Ints = int64_t;
@@ -193,6 +198,9 @@ struct Ops {
     if (auto h = d.findSchema({"brisk::lut_linear", ""}); h.has_value())
       lut = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
                                 const OptT&, const OptT&)>();
+    if (auto h = d.findSchema({"brisk::lut_linear_q8", ""}); h.has_value())
+      lut_q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
+                                   const OptT&, const OptT&)>();
     if (auto h = d.findSchema({"brisk::sparse_q8_linear", ""}); h.has_value())
       sparse_q8 = h->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, int64_t, const OptT&)>();
@@ -242,10 +250,11 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const Params& params, int64
     return o.w8a8->call(x.is_contiguous() ? x : x.contiguous(), get(params, base), get(params, base + 1),
                         get(params, base + 2), params[base + 3], params[base + 4]);
   }
-  if (kind == 9) {
-    TORCH_CHECK(o.lut.has_value(), "decode_layers: lut_linear is not built");
-    return o.lut->call(x, get(params, base), get(params, base + 1), params[base + 2], params[base + 3],
-                       params[base + 4], params[base + 5]);
+  if (kind == 9 || kind == 10) {
+    const auto& op = kind == 9 ? o.lut : o.lut_q8;
+    TORCH_CHECK(op.has_value(), "decode_layers: the kernel of linear kind ", kind, " is not built");
+    return op->call(x, get(params, base), get(params, base + 1), params[base + 2], params[base + 3],
+                    params[base + 4], params[base + 5]);
   }
   TORCH_CHECK(kind == 4, "decode_layers: unknown linear kind ", kind);
   TORCH_CHECK(o.sparse_q8.has_value(), "decode_layers: sparse_q8_linear is not built");

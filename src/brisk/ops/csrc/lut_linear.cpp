@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -184,6 +185,247 @@ void run_bf16(const Lut& p, const uint16_t* x, int64_t Kp, const float* xf, int6
 }
 #endif
 
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define BRISK_LUT_Q8 1
+// Int8 activations against uint8 tables (lut_linear_q8). The activations are rounded as quant_linear_q8 rounds
+// them (quant_q8.cpp: per 32-column block b, xs_b = max|x_b| / 127, xq = round_half_even(x * 127 / max|x_b|)); each
+// row's table is rounded once, at load, to uint8 with zero point 128 (brisk.ops.lut.quantize_tables: t_n = max|lut
+// row| / 127, u = round(lut / t_n) + 128), so that
+//
+//   out[m, n] = t_n * sum_b xs_b * sum_{k in b} (u[n, q[n, k]] - 128) * xq_k  +  outliers . (xs * xq)  (+ bias)
+//
+// 128 codes (64 bytes) a step: vpermb looks the low nibbles up in the row's 16-byte table repeated to 64 bytes
+// (its 6-bit index then needs no mask: entry i & 15), a 16-bit shift right by 4 brings the high nibbles down for a
+// second vpermb, and two vpdpbusd (table bytes unsigned, activations signed) add the products, 4 to a 32-bit lane.
+// The activations are reordered once per call to match: per chunk of 128 columns, the 64 even columns, then the 64
+// odd ones, so lane l of either product holds columns of block 4 c + l / 4 only. Each lane starts from -128 times
+// the sum of its activations (the zero point, computed with the same vpdpbusd), so its int32 sum is exact: the
+// chunk's 16 lanes are converted once and multiplied by their blocks' scales. About 8 instructions per 128 weights
+// per activation row, against the bfloat16 table kernel's 10 per 64.
+constexpr int64_t kChunk = 128;
+constexpr int64_t kQBlock = 32;
+// the code stream prefetched 8 KiB ahead, as quant_q8t.cpp does (non-temporal on AMD, into L2 elsewhere)
+constexpr int64_t kPrefetchBytes = 8192;
+#ifdef BRISK_CPU_AMD
+constexpr auto kPrefetchHint = _MM_HINT_NTA;
+#else
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+#endif
+
+struct XQ8 {
+  int64_t Kc;            // K rounded up to whole chunks
+  const int8_t* xq;      // [M, Kc]: per chunk the 64 even columns, then the 64 odd ones; zeros past K
+  const int32_t* start;  // [M, Kc / 128 * 16]: each lane's initial sum, -128 * the sum of its activations
+  const float* scale;    // [M, Kc / 128 * 16]: lane l of chunk c holds xs of block 4 c + l / 4
+  const float* xr;       // [M, K]: xs_b * xq, the rounded activations (for the outliers)
+};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift, exact
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x [M, K] -> the XQ8 arrays, rows m0 .. m1 - 1
+template <typename T>
+void quantize_chunks(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t Kc, int8_t* xq, int32_t* start,
+                     float* scale, float* xr) {
+  const int64_t chunks = Kc / kChunk;
+  alignas(64) int8_t plain[kChunk];
+  __m512i even_idx, odd_idx;
+  {
+    alignas(64) int8_t e[64], o[64];
+    for (int j = 0; j < 64; ++j) e[j] = static_cast<int8_t>(2 * j), o[j] = static_cast<int8_t>(2 * j + 1);
+    even_idx = _mm512_load_si512(e);
+    odd_idx = _mm512_load_si512(o);
+  }
+  const __m512i zp = _mm512_set1_epi8(static_cast<char>(128));
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* xm = x + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      alignas(64) float sc[16];
+      for (int b = 0; b < 4; ++b) {
+        const int64_t k0 = c * kChunk + b * kQBlock;
+        const int64_t n = std::clamp<int64_t>(K - k0, 0, kQBlock);
+        __m512 a, bq;
+        if (n == kQBlock) {
+          a = load16(xm + k0);
+          bq = load16(xm + k0 + 16);
+        } else {  // past K (K is a multiple of 32): zeros
+          a = bq = _mm512_setzero_ps();
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(bq)));
+        const float s = amax / 127.f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round half to even
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(bq, inv));
+        _mm_store_si128(reinterpret_cast<__m128i*>(plain + b * kQBlock), _mm512_cvtsepi32_epi8(qa));
+        _mm_store_si128(reinterpret_cast<__m128i*>(plain + b * kQBlock + 16), _mm512_cvtsepi32_epi8(qb));
+        for (int l = 0; l < 4; ++l) sc[4 * b + l] = s;
+        if (n > 0) {  // the rounded values, as fake_quantize_q8 gives them
+          alignas(64) float r[kQBlock];
+          _mm512_store_ps(r, _mm512_mul_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(s)));
+          _mm512_store_ps(r + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(s)));
+          std::memcpy(xr + m * K + k0, r, static_cast<size_t>(n) * sizeof(float));
+        }
+      }
+      const __m512i lo = _mm512_load_si512(plain), hi = _mm512_load_si512(plain + 64);
+      const __m512i ev = _mm512_permutex2var_epi8(lo, even_idx, hi), od = _mm512_permutex2var_epi8(lo, odd_idx, hi);
+      int8_t* dst = xq + m * Kc + c * kChunk;
+      _mm512_storeu_si512(dst, ev);
+      _mm512_storeu_si512(dst + 64, od);
+      const __m512i corr = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), zp, ev), zp, od);
+      _mm512_storeu_si512(start + (m * chunks + c) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), corr));
+      _mm512_storeu_ps(scale + (m * chunks + c) * 16, _mm512_load_ps(sc));
+    }
+  }
+}
+
+// [a, b, c, d]: the sums of the 16 lanes of each (one transposing reduction for four weight rows)
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a02 b02 a13 b13 a lane
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d per 128 bits
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[m, n] += the outliers of weight rows n0 .. n1 - 1 against activation rows x[m] (float32, [M, K]), for every
+// m < M: a pass of its own after the table products, 16 weight rows at a time. The block's outliers (CSR order: one
+// run) go 16 at a time through a gather of x, a product with their values and a prefix sum, written out as the
+// run's exclusive prefix E (E[0] = 0); row n's sum is then E[end of n] - E[start of n], two gathers for 16 rows.
+// Branches depend only on the block's count of outliers: done inside the table loop, a row's outliers cost more
+// than its table products at 0.45% outliers (each row's exit from its own loop, at a varying count, mispredicted,
+// and took the next rows' loads in flight with it).
+void add_outliers(const Sparse& sp, const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1, int64_t N,
+                  float* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512i zi = _mm512_setzero_si512();
+  std::vector<float> prefix;
+  for (int64_t nb = n0; nb < n1; nb += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, n1 - nb));
+    const __mmask16 live_rows = _cvtu32_mask16((1u << rows) - 1);
+    const int32_t j_start = sp.row_ptr[nb], j_end = sp.row_ptr[nb + rows];
+    if (j_start == j_end) continue;
+    const int32_t count = j_end - j_start;
+    prefix.resize(static_cast<size_t>(count) + 16);
+    const __m512i first = _mm512_set1_epi32(j_start);
+    const __m512i lo = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live_rows, sp.row_ptr + nb), first);
+    const __m512i hi = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live_rows, sp.row_ptr + nb + 1), first);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float carry = 0.f;
+      for (int32_t j0 = 0; j0 < count; j0 += 16) {
+        const int n_live = std::min<int32_t>(16, count - j0);
+        const __mmask16 live = _cvtu32_mask16(n_live == 16 ? 0xFFFFu : (1u << n_live) - 1);
+        const __m512i cols = _mm512_maskz_loadu_epi32(live, sp.cols + j_start + j0);
+        const __m512 prod = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sp.values + j_start + j0),
+                                          _mm512_mask_i32gather_ps(zero, live, cols, xm, 4));
+        // inclusive prefix over the lanes, then shifted up one lane: lane l holds the lanes before l
+        __m512 s = prod;
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), zi, 15)));
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), zi, 14)));
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), zi, 12)));
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), zi, 8)));
+        const __m512 total = _mm512_permutexvar_ps(_mm512_set1_epi32(15), s);  // the piece's sum (zeros past it)
+        const __m512 exclusive = _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), zi, 15));
+        _mm512_storeu_ps(prefix.data() + j0, _mm512_add_ps(exclusive, _mm512_set1_ps(carry)));
+        carry += _mm_cvtss_f32(_mm512_castps512_ps128(total));
+      }
+      prefix[static_cast<size_t>(count)] = carry;  // E[count]: the block's total
+      const __m512 d = _mm512_sub_ps(_mm512_mask_i32gather_ps(zero, live_rows, hi, prefix.data(), 4),
+                                     _mm512_mask_i32gather_ps(zero, live_rows, lo, prefix.data(), 4));
+      float* o = out + m * N + nb;
+      _mm512_mask_storeu_ps(o, live_rows, _mm512_add_ps(_mm512_maskz_loadu_ps(live_rows, o), d));
+    }
+  }
+}
+
+// out[m, n] for activation rows m0 .. m0 + MT - 1 and weight rows n0 .. n1 - 1, R weight rows a pass (1 or 4)
+// sharing each chunk's activation loads
+template <int MT, int R>
+void rows_tile_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t m0, int64_t n0, int64_t n1,
+                  float* out) {
+  static_assert(R == 1 || R == 4, "one weight row a pass, or four");
+  const int64_t K = p.K, N = p.N, chunks = a.Kc / kChunk, whole = K / kChunk;
+  const __mmask64 tail = _cvtu64_mask64((uint64_t{1} << ((K % kChunk) / 2)) - 1);  // the partial chunk's bytes
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    __m512i table[R];
+    float row_scale[R];
+    const uint8_t* row[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* t = qlut + (n + r) * 20;
+      table[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      std::memcpy(&row_scale[r], t + 16, sizeof(float));
+      row[r] = p.codes + (n + r) * (K / 2);
+    }
+    constexpr int kAlt = R == 1 ? 2 : 1;  // independent float sums per (activation row, weight row)
+    __m512 acc[MT][R][kAlt];
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < kAlt; ++u) acc[i][r][u] = _mm512_setzero_ps();
+    auto step = [&](bool last, int64_t c) {
+      __m512i ev[R], od[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(row[r] + c * 64) + kPrefetchBytes, kPrefetchHint);
+        const __m512i b = last ? _mm512_maskz_loadu_epi8(tail, row[r] + c * 64) : _mm512_loadu_si512(row[r] + c * 64);
+        ev[r] = _mm512_permutexvar_epi8(b, table[r]);
+        od[r] = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), table[r]);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* xq = a.xq + m * a.Kc + c * kChunk;
+        const __m512i s0 = _mm512_loadu_si512(a.start + (m * chunks + c) * 16);
+        const __m512i xe = _mm512_loadu_si512(xq), xo = _mm512_loadu_si512(xq + 64);
+        const __m512 sc = _mm512_loadu_ps(a.scale + (m * chunks + c) * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s0, ev[r], xe), od[r], xo);
+          acc[i][r][c % kAlt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[i][r][c % kAlt]);
+        }
+      }
+    };
+    for (int64_t c = 0; c < whole; ++c) step(false, c);
+    if (whole < chunks) step(true, whole);  // the last 32 .. 96 columns: codes past the row read as 0, x as 0
+    float v[MT][R];
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (R == 1) {
+        v[i][0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0][0], acc[i][0][1]));
+      } else {
+        _mm_storeu_ps(v[i], reduce4(acc[i][0][0], acc[i][1][0], acc[i][2][0], acc[i][3][0]));
+      }
+      for (int r = 0; r < R; ++r) v[i][r] *= row_scale[r];
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < R; ++r) out[(m0 + i) * N + n + r] = v[i][r];
+  }
+}
+
+// four weight rows a pass, the last n1 - n0 mod 4 one at a time
+template <int MT>
+void rows_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t m0, int64_t n0, int64_t n1, float* out) {
+  const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
+  rows_tile_q8<MT, 4>(p, qlut, a, m0, n0, n4, out);
+  rows_tile_q8<MT, 1>(p, qlut, a, m0, n4, n1, out);
+}
+
+void run_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t M, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(p.K, 1));
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kTile <= M; m0 += kTile) rows_q8<kTile>(p, qlut, a, m0, n0, n1, out);
+    switch (M - m0) {
+      case 3: rows_q8<3>(p, qlut, a, m0, n0, n1, out); break;
+      case 2: rows_q8<2>(p, qlut, a, m0, n0, n1, out); break;
+      case 1: rows_q8<1>(p, qlut, a, m0, n0, n1, out); break;
+      default: break;
+    }
+    if (p.sparse.row_ptr) add_outliers(p.sparse, a.xr, M, p.K, n0, n1, p.N, out);  // against the rounded x
+  });
+}
+#endif
+
 template <bool WIDE>
 void run(const Lut& p, const float* x, int64_t M, float* out) {
   // each thread takes whole weight rows: the codes stream from memory once, every activation tile reuses them
@@ -200,16 +442,18 @@ void run(const Lut& p, const float* x, int64_t M, float* out) {
   });
 }
 
-Lut make_lut(const at::Tensor& codes, const at::Tensor& lut, const std::optional<at::Tensor>& row_ptr,
+// lut: the float32 tables, or nullptr where the caller reads tables of its own (lut_linear_q8)
+Lut make_lut(const at::Tensor& codes, const at::Tensor* lut, const std::optional<at::Tensor>& row_ptr,
              const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& values, const char* who) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(), who,
               ": codes must be a contiguous uint8 [N, K / 2] tensor (two 4-bit codes a byte)");
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   TORCH_CHECK(K % 8 == 0, who, ": K must be a multiple of 8, got ", K);
-  TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.dim() == 2 && lut.is_contiguous() && lut.size(0) == N &&
-                  (lut.size(1) == 8 || lut.size(1) == 16),
-              who, ": lut must be a contiguous float32 [N, 8] or [N, 16] tensor");
-  Lut p{codes.data_ptr<uint8_t>(), lut.data_ptr<float>(), N, K, lut.size(1), Sparse{}};
+  if (lut)
+    TORCH_CHECK(lut->scalar_type() == at::kFloat && lut->dim() == 2 && lut->is_contiguous() && lut->size(0) == N &&
+                    (lut->size(1) == 8 || lut->size(1) == 16),
+                who, ": lut must be a contiguous float32 [N, 8] or [N, 16] tensor");
+  Lut p{codes.data_ptr<uint8_t>(), lut ? lut->data_ptr<float>() : nullptr, N, K, lut ? lut->size(1) : 0, Sparse{}};
   const bool has_sparse = row_ptr.has_value() && row_ptr->defined();
   TORCH_CHECK(has_sparse == (cols.has_value() && cols->defined()) &&
                   has_sparse == (values.has_value() && values->defined()),
@@ -237,7 +481,7 @@ at::Tensor lut_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
                       const std::optional<at::Tensor>& values, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "lut_linear: x must be float32 or bfloat16 [..., K]");
-  Lut p = make_lut(codes, lut, row_ptr, cols, values, "lut_linear");
+  Lut p = make_lut(codes, &lut, row_ptr, cols, values, "lut_linear");
   const int64_t K = p.K, N = p.N;
   TORCH_CHECK(x.size(-1) == K, "lut_linear: x has ", x.size(-1), " features, the codes ", K);
   const int64_t M = x.numel() / K;
@@ -270,11 +514,55 @@ at::Tensor lut_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return acc.to(x.scalar_type()).view(sizes);
 }
 
+#ifdef BRISK_LUT_Q8
+// x: [..., K] float32 or bfloat16, K a multiple of 32; codes, row_ptr, cols, values, bias: as lut_linear; qlut:
+// uint8 [N, 20], per row the 16-byte uint8 table (zero point 128; a 3-bit row's entries 8 .. 15 unused) and then
+// the row's float32 scale t_n (brisk.ops.lut.quantize_tables). Returns [..., N] in x's dtype: x rounded to int8 per
+// 32 columns, exact int32 dot products per block, float32 scaling and sums (the layout above).
+at::Tensor lut_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& qlut,
+                         const std::optional<at::Tensor>& row_ptr, const std::optional<at::Tensor>& cols,
+                         const std::optional<at::Tensor>& values, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "lut_linear_q8: x must be float32 or bfloat16 [..., K]");
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(qlut.scalar_type() == at::kByte && qlut.dim() == 2 && qlut.is_contiguous() && qlut.size(0) == N &&
+                  qlut.size(1) == 20,
+              "lut_linear_q8: qlut must be a contiguous uint8 [N, 20] tensor (brisk.ops.lut.quantize_tables)");
+  Lut p = make_lut(codes, nullptr, row_ptr, cols, values, "lut_linear_q8");
+  const int64_t K = p.K;
+  TORCH_CHECK(x.size(-1) == K, "lut_linear_q8: x has ", x.size(-1), " features, the codes ", K);
+  TORCH_CHECK(K % kQBlock == 0, "lut_linear_q8: K must be a multiple of 32, got ", K);
+  const int64_t M = x.numel() / K;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "lut_linear_q8: bias must be a contiguous [N] tensor");
+  auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0) {
+    const int64_t Kc = (K + kChunk - 1) / kChunk * kChunk, chunks = Kc / kChunk;
+    auto xc = x.contiguous();
+    // one buffer: xq [M, Kc] int8, start [M, chunks * 16] int32, scale [M, chunks * 16] float32, xr [M, K] float32
+    auto buffer = at::empty({M * (Kc + chunks * 16 * 8 + K * 4)}, x.options().dtype(at::kByte));
+    auto* xq = reinterpret_cast<int8_t*>(buffer.data_ptr<uint8_t>());
+    auto* start = reinterpret_cast<int32_t*>(xq + M * Kc);
+    auto* scale = reinterpret_cast<float*>(start + M * chunks * 16);
+    auto* xr = scale + M * chunks * 16;
+    if (xc.scalar_type() == at::kFloat) quantize_chunks(xc.data_ptr<float>(), 0, M, K, Kc, xq, start, scale, xr);
+    else quantize_chunks(xc.data_ptr<at::BFloat16>(), 0, M, K, Kc, xq, start, scale, xr);
+    const XQ8 a{Kc, xq, start, scale, xr};
+    run_q8(p, qlut.data_ptr<uint8_t>(), a, M, acc.data_ptr<float>());
+  }
+  if (has_bias) acc.add_(bias->to(at::kFloat));
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return acc.to(x.scalar_type()).view(sizes);
+}
+#endif
+
 // The float32 weight rows n0 .. n1 - 1 ([n1 - n0, K]): lut[n, q[n, k]] plus the outliers of those rows.
 at::Tensor lut_dequantize(const at::Tensor& codes, const at::Tensor& lut, const std::optional<at::Tensor>& row_ptr,
                           const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& values, int64_t n0,
                           int64_t n1) {
-  Lut p = make_lut(codes, lut, row_ptr, cols, values, "lut_dequantize");
+  Lut p = make_lut(codes, &lut, row_ptr, cols, values, "lut_dequantize");
   TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= p.N, "lut_dequantize: rows [", n0, ", ", n1, ") outside [0, ", p.N, ")");
   const int64_t K = p.K;
   auto out = at::empty({n1 - n0, K}, lut.options());
@@ -302,6 +590,10 @@ at::Tensor lut_dequantize(const at::Tensor& codes, const at::Tensor& lut, const 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("lut_linear(Tensor x, Tensor codes, Tensor lut, Tensor? row_ptr, Tensor? cols, Tensor? values, "
         "Tensor? bias) -> Tensor", &lut_linear);
+#ifdef BRISK_LUT_Q8
+  m.def("lut_linear_q8(Tensor x, Tensor codes, Tensor qlut, Tensor? row_ptr, Tensor? cols, Tensor? values, "
+        "Tensor? bias) -> Tensor", &lut_linear_q8);
+#endif
   m.def("lut_dequantize(Tensor codes, Tensor lut, Tensor? row_ptr, Tensor? cols, Tensor? values, int n0, "
         "int n1) -> Tensor", &lut_dequantize);
 }
