@@ -48,6 +48,7 @@ from brisk.quant.squeezellm import (
     squeezellm_gptq_weight,
     squeezellm_quantize,
     squeezellm_quantize_weight,
+    top_mask,
     weighted_kmeans,
 )
 
@@ -262,6 +263,30 @@ def test_dense_and_sparse_reconstruction() -> None:
     assert torch.equal(dequantize_lut(lut_weight([tensors], spec, 128)), result.w_hat)
 
 
+def test_the_most_sensitive_weights_join_the_sparse_part() -> None:
+    """The paper's sensitive values: the weights of largest Fisher value kept in float besides the largest ones,
+    with or without error feedback."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 128, generator=gen) * 0.02
+    f = torch.rand(32, 128, generator=gen)
+    hot = torch.randperm(w.numel(), generator=gen)[:12]
+    f.view(-1)[hot] = 50.0  # twelve weights the loss is most sensitive to
+    keep = top_mask(f, 12 / w.numel())
+    assert int(keep.sum()) == 12 and bool(keep.view(-1)[hot].all())
+    mask = outlier_mask(w, 0.005) | keep
+    plain = squeezellm_quantize_weight(w, f, 3, outliers=0.005, keep=keep)
+    torch.testing.assert_close(plain.w_hat[keep], w[keep], rtol=2e-3, atol=1e-4)  # float16 residuals
+    assert bool((plain.sparse[~mask] == 0).all())
+    # with error feedback a kept weight takes its value after the updates from earlier columns: still in the sparse
+    # part, so it passes no error on
+    x = torch.randn(256, 128, generator=gen)
+    fed = squeezellm_gptq_weight(w, 2 * x.T @ x / 256, f, 3, outliers=0.005, keep=keep)
+    assert bool((fed.sparse[~mask] == 0).all()) and int((fed.sparse[keep] != 0).sum()) >= 10
+    without = squeezellm_gptq_weight(w, 2 * x.T @ x / 256, f, 3, outliers=0.005)
+    assert bool((without.sparse[keep & ~outlier_mask(w, 0.005)] == 0).all())
+    assert top_mask(f, 0.0).sum() == 0
+
+
 def test_error_feedback_keeps_the_table_and_lowers_the_output_error() -> None:
     """Step 4: the same table and outliers, codes chosen with GPTQ's OBS updates against H = 2 X^T X / T of
     correlated inputs: the layer's output error ||(W - W_hat) X^T||^2 falls (measured 0.59x of nearest-entry
@@ -414,6 +439,7 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     assert qc["method"] == "squeezellm" and qc["bits"] == 3 and qc["method_config"]["outliers"] == 0.005
     assert qc["modules"]["model.embed_tokens"]["scheme"] == "int"  # the embedding / head: RTN int8
     assert qc["method_config"]["error_feedback"] is True
+    assert qc["method_config"]["sensitivity_floor"] == 1.0 and qc["method_config"]["sensitive"] == 0.0  # 3-bit
     res = run("--bits", "4", "--no-error-feedback", "--force", *calib)
     assert res.exit_code == 0, res.output
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
@@ -422,13 +448,21 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     assert res.exit_code != 0 and "--method squeezellm" in res.output
     res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--sensitivity-floor", "1"])
     assert res.exit_code != 0 and "--method squeezellm" in res.output
-    assert qc["method_config"]["sensitivity_floor"] == 1.0  # the default
+    assert qc["method_config"]["sensitivity_floor"] == 2.0  # the 4-bit default
     res = run("--bits", "3", "--sensitivity-floor", "0", "--force", *calib)
     assert res.exit_code == 0, res.output
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["method_config"]["sensitivity_floor"] == 0.0
     res = run("--bits", "3", "--sensitivity-floor", "-1", "--force", *calib)
     assert res.exit_code != 0 and "sensitivity_floor must be" in res.output
+    res = run("--bits", "3", "--sensitive", "0.05%", "--force", *calib)
+    assert res.exit_code == 0, res.output
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["method_config"]["sensitive"] == 0.0005
+    res = run("--bits", "3", "--sensitive", "many", "--force", *calib)
+    assert res.exit_code != 0 and "--sensitive 'many' is not a number" in res.output
+    res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--sensitive", "1%"])
+    assert res.exit_code != 0 and "--sensitive is SqueezeLLM's" in res.output
 
 
 def test_sensitivity_floor_normalises_each_row() -> None:

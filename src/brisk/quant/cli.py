@@ -82,12 +82,15 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 @click.option("--outliers", default=None, metavar="FRACTION",
               help="squeezellm: share of each matrix's weights, the largest in magnitude, kept in float in a sparse "
                    "matrix, as a percentage (0.45%) or a fraction (0.0045); 0 = dense only. [default: 0.45%]")
+@click.option("--sensitive", default=None, metavar="FRACTION",
+              help="squeezellm: share of each matrix's weights, those of largest Fisher sensitivity, also kept in "
+                   "float in the sparse part (the paper's sensitive values: 0.05%). [default: 0]")
 @click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
               help="squeezellm: choose the codes against the fixed tables with GPTQ's column order and error "
                    "updates on calibration inputs (brisk's addition), or each weight's nearest entry (the paper's).")
 @click.option("--sensitivity-floor", type=float, default=None, metavar="F",
               help="squeezellm: the k-means weighs each weight by its Fisher sensitivity over its row's mean plus "
-                   "F (0 = the Fisher sensitivity alone, as the paper). [default: 1]")
+                   "F (0 = the Fisher sensitivity alone, as the paper). [default: 1 at 3 bits, 2 at 4 bits]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="qat: distillation temperature.")
 @click.option("--bf16", "bf16_autocast", is_flag=True,
               help="qat: matmuls in bfloat16 autocast, float32 master weights (pays on AVX512-BF16 / AMX CPUs).")
@@ -95,7 +98,8 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
 def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym: bool, scheme: str,
              head_bits: str, skip: tuple[str, ...], calib_text: str | None, num_samples: int, seq_len: int,
              seed: int, batch_size: int, damp: float, act_order: bool, qat_init: str, steps: int, lr: float,
-             alpha: float | None, activations: str, threshold: str, outliers: str | None, error_feedback: bool,
+             alpha: float | None, activations: str, threshold: str, outliers: str | None, sensitive: str | None,
+             error_feedback: bool,
              sensitivity_floor: float | None, temperature: float, bf16_autocast: bool, force: bool) -> None:
     """Quantize MODEL (GGUF file or HF folder; 'default' = SmolLM2-135M-Instruct) into the folder OUT.
 
@@ -119,21 +123,24 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     if method != "rtn" and calib_text is None:
         raise click.ClickException(f"--method {method} needs calibration data: pass --calib-text FILE (a UTF-8 "
                                    "text, never the one you evaluate on)")
-    if outliers is not None and method != "squeezellm":
-        raise click.ClickException("--outliers is SqueezeLLM's dense-and-sparse split; use it with --method "
-                                   "squeezellm")
+    for given, option in ((outliers, "--outliers"), (sensitive, "--sensitive")):
+        if given is not None and method != "squeezellm":
+            raise click.ClickException(f"{option} is SqueezeLLM's dense-and-sparse split; use it with --method "
+                                       "squeezellm")
     given_feedback = click.get_current_context().get_parameter_source("error_feedback")
     if given_feedback is not click.core.ParameterSource.DEFAULT and method != "squeezellm":
         raise click.ClickException("--error-feedback / --no-error-feedback choose SqueezeLLM's codes; use them with "
                                    "--method squeezellm")
     if sensitivity_floor is not None and method != "squeezellm":
         raise click.ClickException("--sensitivity-floor weighs SqueezeLLM's k-means; use it with --method squeezellm")
-    outlier_fraction = 0.0
+    outlier_fraction = sensitive_fraction = 0.0
     if method == "squeezellm":
-        from brisk.quant.squeezellm import DEFAULT_OUTLIERS, parse_outliers
+        from brisk.quant.squeezellm import DEFAULT_OUTLIERS, DEFAULT_SENSITIVE, parse_outliers
 
         try:
             outlier_fraction = DEFAULT_OUTLIERS if outliers is None else parse_outliers(outliers)
+            sensitive_fraction = (DEFAULT_SENSITIVE if sensitive is None
+                                  else parse_outliers(sensitive, "--sensitive", "0.05%"))
         except ValueError as e:
             raise click.ClickException(str(e)) from None
         default = _squeezellm_default(bits, scheme)
@@ -171,8 +178,8 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
     if method == "rtn":
         tensors, qconfig = rtn_quantize(loaded, plan, default)
     elif method == "squeezellm":
-        tensors, qconfig = _squeezellm(loaded, plan, default, str(calib_text), outlier_fraction, num_samples,
-                                       seq_len, seed, error_feedback, damp, batch_size, sensitivity_floor)
+        tensors, qconfig = _squeezellm(loaded, plan, default, str(calib_text), outlier_fraction, sensitive_fraction,
+                                       num_samples, seq_len, seed, error_feedback, damp, batch_size, sensitivity_floor)
     elif method == "qat":
         tensors, qconfig = _qat(loaded, plan, default, out, str(calib_text), qat_init, steps, lr,
                                 1.0 if alpha is None else alpha, temperature,
@@ -219,19 +226,18 @@ def _squeezellm_default(bits: str, scheme: str) -> LayerQuant:
 
 
 def _squeezellm(loaded: LoadedModel, plan: dict[str, LayerQuant], default: LayerQuant, text: str,
-                outliers: float, num_samples: int, seq_len: int, seed: int, error_feedback: bool, damp: float,
-                batch_size: int, sensitivity_floor: float | None
+                outliers: float, sensitive: float, num_samples: int, seq_len: int, seed: int, error_feedback: bool,
+                damp: float, batch_size: int, sensitivity_floor: float | None
                 ) -> tuple[dict[str, torch.Tensor], QuantizationConfig]:
     """SqueezeLLM: Fisher sensitivities on the calibration text, then each planned linear's tables and outliers,
     its codes chosen with error feedback layer by layer (or nearest)."""
     from brisk.quant.calib import CalibConfig, CalibrationError
-    from brisk.quant.squeezellm import DEFAULT_SENSITIVITY_FLOOR, SqueezeLLMConfig, squeezellm_quantize
+    from brisk.quant.squeezellm import SqueezeLLMConfig, squeezellm_quantize
     from brisk.train.forward import UntrainableModelError
 
     try:
-        floor = DEFAULT_SENSITIVITY_FLOOR if sensitivity_floor is None else sensitivity_floor
-        config = SqueezeLLMConfig(outliers=outliers, error_feedback=error_feedback, damp=damp,
-                                  sensitivity_floor=floor)
+        config = SqueezeLLMConfig(outliers=outliers, sensitive=sensitive, error_feedback=error_feedback, damp=damp,
+                                  sensitivity_floor=sensitivity_floor)
         calib = CalibConfig(text, num_samples=num_samples, seq_len=seq_len, seed=seed, batch_size=batch_size)
         widest = max((loaded.model.get_submodule(n).in_features for n, q in plan.items() if q.scheme == "lut"),
                      default=0)

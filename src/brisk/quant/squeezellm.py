@@ -10,15 +10,18 @@ Per decoder linear with weight W [N, K]:
    computed with autograd through brisk's training forward (train/forward.py) with activation checkpointing, one
    `chunk_size` of sequences per backward, so memory stays that of one chunk. Only the planned linears' weights
    take gradients. Unlike GPTQ's layer-wise walk this is one pass over the float model: the paper does the same.
-   The k-means then weighs each weight by F / mean(F of its row) + `sensitivity_floor` (1 by default; 0 is F as
-   the paper uses it). A diagonal Fisher from a few thousand calibration tokens is noisy, and a weight it happens
-   to rate near zero would otherwise take no part in placing the table. On the default model at 3 bits (16 x 256
-   calibration tokens, step 4 on), held-out perplexity on the evaluation text / on the calibration book: floor 0
-   38.43 / 39.98, floor 1 33.28 / 36.16, floor 3 33.66 / 36.77, uniform weights 35.21 / 37.96.
+   The k-means then weighs each weight by F / mean(F of its row) + `sensitivity_floor` (by default 1 for 3-bit
+   tables, 2 for 4-bit ones; 0 is F as the paper uses it). A diagonal Fisher from a few thousand calibration
+   tokens is noisy, and a weight it happens to rate near zero would otherwise take no part in placing the table.
+   The defaults were chosen on the calibration book's perplexity (16 x 256 calibration tokens, step 4 on;
+   BENCHMARKS.md): at 3 bits floor 1 beats 0, 2, 3 and uniform weights, at 4 bits floor 2 beats 1 and 3 (the
+   held-out text agrees at 3 bits; at 4 bits it puts floor 3 a hair ahead of 2).
 2. Dense-and-sparse decomposition (paper §3.2): W = D + S, S holding the `outliers` fraction of W's weights
    largest in magnitude (0.45% by default, the paper's main setting). D is quantized below; S is stored as a CSR
    matrix of float16 values, and we keep in S the *residual* w - D_hat at those positions, so an outlier is
-   reconstructed to float16 precision whatever code the dense part gives it.
+   reconstructed to float16 precision whatever code the dense part gives it. `sensitive` adds the paper's
+   sensitive values: that fraction of each matrix's weights with the largest Fisher value (as measured, before
+   the floor of step 1), kept in S the same way (0 by default).
 3. Per output row, a 2^bits-entry table by sensitivity-weighted k-means (paper eq. 4):
        minimise  sum_k F_nk (W_nk - c_{q_nk})^2     over the table c and the codes q
    Lloyd's algorithm in one dimension: codes = nearest centroid (the midpoints between sorted centroids cut the
@@ -43,7 +46,7 @@ The embedding and the head take RTN's 8-bit codes, as with the other methods (qu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -60,7 +63,14 @@ from brisk.quant.support import DENSE_ARCHITECTURES, MethodSupport
 SUPPORT = MethodSupport("squeezellm", DENSE_ARCHITECTURES)
 
 DEFAULT_OUTLIERS = 0.0045  # the paper's 0.45%
-DEFAULT_SENSITIVITY_FLOOR = 1.0  # module docstring, step 1
+DEFAULT_SENSITIVE = 0.0
+# module docstring, step 1: each chosen on the calibration book's perplexity (held-out text's agrees)
+DEFAULT_SENSITIVITY_FLOOR = {3: 1.0, 4: 2.0}
+
+
+def default_sensitivity_floor(bits: int) -> float:
+    """Step 1's floor for tables of `bits` bits (DEFAULT_SENSITIVITY_FLOOR)."""
+    return DEFAULT_SENSITIVITY_FLOOR[bits]
 MAX_OUTLIERS = 0.1  # beyond 10% the sparse part outweighs the dense codes it is meant to help
 LUT_BITS = (3, 4)
 _KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds its temporaries (~40 bytes each)
@@ -69,17 +79,23 @@ _KMEANS_CHUNK_WEIGHTS = 1 << 21  # weights per chunk of rows in k-means: bounds 
 @dataclass(frozen=True)
 class SqueezeLLMConfig:
     outliers: float = DEFAULT_OUTLIERS  # fraction of each matrix's weights (largest |w|) kept in the sparse part
+    sensitive: float = DEFAULT_SENSITIVE  # and the fraction with the largest Fisher sensitivity (paper: 0.05%)
     kmeans_iters: int = 30  # Lloyd iterations per row table; 1-D k-means from a quantile start settles in a few tens
     chunk_size: int = 1  # sequences per backward: 1 is the per-sequence (empirical) Fisher of the paper
     error_feedback: bool = True  # step 4: GPTQ's column order and OBS updates choose the codes against the table
-    sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR  # step 1's row-normalised F plus this (0: F as measured)
+    # step 1's row-normalised F plus this (0: F as measured); None: default_sensitivity_floor of the layers' bits
+    sensitivity_floor: float | None = None
     damp: float = 0.01  # step 4's Hessian dampening, a fraction of mean(diag H) (GPTQ's)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sensitive, (int, float)) or not 0 <= self.sensitive <= MAX_OUTLIERS:
+            raise ValueError(f"the sensitive fraction must be in [0, {MAX_OUTLIERS:g}] ({MAX_OUTLIERS:.0%}; the "
+                             f"paper keeps 0.05%), got {self.sensitive!r}")
         if not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= MAX_OUTLIERS:
             raise ValueError(f"the outlier fraction must be in [0, {MAX_OUTLIERS:g}] ({MAX_OUTLIERS:.0%}; the paper "
                              f"keeps 0.45%), got {self.outliers!r}")
-        if not isinstance(self.sensitivity_floor, (int, float)) or not 0 <= self.sensitivity_floor < float("inf"):
+        floor = self.sensitivity_floor
+        if floor is not None and (not isinstance(floor, (int, float)) or not 0 <= floor < float("inf")):
             raise ValueError(f"sensitivity_floor must be a finite number >= 0, got {self.sensitivity_floor!r}")
         if not 0 < self.damp < 1:
             raise ValueError(f"damp must be in (0, 1) (a fraction of mean(diag H)), got {self.damp}")
@@ -92,17 +108,17 @@ class SqueezeLLMConfig:
         return asdict(self)
 
 
-def parse_outliers(text: str) -> float:
+def parse_outliers(text: str, option: str = "--outliers", paper: str = "0.45%") -> float:
     """'0.45%' or '0.0045' -> 0.0045; a ValueError naming the accepted forms otherwise."""
     raw = text.strip()
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
     except ValueError:
-        raise ValueError(f"--outliers {text!r} is not a number: give a percentage such as 0.45% or a fraction "
-                         "such as 0.0045") from None
+        raise ValueError(f"{option} {text!r} is not a number: give a percentage such as {paper} or a fraction "
+                         f"such as {float(paper[:-1]) / 100:g}") from None
     if not 0 <= value <= MAX_OUTLIERS:
-        raise ValueError(f"--outliers {text!r}: the fraction of weights kept in float must be between 0 and "
-                         f"{MAX_OUTLIERS:.0%} (the paper keeps 0.45%)")
+        raise ValueError(f"{option} {text!r}: the fraction of weights kept in float must be between 0 and "
+                         f"{MAX_OUTLIERS:.0%} (the paper keeps {paper})")
     return value
 
 
@@ -214,11 +230,16 @@ def weighted_kmeans(w: torch.Tensor, weights: torch.Tensor, num_centroids: int, 
 
 def outlier_mask(w: torch.Tensor, fraction: float) -> torch.Tensor:
     """bool [N, K]: the round(fraction * N * K) weights of largest magnitude (ties: topk's choice)."""
-    count = round(fraction * w.numel())
-    mask = torch.zeros(w.numel(), dtype=torch.bool)
+    return top_mask(w.detach().abs(), fraction)
+
+
+def top_mask(score: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool, score's shape: the round(fraction * numel) entries of largest score (ties: topk's choice)."""
+    count = round(fraction * score.numel())
+    mask = torch.zeros(score.numel(), dtype=torch.bool)
     if count:
-        mask[torch.topk(w.detach().abs().flatten().float(), count, sorted=False).indices] = True
-    return mask.view(w.shape)
+        mask[torch.topk(score.flatten().float(), count, sorted=False).indices] = True
+    return mask.view(score.shape)
 
 
 @dataclass
@@ -233,12 +254,16 @@ class LutCodes:
 
 
 def squeezellm_quantize_weight(weight: torch.Tensor, sensitivity: torch.Tensor, bits: int,
-                               outliers: float = DEFAULT_OUTLIERS, iters: int = 30) -> LutCodes:
-    """SqueezeLLM of one weight [N, K] given its sensitivity F [N, K] (module docstring, steps 2 and 3)."""
+                               outliers: float = DEFAULT_OUTLIERS, iters: int = 30,
+                               keep: torch.Tensor | None = None) -> LutCodes:
+    """SqueezeLLM of one weight [N, K] given its sensitivity F [N, K] (module docstring, steps 2 and 3); keep: more
+    positions for the sparse part (bool [N, K], the most sensitive weights), besides the `outliers` by magnitude."""
     if bits not in LUT_BITS:
         raise ValueError(f"SqueezeLLM tables are 3- or 4-bit here (8 or 16 entries a row), got {bits} bits")
     w = weight.detach().float()
     mask = outlier_mask(w, outliers)  # [N, K]
+    if keep is not None:
+        mask |= keep
     f = torch.where(mask, torch.zeros_like(w), sensitivity.detach().float())  # outliers take no part
     lut, _ = weighted_kmeans(w, f, 1 << bits, iters)
     lut = torch.sort(lut.half().float(), dim=1).values  # the checkpoint's float16 table, and codes against it
@@ -250,9 +275,9 @@ def squeezellm_quantize_weight(weight: torch.Tensor, sensitivity: torch.Tensor, 
 
 def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitivity: torch.Tensor, bits: int,
                            outliers: float = DEFAULT_OUTLIERS, iters: int = 30, damp: float = 0.01,
-                           block_size: int = 128) -> LutCodes:
+                           block_size: int = 128, keep: torch.Tensor | None = None) -> LutCodes:
     """SqueezeLLM's table and outliers for weight [N, K] (steps 2 and 3), its codes chosen with error feedback
-    against the layer's input Hessian H [K, K] (module docstring, step 4)."""
+    against the layer's input Hessian H [K, K] (module docstring, step 4); keep as squeezellm_quantize_weight's."""
     from brisk.quant.gptq import _inverse_hessian_factor, obs_columns
 
     if bits not in LUT_BITS:
@@ -260,6 +285,8 @@ def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitiv
     w = weight.detach().float().clone()  # [N, K]
     n, k = w.shape
     mask = outlier_mask(w, outliers)  # [N, K], from the original weights
+    if keep is not None:
+        mask |= keep
     f = torch.where(mask, torch.zeros_like(w), sensitivity.detach().float())
     lut, _ = weighted_kmeans(w, f, 1 << bits, iters)
     lut = torch.sort(lut.half().float(), dim=1).values  # [N, C]: the checkpoint's float16 table
@@ -291,7 +318,8 @@ def squeezellm_gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, sensitiv
 
 
 def squeezellm_apply(plan: dict[str, LayerQuant], fisher: dict[str, torch.Tensor], config: SqueezeLLMConfig,
-                     encoded: dict[str, dict[str, torch.Tensor]]) -> Callable[[BlockContext], None]:
+                     encoded: dict[str, dict[str, torch.Tensor]], keep: dict[str, torch.Tensor] | None = None
+                     ) -> Callable[[BlockContext], None]:
     """The per-block step of step 4 for calib.run_layerwise (as quant/gptq.py's `gptq_apply`): each stage's planned
     linears coded against their observed input Hessian, Ŵ written into the model so later stages and blocks see the
     quantized layer."""
@@ -300,8 +328,9 @@ def squeezellm_apply(plan: dict[str, LayerQuant], fisher: dict[str, torch.Tensor
     def apply(ctx: BlockContext) -> None:
         for prob in stacked_problems(ctx, fisher.__contains__, lambda name: plan[name].bits, "squeezellm"):
             sens = torch.cat([fisher.pop(f"{prob.prefix}.{n}") for n in prob.members])
+            kept = torch.cat([keep.pop(f"{prob.prefix}.{n}") for n in prob.members]) if keep else None
             r = squeezellm_gptq_weight(prob.weight, prob.hessian, sens, int(prob.key), config.outliers,
-                                       config.kmeans_iters, config.damp)
+                                       config.kmeans_iters, config.damp, keep=kept)
             prob.write(r.w_hat, lambda name, rows, r=r: encode_lut_layer(r.codes[rows], r.lut[rows], r.sparse[rows],
                                                                          plan[name]), encoded)
     return apply
@@ -322,20 +351,25 @@ def squeezellm_quantize(loaded: LoadedModel, plan: dict[str, LayerQuant], defaul
     from brisk.quant.rtn import _progress, checkpoint_tensors
 
     names = [n for n, spec in plan.items() if spec.scheme == "lut"]
+    floor = default_sensitivity_floor(default.bits) if config.sensitivity_floor is None else config.sensitivity_floor
+    config = replace(config, sensitivity_floor=floor)  # recorded as used
     ids = load_calibration_ids(loaded.tokenizer, calib)  # [S, L]
     fisher = fisher_diagonal(loaded.model, ids, names, config.chunk_size, progress=progress)
+    # the most sensitive weights by the Fisher as measured, per matrix (the paper's sensitive values)
+    keep = {name: top_mask(f, config.sensitive) for name, f in fisher.items()} if config.sensitive else {}
     for name, f in fisher.items():
-        fisher[name] = floored_sensitivity(f, config.sensitivity_floor)
+        fisher[name] = floored_sensitivity(f, floor)
     encoded: dict[str, dict[str, torch.Tensor]] = {}
     if config.error_feedback:
         from brisk.quant.calib import run_layerwise
 
-        run_layerwise(loaded.model, ids, squeezellm_apply(plan, fisher, config, encoded), calib.batch_size,
+        run_layerwise(loaded.model, ids, squeezellm_apply(plan, fisher, config, encoded, keep), calib.batch_size,
                       progress=progress, label="SqueezeLLM")
     rest = [n for n in names if n in fisher]  # (all of them without error feedback)
     for name in _progress(rest, progress and bool(rest), "SqueezeLLM"):
         result = squeezellm_quantize_weight(loaded.model.get_submodule(name).weight, fisher.pop(name),
-                                            plan[name].bits, config.outliers, config.kmeans_iters)
+                                            plan[name].bits, config.outliers, config.kmeans_iters,
+                                            keep.pop(name, None))
         encoded[name] = encode_lut_layer(result.codes, result.lut, result.sparse, plan[name])
     qconfig = QuantizationConfig(method="squeezellm", default=default, modules=dict(plan),
                                  calibration=calib.to_dict(), method_config=config.to_dict())
