@@ -406,6 +406,26 @@ def test_checkpoint_reloads_with_equal_outputs(tiny: Path, squeezed3, tmp_path: 
     assert loaded_row.params == 64 * 64 and loaded_row.payload_bytes > 64 * 64 // 2  # 4-bit fields + outliers
 
 
+def test_int8_activations_switch_the_kernel_and_the_bytes_read(squeezed3, tmp_path: Path) -> None:  # noqa: ANN001
+    from brisk.bench.roofline import weight_bytes_per_token
+    from brisk.ops.layers import LinearKind
+    from brisk.quant.layers import set_quant_activations
+
+    loaded, _, tensors, qconfig = squeezed3
+    qloaded = load_model(save_quantized(tmp_path / "sq", loaded.config, loaded.tokenizer, qconfig, tensors))
+    luts = [m for m in qloaded.model.modules() if isinstance(m, LutLinear)]
+    before = weight_bytes_per_token(qloaded.model)
+    assert set_quant_activations(qloaded.model, "auto") == len(luts)  # 3-bit tables: int8 under auto
+    assert all(m.kernel().kind is LinearKind.LUT_Q8 and "int8 activations" in repr(m) for m in luts)
+    # a decode step reads 20 bytes a row of uint8 tables and scale instead of 8 float32 entries
+    assert weight_bytes_per_token(qloaded.model) == before - sum(m.out_features * (32 - 20) for m in luts)
+    x = torch.randn(3, luts[0].in_features)
+    torch.testing.assert_close(luts[0](x), lut_linear_q8(x, luts[0].rounded_tables(), luts[0].bias),
+                               rtol=0, atol=0)  # the module runs lut_linear_q8's dispatch
+    assert set_quant_activations(qloaded.model, "float") == 0
+    assert all(m.kernel().kind is LinearKind.LUT for m in luts) and weight_bytes_per_token(qloaded.model) == before
+
+
 def test_checkpoint_mismatch_is_named(squeezed3, tmp_path: Path) -> None:  # noqa: ANN001
     loaded, _, tensors, qconfig = squeezed3
     tensors = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.outlier_cols"}

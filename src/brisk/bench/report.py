@@ -67,14 +67,9 @@ def peak_rss_bytes() -> int:
 
 # ---------------------------------------------------------------------------- machine and run facts
 def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+    from brisk.ops.isa import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or None
 
 
 def machine_info() -> dict[str, Any]:

@@ -54,6 +54,10 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     for module in model.modules():  # a quantized table (quant.layers.QuantEmbedding) is only ever looked up
         if hasattr(module, "table_tensors") and hasattr(module, "row_bytes"):
             total += module.row_bytes - sum(t.numel() * t.element_size() for t in module.table_tensors())
+        if getattr(module, "quant_activations", None) == "int8" and hasattr(module, "rounded_tables"):
+            # SqueezeLLM with int8 activations reads its uint8 tables (ops/layers.py LutLinear), not the float ones
+            lut = module.lut_weight.lut
+            total += module.rounded_tables().qlut.numel() - lut.numel() * lut.element_size()
     for name, w in embedding_weights.items():
         key = w.data_ptr()
         row_bytes = w.shape[1] * w.element_size()
