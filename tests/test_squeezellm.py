@@ -169,6 +169,31 @@ def test_int8_table_kernel_equals_its_integer_reference(bits: int, nnz: int, row
         torch.testing.assert_close(lut_linear_q8(x, rt, bias), want, rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("k", [96, 128])
+def test_int8_table_kernel_is_bit_exact_where_float_adds_nothing(k: int) -> None:
+    """Integer activations with a 127 in every 32-column block (scale exactly 1), tables whose largest entry is
+    127 / 8 (row scale exactly 1/8) and outliers on the 1/8 grid: every product and partial sum is exact in
+    float32, so the kernel must equal the integer reference bit for bit (a wrong code, table byte, zero point or
+    lane shows up)."""
+    if "-mavx512vbmi" not in kernels.kernel_tier().cflags:  # (the float paths are checked against the reference)
+        pytest.skip("the integer table kernel is built for the avx512 tier only (AVX-512 VBMI)")
+    ops = ops_with("lut_linear_q8")
+    gen = torch.Generator().manual_seed(k)
+    n = 43
+    for bits in (3, 4):
+        lw = random_lut_weight(bits, n, k, 40, seed=k + bits)
+        u = torch.randint(-127, 128, (n, 1 << bits), generator=gen)
+        u[:, 0] = 127  # the largest |entry|: t = (127 / 8) / 127 = 1 / 8
+        lw = dataclasses.replace(lw, lut=u.float() / 8, values=torch.randint(-40, 41, (lw.nnz,), generator=gen) / 8)
+        rt = quantize_tables(lw)
+        assert torch.equal(rt.weight.lut, lw.lut)  # the rounding is exact here
+        for m in (1, 5):
+            x = torch.randint(-127, 128, (m, k), generator=gen).float()
+            x[:, ::32] = 127.0
+            got = ops.lut_linear_q8(x, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, None)
+            assert torch.equal(got, lut_q8_reference(x, rt)), (bits, m)
+
+
 def test_int8_activations_need_whole_blocks_of_32() -> None:
     lw = random_lut_weight(4, 8, 40, 0)
     with pytest.raises(ValueError, match="multiple of 32"):
