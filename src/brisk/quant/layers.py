@@ -74,9 +74,8 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     (SmoothQuant, LLM.int8(): int8 activations by design) takes int8 ones under "auto". SqueezeLLM's table layers
     (3 or 4 bits, ops/lut.py) take int8 under "auto" and "int8", their tables then rounded to uint8 per row (on the
     default model at 3 bits: +0.06% relative perplexity, and the integer table kernel's decode where the CPU has
-    AVX-512 VBMI). Returns the number of layers
-    on the int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor built over the
-    model before the switch must be rebuilt (engine/executor.py)."""
+    AVX-512 VBMI). Returns the number of layers on the int8 path. Each layer's kernel descriptor (ops/layers.py)
+    follows the setting; an executor built over the model before the switch must be rebuilt (engine/executor.py)."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
