@@ -484,7 +484,7 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     assert qc["method"] == "squeezellm" and qc["bits"] == 3 and qc["method_config"]["outliers"] == 0.005
     assert qc["modules"]["model.embed_tokens"]["scheme"] == "int"  # the embedding / head: RTN int8
     assert qc["method_config"]["error_feedback"] is True
-    assert qc["method_config"]["sensitivity_floor"] == 1.0 and qc["method_config"]["sensitive"] == 0.0  # 3-bit
+    assert qc["method_config"]["sensitivity_floor"] == 1.0 and qc["method_config"]["sensitive"] == 0.0005  # 3-bit
     res = run("--bits", "4", "--no-error-feedback", "--force", *calib)
     assert res.exit_code == 0, res.output
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
@@ -500,10 +500,10 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     assert qc["method_config"]["sensitivity_floor"] == 0.0
     res = run("--bits", "3", "--sensitivity-floor", "-1", "--force", *calib)
     assert res.exit_code != 0 and "sensitivity_floor must be" in res.output
-    res = run("--bits", "3", "--sensitive", "0.05%", "--force", *calib)
+    res = run("--bits", "3", "--sensitive", "0", "--force", *calib)
     assert res.exit_code == 0, res.output
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert qc["method_config"]["sensitive"] == 0.0005
+    assert qc["method_config"]["sensitive"] == 0.0
     res = run("--bits", "3", "--sensitive", "many", "--force", *calib)
     assert res.exit_code != 0 and "--sensitive 'many' is not a number" in res.output
     res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--sensitive", "1%"])

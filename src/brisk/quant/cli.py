@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # torch and the model stay unimported until a command runs (f
                    "matrix, as a percentage (0.45%) or a fraction (0.0045); 0 = dense only. [default: 0.45%]")
 @click.option("--sensitive", default=None, metavar="FRACTION",
               help="squeezellm: share of each matrix's weights, those of largest Fisher sensitivity, also kept in "
-                   "float in the sparse part (the paper's sensitive values: 0.05%). [default: 0]")
+                   "float in the sparse part (the paper's sensitive values); 0 = none. [default: 0.05%]")
 @click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
               help="squeezellm: choose the codes against the fixed tables with GPTQ's column order and error "
                    "updates on calibration inputs (brisk's addition), or each weight's nearest entry (the paper's).")
