@@ -494,16 +494,13 @@ def test_quantize_cli_squeezellm_and_its_errors(tiny: Path, tmp_path: Path) -> N
     res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--sensitivity-floor", "1"])
     assert res.exit_code != 0 and "--method squeezellm" in res.output
     assert qc["method_config"]["sensitivity_floor"] == 2.0  # the 4-bit default
-    res = run("--bits", "3", "--sensitivity-floor", "0", "--force", *calib)
-    assert res.exit_code == 0, res.output
-    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert qc["method_config"]["sensitivity_floor"] == 0.0
+    for option, value, key in (("--sensitivity-floor", "0", "sensitivity_floor"), ("--sensitive", "0", "sensitive")):
+        res = run("--bits", "3", option, value, "--force", *calib)
+        assert res.exit_code == 0, res.output
+        qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+        assert qc["method_config"][key] == 0.0, option
     res = run("--bits", "3", "--sensitivity-floor", "-1", "--force", *calib)
     assert res.exit_code != 0 and "sensitivity_floor must be" in res.output
-    res = run("--bits", "3", "--sensitive", "0", "--force", *calib)
-    assert res.exit_code == 0, res.output
-    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert qc["method_config"]["sensitive"] == 0.0
     res = run("--bits", "3", "--sensitive", "many", "--force", *calib)
     assert res.exit_code != 0 and "--sensitive 'many' is not a number" in res.output
     res = runner.invoke(main, ["quantize", str(tiny), str(tmp_path / "r"), "--sensitive", "1%"])
