@@ -202,6 +202,10 @@ def quantize(model: str, out: Path, method: str, bits: str, group_size: int, sym
         pruned = {k: v for k, v in pruned.items() if k != "format"}
         add_sparsity_config(out, pruned)  # prune-then-quantize keeps the record of how the zeros came
     size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
+    from brisk.spec.vocab import VOCAB_FILE
+
+    if loaded.path.is_dir() and (loaded.path / VOCAB_FILE).is_file():  # a distilled draft's vocabulary goes along
+        shutil.copyfile(loaded.path / VOCAB_FILE, out / VOCAB_FILE)
     console.print(f"[bold green]quantized[/] {loaded.name} -> {out}: {len(plan)} modules ({default.label}, "
                   f"embedding/head {'float' if head_bits == 'none' else HEAD_DEFAULT.label}), "
                   f"{size / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,12 +49,14 @@ _SHADOW_PARAMS = SamplingParams(temperature=0, max_tokens=None)
 class DraftModelProposer(Proposer):
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", name: str = "draft", draft_cost: float = 0.3,
-                 kv_cache_dtype: str = "auto", execution: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", execution: str = "auto", vocab: torch.Tensor | None = None) -> None:
         self.name = name
         self.draft_cost = draft_cost
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, kv_cache_dtype, execution=execution)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.vocab_size = model.config.vocab_size
+        # the token ids of the draft head's rows (spec/vocab.py restrict_head), None: the whole vocabulary
+        self.vocab = vocab
         self._shadows: dict[str, Request] = {}
         self.forward_seconds = 0.0  # last steady-state draft forward (0 until one ran)
         self._num_target_tokens: dict[str, int] = {}  # the target's length when the shadow last drafted
@@ -156,6 +159,9 @@ class DraftModelProposer(Proposer):
             ids, positions, meta, ctx = self.runner.prepare(sched)
             dev = self.runner.device
             logits = self.runner.executor(ids.to(dev), positions.to(dev), meta, self.runner.kv_caches, ctx)  # [B, V]
+            if self.vocab is not None:  # [B, Vd] -> [B, V], -inf outside the draft vocabulary
+                full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+                logits = full.index_copy_(1, self.vocab.to(logits.device), logits)
             if max(len(s.token_ids) for s in scheduled) <= 2:
                 # a steady-state draft forward (no catch-up prefill of a new prompt): what adaptive γ should
                 # pay per drafted position
@@ -252,8 +258,13 @@ def layer_skip_model(model: LlamaForCausalLM, skip_layers: Iterable[int]) -> Lla
 
 
 def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelProposer:
-    """draft:PATH, self:intN or layerskip; the draft's KV pool holds as many tokens as the target's."""
+    """draft:PATH, self:intN or layerskip; the draft's KV pool holds as many tokens as the target's. A draft
+    folder holding a draft vocabulary (spec/vocab.py) drafts from those tokens only."""
     from brisk.model.loader import load_model
+    from brisk.quant.layers import set_quant_activations
+    from brisk.spec.vocab import load_vocab, restrict_head
+
+    vocab = None
 
     target = engine.loaded
     dtype = target.dtype
@@ -267,6 +278,13 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
             raise ValueError(f"draft model {config.model} tokenizes differently from the target; a draft must share "
                              "the target's tokenizer")
         model, name, cost = loaded.model, "draft", 0.3
+        folder = Path(loaded.path)
+        vocab = load_vocab(folder, target.config.vocab_size) if folder.is_dir() else None
+        if vocab is not None:
+            restrict_head(model, vocab)
+        # a quantized draft's 8/4-bit linears take int8 activations, as a self-draft's (faster drafting; the
+        # draft's numerics move the acceptance rate, never the output)
+        set_quant_activations(model, "int8")
     elif config.method == "self":
         model, name, cost = self_draft_model(engine, SELF_DRAFT_BITS[config.model]), f"self:{config.model}", 0.35
     else:
@@ -283,7 +301,7 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
     execution = "auto" if engine.config.execution == "compiled" else engine.config.execution
     proposer = DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype,
                                   engine.config.device, name=name, draft_cost=cost, kv_cache_dtype=kv_dtype,
-                                  execution=execution)
+                                  execution=execution, vocab=vocab)
     if config.method == "self":
         proposer.share_target_kv(engine.runner.kv_caches, engine.kv_manager)
     return proposer

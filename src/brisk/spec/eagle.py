@@ -288,13 +288,14 @@ class EagleProposer(Proposer):
 
 
 def build_eagle_proposer(path: str | None, engine: LLMEngine, tree_size: int) -> EagleProposer:
-    from brisk.spec.medusa import _lm_head_weight, check_tree_engine
+    from brisk.spec.medusa import check_tree_engine
+    from brisk.spec.vocab import head_matrix
 
     check_tree_engine(engine, "eagle")
     model = engine.loaded.model
     head, vocab, _ = load_eagle(path or default_eagle_dir(engine.loaded.path), model.config.hidden_size)
     engine.runner.executor.keep_hidden = True
-    return EagleProposer(head, model.model.embed_tokens, _lm_head_weight(engine.loaded), vocab, tree_size)
+    return EagleProposer(head, model.model.embed_tokens, head_matrix(engine.loaded.model), vocab, tree_size)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -402,11 +403,10 @@ def eagle_accuracy(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tens
 def draft_vocabulary(data: SelfDistillData, vocab_size: int, size: int) -> torch.Tensor:
     """The `size` tokens the target generated most often (ties and unseen tokens by id): the head drafts only
     these, so each drafted node costs a [size, H] product, not the whole lm_head."""
-    counts = torch.zeros(vocab_size)
-    for _, t in data.sequences:
-        counts.index_add_(0, torch.tensor(t), torch.ones(len(t)))
-    order = torch.argsort(-counts, stable=True)
-    return order[:min(size, vocab_size)].sort().values
+    from brisk.spec.vocab import most_frequent, token_counts
+
+    return most_frequent(token_counts((torch.tensor(t, dtype=torch.int64) for _, t in data.sequences), vocab_size),
+                         size)
 
 
 def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int = 128, max_tokens: int = 128,
@@ -415,7 +415,8 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
                 progress: bool = True, data_cache: Path | None = None) -> dict[str, Any]:
     """Collect (or read) self-distillation data, fit the head on 90% of the answers, measure its chain's top-1
     accuracy per depth on the other 10% (whole answers held out), save to `out`."""
-    from brisk.spec.medusa import _lm_head_weight, self_distill_data
+    from brisk.spec.medusa import self_distill_data
+    from brisk.spec.vocab import head_matrix
 
     data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log)
     torch.manual_seed(seed)
@@ -423,7 +424,7 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
     held = max(1, len(order) // 10) if len(order) > 1 else 0
     test, train = sorted(order[:held]), sorted(order[held:])
     head = head_for(loaded.model.config)
-    weight = _lm_head_weight(loaded)
+    weight = head_matrix(loaded.model)
     embed = loaded.model.model.embed_tokens
     vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
     t0 = time.perf_counter()

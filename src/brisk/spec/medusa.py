@@ -30,6 +30,7 @@ from torch import nn
 
 from brisk.spec.proposer import Draft, Proposer
 from brisk.spec.tree import static_tree, tree_parents
+from brisk.spec.vocab import head_matrix
 
 if TYPE_CHECKING:
     from brisk.engine.llm_engine import LLMEngine
@@ -144,7 +145,7 @@ def build_medusa_proposer(path: str | None, engine: LLMEngine, tree_size: int) -
     check_tree_engine(engine, "medusa")
     heads, info, vocab = load_heads(path or default_heads_dir(engine.loaded.path), model.config.hidden_size)
     engine.runner.executor.keep_hidden = True
-    return MedusaProposer(heads, _lm_head_weight(engine.loaded), info["accuracy"], tree_size, vocab)
+    return MedusaProposer(heads, head_matrix(engine.loaded.model), info["accuracy"], tree_size, vocab)
 
 
 def check_tree_engine(engine: LLMEngine, method: str) -> None:
@@ -372,7 +373,7 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
     perm = torch.randperm(n, generator=g)
     held = max(1, n // 10)
     test_idx, train_idx = perm[:held], perm[held:]
-    weight = _lm_head_weight(loaded).index_select(0, vocab).contiguous()  # [Vd, H]
+    weight = head_matrix(loaded.model).index_select(0, vocab).contiguous()  # [Vd, H]
     heads = MedusaHeads(num_heads, data.hidden.shape[1])
     before = rank_accuracy(heads, weight, data.hidden[test_idx], labels[test_idx])
     t0 = time.perf_counter()
@@ -396,14 +397,3 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
 
     write_loss_curve(out / "loss.png", [{"step": i + 1, "loss": v} for i, v in enumerate(history)])
     return info
-
-
-def _lm_head_weight(loaded: LoadedModel) -> torch.Tensor:
-    """The target's lm_head as a dense float [V, H] matrix (frozen; its kernels may hold a packed copy)."""
-    lm = loaded.model.lm_head
-    w = getattr(lm, "weight", None)
-    if isinstance(w, torch.Tensor) and w.is_floating_point() and w.layout == torch.strided:
-        return w.detach().float()
-    eye = torch.eye(loaded.model.config.hidden_size)
-    with torch.inference_mode():
-        return lm(eye).t().contiguous().float().clone()  # the lm_head applied to the basis: its columns

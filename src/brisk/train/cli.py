@@ -27,6 +27,15 @@ from brisk.train.options import activation_checkpointing_option, optimizer_optio
 @click.option("--temperature", type=float, default=2.0, show_default=True)
 @click.option("--hidden-weight", type=float, default=0.0, show_default=True,
               help="Weight of hidden-state matching on mapped layers (0: off; needs equal hidden sizes).")
+@click.option("--generations", type=int, default=0, show_default=True,
+              help="Also train on the teacher's greedy answers to this many chat prompts cut from --text "
+                   "(self-distillation: what a draft model will be asked to predict). Kept in OUT for reuse.")
+@click.option("--generation-tokens", type=int, default=128, show_default=True,
+              help="Longest teacher answer of --generations, in tokens.")
+@click.option("--draft-vocab", type=int, default=0, show_default=True,
+              help="Write OUT/draft_vocab.safetensors: the N most frequent tokens of the training data (the "
+                   "teacher's answers weigh as much as the text). As a draft (--speculative draft:OUT) the model "
+                   "then computes logits for those tokens only. 0: none.")
 @activation_checkpointing_option
 @click.option("--bf16", "bf16_autocast", is_flag=True, help="bfloat16 autocast (pays on AVX512-BF16 / AMX CPUs).")
 @click.option("--keep-sparsity/--no-keep-sparsity", default=None,
@@ -38,7 +47,8 @@ from brisk.train.options import activation_checkpointing_option, optimizer_optio
 @run_options
 def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: str, steps: int, batch_size: int,
             grad_accum: int, seq_len: int, lr: float, warmup_steps: int, weight_decay: float, max_grad_norm: float,
-            alpha: float, temperature: float, hidden_weight: float, activation_checkpointing: bool,
+            alpha: float, temperature: float, hidden_weight: float, generations: int, generation_tokens: int,
+            draft_vocab: int, activation_checkpointing: bool,
             bf16_autocast: bool, keep_sparsity: bool | None, eval_every: int, eval_windows: int, eval_window: int,
             checkpoint_every: int, seed: int, resume: bool, force: bool) -> None:
     """Distill TEACHER into a student initialised from STUDENT_INIT; write the student folder OUT.
@@ -48,13 +58,16 @@ def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: st
     OUT loads with no flags: brisk generate --model OUT.
     """
     from brisk.model.loader import load_model
+    from brisk.spec.vocab import save_vocab
     from brisk.train.checkpoint import TrainCheckpointError
     from brisk.train.data import TextWindows, TrainDataError
     from brisk.train.distill import (
         DistillError,
+        cached_generations,
         check_hidden_sizes,
         check_same_tokenizer,
         default_layer_map,
+        draft_vocabulary,
         make_distill_loss,
         parse_layers,
         teacher_layers_student,
@@ -93,9 +106,17 @@ def distill(teacher: str, student_init: str, out: Path, text: str, eval_text: st
             layer_map = default_layer_map(s.config.num_hidden_layers, t.config.num_hidden_layers, layers)
         loss_fn = make_distill_loss(t.model, alpha, temperature, hidden_weight, layer_map, activation_checkpointing)
         data = TextWindows.from_file(text, s.tokenizer, seq_len, seed)
+        answers = cached_generations(out, t, text, generations, generation_tokens) if generations else []
+        if draft_vocab:
+            save_vocab(out, draft_vocabulary([data.windows], answers, t.config.vocab_size, draft_vocab,
+                                             t.tokenizer.eos_token_ids))
+        if answers:
+            data = data.joined(TextWindows.from_ids([i for a in answers for i in a], seq_len, seed,
+                                                    f"{len(answers)} teacher answers"))
         method = {"method": "distill", "teacher": t.name, "student_init": student_init if layers else s.name,
                   "student_layers": layers, "alpha": alpha, "temperature": temperature,
-                  "hidden_weight": hidden_weight}
+                  "hidden_weight": hidden_weight, "generations": generations,
+                  "generation_tokens": generation_tokens if generations else None, "draft_vocab": draft_vocab or None}
         result = train(s, loss_fn, data, config, out, method=method,
                        eval_text=Path(eval_text).read_text(encoding="utf-8"), eval_source=Path(eval_text).name,
                        resume=resume)

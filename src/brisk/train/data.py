@@ -40,15 +40,25 @@ class TextWindows:
     @classmethod
     def from_text(cls, text: str, tokenizer: Tokenizer, seq_len: int, seed: int, source: str = "<text>"
                   ) -> TextWindows:
+        return cls.from_ids(tokenizer.encode(text, add_special_tokens=False), seq_len, seed, source)
+
+    @classmethod
+    def from_ids(cls, ids: list[int], seq_len: int, seed: int, source: str) -> TextWindows:
+        """Token ids (a text's, or token sequences joined end to end) cut into consecutive windows."""
         if seq_len < 2:
             raise TrainDataError(f"seq_len must be at least 2 tokens, got {seq_len}")
-        ids = tokenizer.encode(text, add_special_tokens=False)
         num_windows = len(ids) // seq_len
         if num_windows == 0:
             raise TrainDataError(f"training text {source} has {len(ids)} tokens, fewer than one window of "
                                  f"{seq_len}; pass a longer text or a shorter --seq-len")
         windows = torch.tensor(ids[:num_windows * seq_len], dtype=torch.long).view(num_windows, seq_len)
         return cls(windows=windows, seed=seed, source=source)
+
+    def joined(self, other: TextWindows) -> TextWindows:
+        """Both sources' windows in one pool (same window length), drawn in one seeded order."""
+        if other.seq_len != self.seq_len:
+            raise TrainDataError(f"cannot pool windows of {self.seq_len} and {other.seq_len} tokens")
+        return TextWindows(torch.cat([self.windows, other.windows]), self.seed, f"{self.source} + {other.source}")
 
     @property
     def num_windows(self) -> int:

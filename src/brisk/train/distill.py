@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -149,3 +150,90 @@ def check_hidden_sizes(teacher: LoadedModel, student: LoadedModel) -> None:
     if teacher.config.hidden_size != student.config.hidden_size:
         raise DistillError(f"hidden-state matching needs equal hidden sizes (teacher {teacher.config.hidden_size}, "
                            f"student {student.config.hidden_size}); pass --hidden-weight 0")
+
+
+def teacher_generations(teacher: str | Path, text: str, num_prompts: int, max_tokens: int, batch: int = 64,
+                        progress: bool = True) -> list[list[int]]:
+    """The teacher's greedy answers to `num_prompts` chat prompts cut from `text` (`brisk bench spec`'s own prompts
+    left out), each returned whole: chat-template prompt + answer (+ end of sequence where the answer ended on
+    one). A draft distilled on them learns the target's own continuations in the chat format it will draft in
+    (self-distillation, as DistillSpec and Medusa-2 do), not only the text's. Run in the engine (continuous
+    batching, `batch` requests in flight) on a fresh copy of the teacher, which leaves the training copy as it is."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from brisk.bench.report import stderr_console
+    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from brisk.engine.llm_engine import LLMEngine
+    from brisk.engine.sampling_params import SamplingParams
+    from brisk.spec.medusa import evaluation_prompts, training_prompts
+
+    if num_prompts < 1 or max_tokens < 1:
+        raise DistillError(f"teacher generations need at least 1 prompt and 1 token, got {num_prompts} prompts of "
+                           f"{max_tokens} tokens")
+    conversations = training_prompts(text, num_prompts, evaluation_prompts())
+    engine = LLMEngine(EngineConfig(model=str(teacher), max_model_len=4096,
+                                    scheduler=SchedulerConfig(max_model_len=4096, max_num_seqs=batch),
+                                    cache=CacheConfig(kv_cache_memory="1GiB")))
+    try:
+        tok = engine.tokenizer
+        eos = list(tok.eos_token_ids)
+        prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in conversations]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        order = [engine.add_request(None, p, params) for p in prompts]
+        done: dict[str, list[int]] = {}
+        with Progress(TextColumn("teacher answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=stderr_console(), transient=True, disable=not progress) as bar:
+            task = bar.add_task("answers", total=len(prompts))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        answer = out.outputs[0]
+                        ids = list(out.prompt_token_ids) + list(answer.token_ids)
+                        if answer.finish_reason == "stop" and eos and ids[-1] not in eos:
+                            # ended on an end-of-sequence token the output leaves out: the draft learns it too
+                            ids.append(answer.stop_reason if isinstance(answer.stop_reason, int) else eos[0])
+                        done[out.request_id] = ids
+                        bar.advance(task)
+    finally:
+        engine.shutdown()
+    return [done[r] for r in order]
+
+
+GENERATIONS_FILE = "teacher_generations.json"
+
+
+def cached_generations(out: Path, teacher: LoadedModel, text_path: str | Path, num_prompts: int, max_tokens: int,
+                       progress: bool = True) -> list[list[int]]:
+    """`teacher_generations`, read from OUT/teacher_generations.json when it holds these settings' answers (a
+    resumed or repeated run trains on the same data without generating it again), else made and written there."""
+    import json
+
+    key = {"teacher": teacher.name, "text": Path(text_path).name, "prompts": num_prompts, "max_tokens": max_tokens}
+    path = Path(out) / GENERATIONS_FILE
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                return [list(map(int, a)) for a in saved["answers"]]
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: generate again and overwrite
+    answers = teacher_generations(teacher.path, Path(text_path).read_text(encoding="utf-8"), num_prompts,
+                                  max_tokens, progress=progress)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "answers": answers}) + "\n")
+    return answers
+
+
+def draft_vocabulary(text_windows: list[torch.Tensor], answers: list[list[int]], vocab_size: int, size: int,
+                     always: list[int]) -> torch.Tensor:
+    """The `size` tokens a draft distilled on this data should propose: ranked by frequency in the text plus
+    frequency in the teacher's answers (each normalized, so the answers weigh as much as a longer text), with
+    the end-of-sequence tokens always in."""
+    from brisk.spec.vocab import most_frequent, token_counts
+
+    score = token_counts(text_windows, vocab_size)
+    score /= score.sum().clamp_min(1)
+    if answers:
+        gen = token_counts((torch.tensor(a, dtype=torch.int64) for a in answers), vocab_size)
+        score += gen / gen.sum().clamp_min(1)
+    return most_frequent(score, size, always)
