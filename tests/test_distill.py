@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from brisk.model.loader import load_model
 from brisk.train.distill import DistillError, check_same_tokenizer, parse_layers, teacher_layers_student
 from brisk.train.forward import causal_lm_forward
 from brisk.train.losses import distillation_loss
+
+
+def write_texts(folder: Path) -> tuple[Path, Path]:
+    """A short training text and a held-out one from the bundled book, as files in `folder`."""
+    book = calibration_text_path().read_text(encoding="utf-8")
+    text, held = folder / "train.txt", folder / "held.txt"
+    text.write_text(book[:20000])
+    held.write_text(book[40000:45000])
+    return text, held
 
 
 def test_distillation_loss_matches_the_formula():
@@ -75,10 +85,7 @@ def test_student_with_another_tokenizer_is_refused(tmp_path):
 
 def test_distill_cli_end_to_end(tmp_path):
     make_tiny_hf_model(tmp_path / "teacher", num_hidden_layers=4, tie_word_embeddings=True)
-    text = tmp_path / "train.txt"
-    text.write_text(calibration_text_path().read_text(encoding="utf-8")[:20000])
-    held = tmp_path / "held.txt"
-    held.write_text(calibration_text_path().read_text(encoding="utf-8")[40000:45000])
+    text, held = write_texts(tmp_path)
     args = [str(tmp_path / "teacher"), "every:2", str(tmp_path / "out"), "--text", str(text), "--eval-text",
             str(held), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-3", "--eval-windows", "1",
             "--eval-window", "64", "--hidden-weight", "0.5"]
@@ -105,10 +112,7 @@ def test_distill_cli_layer_copy_student_keeps_each_layers_kind(tmp_path, arch):
     else:  # layer 1 of 3 keeps a dense MLP
         make_tiny_moe(tmp_path / "teacher", arch, seed=1, num_hidden_layers=3, mlp_only_layers=[1])
         layers, want = [1, 2], {"mlp_only_layers": [0], "num_experts": 8}
-    text = tmp_path / "train.txt"
-    text.write_text(calibration_text_path().read_text(encoding="utf-8")[:20000])
-    held = tmp_path / "held.txt"
-    held.write_text(calibration_text_path().read_text(encoding="utf-8")[40000:45000])
+    text, held = write_texts(tmp_path)
     args = [str(tmp_path / "teacher"), "layers:" + ",".join(map(str, layers)), str(tmp_path / "out"), "--text",
             str(text), "--eval-text", str(held), "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--lr",
             "3e-3", "--eval-windows", "1", "--eval-window", "64"]

@@ -12,10 +12,10 @@ import torch
 from click.testing import CliRunner
 from hf_utils import make_tiny_hf_model
 from safetensors.torch import save_file
+from test_distill import write_texts
 
 from brisk import LLM, SamplingParams
 from brisk.cli import main
-from brisk.data import calibration_text_path
 from brisk.model.loader import load_model
 from brisk.spec.vocab import (
     VOCAB_FILE,
@@ -110,10 +110,7 @@ def test_bad_vocabulary_files_are_refused(tmp_path):
 
 def test_distill_with_teacher_answers_writes_a_draft_vocabulary(tmp_path):
     make_tiny_hf_model(tmp_path / "teacher", num_hidden_layers=4, tie_word_embeddings=True)
-    text = tmp_path / "train.txt"
-    text.write_text(calibration_text_path().read_text(encoding="utf-8")[:20000])
-    held = tmp_path / "held.txt"
-    held.write_text(calibration_text_path().read_text(encoding="utf-8")[40000:45000])
+    text, held = write_texts(tmp_path)
     out = tmp_path / "out"
     args = [str(tmp_path / "teacher"), "every:2", str(out), "--text", str(text), "--eval-text", str(held),
             "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "1", "--eval-window", "64",
