@@ -215,8 +215,10 @@ def cached_generations(out: Path, teacher: LoadedModel, text_path: str | Path, n
             saved = json.loads(path.read_text())
             if saved.get("key") == key:
                 return [list(map(int, a)) for a in saved["answers"]]
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable: generate again and overwrite
+        except (ValueError, KeyError, TypeError) as e:
+            from brisk.bench.report import stderr_console
+
+            stderr_console().print(f"{path} cannot be read ({e}): generating the teacher's answers again")
     answers = teacher_generations(teacher.path, Path(text_path).read_text(encoding="utf-8"), num_prompts,
                                   max_tokens, progress=progress)
     Path(out).mkdir(parents=True, exist_ok=True)
