@@ -299,7 +299,8 @@ class DecodePlan:
         try:
             return self.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, caches,
                                       self.weights, window, self.h, self.kvh, self.d,
-                                      _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size)
+                                      _query_start(x, meta), PREFILL_Q_TILE, self.lora_rows, bits, block_size,
+                                      meta.tree_row_bits() if meta.tree_masks else None)
         finally:
             if counts is not None:
                 self.weights.set_expert_counts(None)
@@ -308,9 +309,11 @@ class DecodePlan:
     def cpp_applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> bool:
         """Steps of up to max_cpp_rows rows, not under eviction (StreamingLLM's sinks: the Python loop); with an
         int8 / int4 cache, where its kernels built (the loop then rotates with rope_qk and writes with
-        kv_write_int8 / kv_write_int4, as the caches' own writes do)."""
+        kv_write_int8 / kv_write_int4, as the caches' own writes do). Token trees (on a float cache: `applies`)
+        where the loop was built with paged_tree_attention."""
         return (self.decode_layers is not None and x.shape[0] <= self.max_cpp_rows and not meta.evicting
-                and not meta.tree_masks and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
+                and not (meta.tree_masks and self.tree_attention is None)
+                and (self.quantized_cpp or not isinstance(kv_caches[0], QuantizedKVCache)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ Each step then runs what this table says (the first row that matches it):
       the CPU  (decode_plan.straight_line_step); gemma3
       under StreamingLLM
     StreamingLLM eviction (sinks + window)                  modules  plan     plan      modules
-    token-tree verification (spec/tree.py; trees of up to   modules  plan     plan      modules
+    token-tree verification (spec/tree.py; trees of up to   modules  plan     as below  modules
       64 rows, float caches)
     int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)

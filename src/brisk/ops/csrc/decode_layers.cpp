@@ -167,9 +167,17 @@ struct Ops {
                                               const at::Tensor&, const at::Tensor&, double, Ints, Ints, const OptT&,
                                               Ints)>>
       attention_quantized;
+  // token-tree verification (spec/tree.py): paged_prefill_attention with each tree row seeing its ancestors only
+  std::optional<c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, double, int64_t,
+                                              const at::Tensor&)>>
+      tree_attention;
 
   Ops() {
     auto& d = c10::Dispatcher::singleton();
+    if (auto h = d.findSchema({"brisk::paged_tree_attention", ""}); h.has_value())
+      tree_attention = h->typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, double, int64_t, const at::Tensor&)>();
     if (auto h = d.findSchema({"brisk::rope_qk", ""}); h.has_value())
       rope_qk = h->typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, Ints, Ints)>();
     if (auto h = d.findSchema({"brisk::kv_write_int8", ""}); h.has_value())
@@ -472,14 +480,16 @@ struct DecodeWeights : torch::CustomClassHolder {
 // decode step (one row per sequence, paged_decode_attention); with it, rows of sequence b are
 // [query_start[b], query_start[b + 1]) (speculative verification, short prefill chunks: paged_prefill_attention).
 // cos, sin: [T, d/2] float32, or [2, T, d/2] where layers pick a table (layer_spec's rope); window: the step's
-// attention window (0: none), for layers without one of their own.
+// attention window (0: none), for layers without one of their own. tree_bits (with query_start, a float cache, no
+// window): a step that verifies token trees, each row seeing the in-step rows its bits name (paged_tree_attention).
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                                  const at::Tensor& slots, const at::Tensor& tables,
                                                  const at::Tensor& lens, at::TensorList kv_caches,
                                                  const c10::intrusive_ptr<DecodeWeights>& weights,
                                                  int64_t window, int64_t num_heads, int64_t num_kv_heads,
                                                  int64_t head_dim, const OptT& query_start, int64_t q_tile,
-                                                 const OptT& lora_rows, int64_t kv_bits, int64_t kv_block_size) {
+                                                 const OptT& lora_rows, int64_t kv_bits, int64_t kv_block_size,
+                                                 const OptT& tree_bits) {
   // kv_bits 0: one cache tensor per layer; 8: [codes, scales] per layer (Int8KVCache); 4: Int4KVCache.write_state()
   // per layer (its first 8 tensors are what attention reads)
   TORCH_CHECK(kv_bits == 0 || kv_bits == 8 || kv_bits == 4, "decode_layers: kv_bits must be 0, 8 or 4, got ", kv_bits);
@@ -499,6 +509,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
   const Ops& o = ops();
   TORCH_CHECK(kv_bits == 0 || (o.rope_qk && o.write_int8 && o.write_int4 && o.attention_quantized),
               "decode_layers: the quantized KV cache kernels did not build");
+  TORCH_CHECK(!tree_bits.has_value() || (kv_bits == 0 && query_start.has_value() && window == 0 && o.tree_attention),
+              "decode_layers: token trees need query_start, a float cache, no window and paged_tree_attention");
   const int64_t t = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
   at::Tensor residual = x;
   at::Tensor cur = x;
@@ -541,7 +553,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::
                                   tables, lens, scale, layer_window, q_tile, std::nullopt, 0);
     } else {
       o.rope_cache.call(qkv, c, sn, kv, slots, h, kvh);
-      if (query_start.has_value())
+      if (tree_bits.has_value())
+        o.tree_attention->call(out, q, kv, *query_start, tables, lens, scale, q_tile, *tree_bits);
+      else if (query_start.has_value())
         o.prefill_attention.call(out, q, kv, *query_start, tables, lens, scale, layer_window, q_tile);
       else
         o.attention.call(out, q, kv, tables, lens, scale, layer_window);
@@ -575,6 +589,6 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, "
         "Tensor[] kv_caches, __torch__.torch.classes.brisk.DecodeWeights weights, int window, "
         "int num_heads, int num_kv_heads, int head_dim, Tensor? query_start, int q_tile, Tensor? lora_rows=None, "
-        "int kv_bits=0, int kv_block_size=0) -> (Tensor, Tensor)",
+        "int kv_bits=0, int kv_block_size=0, Tensor? tree_bits=None) -> (Tensor, Tensor)",
         &decode_layers);
 }
