@@ -18,6 +18,7 @@ Stored as OUT/medusa.safetensors (the heads) + OUT/medusa.json (shape, per-rank 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
 MAX_RANK = 8  # candidates per head the accuracy table (and so the tree) considers
+ROW_CHUNK = 4096  # hidden-state rows per preallocated chunk while collecting self-distillation data
 
 
 class MedusaHeads(nn.Module):
@@ -105,14 +107,25 @@ class MedusaProposer(Proposer):
 
     def __init__(self, heads: MedusaHeads, lm_head_weight: torch.Tensor, accuracy: Sequence[Sequence[float]],
                  tree_size: int, draft_vocab: torch.Tensor | None = None, draft_cost: float = 0.1) -> None:
+        from brisk.spec.vocab import int8_rows
+
         self.heads = heads
+        k, h, _ = heads.weight.shape
+        # every head's W_k as one int8 layer [K * H, H] on the engine's kernels (spec/vocab.py int8_rows): drafting
+        # reads the heads' bytes at every step, a quarter of float32's
+        self.blocks = int8_rows(heads.weight.detach().reshape(k * h, h).float(), "int8",
+                                heads.bias.detach().reshape(-1))
         # the heads draft from the target's most frequent tokens only (draft_vocab): a [Vd, H] product per head
-        # instead of the whole lm_head, whose weight read would cost a good part of a target step
+        # instead of the whole lm_head, whose weight read would cost a good part of a target step; int8 rows too
         self.vocab = draft_vocab
-        self.lm_sub = (lm_head_weight if draft_vocab is None else lm_head_weight.index_select(0, draft_vocab)).float()
+        self.lm_sub = int8_rows((lm_head_weight if draft_vocab is None
+                                 else lm_head_weight.index_select(0, draft_vocab)).float())
         self.draft_cost = draft_cost
-        self.paths = static_tree([list(a)[:MAX_RANK] for a in accuracy[:heads.num_heads]], tree_size)
+        table = [list(a)[:MAX_RANK] for a in accuracy[:heads.num_heads]]
+        self.paths = static_tree(table, tree_size)
         self.parents = tree_parents(self.paths)
+        # each node's estimated acceptance: the product of the measured accuracies down its path
+        self.node_probs = [math.prod(table[d][c] for d, c in enumerate(p)) for p in self.paths]
         self.max_rank = 1 + max((c for p in self.paths for c in p), default=0)
 
     @torch.inference_mode()
@@ -123,8 +136,9 @@ class MedusaProposer(Proposer):
         if not ready:
             return out
         h = torch.stack([requests[j].spec_hidden[-1] for j in ready]).float()  # [B, H]
-        z = self.heads(h)  # [B, K, H]
-        logits = z.reshape(-1, z.shape[-1]) @ self.lm_sub.t()  # [B * K, Vd]
+        k = self.heads.num_heads
+        z = F.silu(self.blocks(h).view(len(ready), k, -1)) + h.unsqueeze(1)  # [B, K, H], as MedusaHeads.forward
+        logits = self.lm_sub(z.reshape(-1, z.shape[-1]))  # [B * K, Vd]
         top = logits.topk(self.max_rank, dim=-1).indices
         if self.vocab is not None:
             top = self.vocab[top]
@@ -134,7 +148,8 @@ class MedusaProposer(Proposer):
             cands = top[b]  # [K][rank]
             if req.structured is None:
                 n = min(k, len(self.paths))
-                out[j] = Draft([cands[len(p) - 1][p[-1]] for p in self.paths[:n]], parents=self.parents[:n])
+                out[j] = Draft([cands[len(p) - 1][p[-1]] for p in self.paths[:n]], parents=self.parents[:n],
+                               node_probs=self.node_probs[:n])
             else:
                 out[j] = Draft([cands[d][0] for d in range(min(k, self.heads.num_heads))])
         return out
@@ -184,13 +199,14 @@ PROMPT_TEMPLATES = [
 
 
 def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[list[dict[str, str]]]:
-    """`num` chat prompts, each a template around one sentence taken from evenly spaced places of `text`; a
-    sentence found in (or holding) any of the `exclude` texts (evaluation prompts) is skipped for the next one."""
+    """`num` chat prompts, each a template around one sentence of `text`: the distinct sentences found from a grid
+    of places three times as fine as `num`, then `num` of them evenly spaced; a sentence found in (or holding) any
+    of the `exclude` texts (evaluation prompts) is left out."""
     flat = " ".join(text.split())
     banned = [" ".join(e.split()) for e in exclude]
-    out: list[list[dict[str, str]]] = []
+    found: list[str] = []
     used: set[str] = set()
-    slots = num + 16 + len(banned)
+    slots = 3 * num + 16 + len(banned)
     for i in range(slots):
         at = flat.find(". ", (i + 1) * len(flat) // (slots + 1)) + 2
         end = flat.find(". ", at + 40)
@@ -199,11 +215,13 @@ def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[l
                                                                    for b in banned):
             continue
         used.add(sentence)
-        template = PROMPT_TEMPLATES[len(out) % len(PROMPT_TEMPLATES)]
-        out.append([{"role": "user", "content": template.format(s=sentence)}])
-        if len(out) == num:
-            return out
-    raise ValueError(f"the text gave only {len(out)} training prompts of the {num} asked for; use a longer text")
+        found.append(sentence)
+    if len(found) < num:
+        raise ValueError(f"the text gave only {len(found)} training prompts of the {num} asked for; use a longer "
+                         "text")
+    picked = [found[i * len(found) // num] for i in range(num)]
+    return [[{"role": "user", "content": PROMPT_TEMPLATES[i % len(PROMPT_TEMPLATES)].format(s=s)}]
+            for i, s in enumerate(picked)]
 
 
 def evaluation_prompts() -> list[str]:
@@ -238,21 +256,35 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
                                     cache=CacheConfig(kv_cache_memory="1GiB")), loaded)
     engine.runner.executor.keep_hidden = True
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    rows: dict[str, dict[int, torch.Tensor]] = {}
+    # the rows go into preallocated chunks: a small tensor per row, interleaved with each step's large temporaries,
+    # kept the allocator from ever returning memory (about 200 KB held per 2 KB row kept)
+    hidden_size = loaded.model.config.hidden_size
+    chunks: list[torch.Tensor] = []
+    num_rows = 0
+    rows: dict[str, dict[int, int]] = {}  # request -> token index -> its row in the chunks
     tokens: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for p in prompts:
         rid = engine.add_request(None, p, params)
         rows[rid] = {}
+
+    def keep() -> None:
+        nonlocal num_rows
+        for req in engine.scheduler.running:
+            by_index = rows[req.request_id]
+            if req.spec_hidden is None or req.spec_hidden_index in by_index:
+                continue
+            if num_rows % ROW_CHUNK == 0:
+                chunks.append(torch.empty(ROW_CHUNK, hidden_size))
+            chunks[-1][num_rows % ROW_CHUNK].copy_(req.spec_hidden[-1])
+            by_index[req.spec_hidden_index] = num_rows
+            num_rows += 1
+
     done = 0
     while engine.has_unfinished_requests():
-        for req in engine.scheduler.running:
-            if req.spec_hidden is not None:
-                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
+        keep()
         outs = engine.step()
-        for req in engine.scheduler.running:
-            if req.spec_hidden is not None:
-                rows[req.request_id][req.spec_hidden_index] = req.spec_hidden[-1]
+        keep()
         for o in outs:
             if o.finished:
                 tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
@@ -260,20 +292,25 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
                 if done % 64 == 0:
                     log(f"generated {done}/{len(prompts)} answers in {time.perf_counter() - t0:.0f} s")
     seconds = time.perf_counter() - t0
-    hs, labels, sequences = [], [], []
+    store = torch.cat(chunks)[:num_rows] if chunks else torch.empty(0, hidden_size)
+    order, labels, spans = [], [], []
     for rid, by_index in rows.items():
         seq = tokens[rid]
         ordered = sorted(by_index.items())
-        for idx, h in ordered:
-            # h produced seq[idx]; head k predicts seq[idx + k]
-            labels.append([seq[idx + k] if idx + k < len(seq) else -1 for k in range(1, num_heads + 1)])
-            hs.append(h.float())
         first = ordered[0][0] if ordered else 0
-        run = [h for i, (idx, h) in enumerate(ordered) if idx == first + i]  # consecutive rows (plain decoding)
+        run = next((i for i, (idx, _) in enumerate(ordered) if idx != first + i), len(ordered))  # consecutive rows
         if run:
-            sequences.append((torch.stack(run).float(), seq[first:first + len(run)]))
-    return SelfDistillData(torch.stack(hs), torch.tensor(labels, dtype=torch.int64), len(prompts), seconds,
-                           sequences)
+            spans.append((len(order), run, seq[first:first + run]))
+        for idx, row in ordered:
+            # the row produced seq[idx]; head k predicts seq[idx + k]
+            labels.append([seq[idx + k] if idx + k < len(seq) else -1 for k in range(1, num_heads + 1)])
+            order.append(row)
+    hidden = store.index_select(0, torch.tensor(order, dtype=torch.int64)) if order else store
+    del store
+    chunks.clear()
+    # each answer's consecutive rows are views of `hidden` (no second copy; torch.save keeps them shared)
+    sequences = [(hidden[at:at + n], toks) for at, n, toks in spans]
+    return SelfDistillData(hidden, torch.tensor(labels, dtype=torch.int64), len(prompts), seconds, sequences)
 
 
 # ---------------------------------------------------------------------------------------------- training
