@@ -219,8 +219,10 @@ def _packed(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features:
     return prepack(qweight, scales, zeros, spec.bits, group, in_features)
 
 
-def _quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int,
-                  dtype: torch.dtype, qconfig: QuantizationConfig | None = None, name: str = "") -> nn.Module:
+def quant_linear(parts: list[dict[str, torch.Tensor]], spec: LayerQuant, in_features: int,
+                 dtype: torch.dtype, qconfig: QuantizationConfig | None = None, name: str = "") -> nn.Module:
+    """One layer from its checkpoint tensors (`parts`: one dict per fused part, rows concatenated in order): a
+    QuantLinear of `spec`'s format, a LutLinear, or a W8A8 checkpoint's int8 layer."""
     from brisk.quant.w8a8 import build_int8_linear, runs_int8_activations
 
     if runs_int8_activations(qconfig):  # a decoder linear of a W8A8 checkpoint (SmoothQuant, LLM.int8())
@@ -276,7 +278,7 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
             specs = {qconfig.modules.get(f) for f in full}
             if fuse and len(specs) == 1 and None not in specs and _same_order([layer_parts[f] for f in full]):
                 spec = specs.pop()
-                setattr(parent, fused_name, _quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype,
+                setattr(parent, fused_name, quant_linear([layer_parts.pop(f) for f in full], spec, h, dtype,
                                                           qconfig, f"{prefix}.{sub}.{fused_name}"))
                 for n in names:
                     setattr(parent, n, None)
@@ -286,7 +288,7 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
                 full = f"{prefix}.{sub}.{child}"
                 if full in layer_parts and isinstance(module, nn.Linear):
                     spec = qconfig.modules[full]
-                    setattr(parent, child, _quant_linear([layer_parts.pop(full)], spec, module.in_features, dtype,
+                    setattr(parent, child, quant_linear([layer_parts.pop(full)], spec, module.in_features, dtype,
                                                          qconfig, full))
     if EMBEDDING in layer_parts:
         spec = qconfig.modules[EMBEDDING]
@@ -294,12 +296,12 @@ def apply_quantized_modules(model: LlamaForCausalLM, config: ModelConfig, qconfi
         model.model.embed_tokens = QuantEmbedding(parts["qweight"], parts["scales"], parts.get("qzeros"), spec, h,
                                                   dtype)
         if config.tie_word_embeddings:  # the head computes from the same codes, in the kernel's layout
-            model.lm_head = _quant_linear([parts], spec, h, dtype)
+            model.lm_head = quant_linear([parts], spec, h, dtype)
     if "lm_head" in layer_parts:
         if config.tie_word_embeddings:
             raise QuantConfigError("quantization_config lists lm_head separately, but the model ties it to the "
                                    "embedding; list model.embed_tokens only")
-        model.lm_head = _quant_linear([layer_parts.pop("lm_head")], qconfig.modules["lm_head"], h, dtype)
+        model.lm_head = quant_linear([layer_parts.pop("lm_head")], qconfig.modules["lm_head"], h, dtype)
     from brisk.quant.w8a8 import runs_int8_activations
 
     if runs_int8_activations(qconfig) and isinstance(model.lm_head, QuantLinear):

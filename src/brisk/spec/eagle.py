@@ -22,7 +22,9 @@ nodes form the draft (a prefix-closed set, parents first), verified by the targe
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,6 +103,22 @@ class EagleHead(nn.Module):
         return x, k, v
 
 
+LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def int8_head(head: EagleHead) -> EagleHead:
+    """A copy of `head` for drafting: its linears rounded to int8 per row on the engine's int8 kernels (spec/vocab.py
+    `int8_rows`), a sixth of float32's time per call at the few rows a draft round has. The head is small and each
+    draft round reads all of it, so its bytes are the round's cost."""
+    from brisk.spec.vocab import int8_rows
+
+    fast = copy.deepcopy(head)
+    for name in LINEARS:
+        lin = getattr(head, name)
+        setattr(fast, name, int8_rows(lin.weight.detach().float(), "int8", lin.bias))
+    return fast.requires_grad_(False)
+
+
 def head_for(config: Any) -> EagleHead:
     """An untrained head of the target model config's shapes."""
     return EagleHead(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
@@ -159,10 +177,12 @@ class EagleProposer(Proposer):
 
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  tree_size: int, depth: int = 6, width: int = 4, top_k: int = 4, draft_cost: float = 0.3) -> None:
-        self.head = head
+        from brisk.spec.vocab import int8_rows
+
+        self.head = int8_head(head)
         self.embed = embed
         self.vocab = draft_vocab
-        self.lm_sub = lm_head_weight.index_select(0, draft_vocab).float().contiguous()  # [Vd, H]
+        self.lm_sub = int8_rows(lm_head_weight.index_select(0, draft_vocab).float())  # [H] -> [Vd]
         self.tree_size, self.depth, self.width, self.top_k = tree_size, depth, width, top_k
         self.draft_cost = draft_cost
         self.states: dict[str, _State] = {}
@@ -200,7 +220,7 @@ class EagleProposer(Proposer):
         return out[0, -1]
 
     def _top(self, feats: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(feats @ self.lm_sub.t(), dim=-1)  # [n, Vd]
+        logp = torch.log_softmax(self.lm_sub(feats), dim=-1)  # [n, Vd]
         val, idx = logp.topk(k, dim=-1)
         return val, self.vocab[idx]
 
@@ -249,13 +269,14 @@ class EagleProposer(Proposer):
         # the `size` most probable nodes: prefix-closed (a child is never more probable than its parent)
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1]))[:size]
         keep = {i: j for j, i in enumerate(sorted(order, key=lambda i: (-nodes[i][0], nodes[i][1])))}
-        tokens, parents = [], []
+        tokens, parents, probs = [], [], []
         for i in sorted(keep, key=keep.get):
             p = nodes[i][3]
             assert p < 0 or p in keep, "a kept node's parent was dropped"
             tokens.append(nodes[i][2])
             parents.append(-1 if p < 0 else keep[p])
-        return Draft(tokens, parents=parents)
+            probs.append(math.exp(nodes[i][0]))
+        return Draft(tokens, parents=parents, node_probs=probs)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[Draft]:

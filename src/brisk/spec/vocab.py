@@ -94,20 +94,15 @@ def restrict_head(model: nn.Module, vocab: torch.Tensor) -> None:
     setting; an 8-bit head's rows re-round to themselves), a float one a float head. The embedding is untouched,
     so a tied model is untied (the draft reads any input token)."""
     from brisk.ops.layers import FastLinear
-    from brisk.quant.layers import QuantLinear, tile_quantized_layers
+    from brisk.quant.layers import QuantLinear
 
     old = model.lm_head
     weight = head_matrix(model).index_select(0, vocab.to(torch.int64))  # [Vd, H]
     h = weight.shape[1]
     if isinstance(old, QuantLinear):
-        from brisk.quant.checkpoint import _quant_linear
-        from brisk.quant.rtn import HEAD_DEFAULT, quantize_layer
-
-        head = _quant_linear([quantize_layer(weight, HEAD_DEFAULT)], HEAD_DEFAULT, h, weight.dtype)
-        head.quant_activations = old.quant_activations
+        head = int8_rows(weight, old.quant_activations)
         if hasattr(old, "auto_activations"):
             head.auto_activations = old.auto_activations
-        tile_quantized_layers(head)
     else:
         dtype = next((p.dtype for p in old.parameters() if p.is_floating_point()), torch.float32)
         head = FastLinear(h, weight.shape[0], bias=False, dtype=dtype)
@@ -116,3 +111,22 @@ def restrict_head(model: nn.Module, vocab: torch.Tensor) -> None:
         head.requires_grad_(False)
     model.lm_head = head
     model.config = dataclasses.replace(model.config, tie_word_embeddings=False)
+
+
+def int8_rows(weight: torch.Tensor, activations: str = "int8", bias: torch.Tensor | None = None) -> nn.Module:
+    """A linear layer of `weight` [N, K] rounded to int8 per row (the checkpoints' head format, quant/rtn.py
+    HEAD_DEFAULT) on the engine's quantized kernels, tiled: a quarter of float32's bytes to read per call, and with
+    `activations` "int8" integer dot products. For the small layers drafting runs at every step (the draft's
+    restricted head, EAGLE's layer), whose cost is their weights' bytes."""
+    from brisk.quant.checkpoint import quant_linear
+    from brisk.quant.layers import tile_quantized_layers
+    from brisk.quant.rtn import HEAD_DEFAULT, quantize_layer
+
+    parts = quantize_layer(weight, HEAD_DEFAULT)
+    if bias is not None:
+        parts["bias"] = bias.detach().float()
+    layer = quant_linear([parts], HEAD_DEFAULT, weight.shape[1], torch.float32)
+    layer.quant_activations = activations
+    tile_quantized_layers(layer)
+    layer.requires_grad_(False)
+    return layer
