@@ -208,8 +208,12 @@ def test_tree_kernel_equals_the_reference(ops, dtype):  # ops: fails the test wh
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def medusa_llm(model_dir: str, heads_dir: str, size: int = 8, method: str = "medusa", **kwargs) -> LLM:
-    config = {"method": method, "model": heads_dir, "num_speculative_tokens": size, "disable_by_batch_size": None}
+def medusa_llm(model_dir: str, heads_dir: str, size: int = 8, method: str = "medusa", adaptive: bool = False,
+               **kwargs) -> LLM:
+    """An LLM drafting trees of `size` nodes; whole trees unless `adaptive` (the tiny model's heads are weak, and
+    the sizer would rightly drop most of their trees, leaving little for the verification tests to check)."""
+    config = {"method": method, "model": heads_dir, "num_speculative_tokens": size, "disable_by_batch_size": None,
+              "adaptive": adaptive}
     kwargs.setdefault("max_model_len", 256)
     return LLM(model_dir, speculative_config=config, **kwargs)
 
@@ -249,6 +253,51 @@ def test_tree_steps_run_on_the_decode_plan(ops, model_dir, heads_dir, plain, mon
     outs = llm.generate(make_prompts()[:3], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain[:3]
     assert tree_rows and max(tree_rows) > 8  # trees of up to 13 rows per request, batched
+    assert_no_leak(llm)
+
+
+def test_small_tree_steps_run_in_the_cpp_loop(ops, model_dir, heads_dir, plain, monkeypatch):
+    """A tree step of up to 8 rows takes the C++ layer loop (decode_layers with tree masks), with the numbers of
+    the plan's Python loop bit for bit, and greedy output stays plain decoding's."""
+    from brisk.engine.decode_plan import DecodePlan
+
+    loaded = load_model(model_dir)
+    model, c = loaded.model, loaded.model.config
+    plan = DecodePlan.build(model)
+    assert plan is not None and plan.decode_layers is not None
+    bs, parents = 16, [-1, -1, 0, 0, 2, 1]  # 6 drafts + the root: 7 rows, with a decode row of another sequence
+    prompt = torch.randint(3, VOCAB, (19,), generator=torch.Generator().manual_seed(4)).tolist()
+    depths = tree_depths(parents)
+    ids = torch.tensor([11] + [50, 60, 70, 80, 90, 100, 110])
+    positions = torch.tensor([9] + [19] + [19 + d for d in depths])
+    meta = AttentionMetadata.for_sequences([1, 7], [10, 26], [[3], [0, 1]], bs, positions=positions,
+                                           tree_masks=[(1, tree_mask(parents))])
+    outs = []
+    for runner in (plan.run, plan.run_cpp):
+        caches = make_kv_caches("auto", c.num_hidden_layers, 8, bs, c.num_key_value_heads, c.head_dim, loaded.dtype)
+        for blocks, n in (([3], 9), ([0, 1], 19)):  # each sequence's earlier tokens, in the cache
+            pre = AttentionMetadata.for_sequences([n], [n], [blocks], bs, positions=torch.arange(n))
+            with torch.inference_mode():
+                model(torch.tensor(prompt[:n]), torch.arange(n), pre, caches)
+        with torch.inference_mode():
+            x, cos, sin = model.prologue(ids, positions, meta, None)
+            assert plan.cpp_applies(x, meta, caches)
+            outs.append((runner(x.clone(), cos, sin, meta, caches)[0], torch.stack([kv.clone() for kv in caches])))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+    tree_rows = []
+    real = DecodePlan.run_cpp
+
+    def run_cpp(self, x, cos, sin, meta, kv):
+        if meta.tree_masks:
+            tree_rows.append(x.shape[0])
+        return real(self, x, cos, sin, meta, kv)
+
+    monkeypatch.setattr(DecodePlan, "run_cpp", run_cpp)
+    llm = medusa_llm(model_dir, heads_dir, size=7)
+    for p, want in zip(make_prompts()[:2], plain[:2], strict=True):
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == want
+    assert tree_rows and max(tree_rows) == 8
     assert_no_leak(llm)
 
 
@@ -393,3 +442,60 @@ def test_draft_ids_and_training_prompts():
     real = [c[0]["content"] for c in training_prompts(Path(calibration_text_path()).read_text(encoding="utf-8"), 64,
                                                       chat)]
     assert not any(e[:60] in p for p in real for e in chat if e.startswith("Continue this story"))
+
+
+# ---------------------------------------------------------------------------------------------- adaptive trees
+
+
+def line_costs(fixed: float, per_row: float):  # noqa: ANN201 - a StepCostModel that has measured a straight line
+    from brisk.spec.adaptive import StepCostModel
+
+    costs = StepCostModel()
+    for rows in (1, 2, 4, 6, 8, 1, 3, 5):
+        costs.observe_step(rows, fixed + per_row * rows)
+    return costs
+
+
+def test_tree_sizer_keeps_the_nodes_that_pay():
+    from brisk.spec.adaptive import TreeSizer
+
+    sizer = TreeSizer()
+    costs = line_costs(0.02, 0.002)  # one more row costs a tenth of a one-row step
+    for r in ("a", "b"):
+        sizer.update(r, 4, 2, 2.0)  # measured once, calibrated at 1
+    # a node pays where its probability exceeds about (rows so far) x 0.1 x (tokens per row): the rich tree keeps
+    # its first nodes, the poor one none, and each kept set is a prefix
+    counts = sizer.sizes(["a", "b"], [[0.9, 0.8, 0.5, 0.3, 0.05], [0.08, 0.05]], costs, 2)
+    assert counts[1] == 0 and 2 <= counts[0] <= 4
+    assert sizer.sizes(["a"], [[0.01, 0.01]], costs, 1) == [0]  # plain decoding beats a hopeless tree
+    assert sizer.sizes(["new"], [[0.01, 0.01]], costs, 1) == [2]  # a first tree is verified whole (explores)
+    sizer.update("a", 8, 8, 2.0)  # the estimates were 4x too low: calibration raises them
+    assert sizer.calibration("a") > 1.5
+    assert sizer.sizes(["a"], [[0.06, 0.06, 0.03]], costs, 1)[0] > sizer.sizes(["b"], [[0.06, 0.06, 0.03]], costs, 1)[0]
+
+
+def test_tree_sizer_stops_drafting_and_probes():
+    from brisk.spec.adaptive import TreeSizer
+
+    sizer = TreeSizer(probe_every=4, max_probe_every=8)
+    costs = line_costs(0.02, 0.002)
+    assert sizer.wants("r", costs, 1, 0.001)  # nothing measured: draft
+    for _ in range(3):
+        sizer.update("r", 6, 0, 1.5)  # trees of 6 rows, nothing accepted
+    pattern = [sizer.wants("r", costs, 1, 0.001) for _ in range(12)]
+    assert pattern == [False] * 3 + [True] + [False] * 7 + [True]  # probes after 4, then 8 steps
+    assert sizer.exploring("r")  # a probe's tree is verified whole
+    for _ in range(6):
+        sizer.update("r", 6, 4, 1.5)  # the text turned predictable: drafting pays again
+    assert sizer.wants("r", costs, 1, 0.001) and not sizer.exploring("r")
+    sizer.forget({"r"})
+    assert not sizer.live_ids()
+
+
+def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain):
+    llm = medusa_llm(model_dir, heads_dir, adaptive=True)
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.engine.speculator.stats.num_draft_tokens > 0  # first trees and probes are verified
+    assert_no_leak(llm)
+    assert not llm.engine.speculator.trees.live_ids()

@@ -212,3 +212,118 @@ class StepCostModel:
         if self._t0 is not None and num_tokens > 0:
             self.observe_step(num_tokens, time.perf_counter() - self._t0)
         self._t0 = None
+
+
+@dataclass
+class _TreeEstimate:
+    accepted: float  # decayed sum of accepted drafts over this request's tree steps
+    predicted: float  # decayed sum of what the drafts' node probabilities predicted for those nodes
+    drafts: float  # decayed sum of drafts verified
+    steps: float  # decayed count of tree steps
+    steps_at_zero: int = 0
+    probe_every: int = 0
+
+
+class TreeSizer:
+    """Adaptive token trees: whether a request drafts a tree this step, and how many of its nodes are verified.
+
+    A tree proposer gives each node an estimate p_i of the probability that the target accepts the path to it
+    (Medusa: the product of the heads' measured accuracy down the path; EAGLE: the head's own path probability,
+    EAGLE-2's confidence), non-increasing in node order, so any first n nodes form a tree and verifying them
+    yields sum_{i<n} p_i accepted drafts in expectation. Per request the estimates are calibrated by what
+    verification measured: c = (decayed accepted) / (decayed predicted), starting at 1.
+
+    Sizes: over the B requests decoding, the m nodes of highest c * p (a prefix of each request's tree) are kept
+    for the m that maximizes tokens per second, (B + sum of their c * p) / step(B + m), with step() the engine's
+    measured step time (StepCostModel, one line up to the small-row kernels' 8 rows and one past them). m = 0 is
+    plain decoding: a tree that cannot pay for its rows is dropped whole.
+
+    Drafting at all: a request drafts while its measured accepted drafts per tree step, a, would have saved more
+    time than its last trees' rows and its share of the drafting cost: a * step(B) / B > step(B + n) - step(B) +
+    draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
+    the wait doubling (up to `max_probe_every`) while probes do not bring drafting back, as AdaptiveGamma does.
+    A request's first tree and its probes are verified whole (`exploring`): the calibration learns only from
+    verified nodes, and estimates that start too low would otherwise never be corrected.
+    """
+
+    def __init__(self, decay: float = 0.8, prior_weight: float = 2.0, probe_every: int = 8,
+                 max_probe_every: int = 64) -> None:
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self._est: dict[str, _TreeEstimate] = {}
+        self._probing: set[str] = set()
+
+    def exploring(self, req_id: str) -> bool:
+        """Whether this request's tree is verified whole: it has no measured tree step yet, or it is probing."""
+        est = self._est.get(req_id)
+        return est is None or est.steps < 1e-9 or req_id in self._probing
+
+    def calibration(self, req_id: str) -> float:
+        est = self._est.get(req_id)
+        if est is None:
+            return 1.0
+        return (est.accepted + self.prior_weight) / (est.predicted + self.prior_weight)
+
+    def wants(self, req_id: str, costs: StepCostModel, num_decoding: int, draft_seconds: float) -> bool:
+        """Whether this request drafts a tree for the next step (see the class docstring)."""
+        self._probing.discard(req_id)
+        est = self._est.get(req_id)
+        if est is None or est.steps < 1e-9:
+            return True
+        b = max(1, num_decoding)
+        plain = costs.step_seconds(b)
+        rows = max(1, round(est.drafts / est.steps))
+        saved = est.accepted / est.steps * plain / b
+        spent = max(0.0, costs.step_seconds(b + rows) - plain) + draft_seconds
+        if saved > spent:
+            est.steps_at_zero = 0
+            est.probe_every = self.probe_every
+            return True
+        est.probe_every = est.probe_every or self.probe_every
+        est.steps_at_zero += 1
+        if est.steps_at_zero >= est.probe_every:
+            est.steps_at_zero = 0
+            est.probe_every = min(2 * est.probe_every, self.max_probe_every)
+            self._probing.add(req_id)
+            return True
+        return False
+
+    def sizes(self, req_ids: list[str], node_probs: list[list[float]], costs: StepCostModel,
+              num_decoding: int) -> list[int]:
+        """How many of each tree's first nodes to verify (see the class docstring); exploring requests' trees
+        whole, their rows counted as fixed."""
+        whole = [self.exploring(r) for r in req_ids]
+        values = sorted(((self.calibration(r) * p, j) for j, (r, probs) in enumerate(zip(req_ids, node_probs,
+                                                                                      strict=True))
+                         if not whole[j] for p in probs), key=lambda vj: -vj[0])  # stable: nodes stay in order
+        fixed = sum(len(probs) for probs, w in zip(node_probs, whole, strict=True) if w)
+        b = max(1, num_decoding) + fixed
+        best_m, best = 0, b / costs.step_seconds(b)
+        tokens = float(b)
+        for m, (v, _) in enumerate(values, start=1):
+            tokens += v
+            rate = tokens / costs.step_seconds(b + m)
+            if rate > best * (1.0 + 1e-9):
+                best_m, best = m, rate
+        counts = [len(probs) if w else 0 for probs, w in zip(node_probs, whole, strict=True)]
+        for _, j in values[:best_m]:
+            counts[j] += 1
+        return counts
+
+    def update(self, req_id: str, num_drafted: int, num_accepted: int, predicted: float) -> None:
+        est = self._est.setdefault(req_id, _TreeEstimate(0.0, 0.0, 0.0, 0.0))
+        d = self.decay
+        est.accepted = d * est.accepted + num_accepted
+        est.predicted = d * est.predicted + predicted
+        est.drafts = d * est.drafts + num_drafted
+        est.steps = d * est.steps + 1.0
+
+    def forget(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._est.pop(req_id, None)
+            self._probing.discard(req_id)
+
+    def live_ids(self) -> set[str]:
+        return set(self._est)

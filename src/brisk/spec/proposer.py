@@ -22,6 +22,9 @@ class Draft:
     # a token tree (spec/tree.py): each token's parent, an index into token_ids or -1 for the request's last
     # token (parents first); None = a chain. Trees are verified greedily, so only greedy requests get them.
     parents: list[int] | None = None
+    # a tree's estimate, per node, of the probability that the target accepts the path to it (non-increasing, so
+    # every first n nodes form a tree): the speculator sizes each tree from these (spec/adaptive.py TreeSizer)
+    node_probs: list[float] | None = None
 
 
 class Proposer(ABC):

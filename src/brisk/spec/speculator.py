@@ -4,11 +4,12 @@ request's extra tokens, see Scheduler.schedule) and one batched forward (ModelRu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from brisk.ops.linear import MAX_SMALL_M
-from brisk.spec.adaptive import AdaptiveGamma, StepCostModel
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, TreeSizer
 from brisk.spec.proposer import Proposer
 
 
@@ -40,13 +41,20 @@ class Speculator:
         self.costs = StepCostModel(split=MAX_SMALL_M)
         self.stats = SpecStats()
         self.disable_by_batch_size = disable_by_batch_size
+        # token trees (tree proposers): per-request drafting and tree sizes from measured acceptance and step costs
+        self.trees = TreeSizer()
+        self.tree_draft_seconds = 0.0  # drafting seconds per request-tree (decayed mean of measured propose calls)
+        self._node_probs: dict[str, list[float]] = {}  # each request's verified tree's node probabilities
 
     def propose(self, scheduler: Scheduler) -> None:
         live = scheduler.requests
-        gone = {r for r in self.proposer.live_ids() | self.gamma.live_ids() if r not in live}
+        gone = {r for r in self.proposer.live_ids() | self.gamma.live_ids() | self.trees.live_ids() if r not in live}
         if gone:
             self.proposer.free(gone)
             self.gamma.forget(gone)
+            self.trees.forget(gone)
+            for r in gone:
+                self._node_probs.pop(r, None)
         reqs, ks = [], []
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         busy = (self.disable_by_batch_size is not None
@@ -70,22 +78,47 @@ class Speculator:
             room = scheduler.config.max_model_len - req.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - req.num_output_tokens - 1)
-            if self.proposer.tree:  # a tree's size is its own (the static tree's best nodes), not a chain's γ
-                k = 0 if busy else min(self.gamma.max_gamma, room)
+            if self.proposer.tree:  # a tree's size is chosen after drafting (TreeSizer), not a chain's γ
+                wants = not self.gamma.adaptive or self.trees.wants(req.request_id, self.costs, len(ready),
+                                                                   self.tree_draft_seconds)
+                k = 0 if busy or not wants else min(self.gamma.max_gamma, room)
             else:
                 k = 0 if busy else min(self.gamma.gamma(req.request_id, cost), room)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
         if reqs:
+            t0 = time.perf_counter()
             drafts = self.proposer.propose(reqs, ks)
             if self.proposer.forward_seconds > 0.0:  # a draft model's forward, catch-up prefill excluded
                 self.costs.observe_draft(self.proposer.forward_seconds)
+            if self.proposer.tree:
+                self._size_trees(reqs, drafts, len(ready), time.perf_counter() - t0)
             for req, draft in zip(reqs, drafts, strict=True):
                 req.spec_token_ids = draft.token_ids
                 req.spec_draft_probs = draft.probs
                 req.spec_tree_parents = draft.parents
         self.costs.start()  # the target step that follows: schedule, forward, verify
+
+    def _size_trees(self, reqs: list, drafts: list, num_decoding: int, seconds: float) -> None:
+        """Cut each drafted tree to the nodes that pay (TreeSizer.sizes) and time the drafting."""
+        per_request = seconds / len(reqs)
+        w = 0.5 if per_request < self.tree_draft_seconds else 0.2
+        self.tree_draft_seconds = per_request if self.tree_draft_seconds == 0.0 else (
+            (1.0 - w) * self.tree_draft_seconds + w * per_request)
+        sized = [j for j, d in enumerate(drafts) if d.node_probs is not None and d.token_ids]
+        if not self.gamma.adaptive or not sized:
+            for j in sized:
+                self._node_probs[reqs[j].request_id] = drafts[j].node_probs
+            return
+        counts = self.trees.sizes([reqs[j].request_id for j in sized], [drafts[j].node_probs for j in sized],
+                                  self.costs, num_decoding)
+        for j, n in zip(sized, counts, strict=True):
+            d, rid = drafts[j], reqs[j].request_id
+            d.token_ids, d.parents, d.node_probs = d.token_ids[:n], d.parents[:n], d.node_probs[:n]
+            if n == 0:  # drafted, but no node pays: counts as a tree step that gained nothing
+                self.trees.update(rid, 0, 0, 0.0)
+            self._node_probs[rid] = d.node_probs
 
     def observe(self, sched: SchedulerOutput, result: RunnerOutput, scheduler: Scheduler) -> None:
         # Only decode/verify steps teach the cost model: a prefill chunk's tokens are far cheaper per token
@@ -109,11 +142,17 @@ class Speculator:
             self.stats.num_accepted_tokens += emitted - 1
             self.stats.num_emitted_tokens += emitted
             self.gamma.update(s.req_id, s.num_draft_tokens, emitted - 1)
+            probs = self._node_probs.pop(s.req_id, None)
+            if s.tree_parents is not None and probs is not None:
+                self.trees.update(s.req_id, s.num_draft_tokens, emitted - 1, sum(probs[:s.num_draft_tokens]))
         finished = {s.req_id for s in sched.scheduled
                     if (req := scheduler.requests.get(s.req_id)) is None or req.is_finished}
         if finished:  # free a draft model's KV now rather than at the next step
             self.proposer.free(finished)
             self.gamma.forget(finished)
+            self.trees.forget(finished)
+            for r in finished:
+                self._node_probs.pop(r, None)
 
     def reset_stats(self) -> SpecStats:
         stats, self.stats = self.stats, SpecStats()
