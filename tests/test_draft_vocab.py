@@ -21,6 +21,7 @@ from brisk.spec.vocab import (
     VOCAB_FILE,
     DraftVocabError,
     head_matrix,
+    int8_rows,
     load_vocab,
     most_frequent,
     restrict_head,
@@ -48,6 +49,22 @@ def test_most_frequent_ranks_by_count_then_id_and_keeps_always():
     assert most_frequent(counts, 5).tolist() == [0, 1, 3, 7, 9]  # an unseen token by id fills the last place
     with pytest.raises(DraftVocabError):
         most_frequent(counts, 0)
+
+
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_int8_rows_is_the_rounded_layer(activations):
+    """int8_rows: the weight rounded to int8 per row (scale = row absmax / 127, in float16), with its bias, on the
+    engine's kernels; int8 activations add their own rounding (per 32 columns)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 96, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(3, 5, 96, generator=g)
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
+    want = x @ ((w / scale).round().clamp(-128, 127) * scale).t() + b
+    with torch.inference_mode():
+        got = int8_rows(w, activations, bias=b)(x)
+    assert got.shape == (3, 5, 48)
+    tol = (0.01 if activations == "float" else 0.05) * float(want.abs().mean())  # (float: the kernels' bf16 paths)
+    torch.testing.assert_close(got, want, atol=tol, rtol=0.02)
 
 
 def test_restricted_head_gives_those_columns(dirs, tmp_path):

@@ -469,6 +469,7 @@ def test_tree_sizer_keeps_the_nodes_that_pay():
     assert counts[1] == 0 and 2 <= counts[0] <= 4
     assert sizer.sizes(["a"], [[0.01, 0.01]], costs, 1) == [0]  # plain decoding beats a hopeless tree
     assert sizer.sizes(["new"], [[0.01, 0.01]], costs, 1) == [2]  # a first tree is verified whole (explores)
+    assert sizer.draft_size("new", 16) == 16 and sizer.draft_size("a", 16) == 2 + 8  # room to grow: 2 x 4 + 2
     sizer.update("a", 8, 8, 2.0)  # the estimates were 4x too low: calibration raises them
     assert sizer.calibration("a") > 1.5
     assert sizer.sizes(["a"], [[0.06, 0.06, 0.03]], costs, 1)[0] > sizer.sizes(["b"], [[0.06, 0.06, 0.03]], costs, 1)[0]

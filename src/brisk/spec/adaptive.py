@@ -21,6 +21,7 @@ runs one plain step of that size, so step(B) is measured, not extrapolated.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -259,6 +260,14 @@ class TreeSizer:
         """Whether this request's tree is verified whole: it has no measured tree step yet, or it is probing."""
         est = self._est.get(req_id)
         return est is None or est.steps < 1e-9 or req_id in self._probing
+
+    def draft_size(self, req_id: str, most: int) -> int:
+        """Nodes to draft: twice the recent verified size plus two (room to grow; a dynamic tree's drafting costs
+        rounds per node), all `most` while exploring."""
+        est = self._est.get(req_id)
+        if self.exploring(req_id) or est is None:
+            return most
+        return min(most, 2 + math.ceil(2.0 * est.drafts / est.steps))
 
     def calibration(self, req_id: str) -> float:
         est = self._est.get(req_id)

@@ -240,6 +240,11 @@ class EagleProposer(Proposer):
         past = st.k.shape[2]
         for depth in range(1, self.depth):
             frontier = sorted(frontier, key=lambda i: -nodes[i][0])[:self.width]
+            if len(nodes) >= size:
+                # a child is never more probable than its parent: a frontier node no more probable than the
+                # size-th best node so far cannot bring a node into the draft (EAGLE-2's pruning, exact here)
+                bar = sorted((n[0] for n in nodes), reverse=True)[size - 1]
+                frontier = [i for i in frontier if nodes[i][0] > bar]
             if not frontier:
                 break
             feats = torch.stack([feat_of[nodes[i][3]] for i in frontier]).unsqueeze(0)

@@ -81,7 +81,9 @@ class Speculator:
             if self.proposer.tree:  # a tree's size is chosen after drafting (TreeSizer), not a chain's γ
                 wants = not self.gamma.adaptive or self.trees.wants(req.request_id, self.costs, len(ready),
                                                                    self.tree_draft_seconds)
-                k = 0 if busy or not wants else min(self.gamma.max_gamma, room)
+                most = min(self.gamma.max_gamma, room)
+                k = 0 if busy or not wants else (self.trees.draft_size(req.request_id, most) if self.gamma.adaptive
+                                                 else most)
             else:
                 k = 0 if busy else min(self.gamma.gamma(req.request_id, cost), room)
             if k > 0:
