@@ -470,6 +470,9 @@ def test_tree_sizer_keeps_the_nodes_that_pay():
     assert sizer.sizes(["a"], [[0.01, 0.01]], costs, 1) == [0]  # plain decoding beats a hopeless tree
     assert sizer.sizes(["new"], [[0.01, 0.01]], costs, 1) == [2]  # a first tree is verified whole (explores)
     assert sizer.draft_size("new", 16) == 16 and sizer.draft_size("a", 16) == 2 + 8  # room to grow: 2 x 4 + 2
+    costs.split = 8  # (a model with a line of its own past 8 rows): exploring trees stay within 8 rows
+    assert sizer.sizes(["new"], [[0.5] * 16], costs, 1) == [7]
+    assert sizer.sizes(["new", "new2"], [[0.5] * 16, [0.5] * 16], costs, 6) == [1, 1]
     sizer.update("a", 8, 8, 2.0)  # the estimates were 4x too low: calibration raises them
     assert sizer.calibration("a") > 1.5
     assert sizer.sizes(["a"], [[0.06, 0.06, 0.03]], costs, 1)[0] > sizer.sizes(["b"], [[0.06, 0.06, 0.03]], costs, 1)[0]
@@ -491,6 +494,10 @@ def test_tree_sizer_stops_drafting_and_probes():
     assert sizer.wants("r", costs, 1, 0.001) and not sizer.exploring("r")
     sizer.forget({"r"})
     assert not sizer.live_ids()
+    for _ in range(3):
+        sizer.update("s", 2, 0, 1.0)
+    # drafting dearer than any tree could save (a second a tree): no probe before the longest wait
+    assert [sizer.wants("s", costs, 1, 1.0) for _ in range(8)] == [False] * 7 + [True]
 
 
 def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain):

@@ -242,9 +242,11 @@ class TreeSizer:
     Drafting at all: a request drafts while its measured accepted drafts per tree step, a, would have saved more
     time than its last trees' rows and its share of the drafting cost: a * step(B) / B > step(B + n) - step(B) +
     draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
-    the wait doubling (up to `max_probe_every`) while probes do not bring drafting back, as AdaptiveGamma does.
-    A request's first tree and its probes are verified whole (`exploring`): the calibration learns only from
-    verified nodes, and estimates that start too low would otherwise never be corrected.
+    the wait doubling (up to `max_probe_every`, at once where not even trees accepted whole could pay for their
+    rows at this batch size) while probes do not bring drafting back, as AdaptiveGamma does.
+    A request's first tree and its probes are verified whole (`exploring`; up to the small-row kernels' rows):
+    the calibration learns only from verified nodes, and estimates that start too low would otherwise never be
+    corrected.
     """
 
     def __init__(self, decay: float = 0.8, prior_weight: float = 2.0, probe_every: int = 8,
@@ -291,6 +293,10 @@ class TreeSizer:
             est.probe_every = self.probe_every
             return True
         est.probe_every = est.probe_every or self.probe_every
+        per_token = plain / b
+        if all(n * per_token <= costs.step_seconds(b + n) - plain + draft_seconds for n in range(1, rows + 1)):
+            # not even trees accepted whole would pay at this batch size: probe only at the longest interval
+            est.probe_every = self.max_probe_every
         est.steps_at_zero += 1
         if est.steps_at_zero >= est.probe_every:
             est.steps_at_zero = 0
@@ -302,13 +308,17 @@ class TreeSizer:
     def sizes(self, req_ids: list[str], node_probs: list[list[float]], costs: StepCostModel,
               num_decoding: int) -> list[int]:
         """How many of each tree's first nodes to verify (see the class docstring); exploring requests' trees
-        whole, their rows counted as fixed."""
+        whole (as far as the small-row kernels reach), their rows counted as fixed."""
         whole = [self.exploring(r) for r in req_ids]
         values = sorted(((self.calibration(r) * p, j) for j, (r, probs) in enumerate(zip(req_ids, node_probs,
                                                                                       strict=True))
                          if not whole[j] for p in probs), key=lambda vj: -vj[0])  # stable: nodes stay in order
-        fixed = sum(len(probs) for probs, w in zip(node_probs, whole, strict=True) if w)
-        b = max(1, num_decoding) + fixed
+        # exploring trees, cut to keep the step within the small-row kernels where they can (past them a row
+        # costs several times more): the calibration needs verified nodes, not a dear step
+        b = max(1, num_decoding)
+        cap = max(1, ((costs.split or 1 << 30) - b) // max(1, sum(whole)))
+        explore = [min(len(probs), cap) if w else 0 for probs, w in zip(node_probs, whole, strict=True)]
+        b += sum(explore)
         best_m, best = 0, b / costs.step_seconds(b)
         tokens = float(b)
         for m, (v, _) in enumerate(values, start=1):
@@ -316,7 +326,7 @@ class TreeSizer:
             rate = tokens / costs.step_seconds(b + m)
             if rate > best * (1.0 + 1e-9):
                 best_m, best = m, rate
-        counts = [len(probs) if w else 0 for probs, w in zip(node_probs, whole, strict=True)]
+        counts = explore
         for _, j in values[:best_m]:
             counts[j] += 1
         return counts

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
 MAX_RANK = 8  # candidates per head the accuracy table (and so the tree) considers
+MIN_SENTENCES = 64  # distinct sentences a text must give before prompts reuse them under other templates
 ROW_CHUNK = 4096  # hidden-state rows per preallocated chunk while collecting self-distillation data
 
 
@@ -200,8 +201,9 @@ PROMPT_TEMPLATES = [
 
 def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[list[dict[str, str]]]:
     """`num` chat prompts, each a template around one sentence of `text`: the distinct sentences found from a grid
-    of places three times as fine as `num`, then `num` of them evenly spaced; a sentence found in (or holding) any
-    of the `exclude` texts (evaluation prompts) is left out."""
+    of places three times as fine as `num`, then `num` of them evenly spaced (more prompts than sentences: each
+    sentence again under other templates); a sentence found in (or holding) any of the `exclude` texts (evaluation
+    prompts) is left out."""
     flat = " ".join(text.split())
     banned = [" ".join(e.split()) for e in exclude]
     found: list[str] = []
@@ -216,12 +218,15 @@ def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[l
             continue
         used.add(sentence)
         found.append(sentence)
-    if len(found) < num:
-        raise ValueError(f"the text gave only {len(found)} training prompts of the {num} asked for; use a longer "
-                         "text")
-    picked = [found[i * len(found) // num] for i in range(num)]
-    return [[{"role": "user", "content": PROMPT_TEMPLATES[i % len(PROMPT_TEMPLATES)].format(s=s)}]
-            for i, s in enumerate(picked)]
+    if len(found) < min(num, MIN_SENTENCES):
+        raise ValueError(f"the text gave only {len(found)} distinct sentences for {num} training prompts; use a "
+                         "longer text")
+    if num <= len(found):  # evenly spaced sentences, the templates in turn
+        return [[{"role": "user", "content": PROMPT_TEMPLATES[i % len(PROMPT_TEMPLATES)].format(s=found[
+            i * len(found) // num])}] for i in range(num)]
+    # more prompts than sentences: every sentence again, each pass under the next template
+    return [[{"role": "user", "content": PROMPT_TEMPLATES[(i + i // len(found)) % len(PROMPT_TEMPLATES)].format(
+        s=found[i % len(found)])}] for i in range(num)]
 
 
 def evaluation_prompts() -> list[str]:
