@@ -426,6 +426,22 @@ def test_eagle_held_out_split_and_chain_accuracy(model_dir):
         eagle_windows(data, 64, [3])
 
 
+def test_topic_words_and_model_written_prompts(model_dir):
+    from brisk.spec.medusa import model_written_prompts, topic_words
+
+    text = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to unite"
+    words = topic_words(text, 4)
+    assert len(words) == 4 and all(w.islower() and w.isalpha() and len(w) >= 6 for w in words)
+    assert "Woodhouse" not in words and topic_words(text, 20)[:2] == topic_words(text, 20)[5:7]  # 5 words, cycled
+    with pytest.raises(ValueError, match="6\\+ letters"):
+        topic_words("Tiny text.", 3)
+    # the tiny random model writes noise: whatever survives the filter is a new question or quote of 4-60 words
+    loaded = load_model(model_dir)
+    got = model_written_prompts(loaded, text * 3, 5, log=lambda m: None)
+    assert len(got) <= 5 and len({c[0]["content"] for c in got}) == len(got)
+    assert all(4 <= len(c[0]["content"].split()) <= 60 and c[0]["role"] == "user" for c in got)
+
+
 def test_draft_ids_and_training_prompts():
     vocab = torch.tensor([2, 5, 9])
     assert to_draft_ids(torch.tensor([[5, 3, -1], [9, 2, 0]]), vocab, 10).tolist() == [[1, -2, -1], [2, 0, -2]]
@@ -434,6 +450,8 @@ def test_draft_ids_and_training_prompts():
     banned = "Sentence number 100 of the text is long enough to use here."
     prompts = [c[0]["content"] for c in training_prompts(text, 40, exclude=[f"Continue: \"{banned}\""])]
     assert len(prompts) == 40 and len(set(prompts)) == 40
+    many = [c[0]["content"] for c in training_prompts(text, 600)]  # more prompts than sentences: other templates
+    assert len(set(many)) == 600
     assert not any("number 100 " in p for p in prompts)
     with pytest.raises(ValueError, match="training prompts"):
         training_prompts("Too short. Really.", 5)

@@ -67,6 +67,9 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
                      help="Text the training prompts are cut from (bench spec's own prompts are left out)."),
         click.option("--prompts", "num_prompts", type=int, default=384, show_default=True,
                      help="Chat prompts the target answers (the self-distillation data)."),
+        click.option("--written-prompts", "num_written", type=int, default=0, show_default=True,
+                     help="Also this many prompts the target writes itself (questions and requests about words of "
+                          "--text, sampled), for answers beyond the text's templates."),
         click.option("--max-tokens", type=int, default=160, show_default=True, help="Tokens of each answer."),
         click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Keep the generated self-distillation data in this file (read back when the settings "
@@ -90,13 +93,14 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
 
 
 def _load_for_training(model: str, text_path: str, threads: int | None, num_prompts: int, max_tokens: int,
-                       steps: int, batch_size: int) -> tuple[LoadedModel, str]:
+                       steps: int, batch_size: int, num_written: int = 0) -> tuple[LoadedModel, str]:
     import torch
 
     from brisk.model.loader import load_model
 
-    if min(num_prompts, steps, batch_size) < 1 or max_tokens < 2:
-        raise click.BadParameter("--prompts, --steps and --batch-size must be at least 1 and --max-tokens at least 2")
+    if min(num_prompts, steps, batch_size) < 1 or max_tokens < 2 or num_written < 0:
+        raise click.BadParameter("--prompts, --steps and --batch-size must be at least 1, --max-tokens at least 2 "
+                                 "and --written-prompts not negative")
     if threads:
         torch.set_num_threads(threads)
     return load_model(model), Path(text_path).read_text(encoding="utf-8")
@@ -105,7 +109,7 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
 @spec_group.command("train-medusa")
 @head_training_options(steps=800, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
-def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
+def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                      data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
                      threads: int | None, num_heads: int) -> None:
     """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
@@ -115,11 +119,12 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, ma
 
     if num_heads < 1:
         raise click.BadParameter("--heads must be at least 1")
-    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size)
+    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size,
+                                      num_written)
     info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
                         steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
                         log=lambda m: click.echo(m, err=True), data_cache=data_cache,
-                        draft_vocab_size=draft_vocab)
+                        draft_vocab_size=draft_vocab, num_written=num_written)
     top1 = ", ".join(f"{a[0]:.2f}" for a in info["accuracy"])
     click.echo(f"{num_heads} heads -> {out}: held-out top-1 accuracy per head {top1}; {info['data']['rows']} rows, "
                f"{steps} steps in {info['training']['seconds']:.0f} s")
@@ -128,7 +133,7 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, ma
 @spec_group.command("train-eagle")
 @head_training_options(steps=800, batch_size=8, batch_help="Windows per step.", lr=1e-3)
 @click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
-def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max_tokens: int,
+def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                     data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
                     threads: int | None, window: int) -> None:
     """Train an EAGLE head for MODEL by self-distillation (feature regression + the target's own next tokens, the
@@ -137,10 +142,12 @@ def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, max
 
     if window < 2 or max_tokens <= window:
         raise click.BadParameter("need --window >= 2 and --max-tokens > --window")
-    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size)
+    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size,
+                                      num_written)
     info = train_eagle(loaded, text, out, num_prompts=num_prompts, max_tokens=max_tokens, steps=steps, window=window,
                        batch_size=batch_size, lr=lr, seed=seed, draft_vocab_size=draft_vocab,
-                       text_name=Path(text_path).name, log=lambda m: click.echo(m, err=True), data_cache=data_cache)
+                       text_name=Path(text_path).name, log=lambda m: click.echo(m, err=True), data_cache=data_cache,
+                       num_written=num_written)
     t = info["training"]
     chain = ", ".join(f"{a:.2f}" for a in info["chain_accuracy"])
     click.echo(f"EAGLE head -> {out}: loss {t['loss_first']:.3f} -> {t['loss_last']:.3f}; held-out chain "

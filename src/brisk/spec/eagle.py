@@ -438,13 +438,13 @@ def draft_vocabulary(data: SelfDistillData, vocab_size: int, size: int) -> torch
 def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int = 128, max_tokens: int = 128,
                 steps: int = 400, window: int = 32, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
                 draft_vocab_size: int = 8192, text_name: str = "text", log: Callable[[str], None] = print,
-                progress: bool = True, data_cache: Path | None = None) -> dict[str, Any]:
+                progress: bool = True, data_cache: Path | None = None, num_written: int = 0) -> dict[str, Any]:
     """Collect (or read) self-distillation data, fit the head on 90% of the answers, measure its chain's top-1
     accuracy per depth on the other 10% (whole answers held out), save to `out`."""
     from brisk.spec.medusa import self_distill_data
     from brisk.spec.vocab import head_matrix
 
-    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log)
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log, num_written)
     torch.manual_seed(seed)
     order = torch.randperm(len(data.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, len(order) // 10) if len(order) > 1 else 0
@@ -459,7 +459,8 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
     seconds = time.perf_counter() - t0
     accuracy = eagle_accuracy(head, embed, weight, data, test, window, vocab) if test else []
     info = {"method": "eagle", "source_model": loaded.name,
-            "data": {"text": text_name, "prompts": data.num_prompts, "max_tokens": max_tokens,
+            "data": {"text": text_name, "prompts": num_prompts, "written_prompts": data.num_prompts - num_prompts,
+                     "max_tokens": max_tokens,
                      "rows": int(data.hidden.shape[0]), "held_out_answers": held,
                      "labels": "the target's own greedy tokens and hidden states (self-distillation)",
                      "generate_seconds": round(data.generate_seconds, 1)},

@@ -229,6 +229,76 @@ def training_prompts(text: str, num: int, exclude: Sequence[str] = ()) -> list[l
         s=found[i % len(found)])}] for i in range(num)]
 
 
+# model-written prompts: the target itself writes user requests about a word of the text (self-instruct), so the
+# training data also covers open questions and tasks, not only prompts built around a sentence of a novel
+REQUEST_TEMPLATES = [
+    "Write one question that a curious person might ask an AI assistant about {w}. Reply with the question only.",
+    "Write one short request that a user might send to an AI assistant, asking for a poem, a story, some tips, an "
+    "explanation or advice about {w}. Reply with the request only.",
+]
+
+
+def topic_words(text: str, num: int) -> list[str]:
+    """`num` distinct lowercase words of 6+ letters from evenly spaced places of `text` (names, being capitalised,
+    are left out)."""
+    words = list(dict.fromkeys(w for w in (t.strip(".,;:!?\"'()-_") for t in text.split())
+                               if len(w) >= 6 and w.isalpha() and w.islower()))
+    if not words:
+        raise ValueError("the text has no lowercase words of 6+ letters to write prompts about")
+    return [words[i * len(words) // num] for i in range(num)] if num <= len(words) else \
+        [words[i % len(words)] for i in range(num)]
+
+
+def model_written_prompts(loaded: LoadedModel, text: str, num: int, exclude: Sequence[str] = (), seed: int = 0,
+                          batch: int = 64, log: Callable[[str], None] = print) -> list[list[dict[str, str]]]:
+    """`num` user prompts written by the target (sampled at temperature 0.8, seeded per request) about words of
+    `text` (`topic_words`, the REQUEST_TEMPLATES in turn): the first line of each answer (its quoted part, if it
+    quotes), kept when it is a question or a quote of 4-60 words, new, and not one of the `exclude` texts
+    (evaluation prompts). Asks for three times `num` and may return fewer."""
+    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from brisk.engine.llm_engine import LLMEngine
+    from brisk.engine.sampling_params import SamplingParams
+
+    tok = loaded.tokenizer
+    asks = [tok.encode_chat([{"role": "user", "content": REQUEST_TEMPLATES[i % len(REQUEST_TEMPLATES)].format(w=w)}],
+                            add_generation_prompt=True) for i, w in enumerate(topic_words(text, 3 * num))]
+    max_len = max(len(a) for a in asks) + 56
+    engine = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
+                                    scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
+                                    cache=CacheConfig(kv_cache_memory="512MiB")), loaded)
+    order = [engine.add_request(None, a, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48,
+                                                        seed=seed * 1_000_003 + i))
+             for i, a in enumerate(asks)]
+    texts: dict[str, str] = {}
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                texts[o.request_id] = o.outputs[0].text
+                if len(texts) % 512 == 0:
+                    log(f"the target wrote {len(texts)}/{len(asks)} candidate prompts in "
+                        f"{time.perf_counter() - t0:.0f} s")
+    banned = {" ".join(e.split()).lower() for e in exclude}
+    out: list[list[dict[str, str]]] = []
+    seen: set[str] = set()
+    for rid in order:
+        lines = texts.get(rid, "").strip().splitlines()
+        line = " ".join(lines[0].split()) if lines else ""
+        quoted = line.partition('"')[2].partition('"')[0] if line.count('"') else ""
+        line = (quoted or line).strip("\"' ")
+        key = line.lower()
+        # a question or a quoted request; the small model often answers the instruction instead of writing one
+        asks = bool(quoted) or line.endswith("?")
+        if not asks or not 4 <= len(line.split()) <= 60 or key in seen or key in banned:
+            continue
+        seen.add(key)
+        out.append([{"role": "user", "content": line}])
+        if len(out) == num:
+            break
+    log(f"the target wrote {len(out)} prompts in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
 def evaluation_prompts() -> list[str]:
     """The contents of `brisk bench spec`'s prompt sets, kept out of the training prompts."""
     from brisk.spec.bench import prompt_sets
@@ -368,11 +438,13 @@ def fit_heads(heads: MedusaHeads, lm_head_weight: torch.Tensor,
 
 
 def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_tokens: int, num_heads: int,
-                      cache: Path | None = None, log: Callable[[str], None] = print) -> SelfDistillData:
-    """The target's greedy answers to `num_prompts` chat prompts cut from `text`, with their hidden states; read
-    from `cache` when it holds data of these settings, else collected (and written there)."""
+                      cache: Path | None = None, log: Callable[[str], None] = print,
+                      num_written: int = 0) -> SelfDistillData:
+    """The target's greedy answers to `num_prompts` chat prompts cut from `text` and `num_written` prompts it wrote
+    itself (`model_written_prompts`), with their hidden states; read from `cache` when it holds data of these
+    settings, else collected (and written there)."""
     key = {"model": loaded.name, "prompts": num_prompts, "max_tokens": max_tokens, "text_chars": len(text),
-           "templates": len(PROMPT_TEMPLATES), "exclude": "bench spec"}
+           "templates": len(PROMPT_TEMPLATES), "exclude": "bench spec", "written": num_written}
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=True)
         if saved["key"] == key and saved["labels"].shape[1] >= num_heads:
@@ -382,8 +454,10 @@ def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_toke
                                                                        strict=True)))
         log(f"{cache} holds data of other settings: collecting again")
     tok = loaded.tokenizer
-    prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in training_prompts(text, num_prompts,
-                                                                                       evaluation_prompts())]
+    conversations = training_prompts(text, num_prompts, evaluation_prompts())
+    if num_written:
+        conversations += model_written_prompts(loaded, text, num_written, evaluation_prompts(), log=log)
+    prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in conversations]
     log(f"generating {len(prompts)} greedy answers of up to {max_tokens} tokens with the target")
     data = collect_self_distill(loaded, prompts, max_tokens, max(num_heads, 5), log=log)
     if cache is not None:
@@ -397,7 +471,8 @@ def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_toke
 def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 4, num_prompts: int = 128,
                  max_tokens: int = 128, steps: int = 400, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
                  text_name: str = "text", log: Callable[[str], None] = print, progress: bool = True,
-                 data_cache: Path | None = None, draft_vocab_size: int = 8192) -> dict[str, Any]:
+                 data_cache: Path | None = None, draft_vocab_size: int = 8192, num_written: int = 0
+                 ) -> dict[str, Any]:
     """Collect self-distillation data, fit the heads, measure per-rank accuracy on held-out rows, save to `out`.
 
     The heads draft from the draft vocabulary only (the target's most frequent tokens, MedusaProposer), so they are
@@ -406,7 +481,7 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
     from brisk.spec.eagle import draft_vocabulary
     from brisk.spec.head_train import to_draft_ids
 
-    data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log)
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log, num_written)
     n = data.hidden.shape[0]
     log(f"{n} rows of hidden states ({data.generate_seconds:.0f} s to generate)")
     vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)
@@ -426,7 +501,8 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
     info = {
         "method": "medusa", "num_heads": num_heads, "hidden_size": data.hidden.shape[1],
         "source_model": loaded.name, "accuracy": accuracy, "accuracy_untrained": before,
-        "data": {"text": text_name, "prompts": num_prompts, "max_tokens": max_tokens, "rows": n, "held_out": held,
+        "data": {"text": text_name, "prompts": num_prompts, "written_prompts": data.num_prompts - num_prompts,
+                 "max_tokens": max_tokens, "rows": n, "held_out": held,
                  "labels": "the target's own greedy tokens (self-distillation)",
                  "generate_seconds": round(data.generate_seconds, 1)},
         "training": {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
