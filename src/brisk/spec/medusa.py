@@ -18,7 +18,6 @@ Stored as OUT/medusa.safetensors (the heads) + OUT/medusa.json (shape, per-rank 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,8 +124,6 @@ class MedusaProposer(Proposer):
         table = [list(a)[:MAX_RANK] for a in accuracy[:heads.num_heads]]
         self.paths = static_tree(table, tree_size)
         self.parents = tree_parents(self.paths)
-        # each node's estimated acceptance: the product of the measured accuracies down its path
-        self.node_probs = [math.prod(table[d][c] for d, c in enumerate(p)) for p in self.paths]
         self.max_rank = 1 + max((c for p in self.paths for c in p), default=0)
 
     @torch.inference_mode()
@@ -140,20 +137,32 @@ class MedusaProposer(Proposer):
         k = self.heads.num_heads
         z = F.silu(self.blocks(h).view(len(ready), k, -1)) + h.unsqueeze(1)  # [B, K, H], as MedusaHeads.forward
         logits = self.lm_sub(z.reshape(-1, z.shape[-1]))  # [B * K, Vd]
-        top = logits.topk(self.max_rank, dim=-1).indices
+        conf, top = torch.softmax(logits, dim=-1).topk(self.max_rank, dim=-1)  # [B * K, rank]
         if self.vocab is not None:
             top = self.vocab[top]
-        top = top.view(len(ready), self.heads.num_heads, -1).tolist()
+        top = top.view(len(ready), k, -1).tolist()
+        conf = conf.view(len(ready), k, -1).tolist()
         for b, j in enumerate(ready):
-            req, k = requests[j], num_drafts[j]
+            req = requests[j]
             cands = top[b]  # [K][rank]
             if req.structured is None:
-                n = min(k, len(self.paths))
-                out[j] = Draft([cands[len(p) - 1][p[-1]] for p in self.paths[:n]], parents=self.parents[:n],
-                               node_probs=self.node_probs[:n])
+                out[j] = self._tree(cands, conf[b], min(num_drafts[j], len(self.paths)))
             else:
-                out[j] = Draft([cands[d][0] for d in range(min(k, self.heads.num_heads))])
+                out[j] = Draft([cands[d][0] for d in range(min(num_drafts[j], k))])
         return out
+
+    def _tree(self, cands: list[list[int]], conf: list[list[float]], n: int) -> Draft:
+        """The static tree's first n paths with this step's candidates, reordered by the heads' own confidence in
+        each path (the product of the heads' probabilities of its candidates; a child never above its parent, so
+        any first nodes of the new order still form a tree): the speculator keeps the most confident nodes."""
+        value: list[float] = []
+        for p, parent in zip(self.paths[:n], self.parents[:n], strict=True):
+            value.append(conf[len(p) - 1][p[-1]] * (value[parent] if parent >= 0 else 1.0))
+        order = sorted(range(n), key=lambda i: -value[i])  # stable: a parent of equal value stays first
+        where = {old: new for new, old in enumerate(order)}
+        return Draft([cands[len(self.paths[i]) - 1][self.paths[i][-1]] for i in order],
+                     parents=[-1 if self.parents[i] < 0 else where[self.parents[i]] for i in order],
+                     node_probs=[value[i] for i in order])
 
 
 def build_medusa_proposer(path: str | None, engine: LLMEngine, tree_size: int) -> MedusaProposer:
