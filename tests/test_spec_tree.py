@@ -380,6 +380,35 @@ def test_eagle_greedy_equals_plain(model_dir, eagle_dir, plain, batched):
     assert llm.engine.step() == [] and not llm.engine.speculator.proposer.live_ids()
 
 
+def test_eagle_attends_to_its_training_window(model_dir, eagle_dir, plain, tmp_path, monkeypatch):
+    """A head trained on windows of W rows attends to at most W - 1 earlier pairs (eagle.json's training window);
+    output stays plain decoding's."""
+    import json
+    import shutil
+
+    from brisk.spec.eagle import CONFIG_FILE, EagleProposer
+
+    folder = tmp_path / "eagle"
+    shutil.copytree(eagle_dir, folder)
+    info = json.loads((folder / CONFIG_FILE).read_text())
+    (folder / CONFIG_FILE).write_text(json.dumps({**info, "training": {"window": 6}}))
+    seen = []
+    real = EagleProposer._feed
+
+    def feed(self, req):
+        out = real(self, req)
+        if req.request_id in self.states:
+            seen.append(self.states[req.request_id].k.shape[2])
+        return out
+
+    monkeypatch.setattr(EagleProposer, "_feed", feed)
+    llm = medusa_llm(model_dir, str(folder), size=10, method="eagle")
+    assert llm.engine.speculator.proposer.context == 5
+    got = [o.outputs[0].token_ids for o in llm.generate(make_prompts()[:3], GREEDY)]
+    assert got == plain[:3] and max(seen) == 5
+    assert_no_leak(llm)
+
+
 def test_eagle_under_preemption_and_sampling(model_dir, eagle_dir, plain):
     tight = medusa_llm(model_dir, eagle_dir, method="eagle", num_kv_blocks=10, max_model_len=128,
                        max_num_batched_tokens=64)

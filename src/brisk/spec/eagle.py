@@ -176,7 +176,10 @@ class EagleProposer(Proposer):
     tree = True
 
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
-                 tree_size: int, depth: int = 6, width: int = 4, top_k: int = 4, draft_cost: float = 0.3) -> None:
+                 tree_size: int, depth: int = 6, width: int = 4, top_k: int = 4, draft_cost: float = 0.3,
+                 context: int | None = None) -> None:
+        """`context`: the most earlier (feature, token) pairs the head attends to, the training window's length
+        less one (it never saw longer contexts; None: all since the request started drafting)."""
         from brisk.spec.vocab import int8_rows
 
         self.head = int8_head(head)
@@ -184,6 +187,7 @@ class EagleProposer(Proposer):
         self.vocab = draft_vocab
         self.lm_sub = int8_rows(lm_head_weight.index_select(0, draft_vocab).float())  # [H] -> [Vd]
         self.tree_size, self.depth, self.width, self.top_k = tree_size, depth, width, top_k
+        self.context = context
         self.draft_cost = draft_cost
         self.states: dict[str, _State] = {}
 
@@ -216,6 +220,8 @@ class EagleProposer(Proposer):
         mask[:, past_len:] = torch.ones(n, n, dtype=torch.bool).tril()
         out, k, v = self.head(feat, emb, pos, (st.k, st.v), mask)
         st.k, st.v = torch.cat([st.k, k], 2), torch.cat([st.v, v], 2)
+        if self.context is not None and st.k.shape[2] > self.context:  # keys keep their RoPE positions
+            st.k, st.v = st.k[:, :, -self.context:].contiguous(), st.v[:, :, -self.context:].contiguous()
         st.next_index = first + n
         return out[0, -1]
 
@@ -319,9 +325,11 @@ def build_eagle_proposer(path: str | None, engine: LLMEngine, tree_size: int) ->
 
     check_tree_engine(engine, "eagle")
     model = engine.loaded.model
-    head, vocab, _ = load_eagle(path or default_eagle_dir(engine.loaded.path), model.config.hidden_size)
+    head, vocab, info = load_eagle(path or default_eagle_dir(engine.loaded.path), model.config.hidden_size)
     engine.runner.executor.keep_hidden = True
-    return EagleProposer(head, model.model.embed_tokens, head_matrix(engine.loaded.model), vocab, tree_size)
+    window = info.get("training", {}).get("window")
+    return EagleProposer(head, model.model.embed_tokens, head_matrix(engine.loaded.model), vocab, tree_size,
+                         context=None if window is None else window - 1)
 
 
 # ---------------------------------------------------------------------------------------------- training
