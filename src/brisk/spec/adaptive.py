@@ -229,8 +229,8 @@ class TreeSizer:
     """Adaptive token trees: whether a request drafts a tree this step, and how many of its nodes are verified.
 
     A tree proposer gives each node an estimate p_i of the probability that the target accepts the path to it
-    (Medusa: the product of the heads' measured accuracy down the path; EAGLE: the head's own path probability,
-    EAGLE-2's confidence), non-increasing in node order, so any first n nodes form a tree and verifying them
+    (the product of its heads' probabilities of the candidates down the path: EAGLE-2's draft confidence),
+    non-increasing in node order, so any first n nodes form a tree and verifying them
     yields sum_{i<n} p_i accepted drafts in expectation. Per request the estimates are calibrated by what
     verification measured: c = (decayed accepted) / (decayed predicted), starting at 1.
 
@@ -318,12 +318,13 @@ class TreeSizer:
         b = max(1, num_decoding)
         cap = max(1, ((costs.split or 1 << 30) - b) // max(1, sum(whole)))
         explore = [min(len(probs), cap) if w else 0 for probs, w in zip(node_probs, whole, strict=True)]
-        b += sum(explore)
-        best_m, best = 0, b / costs.step_seconds(b)
-        tokens = float(b)
+        rows = b + sum(explore)
+        tokens = b + sum(self.calibration(r) * sum(probs[:n])
+                         for r, probs, n in zip(req_ids, node_probs, explore, strict=True))
+        best_m, best = 0, tokens / costs.step_seconds(rows)
         for m, (v, _) in enumerate(values, start=1):
             tokens += v
-            rate = tokens / costs.step_seconds(b + m)
+            rate = tokens / costs.step_seconds(rows + m)
             if rate > best * (1.0 + 1e-9):
                 best_m, best = m, rate
         counts = explore
