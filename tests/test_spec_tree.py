@@ -455,6 +455,34 @@ def test_eagle_held_out_split_and_chain_accuracy(model_dir):
         eagle_windows(data, 64, [3])
 
 
+def test_train_commands_share_their_data(model_dir, tmp_path):
+    """`brisk spec train-medusa` then `train-eagle` on one --data file: the second reads the first's answers
+    (written prompts included) instead of generating again, and each writes what --speculative loads."""
+    import json
+
+    from click.testing import CliRunner
+
+    from brisk.cli import main
+
+    data = tmp_path / "sd.pt"
+    common = ["--prompts", "4", "--written-prompts", "2", "--max-tokens", "40", "--steps", "3", "--batch-size", "4",
+              "--draft-vocab", "128", "--data", str(data), "--threads", "1"]
+    runner = CliRunner()
+    first = runner.invoke(main, ["spec", "train-medusa", model_dir, str(tmp_path / "medusa"), *common, "--heads", "2"])
+    assert first.exit_code == 0, first.output
+    assert "generating" in first.output and data.is_file()
+    second = runner.invoke(main, ["spec", "train-eagle", model_dir, str(tmp_path / "eagle"), *common, "--window", "8"])
+    assert second.exit_code == 0, second.output
+    assert "self-distillation data from" in second.output and "generating" not in second.output
+    info = json.loads((tmp_path / "eagle" / "eagle.json").read_text())
+    assert info["data"]["prompts"] == 4 and 0 <= info["data"]["written_prompts"] <= 2
+    assert info["training"]["window"] == 8
+    medusa_llm(model_dir, str(tmp_path / "medusa"))  # both load
+    medusa_llm(model_dir, str(tmp_path / "eagle"), method="eagle")
+    bad = runner.invoke(main, ["spec", "train-eagle", model_dir, str(tmp_path / "x"), "--written-prompts", "-1"])
+    assert bad.exit_code != 0 and "--written-prompts" in bad.output
+
+
 def test_topic_words_and_model_written_prompts(model_dir):
     from brisk.spec.medusa import model_written_prompts, topic_words
 

@@ -65,9 +65,9 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
         click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False),
                      default=str(calibration_text_path()), show_default="the bundled calibration text, Emma",
                      help="Text the training prompts are cut from (bench spec's own prompts are left out)."),
-        click.option("--prompts", "num_prompts", type=int, default=384, show_default=True,
-                     help="Chat prompts the target answers (the self-distillation data)."),
-        click.option("--written-prompts", "num_written", type=int, default=0, show_default=True,
+        click.option("--prompts", "num_prompts", type=int, default=1500, show_default=True,
+                     help="Chat prompts cut from --text that the target answers (the self-distillation data)."),
+        click.option("--written-prompts", "num_written", type=int, default=1500, show_default=True,
                      help="Also this many prompts the target writes itself (questions and requests about words of "
                           "--text, sampled), for answers beyond the text's templates."),
         click.option("--max-tokens", type=int, default=160, show_default=True, help="Tokens of each answer."),
@@ -107,7 +107,7 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
 
 
 @spec_group.command("train-medusa")
-@head_training_options(steps=800, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
+@head_training_options(steps=4000, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
 def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                      data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
@@ -131,7 +131,7 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, nu
 
 
 @spec_group.command("train-eagle")
-@head_training_options(steps=800, batch_size=8, batch_help="Windows per step.", lr=1e-3)
+@head_training_options(steps=6000, batch_size=8, batch_help="Windows per step.", lr=1e-3)
 @click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
 def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                     data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
