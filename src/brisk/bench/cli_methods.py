@@ -155,8 +155,9 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Requests in the concurrent run.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Generated tokens per request.")
 @click.option("--num-speculative-tokens", type=int, default=4, show_default=True)
-@click.option("--tree-size", type=click.IntRange(1, 64), default=16, show_default=True,
-              help="Nodes of the token tree the medusa and eagle methods draft (instead of the chain's γ).")
+@click.option("--tree-size", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Most nodes of the token trees the medusa and eagle methods draft (instead of the chain's γ); "
+                   "each step verifies the ones that pay.")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=str(calibration_text_path()),
               show_default="the bundled text Emma",
               help="Novel the grounded/chat prompts are cut from (nothing is scored on it).")

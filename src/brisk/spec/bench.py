@@ -128,7 +128,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 def run_spec_bench(loaded: LoadedModel, methods: list[str], num_prompts: int, max_tokens: int, concurrency: int,
                    num_speculative_tokens: int, sets: list[str] | None = None, max_model_len: int = 1536,
                    kv_memory: str = "96MiB", text_path: Path | None = None, progress=print,
-                   spec_overrides: dict | None = None, rounds: int = 1, tree_size: int = 16) -> list[SpecRun]:
+                   spec_overrides: dict | None = None, rounds: int = 1, tree_size: int = 8) -> list[SpecRun]:
     """Every method's engine is built once; each prompt (or concurrent group) then runs under plain decoding and
     every method back to back, so load changes on a shared machine hit all of them alike; with `rounds` > 1 that
     is repeated and each method's fastest round of the group counts (a concurrent group decodes in well under a
