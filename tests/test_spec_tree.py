@@ -235,20 +235,26 @@ def test_medusa_greedy_batched_equals_plain(model_dir, heads_dir, plain):
     assert_no_leak(llm)
 
 
+def tree_steps_on(monkeypatch, path: str) -> list[int]:
+    """The rows of every tree step DecodePlan.<path> ("run": the Python loop, "run_cpp": the C++ loop) runs."""
+    from brisk.engine.decode_plan import DecodePlan
+
+    rows: list[int] = []
+    real = getattr(DecodePlan, path)
+
+    def counted(self, x, cos, sin, meta, kv):
+        if meta.tree_masks:
+            rows.append(x.shape[0])
+        return real(self, x, cos, sin, meta, kv)
+
+    monkeypatch.setattr(DecodePlan, path, counted)
+    return rows
+
+
 def test_tree_steps_run_on_the_decode_plan(ops, model_dir, heads_dir, plain, monkeypatch):
     """Verification steps with trees take the plan's Python loop (paged_tree_attention), not the module path, and
     greedy output stays plain decoding's."""
-    from brisk.engine.decode_plan import DecodePlan
-
-    tree_rows = []
-    real = DecodePlan.run
-
-    def run(self, x, cos, sin, meta, kv):
-        if meta.tree_masks:
-            tree_rows.append(x.shape[0])
-        return real(self, x, cos, sin, meta, kv)
-
-    monkeypatch.setattr(DecodePlan, "run", run)
+    tree_rows = tree_steps_on(monkeypatch, "run")
     llm = medusa_llm(model_dir, heads_dir, size=12)
     outs = llm.generate(make_prompts()[:3], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain[:3]
@@ -285,15 +291,7 @@ def test_small_tree_steps_run_in_the_cpp_loop(ops, model_dir, heads_dir, plain, 
             outs.append((runner(x.clone(), cos, sin, meta, caches)[0], torch.stack([kv.clone() for kv in caches])))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
-    tree_rows = []
-    real = DecodePlan.run_cpp
-
-    def run_cpp(self, x, cos, sin, meta, kv):
-        if meta.tree_masks:
-            tree_rows.append(x.shape[0])
-        return real(self, x, cos, sin, meta, kv)
-
-    monkeypatch.setattr(DecodePlan, "run_cpp", run_cpp)
+    tree_rows = tree_steps_on(monkeypatch, "run_cpp")
     llm = medusa_llm(model_dir, heads_dir, size=7)
     for p, want in zip(make_prompts()[:2], plain[:2], strict=True):
         assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == want
