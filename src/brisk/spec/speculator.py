@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from brisk.ops.linear import MAX_SMALL_M
 from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, TreeSizer
-from brisk.spec.proposer import Proposer
+from brisk.spec.proposer import Draft, Proposer
+
+if TYPE_CHECKING:
+    from brisk.engine.request import Request
 
 
 @dataclass
@@ -102,7 +106,7 @@ class Speculator:
                 req.spec_tree_parents = draft.parents
         self.costs.start()  # the target step that follows: schedule, forward, verify
 
-    def _size_trees(self, reqs: list, drafts: list, num_decoding: int, seconds: float) -> None:
+    def _size_trees(self, reqs: list[Request], drafts: list[Draft], num_decoding: int, seconds: float) -> None:
         """Cut each drafted tree to the nodes that pay (TreeSizer.sizes) and time the drafting."""
         per_request = seconds / len(reqs)
         w = 0.5 if per_request < self.tree_draft_seconds else 0.2
