@@ -328,3 +328,16 @@ def test_cli_spec_runs_each_method_against_plain(tiny_dirs: dict, tmp_path: Path
     assert bad.exit_code != 0 and "positive integer or 'none'" in bad.output
     bad = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_dirs["untied"]), "--rounds", "0"])
     assert bad.exit_code != 0 and "--rounds" in bad.output
+
+
+def test_cli_spec_dtype_auto_keeps_the_file_precision(tiny_dirs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`brisk bench spec --dtype auto` loads the target as brisk generate does (a GGUF's quantized layers kept)."""
+    import brisk.model.loader as loader
+
+    seen = []
+    real = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: seen.append(k) or real(*a, **k))
+    r = _invoke(["spec", "--model", str(tiny_dirs["untied"]), "--methods", "ngram", "--sets", "chat",
+                 "--num-prompts", "1", "--concurrency", "1", "--max-tokens", "4", "--rounds", "1", "--dtype", "auto"])
+    assert r.exit_code == 0, r.output
+    assert seen[0]["keep_quantized"] is True and "its own precision" in r.output

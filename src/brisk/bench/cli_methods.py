@@ -166,12 +166,15 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
                    "Default: the engine's (8).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs of every prompt (group) per method, alternating methods; the fastest counts.")
+@click.option("--dtype", "target_dtype", type=click.Choice(["float32", "auto"]), default="float32", show_default=True,
+              help="The target: float32 (a GGUF dequantized, the figures in BENCHMARKS.md) or auto (the model "
+                   "file's own precision, as brisk generate runs it: a GGUF's quantized layers stay packed).")
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
          num_speculative_tokens: int, tree_size: int, text_path: str | None, disable_by: str | None, rounds: int,
-         threads: int | None, json_path: str | None) -> None:
+         target_dtype: str, threads: int | None, json_path: str | None) -> None:
     """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
     from rich.table import Table
 
@@ -191,14 +194,18 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
             raise click.BadParameter(f"expected a positive integer or 'none', got {disable_by!r}",
                                      param_hint="--disable-by-batch-size")
     console = report.stderr_console()
-    loaded = load_model(model, max_model_len=1536)
+    from brisk.engine.config import resolve_dtype
+
+    loaded = load_model(model, dtype=resolve_dtype(target_dtype, model), max_model_len=1536,
+                        keep_quantized=target_dtype == "auto")
     names = [m.strip() for m in methods.split(",") if m.strip()]
     runs = run_spec_bench(loaded, names, num_prompts, max_tokens, concurrency, num_speculative_tokens,
                           [s.strip() for s in sets.split(",")], text_path=Path(text_path) if text_path else None,
                           progress=lambda r: console.print(f"[dim]{r}"), spec_overrides=overrides, rounds=rounds,
                           tree_size=tree_size)
     table = Table(title=f"speculative decoding (greedy, up to {num_speculative_tokens} drafts, adaptive): "
-                        f"{loaded.name}, {max_tokens} tokens/request, {torch.get_num_threads()} threads")
+                        f"{loaded.name} ({'float32' if target_dtype == 'float32' else 'its own precision'}), "
+                        f"{max_tokens} tokens/request, {torch.get_num_threads()} threads")
     for col in ("set", "method", "batch", "tok/s", "speedup", "acceptance", "accepted/step", "= plain"):
         table.add_column(col, justify="left" if col in ("set", "method") else "right")
     for r in runs:
