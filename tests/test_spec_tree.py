@@ -541,11 +541,13 @@ def test_tree_sizer_keeps_the_nodes_that_pay():
     counts = sizer.sizes(["a", "b"], [[0.9, 0.8, 0.5, 0.3, 0.05], [0.08, 0.05]], costs, 2)
     assert counts[1] == 0 and 2 <= counts[0] <= 4
     assert sizer.sizes(["a"], [[0.01, 0.01]], costs, 1) == [0]  # plain decoding beats a hopeless tree
-    assert sizer.sizes(["new"], [[0.01, 0.01]], costs, 1) == [2]  # a first tree is verified whole (explores)
+    assert sizer.sizes(["new"], [[0.01, 0.01]], costs, 1) == [1]  # a first tree verifies at least one node
+    assert sizer.sizes(["new"], [[0.9, 0.5, 0.01]], costs, 1) == [2]  # ... and the rest at face value
     assert sizer.draft_size("new", 16) == 16 and sizer.draft_size("a", 16) == 2 + 8  # room to grow: 2 x 4 + 2
     costs.split = 8  # (a model with a line of its own past 8 rows): exploring trees stay within 8 rows
     assert sizer.sizes(["new"], [[0.5] * 16], costs, 1) == [7]
     assert sizer.sizes(["new", "new2"], [[0.5] * 16, [0.5] * 16], costs, 6) == [1, 1]
+    assert sizer.sizes(["new", "a"], [[0.5] * 16, [0.5] * 16], costs, 2)[0] == 6  # (a: measured, not capped)
     sizer.update("a", 8, 8, 2.0)  # the estimates were 4x too low: calibration raises them
     assert sizer.calibration("a") > 1.5
     assert sizer.sizes(["a"], [[0.06, 0.06, 0.03]], costs, 1)[0] > sizer.sizes(["b"], [[0.06, 0.06, 0.03]], costs, 1)[0]
@@ -561,7 +563,7 @@ def test_tree_sizer_stops_drafting_and_probes():
         sizer.update("r", 6, 0, 1.5)  # trees of 6 rows, nothing accepted
     pattern = [sizer.wants("r", costs, 1, 0.001) for _ in range(12)]
     assert pattern == [False] * 3 + [True] + [False] * 7 + [True]  # probes after 4, then 8 steps
-    assert sizer.exploring("r")  # a probe's tree is verified whole
+    assert sizer.exploring("r")  # a probe's tree is sized at face value
     for _ in range(6):
         sizer.update("r", 6, 4, 1.5)  # the text turned predictable: drafting pays again
     assert sizer.wants("r", costs, 1, 0.001) and not sizer.exploring("r")

@@ -244,9 +244,9 @@ class TreeSizer:
     draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
     the wait doubling (up to `max_probe_every`, at once where not even trees accepted whole could pay for their
     rows at this batch size) while probes do not bring drafting back, as AdaptiveGamma does.
-    A request's first tree and its probes are verified whole (`exploring`; up to the small-row kernels' rows):
-    the calibration learns only from verified nodes, and estimates that start too low would otherwise never be
-    corrected.
+    A request's first tree and its probes (`exploring`) are sized at face value (calibration 1) and verify at
+    least their first node, within the small-row kernels' rows: the calibration learns only from verified nodes,
+    and estimates that start too low would otherwise never be corrected.
     """
 
     def __init__(self, decay: float = 0.8, prior_weight: float = 2.0, probe_every: int = 8,
@@ -307,27 +307,28 @@ class TreeSizer:
 
     def sizes(self, req_ids: list[str], node_probs: list[list[float]], costs: StepCostModel,
               num_decoding: int) -> list[int]:
-        """How many of each tree's first nodes to verify (see the class docstring); exploring requests' trees
-        whole (as far as the small-row kernels reach), their rows counted as fixed."""
-        whole = [self.exploring(r) for r in req_ids]
-        values = sorted(((self.calibration(r) * p, j) for j, (r, probs) in enumerate(zip(req_ids, node_probs,
-                                                                                      strict=True))
-                         if not whole[j] for p in probs), key=lambda vj: -vj[0])  # stable: nodes stay in order
-        # exploring trees, cut to keep the step within the small-row kernels where they can (past them a row
-        # costs several times more): the calibration needs verified nodes, not a dear step
+        """How many of each tree's first nodes to verify (see the class docstring); an exploring request's tree at
+        least its first node, at face value."""
+        exploring = [self.exploring(r) for r in req_ids]
         b = max(1, num_decoding)
-        cap = max(1, ((costs.split or 1 << 30) - b) // max(1, sum(whole)))
-        explore = [min(len(probs), cap) if w else 0 for probs, w in zip(node_probs, whole, strict=True)]
-        rows = b + sum(explore)
-        tokens = b + sum(self.calibration(r) * sum(probs[:n])
-                         for r, probs, n in zip(req_ids, node_probs, explore, strict=True))
+        # exploring trees: their estimates at face value (no calibration yet, or a probe), at least their first
+        # node, and no more nodes than keep the step within the small-row kernels (past them a row costs several
+        # times more): the calibration needs verified nodes, not a dear step
+        cap = max(1, ((costs.split or 1 << 30) - b) // max(1, sum(exploring)))
+        first = [1 if e and probs else 0 for probs, e in zip(node_probs, exploring, strict=True)]
+        values = sorted(((p if e else self.calibration(r) * p, j)
+                         for j, (r, probs, e) in enumerate(zip(req_ids, node_probs, exploring, strict=True))
+                         for p in probs[first[j]:(cap if e else len(probs))]),
+                        key=lambda vj: -vj[0])  # stable: a tree's nodes stay in order
+        rows = b + sum(first)
+        tokens = b + sum(probs[0] for probs, f in zip(node_probs, first, strict=True) if f)
         best_m, best = 0, tokens / costs.step_seconds(rows)
         for m, (v, _) in enumerate(values, start=1):
             tokens += v
             rate = tokens / costs.step_seconds(rows + m)
             if rate > best * (1.0 + 1e-9):
                 best_m, best = m, rate
-        counts = explore
+        counts = first
         for _, j in values[:best_m]:
             counts[j] += 1
         return counts
