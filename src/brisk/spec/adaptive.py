@@ -242,8 +242,8 @@ class TreeSizer:
     Drafting at all: a request drafts while its measured accepted drafts per tree step, a, would have saved more
     time than its last trees' rows and its share of the drafting cost: a * step(B) / B > step(B + n) - step(B) +
     draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
-    the wait doubling (up to `max_probe_every`, at once where not even trees accepted whole could pay for their
-    rows at this batch size) while probes do not bring drafting back, as AdaptiveGamma does.
+    the wait doubling (up to `max_probe_every`) while probes do not bring drafting back, as AdaptiveGamma does; no
+    probe at all while not even trees accepted whole could pay for their rows at this batch size.
     A request's first tree and its probes (`exploring`) are sized at face value (calibration 1) and verify at
     least their first node, within the small-row kernels' rows: the calibration learns only from verified nodes,
     and estimates that start too low would otherwise never be corrected.
@@ -295,8 +295,10 @@ class TreeSizer:
         est.probe_every = est.probe_every or self.probe_every
         per_token = plain / b
         if all(n * per_token <= costs.step_seconds(b + n) - plain + draft_seconds for n in range(1, rows + 1)):
-            # not even trees accepted whole would pay at this batch size: probe only at the longest interval
-            est.probe_every = self.max_probe_every
+            # not even trees accepted whole would pay at this batch size: no probe either (each would cost a dear
+            # step); probing resumes once the batch is small enough for a tree to pay
+            est.steps_at_zero = 0
+            return False
         est.steps_at_zero += 1
         if est.steps_at_zero >= est.probe_every:
             est.steps_at_zero = 0
