@@ -297,8 +297,8 @@ def model_written_prompts(loaded: LoadedModel, text: str, num: int, exclude: Seq
         line = (quoted or line).strip("\"' ")
         key = line.lower()
         # a question or a quoted request; the small model often answers the instruction instead of writing one
-        asks = bool(quoted) or line.endswith("?")
-        if not asks or not 4 <= len(line.split()) <= 60 or key in seen or key in banned:
+        is_request = bool(quoted) or line.endswith("?")
+        if not is_request or not 4 <= len(line.split()) <= 60 or key in seen or key in banned:
             continue
         seen.add(key)
         out.append([{"role": "user", "content": line}])
