@@ -26,6 +26,15 @@ import time
 from dataclasses import dataclass
 
 
+def follow_low(current: float, sample: float) -> float:
+    """A decayed mean of measured seconds that follows lower times faster than higher ones (noise on a shared CPU
+    only ever adds time); 0 = nothing measured yet, so the sample stands."""
+    if current == 0.0:
+        return sample
+    w = 0.5 if sample < current else 0.2
+    return (1.0 - w) * current + w * sample
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Mean tokens one verification step emits (accepted drafts + 1)."""
     if alpha >= 1.0:
@@ -166,11 +175,7 @@ class StepCostModel:
         self._drafts_seen += 1
         if self._drafts_seen == 1:
             return
-        if self.draft_seconds == 0.0:
-            self.draft_seconds = seconds_per_forward
-        else:
-            w = 0.5 if seconds_per_forward < self.draft_seconds else 0.2
-            self.draft_seconds = (1.0 - w) * self.draft_seconds + w * seconds_per_forward
+        self.draft_seconds = follow_low(self.draft_seconds, seconds_per_forward)
 
     def line(self) -> tuple[float, float]:
         """(a, b) in seconds; b >= 0 and a > 0 (a step always costs something fixed)."""

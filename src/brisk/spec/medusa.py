@@ -258,23 +258,30 @@ def topic_words(text: str, num: int) -> list[str]:
         [words[i % len(words)] for i in range(num)]
 
 
+def generation_engine(loaded: LoadedModel, max_len: int, batch: int, kv_memory: str) -> LLMEngine:
+    """An engine on the already loaded target for batch generation: `batch` requests in flight, `max_len` tokens
+    each (the self-distillation answers, the prompts the target writes)."""
+    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from brisk.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
+                                  scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
+                                  cache=CacheConfig(kv_cache_memory=kv_memory)), loaded)
+
+
 def model_written_prompts(loaded: LoadedModel, text: str, num: int, exclude: Sequence[str] = (), seed: int = 0,
                           batch: int = 64, log: Callable[[str], None] = print) -> list[list[dict[str, str]]]:
     """`num` user prompts written by the target (sampled at temperature 0.8, seeded per request) about words of
     `text` (`topic_words`, the REQUEST_TEMPLATES in turn): the first line of each answer (its quoted part, if it
     quotes), kept when it is a question or a quote of 4-60 words, new, and not one of the `exclude` texts
     (evaluation prompts). Asks for three times `num` and may return fewer."""
-    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from brisk.engine.llm_engine import LLMEngine
     from brisk.engine.sampling_params import SamplingParams
 
     tok = loaded.tokenizer
     asks = [tok.encode_chat([{"role": "user", "content": REQUEST_TEMPLATES[i % len(REQUEST_TEMPLATES)].format(w=w)}],
                             add_generation_prompt=True) for i, w in enumerate(topic_words(text, 3 * num))]
     max_len = max(len(a) for a in asks) + 56
-    engine = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
-                                    scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
-                                    cache=CacheConfig(kv_cache_memory="512MiB")), loaded)
+    engine = generation_engine(loaded, max_len, batch, "512MiB")
     order = [engine.add_request(None, a, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48,
                                                         seed=seed * 1_000_003 + i))
              for i, a in enumerate(asks)]
@@ -330,14 +337,10 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
     """Greedy answers of the target to `prompts` (the engine, plain decoding, `batch` requests in flight), keeping
     each generated row's hidden state as computed: row t's hidden state produced token t + 1; head k's label is
     token t + 1 + k. Keeping the hidden state costs the engine nothing (the executor's last rows, any path)."""
-    from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from brisk.engine.llm_engine import LLMEngine
     from brisk.engine.sampling_params import SamplingParams
 
     max_len = max(len(p) for p in prompts) + max_tokens + 8
-    engine = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=max_len,
-                                    scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=batch),
-                                    cache=CacheConfig(kv_cache_memory="1GiB")), loaded)
+    engine = generation_engine(loaded, max_len, batch, "1GiB")
     engine.runner.executor.keep_hidden = True
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     # the rows go into preallocated chunks: a small tensor per row, interleaved with each step's large temporaries,
@@ -366,9 +369,8 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
 
     done = 0
     while engine.has_unfinished_requests():
-        keep()
         outs = engine.step()
-        keep()
+        keep()  # (a request that finished in this step has left `running`: its last row has no later token to learn)
         for o in outs:
             if o.finished:
                 tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)

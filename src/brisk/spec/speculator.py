@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from brisk.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from brisk.ops.linear import MAX_SMALL_M
-from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, TreeSizer
+from brisk.spec.adaptive import AdaptiveGamma, StepCostModel, TreeSizer, follow_low
 from brisk.spec.proposer import Draft, Proposer
 
 if TYPE_CHECKING:
@@ -108,10 +108,7 @@ class Speculator:
 
     def _size_trees(self, reqs: list[Request], drafts: list[Draft], num_decoding: int, seconds: float) -> None:
         """Cut each drafted tree to the nodes that pay (TreeSizer.sizes) and time the drafting."""
-        per_request = seconds / len(reqs)
-        w = 0.5 if per_request < self.tree_draft_seconds else 0.2
-        self.tree_draft_seconds = per_request if self.tree_draft_seconds == 0.0 else (
-            (1.0 - w) * self.tree_draft_seconds + w * per_request)
+        self.tree_draft_seconds = follow_low(self.tree_draft_seconds, seconds / len(reqs))
         sized = [j for j, d in enumerate(drafts) if d.node_probs is not None and d.token_ids]
         if not self.gamma.adaptive or not sized:
             for j in sized:
