@@ -27,6 +27,7 @@ from brisk.spec.eagle import (
 from brisk.spec.head_train import to_draft_ids
 from brisk.spec.medusa import (
     MedusaHeads,
+    SelfDistillData,
     collect_self_distill,
     evaluation_prompts,
     fit_heads,
@@ -421,8 +422,15 @@ def test_eagle_under_preemption_and_sampling(model_dir, eagle_dir, plain):
 def test_eagle_training_loss_falls(model_dir):
     loaded = load_model(model_dir)
     data = collect_self_distill(loaded, make_prompts()[:3], 24, 1, log=lambda m: None)
-    feats, toks, _ = eagle_windows(data, 8)
+    win = eagle_windows(data, 8)
+    feats, toks = win.features(), win.tokens
     assert feats.shape[1] == toks.shape[1] == 9
+    # the windows gather the answers' own rows, whether those are views of data.hidden (as collected) or not
+    each = [(h[s:s + 9], t[s:s + 9]) for h, t in data.sequences for s in range(0, h.shape[0] - 8, 4)]
+    assert torch.equal(feats, torch.stack([h for h, _ in each])) and toks.tolist() == [t for _, t in each]
+    apart = SelfDistillData(data.hidden.clone(), data.labels, data.num_prompts, 0.0,
+                            [(h.clone(), t) for h, t in data.sequences])
+    assert torch.equal(eagle_windows(apart, 8).features(), feats)
     torch.manual_seed(0)
     head = head_for(loaded.model.config)
     embed, weight = loaded.model.model.embed_tokens, loaded.model.lm_head.weight.detach().float()
@@ -464,21 +472,36 @@ def test_train_commands_share_their_data(model_dir, tmp_path):
 
     data = tmp_path / "sd.pt"
     common = ["--prompts", "4", "--written-prompts", "2", "--max-tokens", "40", "--steps", "3", "--batch-size", "4",
-              "--draft-vocab", "128", "--data", str(data), "--threads", "1"]
+              "--draft-vocab", "128", "--data", str(data), "--threads", "1", "--data-dtype", "bfloat16"]
     runner = CliRunner()
     first = runner.invoke(main, ["spec", "train-medusa", model_dir, str(tmp_path / "medusa"), *common, "--heads", "2"])
     assert first.exit_code == 0, first.output
-    assert "generating" in first.output and data.is_file()
+    assert "generating in bfloat16 on a second copy" in first.output and data.is_file()
     second = runner.invoke(main, ["spec", "train-eagle", model_dir, str(tmp_path / "eagle"), *common, "--window", "8"])
     assert second.exit_code == 0, second.output
     assert "self-distillation data from" in second.output and "generating" not in second.output
     info = json.loads((tmp_path / "eagle" / "eagle.json").read_text())
     assert info["data"]["prompts"] == 4 and 0 <= info["data"]["written_prompts"] <= 2
-    assert info["training"]["window"] == 8
+    assert info["training"]["window"] == 8 and info["data"]["dtype"] == "bfloat16"
     medusa_llm(model_dir, str(tmp_path / "medusa"))  # both load
     medusa_llm(model_dir, str(tmp_path / "eagle"), method="eagle")
     bad = runner.invoke(main, ["spec", "train-eagle", model_dir, str(tmp_path / "x"), "--written-prompts", "-1"])
     assert bad.exit_code != 0 and "--written-prompts" in bad.output
+
+
+def test_data_dtype_follows_the_cpu(model_dir, monkeypatch):
+    """auto: bfloat16 data where the CPU reports native bfloat16 arithmetic and the target is in float32."""
+    import brisk.ops.isa as isa
+    from brisk.spec.medusa import data_dtype
+
+    loaded = load_model(model_dir)
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert data_dtype(loaded) == torch.bfloat16
+    assert data_dtype(loaded, "float32") == torch.float32
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert data_dtype(loaded) == torch.float32 and data_dtype(loaded, "bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="data dtype"):
+        data_dtype(loaded, "float16")
 
 
 def test_topic_words_and_model_written_prompts(model_dir):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from brisk.data import calibration_text_path
+from brisk.spec import recipe
 
 if TYPE_CHECKING:
     from brisk.model.loader import LoadedModel
@@ -65,12 +66,16 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
         click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False),
                      default=str(calibration_text_path()), show_default="the bundled calibration text, Emma",
                      help="Text the training prompts are cut from (bench spec's own prompts are left out)."),
-        click.option("--prompts", "num_prompts", type=int, default=1500, show_default=True,
+        click.option("--prompts", "num_prompts", type=int, default=recipe.DATA_PROMPTS, show_default=True,
                      help="Chat prompts cut from --text that the target answers (the self-distillation data)."),
-        click.option("--written-prompts", "num_written", type=int, default=1500, show_default=True,
+        click.option("--written-prompts", "num_written", type=int, default=recipe.DATA_WRITTEN, show_default=True,
                      help="Also this many prompts the target writes itself (questions and requests about words of "
                           "--text, sampled), for answers beyond the text's templates."),
-        click.option("--max-tokens", type=int, default=160, show_default=True, help="Tokens of each answer."),
+        click.option("--max-tokens", type=int, default=recipe.DATA_MAX_TOKENS, show_default=True,
+                     help="Tokens of each answer."),
+        click.option("--data-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+                     show_default=True, help="Precision the target generates the data in (auto: bfloat16 where the "
+                     "CPU computes it natively, else float32); the heads train in float32."),
         click.option("--data", "data_cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Keep the generated self-distillation data in this file (read back when the settings "
                           "match, e.g. by the other head's training)."),
@@ -78,7 +83,7 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
         click.option("--batch-size", type=int, default=batch_size, show_default=True, help=batch_help),
         click.option("--lr", type=float, default=lr, show_default=True,
                      help="Peak learning rate (AdamW, warm-up + cosine)."),
-        click.option("--draft-vocab", type=int, default=8192, show_default=True,
+        click.option("--draft-vocab", type=int, default=recipe.DRAFT_VOCAB, show_default=True,
                      help="Most frequent target tokens the head drafts from (and is trained on)."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--threads", type=int, default=None, help="torch intra-op threads."),
@@ -107,11 +112,13 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
 
 
 @spec_group.command("train-medusa")
-@head_training_options(steps=4000, batch_size=128, batch_help="Hidden-state rows per step.", lr=2e-3)
-@click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="Medusa heads (tokens 2..K+1).")
+@head_training_options(steps=recipe.MEDUSA_STEPS, batch_size=recipe.MEDUSA_BATCH,
+                        batch_help="Hidden-state rows per step.", lr=recipe.MEDUSA_LR)
+@click.option("--heads", "num_heads", type=int, default=recipe.MEDUSA_HEADS, show_default=True,
+              help="Medusa heads (tokens 2..K+1).")
 def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
-                     data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
-                     threads: int | None, num_heads: int) -> None:
+                     data_dtype: str, data_cache: Path | None, steps: int, batch_size: int, lr: float,
+                     draft_vocab: int, seed: int, threads: int | None, num_heads: int) -> None:
     """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
     heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
     with --speculative medusa:OUT (or just medusa when OUT is the default next to the model)."""
@@ -124,18 +131,20 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, nu
     info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
                         steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
                         log=lambda m: click.echo(m, err=True), data_cache=data_cache,
-                        draft_vocab_size=draft_vocab, num_written=num_written)
+                        draft_vocab_size=draft_vocab, num_written=num_written, data_dtype=data_dtype)
     top1 = ", ".join(f"{a[0]:.2f}" for a in info["accuracy"])
     click.echo(f"{num_heads} heads -> {out}: held-out top-1 accuracy per head {top1}; {info['data']['rows']} rows, "
                f"{steps} steps in {info['training']['seconds']:.0f} s")
 
 
 @spec_group.command("train-eagle")
-@head_training_options(steps=6000, batch_size=8, batch_help="Windows per step.", lr=1e-3)
-@click.option("--window", type=int, default=32, show_default=True, help="Consecutive rows per training window.")
+@head_training_options(steps=recipe.EAGLE_STEPS, batch_size=recipe.EAGLE_BATCH, batch_help="Windows per step.",
+                        lr=recipe.EAGLE_LR)
+@click.option("--window", type=int, default=recipe.EAGLE_WINDOW, show_default=True,
+              help="Consecutive rows per training window.")
 def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
-                    data_cache: Path | None, steps: int, batch_size: int, lr: float, draft_vocab: int, seed: int,
-                    threads: int | None, window: int) -> None:
+                    data_dtype: str, data_cache: Path | None, steps: int, batch_size: int, lr: float,
+                    draft_vocab: int, seed: int, threads: int | None, window: int) -> None:
     """Train an EAGLE head for MODEL by self-distillation (feature regression + the target's own next tokens, the
     target frozen) and store it in OUT. Decode with --speculative eagle:OUT."""
     from brisk.spec.eagle import train_eagle
@@ -147,7 +156,7 @@ def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, num
     info = train_eagle(loaded, text, out, num_prompts=num_prompts, max_tokens=max_tokens, steps=steps, window=window,
                        batch_size=batch_size, lr=lr, seed=seed, draft_vocab_size=draft_vocab,
                        text_name=Path(text_path).name, log=lambda m: click.echo(m, err=True), data_cache=data_cache,
-                       num_written=num_written)
+                       num_written=num_written, data_dtype=data_dtype)
     t = info["training"]
     chain = ", ".join(f"{a:.2f}" for a in info["chain_accuracy"])
     click.echo(f"EAGLE head -> {out}: loss {t['loss_first']:.3f} -> {t['loss_last']:.3f}; held-out chain "

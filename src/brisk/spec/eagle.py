@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.spec import recipe
 from brisk.spec.proposer import Draft, Proposer
 
 if TYPE_CHECKING:
@@ -335,20 +336,55 @@ def build_eagle_proposer(path: str | None, engine: LLMEngine, tree_size: int) ->
 # ---------------------------------------------------------------------------------------------- training
 
 
-def eagle_windows(data: SelfDistillData, window: int, answers: Sequence[int] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features [N, W + 1, H], tokens [N, W + 1], start positions [N]) from each answer's consecutive rows
-    (`answers`: those answers only): feature i produced token i. Windows overlap by half."""
-    feats, toks, starts = [], [], []
-    for a in range(len(data.sequences)) if answers is None else answers:
+@dataclass
+class EagleWindows:
+    """Training windows over the answers' hidden rows, gathered per batch (the windows overlap by half: stacking
+    them all would hold every row twice more). Window n is rows[first[n]:first[n] + W + 1]: feature i produced
+    token i (tokens[n, i]); starts[n] is its first row's place in its answer."""
+
+    rows: torch.Tensor  # [R, H]
+    first: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N, W + 1]
+    starts: torch.Tensor  # [N]
+
+    def __len__(self) -> int:
+        return self.first.shape[0]
+
+    def features(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(idx), W + 1, H] (idx None: all windows)."""
+        first = self.first if idx is None else self.first[idx]
+        return self.rows[first[:, None] + torch.arange(self.tokens.shape[1])]
+
+
+def _answer_rows(data: SelfDistillData, answers: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """(rows, each answer's first row in them): data.hidden itself where the answers' rows are views of it (as
+    collected and as read back from a cache), else their concatenation."""
+    base, h = data.hidden, data.hidden.shape[-1]
+    seqs = [data.sequences[a][0] for a in answers]
+    if base.dim() == 2 and base.is_contiguous() and all(
+            s.is_contiguous() and s.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for s in seqs):
+        return base, [(s.storage_offset() - base.storage_offset()) // h for s in seqs]
+    offsets = [0]
+    for s in seqs[:-1]:
+        offsets.append(offsets[-1] + s.shape[0])
+    return torch.cat(seqs) if seqs else base[:0], offsets
+
+
+def eagle_windows(data: SelfDistillData, window: int, answers: Sequence[int] | None = None) -> EagleWindows:
+    """The windows of `window` + 1 consecutive rows of each answer (`answers`: those answers only), overlapping
+    by half."""
+    answers = range(len(data.sequences)) if answers is None else answers
+    rows, offsets = _answer_rows(data, answers)
+    first, toks, starts = [], [], []
+    for a, at in zip(answers, offsets, strict=True):
         h, t = data.sequences[a]
         for s in range(0, h.shape[0] - window, window // 2):
-            feats.append(h[s:s + window + 1])
+            first.append(at + s)
             toks.append(torch.tensor(t[s:s + window + 1]))
             starts.append(s)
-    if not feats:
+    if not first:
         raise ValueError(f"no answer is longer than the window of {window} tokens; generate longer answers")
-    return torch.stack(feats), torch.stack(toks), torch.tensor(starts)
+    return EagleWindows(rows, torch.tensor(first), torch.stack(toks), torch.tensor(starts))
 
 
 def eagle_loss(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, feats: torch.Tensor,
@@ -381,44 +417,56 @@ def fit_eagle(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, d
     token CE is over those rows of `lm_head_weight` only (what the proposer drafts from)."""
     from brisk.spec.head_train import fit_head, to_draft_ids
 
-    feats, toks, _ = eagle_windows(data, window, answers)
+    win = eagle_windows(data, window, answers)
+    toks = win.tokens
     weight, targets = lm_head_weight, None
     if draft_vocab is not None:
         weight = lm_head_weight.index_select(0, draft_vocab).contiguous()
         targets = to_draft_ids(toks, draft_vocab, lm_head_weight.shape[0])
 
     def loss_fn(idx: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-        return eagle_loss(head, embed, weight, feats[idx], toks[idx], noise=noise, generator=g,
+        return eagle_loss(head, embed, weight, win.features(idx), toks[idx], noise=noise, generator=g,
                           targets=None if targets is None else targets[idx])
 
-    return fit_head(head, loss_fn, feats.shape[0], steps, batch_size, lr, seed, rows_per_item=window, log=log,
+    return fit_head(head, loss_fn, len(win), steps, batch_size, lr, seed, rows_per_item=window, log=log,
                     progress=progress)
 
 
 @torch.no_grad()
 def eagle_accuracy(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tensor, data: SelfDistillData,
-                   answers: Sequence[int], window: int, draft_vocab: torch.Tensor, depth: int = 4
-                   ) -> list[float]:
+                   answers: Sequence[int], window: int, draft_vocab: torch.Tensor, depth: int = 4,
+                   chunk: int = 256) -> list[float]:
     """Held-out top-1 accuracy of the head's chain at draft depth 1..`depth`, as the proposer drafts: at each
     window position the true features and tokens up to there, then the head's own features and greedy tokens
     (from the draft vocabulary). accuracy[d]: fraction of positions whose first d + 1 drafted tokens all equal the
     target's. A token outside the draft vocabulary is a miss."""
     from brisk.spec.head_train import to_draft_ids
 
-    feats, toks, _ = eagle_windows(data, window, answers)
+    win = eagle_windows(data, window, answers)
     weight = lm_head_weight.index_select(0, draft_vocab)
-    targets = to_draft_ids(toks, draft_vocab, lm_head_weight.shape[0])  # [N, W + 1]
-    n, w = feats.shape[0], window - depth
+    targets = to_draft_ids(win.tokens, draft_vocab, lm_head_weight.shape[0])  # [N, W + 1]
+    hits = torch.zeros(depth)
+    for at in range(0, len(win), chunk):  # a chunk of windows at a time: the head's activations stay small
+        idx = torch.arange(at, min(at + chunk, len(win)))
+        hits += _chain_hits(head, embed, weight, draft_vocab, win.features(idx), win.tokens[idx], targets[idx],
+                            window - depth, depth)
+    return (hits / (len(win) * (window - depth))).tolist()
+
+
+def _chain_hits(head: EagleHead, embed: nn.Module, weight: torch.Tensor, draft_vocab: torch.Tensor,
+                feats: torch.Tensor, toks: torch.Tensor, targets: torch.Tensor, w: int, depth: int) -> torch.Tensor:
+    """eagle_accuracy over one chunk of windows: [depth] counts of positions whose first d + 1 drafts all hit."""
+    n = feats.shape[0]
     emb = embed(toks).float()
     out, k, v = head(feats[:, :w], emb[:, :w], torch.arange(w))  # teacher-forced prefix: [N, w, H]
     f = out  # feature guesses at every position
     alive = torch.ones(n, w, dtype=torch.bool)
-    acc = []
+    hits = torch.zeros(depth)
     ks, vs = k, v
     for d in range(depth):
         guess = (f @ weight.t()).argmax(-1)  # [N, w] draft-vocabulary rows
         alive &= guess == targets[:, 1 + d:1 + d + w]
-        acc.append(alive.float().mean().item())
+        hits[d] = alive.sum()
         if d == depth - 1:
             break
         # the next round: each position's own guess as input, attending to the true prefix and its own chain
@@ -431,7 +479,7 @@ def eagle_accuracy(head: EagleHead, embed: nn.Module, lm_head_weight: torch.Tens
         mask[:, ks.shape[2]:] = torch.eye(w, dtype=torch.bool)
         f, k, v = head(f, e, pos, (ks, vs), mask)
         ks, vs = torch.cat([ks, k], 2), torch.cat([vs, v], 2)
-    return acc
+    return hits
 
 
 def draft_vocabulary(data: SelfDistillData, vocab_size: int, size: int) -> torch.Tensor:
@@ -443,16 +491,19 @@ def draft_vocabulary(data: SelfDistillData, vocab_size: int, size: int) -> torch
                          size)
 
 
-def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int = 128, max_tokens: int = 128,
-                steps: int = 400, window: int = 32, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
-                draft_vocab_size: int = 8192, text_name: str = "text", log: Callable[[str], None] = print,
-                progress: bool = True, data_cache: Path | None = None, num_written: int = 0) -> dict[str, Any]:
+def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int = recipe.DATA_PROMPTS,
+                max_tokens: int = recipe.DATA_MAX_TOKENS, steps: int = recipe.EAGLE_STEPS,
+                window: int = recipe.EAGLE_WINDOW, batch_size: int = recipe.EAGLE_BATCH, lr: float = recipe.EAGLE_LR,
+                seed: int = 0, draft_vocab_size: int = recipe.DRAFT_VOCAB, text_name: str = "text",
+                log: Callable[[str], None] = print, progress: bool = True, data_cache: Path | None = None,
+                num_written: int = recipe.DATA_WRITTEN,
+                data_dtype: str = "auto") -> dict[str, Any]:
     """Collect (or read) self-distillation data, fit the head on 90% of the answers, measure its chain's top-1
     accuracy per depth on the other 10% (whole answers held out), save to `out`."""
     from brisk.spec.medusa import self_distill_data
     from brisk.spec.vocab import head_matrix
 
-    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log, num_written)
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log, num_written, data_dtype)
     torch.manual_seed(seed)
     order = torch.randperm(len(data.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, len(order) // 10) if len(order) > 1 else 0
@@ -469,7 +520,7 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
     info = {"method": "eagle", "source_model": loaded.name,
             "data": {"text": text_name, "prompts": num_prompts, "written_prompts": data.num_prompts - num_prompts,
                      "max_tokens": max_tokens,
-                     "rows": int(data.hidden.shape[0]), "held_out_answers": held,
+                     "rows": int(data.hidden.shape[0]), "held_out_answers": held, "dtype": data.dtype,
                      "labels": "the target's own greedy tokens and hidden states (self-distillation)",
                      "generate_seconds": round(data.generate_seconds, 1)},
             "training": {"steps": steps, "window": window, "batch_size": batch_size, "lr": lr, "seed": seed,
