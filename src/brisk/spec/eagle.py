@@ -503,7 +503,8 @@ def train_eagle(loaded: LoadedModel, text: str, out: Path, *, num_prompts: int =
     from brisk.spec.medusa import self_distill_data
     from brisk.spec.vocab import head_matrix
 
-    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log, num_written, data_dtype)
+    data = self_distill_data(loaded, text, num_prompts, max_tokens, 1, data_cache, log, num_written, data_dtype,
+                             progress)
     torch.manual_seed(seed)
     order = torch.randperm(len(data.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, len(order) // 10) if len(order) > 1 else 0

@@ -32,6 +32,7 @@ from brisk.spec import recipe
 from brisk.spec.proposer import Draft, Proposer
 from brisk.spec.tree import static_tree, tree_parents
 from brisk.spec.vocab import head_matrix
+from brisk.train.progress import CountProgress
 
 if TYPE_CHECKING:
     from brisk.engine.llm_engine import LLMEngine
@@ -301,8 +302,8 @@ def generation_engine(loaded: LoadedModel, max_len: int, batch: int) -> LLMEngin
 
 
 def model_written_prompts(loaded: LoadedModel, text: str, num: int, exclude: Sequence[str] = (), seed: int = 0,
-                          batch: int = GENERATION_BATCH, log: Callable[[str], None] = print
-                          ) -> list[list[dict[str, str]]]:
+                          batch: int = GENERATION_BATCH, log: Callable[[str], None] = print,
+                          progress: bool = False) -> list[list[dict[str, str]]]:
     """`num` user prompts written by the target (sampled at temperature 0.8, seeded per request) about words of
     `text` (`topic_words`, the REQUEST_TEMPLATES in turn): the first line of each answer (its quoted part, if it
     quotes), kept when it is a question or a quote of 4-60 words, new, and not one of the `exclude` texts
@@ -319,13 +320,15 @@ def model_written_prompts(loaded: LoadedModel, text: str, num: int, exclude: Seq
              for i, a in enumerate(asks)]
     texts: dict[str, str] = {}
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                texts[o.request_id] = o.outputs[0].text
-                if len(texts) % 512 == 0:
-                    log(f"the target wrote {len(texts)}/{len(asks)} candidate prompts in "
-                        f"{time.perf_counter() - t0:.0f} s")
+    with CountProgress("candidate prompts", len(asks), enabled=progress) as bar:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    texts[o.request_id] = o.outputs[0].text
+                    bar.advance()
+                    if len(texts) % 1024 == 0:
+                        log(f"the target wrote {len(texts)}/{len(asks)} candidate prompts in "
+                            f"{time.perf_counter() - t0:.0f} s")
     banned = {" ".join(e.split()).lower() for e in exclude}
     out: list[list[dict[str, str]]] = []
     seen: set[str] = set()
@@ -366,7 +369,8 @@ class SelfDistillData:
 
 
 def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_heads: int,
-                         batch: int = GENERATION_BATCH, log: Callable[[str], None] = print) -> SelfDistillData:
+                         batch: int = GENERATION_BATCH, log: Callable[[str], None] = print,
+                         progress: bool = False) -> SelfDistillData:
     """Greedy answers of the target to `prompts` (the engine, plain decoding, `batch` requests in flight), keeping
     each generated row's hidden state as computed: row t's hidden state produced token t + 1; head k's label is
     token t + 1 + k. Keeping the hidden state costs the engine nothing (the executor's last rows, any path)."""
@@ -400,16 +404,16 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
             by_index[req.spec_hidden_index] = num_rows
             num_rows += 1
 
-    done = 0
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        keep()  # (a request that finished in this step has left `running`: its last row has no later token to learn)
-        for o in outs:
-            if o.finished:
-                tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                done += 1
-                if done % 64 == 0:
-                    log(f"generated {done}/{len(prompts)} answers in {time.perf_counter() - t0:.0f} s")
+    with CountProgress("answers", len(prompts), enabled=progress) as bar:
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            keep()  # (a request that finished in this step has left `running`: its last row has nothing to learn)
+            for o in outs:
+                if o.finished:
+                    tokens[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                    bar.advance()
+                    if len(tokens) % 1024 == 0:
+                        log(f"generated {len(tokens)}/{len(prompts)} answers in {time.perf_counter() - t0:.0f} s")
     seconds = time.perf_counter() - t0
     store = torch.cat(chunks)[:num_rows] if chunks else torch.empty(0, hidden_size)
     order, labels, spans = [], [], []
@@ -484,7 +488,7 @@ def fit_heads(heads: MedusaHeads, lm_head_weight: torch.Tensor,
 
 def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_tokens: int, num_heads: int,
                       cache: Path | None = None, log: Callable[[str], None] = print,
-                      num_written: int = 0, dtype: str = "auto") -> SelfDistillData:
+                      num_written: int = 0, dtype: str = "auto", progress: bool = False) -> SelfDistillData:
     """The target's greedy answers to `num_prompts` chat prompts cut from `text` and `num_written` prompts it wrote
     itself (`model_written_prompts`), with their hidden states, generated in `dtype` (`data_dtype`); read from
     `cache` when it holds data of these settings, else collected (and written there)."""
@@ -506,10 +510,11 @@ def self_distill_data(loaded: LoadedModel, text: str, num_prompts: int, max_toke
     tok = loaded.tokenizer
     conversations = training_prompts(text, num_prompts, evaluation_prompts())
     if num_written:
-        conversations += model_written_prompts(gen, text, num_written, evaluation_prompts(), log=log)
+        conversations += model_written_prompts(gen, text, num_written, evaluation_prompts(), log=log,
+                                               progress=progress)
     prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in conversations]
     log(f"generating {len(prompts)} greedy answers of up to {max_tokens} tokens with the target")
-    data = collect_self_distill(gen, prompts, max_tokens, max(num_heads, 5), log=log)
+    data = collect_self_distill(gen, prompts, max_tokens, max(num_heads, 5), log=log, progress=progress)
     del gen
     if cache is not None:
         torch.save({"key": key, "hidden": data.hidden, "labels": data.labels, "num_prompts": data.num_prompts,
@@ -535,7 +540,7 @@ def train_medusa(loaded: LoadedModel, text: str, out: Path, *, num_heads: int = 
     from brisk.spec.head_train import to_draft_ids
 
     data = self_distill_data(loaded, text, num_prompts, max_tokens, num_heads, data_cache, log, num_written,
-                             data_dtype)
+                             data_dtype, progress)
     n = data.hidden.shape[0]
     log(f"{n} rows of hidden states ({data.generate_seconds:.0f} s to generate)")
     vocab = draft_vocabulary(data, loaded.model.config.vocab_size, draft_vocab_size)

@@ -32,6 +32,26 @@ class TrainProgress:
         self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_second:,.0f}")
 
 
+class CountProgress:
+    """A rich bar over a count of things done (answers generated, prompts written) with the time taken and left."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
+        self.progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=stderr_console(), transient=True,
+                                 disable=not enabled)
+        self.task = self.progress.add_task(label, total=total)
+
+    def __enter__(self) -> CountProgress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def advance(self, n: int = 1) -> None:
+        self.progress.advance(self.task, n)
+
+
 def write_loss_curve(path: Path, history: list[dict[str, Any]]) -> str | None:
     """Plot training loss (and held-out perplexity) per step to `path`; returns its name, or None (and says so)
     when matplotlib is not installed: the PNG is optional, the JSON log holds the same numbers."""
