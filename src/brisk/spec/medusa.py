@@ -264,7 +264,7 @@ def topic_words(text: str, num: int) -> list[str]:
 
 def data_dtype(loaded: LoadedModel, choice: str = "auto") -> torch.dtype:
     """The precision the target generates self-distillation data in. "auto": bfloat16 where the CPU computes it
-    natively (it reports avx512_bf16 or amx_bf16; 2.6x float32's answers per second on a Xeon with AMX, BENCHMARKS)
+    natively (it reports avx512_bf16 or amx_bf16; 2.2x float32's rows per second on a Xeon with AMX, BENCHMARKS)
     and the target is loaded in float32, else the loaded precision. The heads still train in float32 on float32
     copies of the hidden states."""
     if choice == "auto":
