@@ -543,10 +543,10 @@ def test_draft_ids_and_training_prompts():
 # ---------------------------------------------------------------------------------------------- adaptive trees
 
 
-def line_costs(fixed: float, per_row: float):  # noqa: ANN201 - a StepCostModel that has measured a straight line
-    from brisk.spec.adaptive import StepCostModel
+def line_costs(fixed: float, per_row: float, split: int | None = None):  # noqa: ANN201 - a StepCostModel that has
+    from brisk.spec.adaptive import StepCostModel  # measured a straight line (up to `split` rows)
 
-    costs = StepCostModel()
+    costs = StepCostModel(split=split)
     for rows in (1, 2, 4, 6, 8, 1, 3, 5):
         costs.observe_step(rows, fixed + per_row * rows)
     return costs
@@ -597,6 +597,15 @@ def test_tree_sizer_stops_drafting_and_probes():
     # drafting dearer than any tree could save (a second a tree): no probe at all, until it could pay again
     assert not any(sizer.wants("s", costs, 1, 1.0) for _ in range(70))
     assert [sizer.wants("s", costs, 1, 0.001) for _ in range(4)] == [False] * 3 + [True]
+    # a first tree too waits while even one node, surely accepted, costs more than it saves: 8 requests decoding,
+    # and steps past 8 rows measured at twice the 8-row step (the float32 CPU target's small-row kernels' edge)
+    split = line_costs(0.02, 0.002, split=8)
+    assert sizer.wants("new", split, 8, 0.001)  # steps past 8 rows not timed yet: their cost is not known
+    for rows in (9, 16, 24):
+        split.observe_step(rows, 0.08 + 0.0002 * rows)
+    assert split.step_seconds(9) > 2 * split.step_seconds(8)
+    assert not sizer.wants("new", split, 8, 0.001) and "new" not in sizer.live_ids()
+    assert sizer.wants("new", split, 2, 0.001)  # fewer requests: the tree fits the small-row kernels again
 
 
 def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain):

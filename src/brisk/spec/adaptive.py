@@ -230,6 +230,15 @@ class _TreeEstimate:
     probe_every: int = 0
 
 
+def _hopeless(costs: StepCostModel, num_decoding: int, rows: int, draft_seconds: float) -> bool:
+    """Whether no tree of 1..`rows` nodes could pay for its rows and drafting at this batch size even if every node
+    were accepted (each accepted node saves a plain step's share per request)."""
+    plain = costs.step_seconds(num_decoding)
+    per_token = plain / num_decoding
+    return all(n * per_token <= costs.step_seconds(num_decoding + n) - plain + draft_seconds
+               for n in range(1, rows + 1))
+
+
 class TreeSizer:
     """Adaptive token trees: whether a request drafts a tree this step, and how many of its nodes are verified.
 
@@ -248,10 +257,11 @@ class TreeSizer:
     time than its last trees' rows and its share of the drafting cost: a * step(B) / B > step(B + n) - step(B) +
     draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
     the wait doubling (up to `max_probe_every`) while probes do not bring drafting back, as AdaptiveGamma does; no
-    probe at all while not even trees accepted whole could pay for their rows at this batch size.
-    A request's first tree and its probes (`exploring`) are sized at face value (calibration 1) and verify at
-    least their first node, within the small-row kernels' rows: the calibration learns only from verified nodes,
-    and estimates that start too low would otherwise never be corrected.
+    probe at all while not even trees accepted whole could pay for their rows at this batch size, and no first tree
+    while not even one such node could. A request's first tree and its probes (`exploring`) are sized at face
+    value (calibration 1) and verify at least their first node, within the small-row kernels' rows: the
+    calibration learns only from verified nodes, and estimates that start too low would otherwise never be
+    corrected.
     """
 
     def __init__(self, decay: float = 0.8, prior_weight: float = 2.0, probe_every: int = 8,
@@ -286,9 +296,11 @@ class TreeSizer:
         """Whether this request drafts a tree for the next step (see the class docstring)."""
         self._probing.discard(req_id)
         est = self._est.get(req_id)
-        if est is None or est.steps < 1e-9:
-            return True
         b = max(1, num_decoding)
+        if est is None or est.steps < 1e-9:
+            # a first tree, unless not even one surely accepted node could pay at this batch size (as measured:
+            # until steps past the small-row kernels are timed, their line extends the small steps' one)
+            return not _hopeless(costs, b, 1, draft_seconds)
         plain = costs.step_seconds(b)
         rows = max(1, round(est.drafts / est.steps))
         saved = est.accepted / est.steps * plain / b
@@ -298,8 +310,7 @@ class TreeSizer:
             est.probe_every = self.probe_every
             return True
         est.probe_every = est.probe_every or self.probe_every
-        per_token = plain / b
-        if all(n * per_token <= costs.step_seconds(b + n) - plain + draft_seconds for n in range(1, rows + 1)):
+        if _hopeless(costs, b, rows, draft_seconds):
             # not even trees accepted whole would pay at this batch size: no probe either (each would cost a dear
             # step); probing resumes once the batch is small enough for a tree to pay
             est.steps_at_zero = 0
