@@ -606,6 +606,13 @@ def test_tree_sizer_stops_drafting_and_probes():
     assert split.step_seconds(9) > 2 * split.step_seconds(8)
     assert not sizer.wants("new", split, 8, 0.001) and "new" not in sizer.live_ids()
     assert sizer.wants("new", split, 2, 0.001)  # fewer requests: the tree fits the small-row kernels again
+    # several requests want trees at 6 decoding: room for 2 first nodes within 8 rows, so the 2 that accepted most
+    # per tree step draft (a new one counts 1 accepted), not all of them for nodes the sizer would then drop
+    sizer.update("good", 4, 3, 2.0)
+    sizer.update("poor", 4, 0, 2.0)
+    assert sizer.choose(["poor", "new", "good"], split, 6) == ["good", "new"]
+    assert sizer.choose(["poor", "new", "good"], split, 2) == ["poor", "new", "good"]  # room for all
+    assert sizer.choose(["poor", "new", "good"], line_costs(0.02, 0.002, split=8), 6) == ["poor", "new", "good"]
 
 
 def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain):

@@ -323,6 +323,22 @@ class TreeSizer:
             return True
         return False
 
+    def choose(self, req_ids: list[str], costs: StepCostModel, num_decoding: int) -> list[str]:
+        """Of the requests that want a tree this step (`wants`), those that draft one. Each decides alone, but
+        their rows add up: where a row past the small-row kernels cannot pay (as measured) and the batch leaves
+        room for fewer first nodes than there are trees, only that many draft, those that accepted most per tree
+        step first (a request not measured yet counts one); the others' drafting would be spent on nodes that
+        `sizes` then drops."""
+        b = max(1, num_decoding)
+        if costs.split is None or b > costs.split or len(req_ids) <= costs.split - b \
+                or not _hopeless(costs, costs.split, 1, 0.0):
+            return req_ids
+        return sorted(req_ids, key=lambda r: -self._accepted_per_step(r))[:costs.split - b]
+
+    def _accepted_per_step(self, req_id: str) -> float:
+        est = self._est.get(req_id)
+        return est.accepted / est.steps if est is not None and est.steps > 1e-9 else 1.0
+
     def sizes(self, req_ids: list[str], node_probs: list[list[float]], costs: StepCostModel,
               num_decoding: int) -> list[int]:
         """How many of each tree's first nodes to verify (see the class docstring); an exploring request's tree at

@@ -93,6 +93,10 @@ class Speculator:
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
+        if reqs and self.proposer.tree and self.gamma.adaptive:
+            chosen = set(self.trees.choose([r.request_id for r in reqs], self.costs, len(ready)))
+            reqs, ks = [r for r in reqs if r.request_id in chosen], [k for r, k in zip(reqs, ks, strict=True)
+                                                                     if r.request_id in chosen]
         if reqs:
             t0 = time.perf_counter()
             drafts = self.proposer.propose(reqs, ks)
