@@ -590,6 +590,8 @@ def test_tree_sizer_stops_drafting_and_probes():
     for _ in range(6):
         sizer.update("r", 6, 4, 1.5)  # the text turned predictable: drafting pays again
     assert sizer.wants("r", costs, 1, 0.001) and not sizer.exploring("r")
+    # ... unless whole tree steps measured slower per token than plain ones: then it pauses, and probes
+    assert [sizer.wants("r", costs, 1, 0.001, losing=True) for _ in range(4)] == [False] * 3 + [True]
     sizer.forget({"r"})
     assert not sizer.live_ids()
     for _ in range(3):
@@ -615,10 +617,25 @@ def test_tree_sizer_stops_drafting_and_probes():
     assert sizer.choose(["poor", "new", "good"], line_costs(0.02, 0.002, split=8), 6) == ["poor", "new", "good"]
 
 
-def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain):
+def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain, monkeypatch):
+    from brisk.spec.speculator import Speculator
+
+    timed = []  # the tree steps' timings each time requests leave (which clears them)
+    forget = Speculator._forget
+    monkeypatch.setattr(Speculator, "_forget", lambda self, ids: (timed.append(dict(self.step_seconds[True])),
+                                                                  forget(self, ids))[1])
     llm = medusa_llm(model_dir, heads_dir, adaptive=True)
     outs = llm.generate(make_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain
-    assert llm.engine.speculator.stats.num_draft_tokens > 0  # first trees and probes are verified
+    spec = llm.engine.speculator
+    assert spec.stats.num_draft_tokens > 0  # first trees and probes are verified
     assert_no_leak(llm)
-    assert not llm.engine.speculator.trees.live_ids()
+    assert not spec.trees.live_ids()
+    # whole decode steps were timed per batch size, with trees and without; where tree steps measure slower per
+    # token than plain ones, trees pause there
+    assert any(timed) and all(s > 0 and n > 0 for t in timed for s, n in t.values())
+    assert not spec.step_seconds[True]  # timed anew for the next requests
+    spec.step_seconds[True][99], spec.step_seconds[False][99] = (0.2, 10.0), (0.1, 10.0)  # (seconds, tokens)
+    assert spec.tree_losing(99)
+    spec.step_seconds[True][99] = (0.2, 40.0)
+    assert not spec.tree_losing(99) and not spec.tree_losing(98)  # (nothing measured at 98 requests)

@@ -257,11 +257,12 @@ class TreeSizer:
     time than its last trees' rows and its share of the drafting cost: a * step(B) / B > step(B + n) - step(B) +
     draft seconds per request. Otherwise it decodes plainly and probes with one tree after `probe_every` steps,
     the wait doubling (up to `max_probe_every`) while probes do not bring drafting back, as AdaptiveGamma does; no
-    probe at all while not even trees accepted whole could pay for their rows at this batch size, and no first tree
-    while not even one such node could. A request's first tree and its probes (`exploring`) are sized at face
-    value (calibration 1) and verify at least their first node, within the small-row kernels' rows: the
-    calibration learns only from verified nodes, and estimates that start too low would otherwise never be
-    corrected.
+    probe at all while not even trees accepted whole could pay for their rows at this batch size (nor a first
+    tree). Where whole tree steps, drafting and all, measure slower per token than plain steps, requests pause
+    whatever the estimates say (costs the step model does not see). A request's first tree and its probes
+    (`exploring`) are sized at face value (calibration 1) and verify at least their first node, within the
+    small-row kernels' rows: the calibration learns only from verified nodes, and estimates that start too low
+    would otherwise never be corrected.
     """
 
     def __init__(self, decay: float = 0.8, prior_weight: float = 2.0, probe_every: int = 8,
@@ -292,20 +293,23 @@ class TreeSizer:
             return 1.0
         return (est.accepted + self.prior_weight) / (est.predicted + self.prior_weight)
 
-    def wants(self, req_id: str, costs: StepCostModel, num_decoding: int, draft_seconds: float) -> bool:
-        """Whether this request drafts a tree for the next step (see the class docstring)."""
+    def wants(self, req_id: str, costs: StepCostModel, num_decoding: int, draft_seconds: float, most: int = 8,
+              losing: bool = False) -> bool:
+        """Whether this request drafts a tree for the next step (see the class docstring). `most`: the most nodes
+        its tree may have; `losing`: tree steps at this batch size measured slower per token than plain ones
+        (Speculator.tree_losing), which overrides the estimate: the request pauses and probes."""
         self._probing.discard(req_id)
         est = self._est.get(req_id)
         b = max(1, num_decoding)
         if est is None or est.steps < 1e-9:
-            # a first tree, unless not even one surely accepted node could pay at this batch size (as measured:
+            # a first tree, unless no tree of up to `most` nodes could pay even if all were accepted (as measured:
             # until steps past the small-row kernels are timed, their line extends the small steps' one)
-            return not _hopeless(costs, b, 1, draft_seconds)
+            return not _hopeless(costs, b, max(1, most), draft_seconds)
         plain = costs.step_seconds(b)
         rows = max(1, round(est.drafts / est.steps))
         saved = est.accepted / est.steps * plain / b
         spent = max(0.0, costs.step_seconds(b + rows) - plain) + draft_seconds
-        if saved > spent:
+        if saved > spent and not losing:
             est.steps_at_zero = 0
             est.probe_every = self.probe_every
             return True

@@ -11,7 +11,7 @@ MEDUSA_STEPS = 8000
 MEDUSA_BATCH = 128  # hidden-state rows per step
 MEDUSA_LR = 2e-3
 
-EAGLE_STEPS = 16000
+EAGLE_STEPS = 32000
 EAGLE_BATCH = 8  # windows per step
 EAGLE_WINDOW = 32  # consecutive rows per window
 EAGLE_LR = 1e-3

@@ -34,6 +34,9 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
 
+STEP_DECAY = 0.9  # of the whole-step sums that compare tree steps with plain ones: about the last ten steps
+
+
 class Speculator:
     def __init__(self, proposer: Proposer, max_gamma: int, adaptive: bool = True,
                  verify_cost: float = 0.08, disable_by_batch_size: int | None = None) -> None:
@@ -49,16 +52,26 @@ class Speculator:
         self.trees = TreeSizer()
         self.tree_draft_seconds = 0.0  # drafting seconds per request-tree (decayed mean of measured propose calls)
         self._node_probs: dict[str, list[float]] = {}  # each request's verified tree's node probabilities
+        # whole decode steps as measured, per number of decoding requests, with trees and without: decayed sums of
+        # (seconds, emitted tokens) from the start of drafting to the end of verification (everything a tree step
+        # costs, whatever the step model leaves out, against plain steps timed the same way)
+        self.step_seconds: dict[bool, dict[int, tuple[float, float]]] = {True: {}, False: {}}
+        self._cycle: tuple[float, int, bool] | None = None  # (start, decoding requests, trees?) of the step under way
+
+    def tree_losing(self, num_decoding: int) -> bool:
+        """Whether tree steps at this batch size measured slower per token than plain ones (both measured):
+        seconds per token as the ratio of the decayed sums (a mean of per-step ratios would weigh a rejected
+        tree's one-token step far above an accepted tree's several)."""
+        tree, plain = self.step_seconds[True].get(num_decoding), self.step_seconds[False].get(num_decoding)
+        return tree is not None and plain is not None and tree[0] / tree[1] > plain[0] / plain[1]
 
     def propose(self, scheduler: Scheduler) -> None:
+        started = time.perf_counter()
+        self._cycle = None
         live = scheduler.requests
         gone = {r for r in self.proposer.live_ids() | self.gamma.live_ids() | self.trees.live_ids() if r not in live}
         if gone:
-            self.proposer.free(gone)
-            self.gamma.forget(gone)
-            self.trees.forget(gone)
-            for r in gone:
-                self._node_probs.pop(r, None)
+            self._forget(gone)
         reqs, ks = [], []
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         busy = (self.disable_by_batch_size is not None
@@ -83,9 +96,10 @@ class Speculator:
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - req.num_output_tokens - 1)
             if self.proposer.tree:  # a tree's size is chosen after drafting (TreeSizer), not a chain's γ
-                wants = not self.gamma.adaptive or self.trees.wants(req.request_id, self.costs, len(ready),
-                                                                   self.tree_draft_seconds)
                 most = min(self.gamma.max_gamma, room)
+                wants = not self.gamma.adaptive or self.trees.wants(
+                    req.request_id, self.costs, len(ready), self.tree_draft_seconds, most,
+                    self.tree_losing(len(ready)))
                 k = 0 if busy or not wants else (self.trees.draft_size(req.request_id, most) if self.gamma.adaptive
                                                  else most)
             else:
@@ -108,6 +122,8 @@ class Speculator:
                 req.spec_token_ids = draft.token_ids
                 req.spec_draft_probs = draft.probs
                 req.spec_tree_parents = draft.parents
+        if self.proposer.tree and ready:
+            self._cycle = (started, len(ready), bool(reqs))  # drafted: a tree step, even one cut to no nodes
         self.costs.start()  # the target step that follows: schedule, forward, verify
 
     def _size_trees(self, reqs: list[Request], drafts: list[Draft], num_decoding: int, seconds: float) -> None:
@@ -131,10 +147,19 @@ class Speculator:
         # Only decode/verify steps teach the cost model: a prefill chunk's tokens are far cheaper per token
         # (one GEMM over many rows), and mixing them in made the fitted per-token cost so small that drafts
         # looked free at batch 8, where verification is in fact compute-bound on a CPU.
-        if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in sched.scheduled):
+        decode_only = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in sched.scheduled)
+        if decode_only:
             self.costs.stop(sched.num_batched_tokens)
         else:
             self.costs.cancel()
+        if self._cycle is not None and decode_only:  # a whole decode step: its seconds per emitted token
+            started, b, trees = self._cycle
+            emitted = sum(len(result.sampled_token_ids.get(s.req_id, ())) for s in sched.scheduled)
+            if emitted:
+                seconds, tokens = self.step_seconds[trees].get(b, (0.0, 0.0))
+                self.step_seconds[trees][b] = (STEP_DECAY * seconds + time.perf_counter() - started,
+                                               STEP_DECAY * tokens + emitted)
+        self._cycle = None
         for s in sched.scheduled:
             if not s.num_draft_tokens or s.req_id not in result.sampled_token_ids:
                 continue
@@ -155,11 +180,17 @@ class Speculator:
         finished = {s.req_id for s in sched.scheduled
                     if (req := scheduler.requests.get(s.req_id)) is None or req.is_finished}
         if finished:  # free a draft model's KV now rather than at the next step
-            self.proposer.free(finished)
-            self.gamma.forget(finished)
-            self.trees.forget(finished)
-            for r in finished:
-                self._node_probs.pop(r, None)
+            self._forget(finished)
+
+    def _forget(self, req_ids: set[str]) -> None:
+        """Free what the requests held; tree steps are timed anew for the requests that remain (whether trees pay
+        depends on whose trees they are: a request that drafts well should not inherit one that did not)."""
+        self.proposer.free(req_ids)
+        self.gamma.forget(req_ids)
+        self.trees.forget(req_ids)
+        for r in req_ids:
+            self._node_probs.pop(r, None)
+        self.step_seconds[True].clear()
 
     def reset_stats(self) -> SpecStats:
         stats, self.stats = self.stats, SpecStats()
