@@ -622,7 +622,7 @@ def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain, monkeypa
 
     timed = []  # the tree steps' timings each time requests leave (which clears them)
     forget = Speculator._forget
-    monkeypatch.setattr(Speculator, "_forget", lambda self, ids: (timed.append(dict(self.step_seconds[True])),
+    monkeypatch.setattr(Speculator, "_forget", lambda self, ids: (timed.append(dict(self.whole_steps[True])),
                                                                   forget(self, ids))[1])
     llm = medusa_llm(model_dir, heads_dir, adaptive=True)
     outs = llm.generate(make_prompts(), GREEDY)
@@ -634,8 +634,8 @@ def test_adaptive_trees_keep_greedy_output(model_dir, heads_dir, plain, monkeypa
     # whole decode steps were timed per batch size, with trees and without; where tree steps measure slower per
     # token than plain ones, trees pause there
     assert any(timed) and all(s > 0 and n > 0 for t in timed for s, n in t.values())
-    assert not spec.step_seconds[True]  # timed anew for the next requests
-    spec.step_seconds[True][99], spec.step_seconds[False][99] = (0.2, 10.0), (0.1, 10.0)  # (seconds, tokens)
+    assert not spec.whole_steps[True]  # timed anew for the next requests
+    spec.whole_steps[True][99], spec.whole_steps[False][99] = (0.2, 10.0), (0.1, 10.0)  # (seconds, tokens)
     assert spec.tree_losing(99)
-    spec.step_seconds[True][99] = (0.2, 40.0)
+    spec.whole_steps[True][99] = (0.2, 40.0)
     assert not spec.tree_losing(99) and not spec.tree_losing(98)  # (nothing measured at 98 requests)

@@ -55,14 +55,14 @@ class Speculator:
         # whole decode steps as measured, per number of decoding requests, with trees and without: decayed sums of
         # (seconds, emitted tokens) from the start of drafting to the end of verification (everything a tree step
         # costs, whatever the step model leaves out, against plain steps timed the same way)
-        self.step_seconds: dict[bool, dict[int, tuple[float, float]]] = {True: {}, False: {}}
+        self.whole_steps: dict[bool, dict[int, tuple[float, float]]] = {True: {}, False: {}}
         self._cycle: tuple[float, int, bool] | None = None  # (start, decoding requests, trees?) of the step under way
 
     def tree_losing(self, num_decoding: int) -> bool:
         """Whether tree steps at this batch size measured slower per token than plain ones (both measured):
         seconds per token as the ratio of the decayed sums (a mean of per-step ratios would weigh a rejected
         tree's one-token step far above an accepted tree's several)."""
-        tree, plain = self.step_seconds[True].get(num_decoding), self.step_seconds[False].get(num_decoding)
+        tree, plain = self.whole_steps[True].get(num_decoding), self.whole_steps[False].get(num_decoding)
         return tree is not None and plain is not None and tree[0] / tree[1] > plain[0] / plain[1]
 
     def propose(self, scheduler: Scheduler) -> None:
@@ -109,8 +109,8 @@ class Speculator:
                 ks.append(k)
         if reqs and self.proposer.tree and self.gamma.adaptive:
             chosen = set(self.trees.choose([r.request_id for r in reqs], self.costs, len(ready)))
-            reqs, ks = [r for r in reqs if r.request_id in chosen], [k for r, k in zip(reqs, ks, strict=True)
-                                                                     if r.request_id in chosen]
+            pairs = [(r, k) for r, k in zip(reqs, ks, strict=True) if r.request_id in chosen]
+            reqs, ks = [r for r, _ in pairs], [k for _, k in pairs]
         if reqs:
             t0 = time.perf_counter()
             drafts = self.proposer.propose(reqs, ks)
@@ -156,8 +156,8 @@ class Speculator:
             started, b, trees = self._cycle
             emitted = sum(len(result.sampled_token_ids.get(s.req_id, ())) for s in sched.scheduled)
             if emitted:
-                seconds, tokens = self.step_seconds[trees].get(b, (0.0, 0.0))
-                self.step_seconds[trees][b] = (STEP_DECAY * seconds + time.perf_counter() - started,
+                seconds, tokens = self.whole_steps[trees].get(b, (0.0, 0.0))
+                self.whole_steps[trees][b] = (STEP_DECAY * seconds + time.perf_counter() - started,
                                                STEP_DECAY * tokens + emitted)
         self._cycle = None
         for s in sched.scheduled:
@@ -190,7 +190,7 @@ class Speculator:
         self.trees.forget(req_ids)
         for r in req_ids:
             self._node_probs.pop(r, None)
-        self.step_seconds[True].clear()
+        self.whole_steps[True].clear()
 
     def reset_stats(self) -> SpecStats:
         stats, self.stats = self.stats, SpecStats()
