@@ -491,14 +491,14 @@ def test_train_commands_share_their_data(model_dir, tmp_path):
 
 def test_data_dtype_follows_the_cpu(model_dir, monkeypatch):
     """auto: bfloat16 data where the CPU reports native bfloat16 arithmetic and the target is in float32."""
-    import brisk.ops.isa as isa
+    import brisk.ops.linear as linear
     from brisk.spec.medusa import data_dtype
 
     loaded = load_model(model_dir)
-    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    monkeypatch.setattr(linear, "native_bf16_gemm", lambda: True)  # the CPU reports avx512_bf16 or amx_bf16
     assert data_dtype(loaded) == torch.bfloat16
     assert data_dtype(loaded, "float32") == torch.float32
-    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(linear, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
     assert data_dtype(loaded) == torch.float32 and data_dtype(loaded, "bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="data dtype"):
         data_dtype(loaded, "float16")

@@ -268,10 +268,9 @@ def data_dtype(loaded: LoadedModel, choice: str = "auto") -> torch.dtype:
     and the target is loaded in float32, else the loaded precision. The heads still train in float32 on float32
     copies of the hidden states."""
     if choice == "auto":
-        from brisk.ops.isa import cpu_flags
+        from brisk.ops.linear import native_bf16_gemm
 
-        native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-        return torch.bfloat16 if native and loaded.dtype == torch.float32 else loaded.dtype
+        return torch.bfloat16 if native_bf16_gemm() and loaded.dtype == torch.float32 else loaded.dtype
     if choice not in DATA_DTYPES:
         raise ValueError(f"data dtype must be auto, {' or '.join(DATA_DTYPES)}; got {choice!r}")
     return DATA_DTYPES[choice]
