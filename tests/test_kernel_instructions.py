@@ -52,7 +52,8 @@ MACRO_TO_CPUINFO = {"__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4
                     "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
                     "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512DQ__": "avx512dq",
                     "__AVX512CD__": "avx512cd", "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16",
-                    "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2"}
+                    "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2",
+                    "__AVXVNNI__": "avx_vnni"}
 _AVX2 = next(t for t in isa.TIERS if t.name == "avx2")
 AMX_FEATURES = {"AMX_TILE", "AMX_INT8"}
 AMX_LIBRARY, AMX_FUNCTION = "int8_gemm", "amx_items"  # where AMX may be: the function behind the run-time check

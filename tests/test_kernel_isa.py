@@ -32,11 +32,13 @@ CPUS = {
     "Intel Cooper Lake": _AVX2_VM + _AVX512_COMMON + " avx512_bf16",
     "Intel Ice Lake server": _AVX2_VM + _AVX512_COMMON + " avx512ifma avx512vbmi avx512_vbmi2 avx512_bitalg gfni",
     "AVX2-only VM": _AVX2_VM,
+    "Intel Alder Lake": _AVX2_VM + " avx_vnni bmi1 bmi2 movbe gfni vaes",
     "AVX only (Sandy Bridge)": _X86_64 + " pni ssse3 sse4_1 sse4_2 popcnt xsave avx",
     "AVX2 without F16C reported": _AVX2_VM.replace(" f16c", ""),
 }
 EXPECTED = {"AMD Zen 4": "avx512", "AMD Zen 5": "avx512", "Intel Sapphire Rapids": "avx512",
             "Intel Cooper Lake": "avx512nv", "Intel Ice Lake server": "avx2", "AVX2-only VM": "avx2",
+            "Intel Alder Lake": "avx2vnni",
             "AVX only (Sandy Bridge)": "generic", "AVX2 without F16C reported": "generic"}
 
 
@@ -47,6 +49,9 @@ def test_tier_follows_the_flags_the_cpu_reports(cpu):
     assert tier.name == EXPECTED[cpu]
     assert tier.requires <= set(flags)  # (what makes it safe: every flag the build needs is reported)
     assert isa.choose_tier(flags, "avx2").name == ("generic" if tier.name == "generic" else "avx2")
+    # the avx2vnni cap: the AVX-VNNI build where the CPU reports avx_vnni, else the plain AVX2 one
+    capped = isa.choose_tier(flags, "avx2vnni").name
+    assert capped == ("generic" if tier.name == "generic" else "avx2vnni" if "avx_vnni" in flags else "avx2")
     # nothing outside the chosen tier's checked flags reaches the build: AMX, VP2INTERSECT, FP16 are not in any
     # tier, so a machine that reports them gets the same library as one that does not; VBMI only with VBMI2
     assert not {f for f in tier.requires if f.startswith("amx") or f in ("avx512_vp2intersect", "avx512_fp16",
@@ -68,12 +73,16 @@ def test_tiers_are_nested_and_every_cflag_is_checked():
     # compiler's own macros and the instructions in the built libraries
     spelled = {"-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mavx512f": "avx512f", "-mavx512bw": "avx512bw",
                "-mavx512vl": "avx512vl", "-mavx512dq": "avx512dq", "-mavx512vnni": "avx512_vnni",
-               "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2", "-mavx512vbmi": "avx512vbmi"}
+               "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2", "-mavx512vbmi": "avx512vbmi",
+               "-mavxvnni": "avx_vnni"}
     for tier in isa.TIERS:
         assert {spelled[f] for f in tier.cflags} <= tier.requires, tier.name
-    names = [t.name for t in isa.TIERS]
-    for better, worse in zip(isa.TIERS, isa.TIERS[1:], strict=False):
-        assert worse.requires < better.requires and set(worse.cflags) < set(better.cflags), names
+    # two chains above the plain AVX2 tier: avx512nv < avx512, and avx2vnni (Zen 4 and Cooper Lake lack AVX-VNNI)
+    by_name = {t.name: t for t in isa.TIERS}
+    for better, worse in (("avx512", "avx512nv"), ("avx512nv", "avx2"), ("avx2vnni", "avx2")):
+        b, w = by_name[better], by_name[worse]
+        assert w.requires < b.requires and set(w.cflags) < set(b.cflags), (better, worse)
+    assert [t.name for t in isa.TIERS] == ["avx512", "avx512nv", "avx2vnni", "avx2"]  # best first
 
 
 def test_this_process_follows_this_cpu_and_the_settings():
@@ -82,9 +91,9 @@ def test_this_process_follows_this_cpu_and_the_settings():
         assert kernels.kernel_tier() == isa.choose_tier(isa.cpu_flags())
     with kernels.override(isa="avx2"):
         assert kernels.kernel_isa() in ("avx2", "generic")
-    with pytest.raises(ValueError, match="kernel isa 'avx1024': use avx2 or avx512"):
+    with pytest.raises(ValueError, match="kernel isa 'avx1024': use avx2, avx2vnni, avx512"):
         kernels.configure(isa="avx1024")
-    with pytest.raises(ValueError, match="BRISK_KERNEL_ISA='avx1024': use avx2 or avx512"):
+    with pytest.raises(ValueError, match="BRISK_KERNEL_ISA='avx1024': use avx2, avx2vnni, avx512"):
         kernels.KernelSettings.from_env({"BRISK_KERNEL_ISA": "avx1024"})
     read = kernels.KernelSettings.from_env({"BRISK_KERNEL_ISA": "AVX2", "BRISK_DISABLE_KERNELS": "1",
                                             "TORCH_EXTENSIONS_DIR": "/cache/ext"})

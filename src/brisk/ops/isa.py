@@ -18,6 +18,7 @@ instruction in any other function.
     tier      compiler flags (beyond x86-64)                      CPUs
     avx512    avx2 tier + AVX-512 F/BW/VL/DQ, VNNI, BF16, VBMI2   AMD Zen 4/5, Intel Sapphire/Emerald Rapids
     avx512nv  avx512 without VBMI2                                Intel Cooper Lake
+    avx2vnni  avx2 tier + AVX-VNNI (VEX vpdpbusd)                 Intel Alder Lake and later desktops/laptops, Zen 5
     avx2      AVX2, FMA, F16C                                     Haswell and later, Zen 1-3, AVX2-only VMs
     generic   (no kernels: the PyTorch reference paths)           anything else
 
@@ -57,11 +58,18 @@ _AVX512_NV = Tier("avx512nv", _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx5
                   _AVX2.requires | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
 _AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2", "-mavx512vbmi"),
                _AVX512_NV.requires | {"avx512_vbmi2", "avx512vbmi"})
+# AVX-VNNI: the VEX (256-bit) form of vpdpbusd, on CPUs that have no AVX-512 (Alder Lake and later client chips) and on
+# some that do (Sapphire Rapids, Zen 5); a CPUID bit of its own, not implied by AVX-512 VNNI (Zen 4, Ice Lake lack
+# it). The AVX2 kernels' int8 dot products take it where it is built (__AVXVNNI__) instead of vpmaddubsw + vpmaddwd.
+_AVX2_VNNI = Tier("avx2vnni", _AVX2.cflags + ("-mavxvnni",), _AVX2.requires | {"avx_vnni"})
 GENERIC = Tier("generic", (), frozenset())
 AMX_INT8 = frozenset({"amx_tile", "amx_int8"})  # what the W8A8 GEMM's AMX path needs the CPU to report
 
-TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2)  # best first
-ISA_CHOICES = ("avx2", "avx512")  # what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for
+# best first. The AVX-512 tiers do not contain avx2vnni (Zen 4 and Cooper Lake have no AVX-VNNI), so the order, not
+# nesting, decides: a CPU gets the first tier whose every flag it reports.
+TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2_VNNI, _AVX2)
+# what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for: a cap, the named tier or one after it in TIERS
+ISA_CHOICES = ("avx2", "avx2vnni", "avx512")
 
 
 def cpuinfo_field(name: str) -> str:
@@ -99,15 +107,24 @@ def has_amx_int8(flags: Iterable[str]) -> bool:
 
 
 def choose_tier(flags: Iterable[str], isa: str | None = None) -> Tier:
-    """The best tier whose every required flag is in `flags` (a CPU's /proc/cpuinfo flags); `isa` = "avx2" caps it
-    at the AVX2 build (tests and A/B runs on an AVX-512 CPU). A request never raises the tier above the CPU's."""
+    """The best tier whose every required flag is in `flags` (a CPU's /proc/cpuinfo flags); `isa` caps it: "avx2"
+    at the plain AVX2 build, "avx2vnni" at the AVX-VNNI one (tests and A/B runs on a bigger CPU). A request never
+    raises the tier above the CPU's."""
     have = frozenset(flags)
-    for tier in TIERS:
-        if isa == "avx2" and tier.name != "avx2":
-            continue
+    for tier in allowed_tiers(isa):
         if tier.requires <= have:
             return tier
     return GENERIC
+
+
+def allowed_tiers(isa: str | None = None) -> tuple[Tier, ...]:
+    """The tiers a cap `isa` leaves (all of them for None): the named one and those after it in TIERS."""
+    if isa is None:
+        return TIERS
+    names = [t.name for t in TIERS]
+    if isa not in names:
+        raise ValueError(f"kernel isa {isa!r}: use {', '.join(ISA_CHOICES)}")
+    return TIERS[names.index(isa):]
 
 
 def running_tier(isa: str | None = None) -> Tier:
@@ -127,8 +144,8 @@ def explain(flags: Iterable[str], isa: str | None = None) -> list[str]:
         missing = sorted(tier.requires - have)
         if tier == chosen:
             lines.append(f"{tier.name}: chosen (the CPU reports every flag it needs)")
-        elif isa == "avx2" and tier.name != "avx2":
-            lines.append(f"{tier.name}: skipped (isa=avx2 asked for the AVX2 build)")
+        elif tier not in allowed_tiers(isa):
+            lines.append(f"{tier.name}: skipped (isa={isa} caps the build)")
         else:
             lines.append(f"{tier.name}: " + (f"the CPU lacks {', '.join(missing)}" if missing else "available"))
     return lines

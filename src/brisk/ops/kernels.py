@@ -6,10 +6,10 @@ imported: the first call that could use a kernel calls `get_ops()`, which builds
 kernel source changed since: about 15 CPU seconds a file, logged) under `cache_dir` and loads every library into
 `torch.ops.brisk`. One file per extension, so a kernel that fails to build costs only its own ops.
 
-The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2" or "generic") is chosen from
-/proc/cpuinfo of this machine, and a build's folder is named after the tier and keyed by the exact compiler flags,
-the source (path and content) and the shared headers, python and torch: a cache carried to a machine of another
-CPU model never hands it a library built for flags it does not report.
+The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2vnni", "avx2" or "generic") is
+chosen from /proc/cpuinfo of this machine, and a build's folder is named after the tier and keyed by the exact
+compiler flags, the source (path and content) and the shared headers, python and torch: a cache carried to a machine
+of another CPU model never hands it a library built for flags it does not report.
 
 Every kernel has a pure-PyTorch reference path next to it, taken when
 - its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
@@ -61,20 +61,20 @@ class KernelSettings:
     (`from_env`); change them in-process with `configure` / `override`, never through os.environ."""
 
     enabled: bool = True  # False: every op takes its PyTorch reference path (BRISK_DISABLE_KERNELS=1)
-    isa: str | None = None  # "avx2" caps the build at the AVX2 tier on an AVX-512 CPU (BRISK_KERNEL_ISA)
+    isa: str | None = None  # "avx2" / "avx2vnni" caps the build's tier on a bigger CPU (BRISK_KERNEL_ISA)
     cache_dir: Path = Path.home() / ".cache" / "brisk" / "ext"  # TORCH_EXTENSIONS_DIR, or $XDG_CACHE_HOME/brisk/ext
     amx: bool = True  # False: the W8A8 GEMM stays on VNNI on an AMX CPU too (BRISK_DISABLE_AMX=1)
 
     def __post_init__(self) -> None:
         if self.isa is not None and self.isa not in ISA_CHOICES:
-            raise ValueError(f"kernel isa {self.isa!r}: use {' or '.join(ISA_CHOICES)} (or leave it unset for the "
+            raise ValueError(f"kernel isa {self.isa!r}: use {', '.join(ISA_CHOICES)} (or leave it unset for the "
                              "best this CPU has)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> KernelSettings:
         isa = env.get("BRISK_KERNEL_ISA", "").strip().lower() or None
         if isa is not None and isa not in ISA_CHOICES:
-            raise ValueError(f"BRISK_KERNEL_ISA={isa!r}: use {' or '.join(ISA_CHOICES)} (or leave it unset for the "
+            raise ValueError(f"BRISK_KERNEL_ISA={isa!r}: use {', '.join(ISA_CHOICES)} (or leave it unset for the "
                              "best this CPU has)")
         root = env.get("TORCH_EXTENSIONS_DIR")
         cache = Path(root) if root else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "brisk" / "ext"
@@ -148,9 +148,10 @@ def kernel_tier() -> Tier:
 
 
 def kernel_isa() -> str:
-    """The instruction-set family brisk's kernels are built for here: avx512, avx2 or generic."""
+    """The instruction-set family brisk's kernels are built for here: avx512, avx2 (with or without AVX-VNNI) or
+    generic."""
     name = kernel_tier().name
-    return "avx512" if name.startswith("avx512") else name
+    return "avx512" if name.startswith("avx512") else "avx2" if name.startswith("avx2") else name
 
 
 def _isa_flags() -> tuple[str, list[str]]:

@@ -14,8 +14,8 @@ def kernels_group() -> None:
 
 @kernels_group.command("build")
 @click.option("--jobs", "-j", type=int, default=None, help="Sources compiled at once (default: one per core).")
-@click.option("--isa", type=click.Choice(["avx2", "avx512"]), default=None,
-              help="Cap the tier (avx2: the AVX2 build on an AVX-512 CPU); default: the best this CPU reports.")
+@click.option("--isa", type=click.Choice(["avx2", "avx2vnni", "avx512"]), default=None,
+              help="Cap the tier (avx2: the plain AVX2 build on a bigger CPU); default: the best this CPU reports.")
 def build(jobs: int | None, isa: str | None) -> None:
     """Compile every kernel source for this CPU (cached ones are only loaded). `make install` runs this, so the
     first `brisk generate` starts at once; a source changed later is rebuilt on its next use."""
