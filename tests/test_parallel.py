@@ -168,6 +168,138 @@ def test_a_killed_worker_fails_the_engine_clearly_and_frees_it(tmp_path):
         llm.engine.shutdown()
 
 
+def _worker_pids(timeout: float = 60.0) -> list[int]:
+    """The pids of this process's parallel workers (`python -m brisk.parallel.worker`), once there is one."""
+    import os
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [p.pid for p in psutil.Process(os.getpid()).children()
+                if "brisk.parallel.worker" in " ".join(p.cmdline())]
+        if pids:
+            return pids
+        time.sleep(0.02)
+    raise AssertionError("no worker process appeared")
+
+
+def _start_in_background(path, **settings):
+    """LLM(...) on a thread; returns (thread, result dict with 'llm' or 'error', start time)."""
+    import threading
+    import time
+
+    result: dict = {}
+
+    def build() -> None:
+        try:
+            result["llm"] = LLM(str(path), max_model_len=128, **settings)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            result["error"] = e
+            result["seconds"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=build)
+    thread.start()
+    return thread, result
+
+
+def test_a_worker_killed_at_start_up_is_reported_at_once(tmp_path):
+    """A worker that dies while the engine starts (here: kill -9 as it loads, as the out-of-memory killer would):
+    the driver reports it within seconds, with the rank, the step and the signal, not after the rendezvous'
+    timeout; nothing is left running and the process group is not left half made."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from brisk.parallel.comm import ParallelError
+
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    thread, result = _start_in_background(path, tensor_parallel_size=2, distributed_timeout=120)
+    [pid] = _worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=100)
+    assert not thread.is_alive()
+    error = result.get("error")
+    assert isinstance(error, ParallelError), result
+    assert "rank 1 failed while" in str(error) and "SIGKILL" in str(error), str(error)
+    assert result["seconds"] < 30, result["seconds"]  # reported from the process's exit, not the 120 s timeout
+    assert not dist.is_initialized()
+
+
+def test_a_worker_stuck_at_start_up_is_named_with_its_step(tmp_path, monkeypatch):
+    """A worker that makes no progress (stopped with SIGSTOP before it loads): past the start-up bound the driver
+    names the rank and the step it is stuck in, and stops it."""
+    import os
+    import signal
+
+    from brisk.parallel import launch
+    from brisk.parallel.comm import ParallelError
+
+    monkeypatch.setattr(launch, "LOAD_SECONDS", 3.0)
+    path = tmp_path / "m"
+    make_tiny_hf_model(path, "llama", num_kv_heads=2, seed=7, vocab_size=384)
+    thread, result = _start_in_background(path, tensor_parallel_size=2, distributed_timeout=3)
+    [pid] = _worker_pids()
+    os.kill(pid, signal.SIGSTOP)
+    thread.join(timeout=100)
+    error = result.get("error")
+    assert isinstance(error, ParallelError), result
+    assert "rank 1 is still" in str(error) and "within 3 s" in str(error), str(error)
+    import psutil
+
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+_STDIN_SCRIPT = """
+import json, sys
+from brisk import LLM, SamplingParams
+sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+prompts = ["Once upon a time", "The capital of France is", "def add(a, b):", "Emma Woodhouse was"]
+out = {}
+for name, parallel in [("single", {}), ("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}),
+                       ("tp2xpp2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2})]:
+    llm = LLM(max_model_len=256, kv_cache_memory="64MiB", distributed_timeout=120, **parallel)
+    try:
+        out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+    finally:
+        llm.engine.shutdown()
+from brisk.ops import kernels
+print("RESULT " + json.dumps({"tier": kernels.kernel_tier().name, "tokens": out}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["native", "avx2vnni", "avx2"])
+def test_default_model_parallel_from_stdin_on_every_tier(tier):
+    """The default model in its own precision (the file's Q4_1 codes, as `brisk generate` runs it), one process,
+    TP=2, PP=2 and TP=2 x PP=2, from a program read on standard input (`python - < script`: the workers must not
+    re-run the user's main module), with this CPU's kernels and with the lower tiers forced: greedy tokens equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("BRISK_KERNEL_ISA", "PYTEST_ADDOPTS")}
+    if tier != "native":
+        env["BRISK_KERNEL_ISA"] = tier
+    done = subprocess.run([sys.executable, "-"], input=_STDIN_SCRIPT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [line] = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    got = json.loads(line.removeprefix("RESULT "))
+    if tier != "native":
+        from brisk.ops import isa
+
+        assert got["tier"] == isa.choose_tier(isa.cpu_flags(), tier).name
+    tokens = got["tokens"]
+    for name in ("tp2", "pp2", "tp2xpp2"):
+        assert tokens[name] == tokens["single"], name
+
+
 def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(tmp_path):
     """`brisk serve --tensor-parallel-size 2` with its worker killed: the next request gets a 503 (engine_dead)
     in OpenAI's error shape, and the server stops with exit code 1 (for a supervisor to restart it), its
@@ -189,7 +321,7 @@ def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(tmp_path):
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                   if "spawn_main" in " ".join(p.cmdline())]
+                   if "brisk.parallel.worker" in " ".join(p.cmdline())]
         assert len(workers) == 1, [p.cmdline() for p in workers]
         workers[0].kill()  # not our child: it stays a zombie until the server reaps it, so wait for that state
         for _ in range(100):
