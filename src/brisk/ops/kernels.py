@@ -6,10 +6,13 @@ imported: the first call that could use a kernel calls `get_ops()`, which builds
 kernel source changed since: about 15 CPU seconds a file, logged) under `cache_dir` and loads every library into
 `torch.ops.brisk`. One file per extension, so a kernel that fails to build costs only its own ops.
 
-The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2vnni", "avx2" or "generic") is
-chosen from /proc/cpuinfo of this machine, and a build's folder is named after the tier and keyed by the exact
-compiler flags, the source (path and content) and the shared headers, python and torch: a cache carried to a machine
-of another CPU model never hands it a library built for flags it does not report.
+The build follows the running CPU (ops/isa.py): its tier ("avx512", "avx512nv", "avx2vnni", "avx2"; on ARM64
+"neon-i8mm", "neon-dotprod", "neon"; or "generic") is chosen from /proc/cpuinfo of this machine, and a build's folder
+is named after the tier and keyed by the exact compiler flags, the source's content and the shared headers, the
+compiler, python, torch and its include folders (`build_directory`): a cache carried to a machine of another CPU model
+never hands it a library built for flags it does not report, and two environments, paths or shells never evict each
+other's builds. A folder's library, once built, is loaded without running ninja again; a build runs under an flock of
+its folder (a killed build leaves no lock behind) with brisk's own ninja (`ninja_dir`).
 
 Every kernel has a pure-PyTorch reference path next to it, taken when
 - its build failed (no compiler, no ninja, a header mismatch): one warning line per source, brisk carries on;
@@ -28,9 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -61,7 +68,7 @@ class KernelSettings:
     (`from_env`); change them in-process with `configure` / `override`, never through os.environ."""
 
     enabled: bool = True  # False: every op takes its PyTorch reference path (BRISK_DISABLE_KERNELS=1)
-    isa: str | None = None  # "avx2" / "avx2vnni" caps the build's tier on a bigger CPU (BRISK_KERNEL_ISA)
+    isa: str | None = None  # "avx2" / "avx2vnni" ("neon" / "neon-dotprod") caps the tier on a bigger CPU
     cache_dir: Path = Path.home() / ".cache" / "brisk" / "ext"  # TORCH_EXTENSIONS_DIR, or $XDG_CACHE_HOME/brisk/ext
     amx: bool = True  # False: the W8A8 GEMM stays on VNNI on an AMX CPU too (BRISK_DISABLE_AMX=1)
 
@@ -148,10 +155,13 @@ def kernel_tier() -> Tier:
 
 
 def kernel_isa() -> str:
-    """The instruction-set family brisk's kernels are built for here: avx512, avx2 (with or without AVX-VNNI) or
-    generic."""
+    """The instruction-set family brisk's kernels are built for here: avx512, avx2 (with or without AVX-VNNI), neon
+    (ARM64, with or without dotprod / i8mm) or generic."""
     name = kernel_tier().name
-    return "avx512" if name.startswith("avx512") else "avx2" if name.startswith("avx2") else name
+    for family in ("avx512", "avx2", "neon"):
+        if name.startswith(family):
+            return family
+    return name
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -168,16 +178,37 @@ _CFLAGS = ("-O3", "-fopenmp", *vendor_cflags(cpu_vendor()))
 _LDFLAGS = ("-fopenmp",)
 
 
+@functools.cache
+def toolchain_key() -> bytes:
+    """What the build command depends on beyond the source and the flags: the compiler (torch's choice, $CXX or
+    c++: its resolved path and its --version), python, torch and the include folders torch passes (resolved, so a
+    second path to the same environment, a symlink, names the same build)."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    try:
+        version = subprocess.run([found or compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    includes = [str(Path(p).resolve()) for p in cpp_extension.include_paths()]
+    parts = [str(Path(found).resolve()) if found else compiler, *version, sys.version, torch.__version__, *includes]
+    return "\0".join(parts).encode()
+
+
 def build_directory(name: str, source: Path | None = None, cflags: tuple[str, ...] = ()) -> Path:
-    """The cache folder of one build. The build files record the source's path, and torch versions builds by
-    content: two checkouts (or two versions of a kernel) sharing one folder would rebuild each other's library on
-    every switch, hence the key. The shared headers (csrc/*.h) and the exact compiler flags are part of it too."""
+    """The cache folder of one build, keyed by everything that changes what is built: the source's content (not its
+    path: two checkouts, or two paths to one, share a build), the shared headers (csrc/*.h), the exact compiler flags
+    and the toolchain (toolchain_key). A library in its folder is loaded as it is, without running ninja again
+    (`_build`), so nothing the key leaves out can make a build start over (another ninja's log format, another
+    shell's PATH); a changed kernel, flag or compiler gets a folder of its own, built once."""
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     folder = f"{name}-{py}-torch{torch.__version__.replace('+', '_')}"
     if source is not None:
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         flags = " ".join(cflags).encode()
-        key = hashlib.sha256(str(source.resolve()).encode() + source.read_bytes() + headers + b"\0" + flags)
+        key = hashlib.sha256(source.read_bytes() + headers + b"\0" + flags + b"\0" + toolchain_key())
         folder += f"-{key.hexdigest()[:12]}"
     return settings.cache_dir / folder
 
@@ -200,43 +231,103 @@ class BuildResult:
     error: str | None = None
 
 
-STALE_LOCK_SECONDS = 20 * 60  # a build of one file takes seconds to a few minutes; a lock older than this is left over
+BUILT_STAMP = "built"  # written after a build succeeded: a library without it (a killed link) is not trusted
+LOCK_NAME = "brisk-build.lock"  # flock'ed while a process builds in the folder; holds the builder's pid
+_waited: set[str] = set()  # the waits this process has announced (one line, not one a kernel file)
 
 
-def _clear_stale_lock(folder: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove the build lock a killed build left behind (torch's FileBaton waits for it forever otherwise); a lock
-    younger than `max_age` belongs to a build still running in another process and is left alone."""
-    lock = folder / "lock"
+@contextlib.contextmanager
+def build_lock(folder: Path, what: str) -> Iterator[None]:
+    """An exclusive lock on one build folder for as long as this process builds in it: an flock, which the kernel
+    releases when its holder dies however it dies, so a build killed by Ctrl-C or kill -9 never leaves a lock that
+    makes the next command wait. A process that finds the lock held by a live build says so (once) and waits."""
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if "wait" not in _waited:
+                _waited.add("wait")
+                logger.warning("brisk: another process (pid %s) is compiling the C++ kernels (%s); waiting for it",
+                               holder, what)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def ninja_dir() -> str | None:
+    """The folder of the ninja every build runs: the one installed with brisk (the `ninja` package, in this
+    environment), else the first on PATH. One ninja for every build, whatever PATH a shell has: two versions write
+    build logs the other rejects ("build log version is too old; starting over") and rebuild everything."""
+    try:
+        import ninja  # the PyPI package brisk depends on
+
+        return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        found = shutil.which("ninja")
+        return str(Path(found).parent) if found else None
+
+
+@contextlib.contextmanager
+def _ninja_first_on_path() -> Iterator[None]:
+    """torch.utils.cpp_extension runs `ninja` by name: put brisk's ninja first on PATH while builds run."""
+    folder, before = ninja_dir(), os.environ.get("PATH", "")
+    if folder is None:
+        yield
+        return
+    os.environ["PATH"] = folder + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
+def _load_cached(library: Path) -> bool:
+    """Load a library built before (its stamp written after a complete build); False when there is none or it
+    does not load (a build killed mid-link, a file damaged since): the caller then builds it again."""
+    if not (library.exists() and (library.parent / BUILT_STAMP).exists()):
         return False
-    if age < max_age:
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        logger.warning("brisk: the cached kernel library %s does not load (%s); building it again", library.name, e)
+        (library.parent / BUILT_STAMP).unlink(missing_ok=True)
         return False
-    logger.warning("brisk: removing a stale kernel build lock (%.0f min old, left by a killed build): %s", age / 60,
-                   lock)
-    lock.unlink(missing_ok=True)
     return True
 
 
 def _build(source: Path) -> BuildResult:
-    """Compile (or load the cached build of) one source file; its TORCH_LIBRARY_FRAGMENT registers its ops."""
+    """Load the cached build of one source, or compile it (under the folder's build lock); its
+    TORCH_LIBRARY_FRAGMENT registers its ops."""
     from torch.utils import cpp_extension
 
     tier = kernel_tier()
     library = library_path(source, tier)
-    library.parent.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(library.parent)
-    before = library.stat().st_mtime if library.exists() else None
+    folder = library.parent
+    folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cpp_extension.load(name=library.stem, sources=[str(source)], extra_cflags=[*_CFLAGS, *tier.cflags],
-                       extra_ldflags=list(_LDFLAGS), build_directory=str(library.parent), is_python_module=False,
-                       verbose=False)
+    built = False
+    if not _load_cached(library):
+        with build_lock(folder, source.name):
+            if not _load_cached(library):  # else: another process built it while this one waited
+                # torch's own lock file, left by a build that was killed: no build is running (this process holds
+                # the folder's flock), so it would only make cpp_extension wait forever
+                (folder / "lock").unlink(missing_ok=True)
+                (folder / BUILT_STAMP).unlink(missing_ok=True)
+                cpp_extension.load(name=library.stem, sources=[str(source)], extra_cflags=[*_CFLAGS, *tier.cflags],
+                                   extra_ldflags=list(_LDFLAGS), build_directory=str(folder), is_python_module=False,
+                                   verbose=False)
+                (folder / BUILT_STAMP).write_text(f"{source.name} {tier.name}\n")
+                built = True
     elapsed = time.perf_counter() - t0
-    built = before is None or library.stat().st_mtime != before
     if built:
         logger.warning("brisk: compiled C++ kernels %s (%s) in %.1f s, cached in %s", source.name, tier.name,
-                       elapsed, library.parent)
+                       elapsed, folder)
     else:
         logger.info("brisk: loaded cached C++ kernels %s (%s) in %.2f s", source.name, tier.name, elapsed)
     return BuildResult(source.name, tier.name, built, elapsed)
@@ -262,7 +353,7 @@ def build_all(jobs: int | None = None) -> list[BuildResult]:
     with _lock:
         sources = list(_SOURCES)
         workers = max(1, min(len(sources), jobs or os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with _ninja_first_on_path(), ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(_try_build, sources))
         _state["ops"] = torch.ops.brisk if any(r.error is None for r in results) else None
         _state["tried"] = True
