@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.ops import kernels
 from brisk.ops.kernels import cpu_flags, get_op
 
 MAX_SMALL_M = 8  # beyond this many rows, a blocked GEMM (oneDNN, else MKL) wins
@@ -24,11 +25,17 @@ MAX_SMALL_M = 8  # beyond this many rows, a blocked GEMM (oneDNN, else MKL) wins
 _WIDEN_CHUNK_WEIGHTS = 1 << 21
 
 
-@functools.cache
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), so that MKL's bf16 GEMM is fast.
 
-    Without it (an AVX2-only CPU) MKL emulates bf16 GEMM at ~1/5 of its float32 speed."""
+    Without it (an AVX2-only CPU) MKL emulates bf16 GEMM at ~1/5 of its float32 speed. A kernel tier capped below
+    AVX-512 (BRISK_KERNEL_ISA=avx2 / avx2vnni) answers as such a CPU would, so a forced run takes the AVX2 CPU's
+    paths in Python too (set ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 as well for the libraries)."""
+    return _bf16_flags() and kernels.kernel_isa() not in ("avx2", "generic")
+
+
+@functools.cache
+def _bf16_flags() -> bool:
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
