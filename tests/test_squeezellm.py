@@ -61,6 +61,13 @@ def ops():  # noqa: ANN201 - torch.ops.brisk
     return ops_with("lut_linear")
 
 
+def int8_table_ops():  # noqa: ANN201 - torch.ops.brisk or None
+    """The kernels, which hold lut_linear_q8 in every build (AVX2 + FMA: the AVX-512 VBMI kernel on the avx512 tier,
+    the 256-bit one, with AVX-VNNI where the tier has it, on the others); None on the generic tier, where nothing
+    builds and every path is the reference."""
+    return None if kernels.kernel_tier().name == "generic" else ops_with("lut_linear_q8")
+
+
 def random_lut_weight(bits: int, n: int, k: int, nnz: int, seed: int = 0) -> LutWeight:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
@@ -142,7 +149,7 @@ def test_rounded_tables_stay_within_half_a_step() -> None:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
 @pytest.mark.parametrize("k", [32, 128, 576])  # a partial 128-column chunk alone, a whole one, both
 def test_int8_table_kernel_equals_its_integer_reference(bits: int, nnz: int, rows: int, k: int) -> None:
-    ops = ops_with("lut_linear_q8") if "-mavx512vbmi" in kernels.kernel_tier().cflags else None
+    ops = int8_table_ops()
     # 43 weight rows: groups of 4 sharing a pass and 3 alone, outlier blocks of 16 rows and a partial one; 900
     # outliers put more than 16 in a block
     lw = random_lut_weight(bits, 43, k, min(nnz, 43 * k // 4), seed=rows + k)
@@ -158,11 +165,8 @@ def test_int8_table_kernel_equals_its_integer_reference(bits: int, nnz: int, row
         xb = x.bfloat16()  # bfloat16 rows: widened exactly, the result rounded once
         torch.testing.assert_close(ops.lut_linear_q8(xb, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, None),
                                    lut_q8_reference(xb.float(), rt).bfloat16())
-    # the dispatcher: the kernel where it built, else the rounded x through lut_linear's paths (bfloat16 products
-    # on an AVX-512 BF16 build without VBMI)
-    bf16_fallback = ops is None and kernels.kernel_tier().name.startswith("avx512")
-    tol = 2e-2 if bf16_fallback else 2e-4
-    torch.testing.assert_close(lut_linear_q8(x, rt, bias), want, rtol=1e-5 if tol < 1e-3 else 1e-2, atol=tol)
+    # the dispatcher: the kernel where it built, else the rounded x through lut_linear's reference path
+    torch.testing.assert_close(lut_linear_q8(x, rt, bias), want, rtol=1e-5, atol=2e-4)
     many = torch.randn(40, k)  # past MAX_SMALL_M rows: the rounded x, dequantized rounded tables, a GEMM
     torch.testing.assert_close(lut_linear_q8(many, rt), lut_q8_reference(many, rt), rtol=1e-5, atol=2e-4)
     with kernels.disabled():  # and the reference path
@@ -174,24 +178,29 @@ def test_int8_table_kernel_is_bit_exact_where_float_adds_nothing(k: int) -> None
     """Integer activations with a 127 in every 32-column block (scale exactly 1), tables whose largest entry is
     127 / 8 (row scale exactly 1/8) and outliers on the 1/8 grid: every product and partial sum is exact in
     float32, so the kernel must equal the integer reference bit for bit (a wrong code, table byte, zero point or
-    lane shows up)."""
-    if "-mavx512vbmi" not in kernels.kernel_tier().cflags:  # (the float paths are checked against the reference)
-        pytest.skip("the integer table kernel is built for the avx512 tier only (AVX-512 VBMI)")
-    ops = ops_with("lut_linear_q8")
+    lane shows up). The last case puts +-127 in every activation and table entry: every pair of products is
+    2 * 127 * 127 in magnitude, where a saturating int16 step (the AVX2 kernel's vpmaddubsw) would show."""
+    ops = int8_table_ops()
+    if ops is None:  # (the reference path is checked against the integer reference above)
+        pytest.skip("no kernels are built for this CPU (generic tier)")
     gen = torch.Generator().manual_seed(k)
     n = 43
-    for bits in (3, 4):
+    for bits, extreme in ((3, False), (4, False), (4, True)):
         lw = random_lut_weight(bits, n, k, 40, seed=k + bits)
         u = torch.randint(-127, 128, (n, 1 << bits), generator=gen)
+        if extreme:
+            u = torch.where(u < 0, -127, 127)
         u[:, 0] = 127  # the largest |entry|: t = (127 / 8) / 127 = 1 / 8
         lw = dataclasses.replace(lw, lut=u.float() / 8, values=torch.randint(-40, 41, (lw.nnz,), generator=gen) / 8)
         rt = quantize_tables(lw)
         assert torch.equal(rt.weight.lut, lw.lut)  # the rounding is exact here
         for m in (1, 5):
             x = torch.randint(-127, 128, (m, k), generator=gen).float()
+            if extreme:
+                x = torch.where(x < 0, -127.0, 127.0)
             x[:, ::32] = 127.0
             got = ops.lut_linear_q8(x, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, None)
-            assert torch.equal(got, lut_q8_reference(x, rt)), (bits, m)
+            assert torch.equal(got, lut_q8_reference(x, rt)), (bits, extreme, m)
 
 
 def test_int8_activations_need_whole_blocks_of_32() -> None:

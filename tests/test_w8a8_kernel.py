@@ -1,7 +1,7 @@
 """The W8A8 integer GEMM (ops/csrc/int8_gemm.cpp, ops/w8a8.py) against plain PyTorch: the activation rounding and
-the int32 sums bit for bit, the float result against the reference's float scaling. Runs on the AVX-512 VNNI build
-and, from tests/test_kernel_isa.py, on the AVX2 build; on a CPU with AMX-INT8, the AMX path against the VNNI path
-(the same int32 sums and float outputs, bit for bit)."""
+the int32 sums bit for bit, the float result against the reference's float scaling. Runs on every build (the
+AVX-512 VNNI one, AVX-VNNI's and plain AVX2's; tests/test_kernel_isa.py runs it on the avx2 tier); on a CPU with
+AMX-INT8, the AMX path against the VNNI path (the same int32 sums and float outputs, bit for bit)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from conftest import ops_with
 
 from brisk.ops import kernels, w8a8
 
-# (M, N, K): row tails of the 6-row (VNNI) and 4-row (AVX2) blocks, panels of 1-4 tiles, K not a multiple of 16
+# (M, N, K): row tails of the 6-row (AVX-512 VNNI, AVX-VNNI) and 4-row (AVX2) blocks, panels of 1-4 tiles, K not a
+# multiple of 16
 SHAPES = [(1, 64, 64), (7, 48, 580), (13, 576, 576), (50, 960, 576), (3, 16, 4), (64, 32, 1536)]
 # the AMX path (from 4 rows): odd row counts in 16-row tiles and 32-row blocks, K tails of 1, 9 and 15 groups of 4
 # beside whole 64-column steps (and K = 4: the tail alone), panels of 1 and 2 tiles (N / 16 odd and even)

@@ -18,8 +18,9 @@ A weight [N, K] is held as
 
 With int8 activations (`lut_linear_q8`, the engine's `quant_activations` for these layers) x is rounded to int8 per
 32 columns as for the affine int4 kernels (ops/qlinear_q8.py) and each row's table to uint8 once
-(`quantize_tables`): the AVX-512 VBMI kernel then multiplies bytes with integer dot products (lut_linear.cpp), and
-every other path computes the same function in float: the rounded x times the rounded tables plus the outliers.
+(`quantize_tables`): the kernel then multiplies bytes with integer dot products (lut_linear.cpp: vpermb tables on
+AVX-512 VBMI, vpshufb ones on the other builds, with vpdpbusd where the tier has VNNI), and every other path (many
+rows, the kernels off) computes the same function in float: the rounded x times the rounded tables plus the outliers.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def quantize_tables(lw: LutWeight) -> RoundedTables:
 
 def lut_linear_q8(x: torch.Tensor, tables: RoundedTables, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (K % 32 == 0) rounded to int8 per 32 columns, times the rounded tables plus the outliers (+ bias)
-    -> [..., N] in x's dtype. Few rows on an AVX-512 VBMI build: the integer kernel (exact int32 sums per block);
+    -> [..., N] in x's dtype. Few rows where the kernels are built: the integer kernel (exact int32 sums per block);
     otherwise the rounded x through lut_linear's paths: the same function, up to their float rounding."""
     from brisk.ops.qlinear_q8 import fake_quantize_activations
 

@@ -204,6 +204,7 @@ void run_bf16(const Lut& p, const uint16_t* x, int64_t Kp, const float* xf, int6
 // per activation row, against the bfloat16 table kernel's 10 per 64.
 constexpr int64_t kChunk = 128;
 constexpr int64_t kQBlock = 32;
+constexpr int64_t kLanes = 16;  // int32 sums a chunk and activation row (4 columns of one block each)
 // the code stream prefetched 8 KiB ahead, as quant_q8t.cpp does (non-temporal on AMD, into L2 elsewhere)
 constexpr int64_t kPrefetchBytes = 8192;
 #ifdef BRISK_CPU_AMD
@@ -215,6 +216,7 @@ constexpr auto kPrefetchHint = _MM_HINT_T1;
 struct XQ8 {
   int64_t Kc;            // K rounded up to whole chunks
   const int8_t* xq;      // [M, Kc]: per chunk the 64 even columns, then the 64 odd ones; zeros past K
+  const int8_t* xa;      // unused here (the AVX2 build's |xq|)
   const int32_t* start;  // [M, Kc / 128 * 16]: each lane's initial sum, -128 * the sum of its activations
   const float* scale;    // [M, Kc / 128 * 16]: lane l of chunk c holds xs of block 4 c + l / 4
   const float* xr;       // [M, K]: xs_b * xq, the rounded activations (for the outliers)
@@ -228,8 +230,8 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift,
 
 // x [M, K] -> the XQ8 arrays, rows m0 .. m1 - 1
 template <typename T>
-void quantize_chunks(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t Kc, int8_t* xq, int32_t* start,
-                     float* scale, float* xr) {
+void quantize_chunks(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t Kc, int8_t* xq, int8_t* /*xa*/,
+                     int32_t* start, float* scale, float* xr) {
   const int64_t chunks = Kc / kChunk;
   alignas(64) int8_t plain[kChunk];
   __m512i even_idx, odd_idx;
@@ -424,6 +426,267 @@ void run_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t M, float* o
     if (p.sparse.row_ptr) add_outliers(p.sparse, a.xr, M, p.K, n0, n1, p.N, out);  // against the rounded x
   });
 }
+#else
+#define BRISK_LUT_Q8 1
+// Int8 activations against uint8 tables (lut_linear_q8) without AVX-512 VBMI: the function of the kernel above (the
+// same rounding of x and of the tables, exact int32 sums per 32-column block, float32 scaling and sums) on 256-bit
+// registers. A row's 16-byte table is exactly one vpshufb lookup (16 entries; vpshufb works per 128-bit half, so the
+// table is held in both halves): 64 codes (32 bytes) a step, a mask and a 16-bit shift right by 4 give the low
+// nibbles (even columns) and the high ones (odd columns), and two vpshufb their table bytes. The activations are
+// reordered once per call to match: per chunk of 64 columns the 32 even ones, then the 32 odd ones, so int32 lane l
+// of either product holds columns of block 2 c + l / 4 only. The products, 4 to an int32 lane:
+// - with AVX-VNNI (the avx2vnni tier; the avx512nv tier's AVX-512 VNNI on 256-bit registers alike): two vpdpbusd,
+//   the table bytes unsigned (zero point 128), from a start of -128 times the lane's activations, as above;
+// - plain AVX2: vpmaddubsw adds its products in pairs with int16 saturation, and u * xq reaches 255 * 127 (a pair
+//   64770 > 32767), so the table is read signed instead, w = u - 128 in [-127, 127] (quantize_tables never writes
+//   u = 0), and the activations' sign moves onto it: vpmaddubsw(|xq|, sign(w, xq)) (vpsignb), a pair at most
+//   2 * 127 * 127 = 32258, exact; vpmaddwd by ones then adds the pairs into int32. |xq| is stored once per call.
+// Against the float path it replaces (lut_linear_q8's rounded x through the float table kernel), on a Xeon (AVX-512
+// + AMX) forced to the avx2 tier, one thread, 4-bit tables, 0.5% outliers: 576 x 576 at one row 13.8 us against
+// 71 us (5.2x), 3072 x 576 6.1x; at 8 rows 2.0x and 3.0x, where the products dominate (per activation row, weight
+// row and step nine instructions, against four with VNNI): forced to the avx2vnni tier, 8 rows 2.8x and 3.0x.
+constexpr int64_t kChunk = 64;
+constexpr int64_t kQBlock = 32;
+constexpr int64_t kLanes = 8;  // int32 sums a chunk and activation row (4 columns of one block each)
+// the code stream prefetched 8 KiB ahead, as the AVX-512 kernel does
+constexpr int64_t kPrefetchBytes = 8192;
+#ifdef BRISK_CPU_AMD
+constexpr auto kPrefetchHint = _MM_HINT_NTA;
+#else
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+#endif
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// acc + the sums of 4 products u * x (u unsigned, x signed) a lane: vpdpbusd where the build has it
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  (void)u, (void)x;  // never called: without VNNI the kernel takes dot4_signed
+  return acc;
+#endif
+}
+
+// the sums of 4 products w * x a lane, w and x signed in [-127, 127], xa = |x|: no int16 pair can saturate
+inline __m256i dot4_signed(__m256i w, __m256i x, __m256i xa) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1));
+}
+
+struct XQ8 {
+  int64_t Kc;            // K rounded up to whole chunks
+  const int8_t* xq;      // [M, Kc]: per chunk the 32 even columns, then the 32 odd ones; zeros past K
+  const int8_t* xa;      // [M, Kc]: |xq| (plain AVX2)
+  const int32_t* start;  // [M, Kc / 64 * 8]: each lane's initial sum, -128 * the sum of its activations (VNNI)
+  const float* scale;    // [M, Kc / 64 * 8]: lane l of chunk c holds xs of block 2 c + l / 4
+  const float* xr;       // [M, K]: xs_b * xq, the rounded activations (for the outliers)
+};
+
+// x [M, K] -> the XQ8 arrays, rows m0 .. m1 - 1
+template <typename T>
+void quantize_chunks(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t Kc, int8_t* xq, int8_t* xa,
+                     int32_t* start, float* scale, float* xr) {
+  const int64_t chunks = Kc / kChunk;
+  // per 16-byte half: its 8 even bytes, then its 8 odd ones
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes vpackss*'s interleave of the halves
+  const __m256i zp = _mm256_set1_epi8(static_cast<char>(128));
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* xm = x + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i part[2];  // per block: its 16 even columns, then its 16 odd ones
+      float sc[2];
+      for (int b = 0; b < 2; ++b) {
+        const int64_t k0 = c * kChunk + b * kQBlock;
+        __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        const float amax = k0 < K ? brisk_simd::load_block(xm + k0, f) : 0.f;  // past K (K % 32 == 0): zeros
+        const float s = amax / 127.f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));  // round half to even
+        if (k0 < K)  // the rounded values, as fake_quantize_q8 gives them
+          for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(xr + m * K + k0 + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(s)));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        part[b] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), _MM_SHUFFLE(3, 1, 2, 0));
+        sc[b] = s;
+      }
+      const __m256i ev = _mm256_permute2x128_si256(part[0], part[1], 0x20);
+      const __m256i od = _mm256_permute2x128_si256(part[0], part[1], 0x31);
+      const int64_t at = m * Kc + c * kChunk, lane = (m * chunks + c) * kLanes;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at), ev);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at + 32), od);
+      if constexpr (kVnni) {
+        const __m256i corr = dot4(dot4(_mm256_setzero_si256(), zp, ev), zp, od);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(start + lane), _mm256_sub_epi32(_mm256_setzero_si256(), corr));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xa + at), _mm256_abs_epi8(ev));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xa + at + 32), _mm256_abs_epi8(od));
+      }
+      _mm256_storeu_ps(scale + lane, _mm256_setr_ps(sc[0], sc[0], sc[0], sc[0], sc[1], sc[1], sc[1], sc[1]));
+    }
+  }
+}
+
+// [a, b, c, d]: the sums of the 8 lanes of each (one transposing reduction for four weight rows)
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d per 128 bits
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// out[m, n] += the outliers of weight rows n0 .. n1 - 1 against activation rows x[m] (float32, [M, K]), for every
+// m < M: the AVX-512 kernel's pass (one run of a block's outliers through a gather, a product and a prefix sum,
+// each row's sum a difference of two prefix entries), 8 weight rows and 8 outliers at a time.
+void add_outliers(const Sparse& sp, const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1, int64_t N,
+                  float* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i up_one = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  std::vector<float> prefix;
+  for (int64_t nb = n0; nb < n1; nb += 8) {
+    const int rows = static_cast<int>(std::min<int64_t>(8, n1 - nb));
+    const int32_t j_start = sp.row_ptr[nb], j_end = sp.row_ptr[nb + rows];
+    if (j_start == j_end) continue;
+    const int32_t count = j_end - j_start;
+    prefix.resize(static_cast<size_t>(count) + 8);
+    alignas(32) int32_t lo_i[8] = {}, hi_i[8] = {};  // rows past n1: 0 and 0, a difference of 0
+    for (int r = 0; r < rows; ++r) lo_i[r] = sp.row_ptr[nb + r] - j_start, hi_i[r] = sp.row_ptr[nb + r + 1] - j_start;
+    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_i));
+    const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_i));
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float carry = 0.f;
+      for (int32_t j0 = 0; j0 < count; j0 += 8) {
+        const int32_t n_live = std::min<int32_t>(8, count - j0);
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n_live), lanes);
+        const int32_t* cp = sp.cols + j_start + j0;
+        const float* vp = sp.values + j_start + j0;
+        const __m256i cols = n_live == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp))
+                                         : _mm256_maskload_epi32(cp, live);
+        const __m256 vals = n_live == 8 ? _mm256_loadu_ps(vp) : _mm256_maskload_ps(vp, live);
+        __m256 s = _mm256_mul_ps(vals, _mm256_mask_i32gather_ps(zero, xm, cols, _mm256_castsi256_ps(live), 4));
+        // inclusive prefix over the lanes: within each 128-bit half, then the low half's total into the high one
+        s = _mm256_add_ps(s, _mm256_castsi256_ps(_mm256_slli_si256(_mm256_castps_si256(s), 4)));
+        s = _mm256_add_ps(s, _mm256_castsi256_ps(_mm256_slli_si256(_mm256_castps_si256(s), 8)));
+        const __m256 low_total = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 3, 3, 3));
+        s = _mm256_add_ps(s, _mm256_permute2f128_ps(low_total, low_total, 0x08));  // (0 in the low half)
+        const __m256 exclusive = _mm256_blend_ps(_mm256_permutevar8x32_ps(s, up_one), zero, 0x01);
+        _mm256_storeu_ps(prefix.data() + j0, _mm256_add_ps(exclusive, _mm256_set1_ps(carry)));
+        carry += _mm_cvtss_f32(_mm_permute_ps(_mm256_extractf128_ps(s, 1), _MM_SHUFFLE(3, 3, 3, 3)));
+      }
+      prefix[static_cast<size_t>(count)] = carry;  // E[count]: the block's total
+      alignas(32) float d[8];
+      _mm256_store_ps(d, _mm256_sub_ps(_mm256_i32gather_ps(prefix.data(), hi, 4),
+                                       _mm256_i32gather_ps(prefix.data(), lo, 4)));
+      float* o = out + m * N + nb;
+      for (int r = 0; r < rows; ++r) o[r] += d[r];
+    }
+  }
+}
+
+// out[m, n] for activation rows m0 .. m0 + MT - 1 and weight rows n0 .. n1 - 1, R weight rows a pass (1, 2 or 4)
+// sharing each chunk's activation loads
+template <int MT, int R>
+void rows_tile_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t m0, int64_t n0, int64_t n1,
+                  float* out) {
+  static_assert(R == 1 || R == 2 || R == 4, "one, two or four weight rows a pass");
+  const int64_t K = p.K, N = p.N, chunks = a.Kc / kChunk, whole = K / kChunk;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(kVnni ? 0 : 0x80));  // plain AVX2: w = u - 128
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    __m256i table[R];
+    float row_scale[R];
+    const uint8_t* row[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* t = qlut + (n + r) * 20;
+      table[r] = _mm256_xor_si256(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))), flip);
+      std::memcpy(&row_scale[r], t + 16, sizeof(float));
+      row[r] = p.codes + (n + r) * (K / 2);
+    }
+    constexpr int kAlt = R == 1 ? 2 : 1;  // independent float sums per (activation row, weight row)
+    __m256 acc[MT][R][kAlt];
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < kAlt; ++u) acc[i][r][u] = _mm256_setzero_ps();
+    auto step = [&](bool last, int64_t c) {
+      __m256i ev[R], od[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* cp = row[r] + c * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(cp) + kPrefetchBytes, kPrefetchHint);
+        // the partial last chunk (32 columns): 16 bytes of codes, the rest 0 (against activations of 0)
+        const __m256i b = last ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cp)))
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp));
+        ev[r] = _mm256_shuffle_epi8(table[r], _mm256_and_si256(b, nib));
+        od[r] = _mm256_shuffle_epi8(table[r], _mm256_and_si256(_mm256_srli_epi16(b, 4), nib));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int64_t m = m0 + i, at = m * a.Kc + c * kChunk, lane = (m * chunks + c) * kLanes;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + at));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + at + 32));
+        const __m256 sc = _mm256_loadu_ps(a.scale + lane);
+        for (int r = 0; r < R; ++r) {
+          __m256i s;
+          if constexpr (kVnni) {
+            const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.start + lane));
+            s = dot4(dot4(s0, ev[r], xe), od[r], xo);
+          } else {
+            const __m256i ae = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xa + at));
+            const __m256i ao = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xa + at + 32));
+            s = _mm256_add_epi32(dot4_signed(ev[r], xe, ae), dot4_signed(od[r], xo, ao));
+          }
+          acc[i][r][c % kAlt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[i][r][c % kAlt]);
+        }
+      }
+    };
+    for (int64_t c = 0; c < whole; ++c) step(false, c);
+    if (whole < chunks) step(true, whole);  // the last 32 columns
+    for (int i = 0; i < MT; ++i) {
+      float v[R];
+      if constexpr (R == 4) {
+        _mm_storeu_ps(v, reduce4(acc[i][0][0], acc[i][1][0], acc[i][2][0], acc[i][3][0]));
+      } else {
+        for (int r = 0; r < R; ++r) {
+          __m256 sum = acc[i][r][0];
+          for (int u = 1; u < kAlt; ++u) sum = _mm256_add_ps(sum, acc[i][r][u]);
+          v[r] = hsum(sum);
+        }
+      }
+      for (int r = 0; r < R; ++r) out[(m0 + i) * N + n + r] = v[r] * row_scale[r];
+    }
+  }
+}
+
+// weight rows in passes of R (four for one activation row, two for more: 16 ymm registers), the rest one at a time
+template <int MT>
+void rows_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t m0, int64_t n0, int64_t n1, float* out) {
+  constexpr int R = MT == 1 ? 4 : 2;
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  rows_tile_q8<MT, R>(p, qlut, a, m0, n0, nr, out);
+  rows_tile_q8<MT, 1>(p, qlut, a, m0, nr, n1, out);
+}
+
+void run_q8(const Lut& p, const uint8_t* qlut, const XQ8& a, int64_t M, float* out) {
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(p.K, 1));
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kTile <= M; m0 += kTile) rows_q8<kTile>(p, qlut, a, m0, n0, n1, out);
+    switch (M - m0) {
+      case 3: rows_q8<3>(p, qlut, a, m0, n0, n1, out); break;
+      case 2: rows_q8<2>(p, qlut, a, m0, n0, n1, out); break;
+      case 1: rows_q8<1>(p, qlut, a, m0, n0, n1, out); break;
+      default: break;
+    }
+    if (p.sparse.row_ptr) add_outliers(p.sparse, a.xr, M, p.K, n0, n1, p.N, out);  // against the rounded x
+  });
+}
 #endif
 
 template <bool WIDE>
@@ -539,16 +802,18 @@ at::Tensor lut_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at:
   auto acc = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0 && N > 0) {
     const int64_t Kc = (K + kChunk - 1) / kChunk * kChunk, chunks = Kc / kChunk;
+    const int64_t lanes = chunks * kLanes;
     auto xc = x.contiguous();
-    // one buffer: xq [M, Kc] int8, start [M, chunks * 16] int32, scale [M, chunks * 16] float32, xr [M, K] float32
-    auto buffer = at::empty({M * (Kc + chunks * 16 * 8 + K * 4)}, x.options().dtype(at::kByte));
+    // one buffer: xq and xa [M, Kc] int8, start [M, lanes] int32, scale [M, lanes] float32, xr [M, K] float32
+    auto buffer = at::empty({M * (2 * Kc + lanes * 8 + K * 4)}, x.options().dtype(at::kByte));
     auto* xq = reinterpret_cast<int8_t*>(buffer.data_ptr<uint8_t>());
-    auto* start = reinterpret_cast<int32_t*>(xq + M * Kc);
-    auto* scale = reinterpret_cast<float*>(start + M * chunks * 16);
-    auto* xr = scale + M * chunks * 16;
-    if (xc.scalar_type() == at::kFloat) quantize_chunks(xc.data_ptr<float>(), 0, M, K, Kc, xq, start, scale, xr);
-    else quantize_chunks(xc.data_ptr<at::BFloat16>(), 0, M, K, Kc, xq, start, scale, xr);
-    const XQ8 a{Kc, xq, start, scale, xr};
+    auto* xa = xq + M * Kc;
+    auto* start = reinterpret_cast<int32_t*>(xa + M * Kc);
+    auto* scale = reinterpret_cast<float*>(start + M * lanes);
+    auto* xr = scale + M * lanes;
+    if (xc.scalar_type() == at::kFloat) quantize_chunks(xc.data_ptr<float>(), 0, M, K, Kc, xq, xa, start, scale, xr);
+    else quantize_chunks(xc.data_ptr<at::BFloat16>(), 0, M, K, Kc, xq, xa, start, scale, xr);
+    const XQ8 a{Kc, xq, xa, start, scale, xr};
     run_q8(p, qlut.data_ptr<uint8_t>(), a, M, acc.data_ptr<float>());
   }
   if (has_bias) acc.add_(bias->to(at::kFloat));
