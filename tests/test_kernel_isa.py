@@ -45,12 +45,12 @@ EXPECTED = {"AMD Zen 4": "avx512", "AMD Zen 5": "avx512", "Intel Sapphire Rapids
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_tier_follows_the_flags_the_cpu_reports(cpu):
     flags = CPUS[cpu].split()
-    tier = isa.choose_tier(flags)
+    tier = isa.choose_tier(flags, machine="x86_64")
     assert tier.name == EXPECTED[cpu]
     assert tier.requires <= set(flags)  # (what makes it safe: every flag the build needs is reported)
-    assert isa.choose_tier(flags, "avx2").name == ("generic" if tier.name == "generic" else "avx2")
+    assert isa.choose_tier(flags, "avx2", "x86_64").name == ("generic" if tier.name == "generic" else "avx2")
     # the avx2vnni cap: the AVX-VNNI build where the CPU reports avx_vnni, else the plain AVX2 one
-    capped = isa.choose_tier(flags, "avx2vnni").name
+    capped = isa.choose_tier(flags, "avx2vnni", "x86_64").name
     assert capped == ("generic" if tier.name == "generic" else "avx2vnni" if "avx_vnni" in flags else "avx2")
     # nothing outside the chosen tier's checked flags reaches the build: AMX, VP2INTERSECT, FP16 are not in any
     # tier, so a machine that reports them gets the same library as one that does not; VBMI only with VBMI2
@@ -75,14 +75,15 @@ def test_tiers_are_nested_and_every_cflag_is_checked():
                "-mavx512vl": "avx512vl", "-mavx512dq": "avx512dq", "-mavx512vnni": "avx512_vnni",
                "-mavx512bf16": "avx512_bf16", "-mavx512vbmi2": "avx512_vbmi2", "-mavx512vbmi": "avx512vbmi",
                "-mavxvnni": "avx_vnni"}
-    for tier in isa.TIERS:
+    for tier in isa.X86_TIERS:
         assert {spelled[f] for f in tier.cflags} <= tier.requires, tier.name
     # two chains above the plain AVX2 tier: avx512nv < avx512, and avx2vnni (Zen 4 and Cooper Lake lack AVX-VNNI)
-    by_name = {t.name: t for t in isa.TIERS}
+    by_name = {t.name: t for t in isa.X86_TIERS}
     for better, worse in (("avx512", "avx512nv"), ("avx512nv", "avx2"), ("avx2vnni", "avx2")):
         b, w = by_name[better], by_name[worse]
         assert w.requires < b.requires and set(w.cflags) < set(b.cflags), (better, worse)
-    assert [t.name for t in isa.TIERS] == ["avx512", "avx512nv", "avx2vnni", "avx2"]  # best first
+    assert [t.name for t in isa.X86_TIERS] == ["avx512", "avx512nv", "avx2vnni", "avx2"]  # best first
+    assert isa.tiers_for("x86_64") == isa.X86_TIERS and isa.isa_choices("AMD64") == ("avx2", "avx2vnni", "avx512")
 
 
 def test_this_process_follows_this_cpu_and_the_settings():
@@ -255,3 +256,112 @@ def test_kernels_info_names_the_prefetch_and_the_bfloat16_path():
     assert f"weight-stream prefetch of the tiled kernels: {'non-temporal (AMD)' if amd else 'into L2'}" in out
     on_amx = kernels.settings.amx and "amx_bf16" in isa.cpu_flags() and kernels.get_ops() is not None
     assert ("bfloat16 linears of 4-8 rows: ATen's GEMM" in out) == on_amx, out
+
+
+# /proc/cpuinfo `Features` of ARM64 machines brisk runs on
+_CORTEX_A72 = "fp asimd evtstrm crc32 cpuid"
+_NEOVERSE_N1 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs"
+_NEOVERSE_V1 = (_NEOVERSE_N1 + " jscvt fcma sha3 sm3 sm4 sha512 sve asimdfhm dit uscat ilrcpc flagm paca pacg dcpodp "
+                "svei8mm svebf16 i8mm bf16 dgh rng")
+ARM_CPUS = {
+    "Raspberry Pi 4 (Cortex-A72)": _CORTEX_A72,
+    "Raspberry Pi 3 (Cortex-A53)": _CORTEX_A72,
+    "Raspberry Pi 5 (Cortex-A76)": "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm "
+                                   "lrcpc dcpop asimddp",
+    "Graviton2 (Neoverse N1)": _NEOVERSE_N1,
+    "Ampere Altra (Neoverse N1)": _NEOVERSE_N1,
+    "Graviton3 (Neoverse V1)": _NEOVERSE_V1,
+    "Apple M1 under Asahi Linux": "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm "
+                                  "jscvt fcma lrcpc dcpop sha3 asimddp sha512 asimdfhm dit uscat ilrcpc flagm ssbs sb "
+                                  "paca pacg dcpodp flagm2 frint",
+    "dotprod reported without LSE atomics": "fp asimd asimddp asimdrdm crc32",
+    "no NEON reported": "fp evtstrm cpuid",
+}
+ARM_EXPECTED = {"Raspberry Pi 4 (Cortex-A72)": "neon", "Raspberry Pi 3 (Cortex-A53)": "neon",
+                "Raspberry Pi 5 (Cortex-A76)": "neon-dotprod", "Graviton2 (Neoverse N1)": "neon-dotprod",
+                "Ampere Altra (Neoverse N1)": "neon-dotprod", "Graviton3 (Neoverse V1)": "neon-i8mm",
+                "Apple M1 under Asahi Linux": "neon-dotprod", "dotprod reported without LSE atomics": "neon",
+                "no NEON reported": "generic"}
+
+
+@pytest.mark.parametrize("cpu", list(ARM_CPUS))
+def test_arm64_tier_follows_the_features_the_cpu_reports(cpu):
+    flags = ARM_CPUS[cpu].split()
+    tier = isa.choose_tier(flags, machine="aarch64")
+    assert tier.name == ARM_EXPECTED[cpu]
+    assert tier.requires <= set(flags)
+    # the caps: neon (the baseline build) and neon-dotprod never raise the tier
+    assert isa.choose_tier(flags, "neon", "aarch64").name == ("generic" if tier.name == "generic" else "neon")
+    capped = isa.choose_tier(flags, "neon-dotprod", "aarch64").name
+    assert capped == (tier.name if tier.name in ("generic", "neon") else "neon-dotprod")
+    # the other family's tiers are never considered: an ARM CPU's flags on x86 (and the reverse) give no kernels
+    assert isa.choose_tier(flags, machine="x86_64") == isa.GENERIC
+    assert isa.choose_tier(CPUS["AMD Zen 4"].split(), machine="arm64") == isa.GENERIC
+    # SVE is no tier: Graviton3 gets the NEON build
+    assert not {f for f in tier.requires if f.startswith("sve")}
+
+
+def test_arm64_tiers_are_nested_best_first_and_capped_by_name():
+    tiers = isa.tiers_for("aarch64")
+    assert tiers == isa.tiers_for("arm64") == isa.ARM64_TIERS  # Linux and macOS spell the machine differently
+    assert [t.name for t in tiers] == ["neon-i8mm", "neon-dotprod", "neon"]
+    for better, worse in zip(tiers, tiers[1:], strict=False):
+        assert worse.requires < better.requires, (better.name, worse.name)
+    assert isa.isa_choices("aarch64") == ("neon", "neon-dotprod", "neon-i8mm")
+    with pytest.raises(ValueError, match="kernel isa 'avx2': use neon, neon-dotprod, neon-i8mm"):
+        isa.choose_tier(_NEOVERSE_N1.split(), "avx2", "aarch64")
+    lines = isa.explain(_CORTEX_A72.split(), machine="aarch64")
+    assert lines[-1] == "neon: chosen (the CPU reports every flag it needs)"
+    assert lines[0] == "neon-i8mm: the CPU lacks asimddp, asimdrdm, atomics, bf16, i8mm"
+
+
+# `sysctl hw.optional` of Apple Silicon Macs (the ISA-relevant part)
+_M1_SYSCTL = {"hw.optional.floatingpoint": "1", "hw.optional.AdvSIMD": "1", "hw.optional.neon": "1",
+              "hw.optional.arm.FEAT_DotProd": "1", "hw.optional.arm.FEAT_I8MM": "0", "hw.optional.arm.FEAT_BF16": "0",
+              "hw.optional.arm.FEAT_LSE": "1", "hw.optional.arm.FEAT_CRC32": "1", "hw.optional.arm.FEAT_RDM": "1",
+              "hw.optional.arm.FEAT_FP16": "1", "hw.optional.arm.FEAT_FHM": "1", "hw.optional.arm.FEAT_SME": "0"}
+_M2_SYSCTL = {**_M1_SYSCTL, "hw.optional.arm.FEAT_I8MM": "1", "hw.optional.arm.FEAT_BF16": "1"}
+# macOS 11 had none of the FEAT_ names: what it does not report, no build uses
+_M1_MACOS11_SYSCTL = {"hw.optional.floatingpoint": 1, "hw.optional.neon": 1, "hw.optional.armv8_1_atomics": 1,
+                      "hw.optional.armv8_crc32": 1, "hw.optional.neon_fp16": 1, "hw.optional.armv8_2_fhm": 1}
+
+
+@pytest.mark.parametrize(("sysctl", "expected"), [(_M1_SYSCTL, "neon-dotprod"), (_M2_SYSCTL, "neon-i8mm"),
+                                                  (_M1_MACOS11_SYSCTL, "neon"), ({}, "generic")],
+                         ids=["M1", "M2", "M1-macOS11", "none"])
+def test_apple_silicon_tier_from_sysctl(sysctl, expected):
+    flags = isa.macos_flags(sysctl)
+    assert isa.choose_tier(flags, machine="arm64").name == expected
+    assert ("i8mm" in flags) == (sysctl.get("hw.optional.arm.FEAT_I8MM") == "1")  # a 0 is not reported
+
+
+# compiler macro -> /proc/cpuinfo feature, for what the ARM64 tiers' -march adds to GCC's aarch64 default
+ARM_MACRO_TO_FEATURE = {"__ARM_FEATURE_ATOMICS": "atomics", "__ARM_FEATURE_CRC32": "crc32",
+                        "__ARM_FEATURE_QRDMX": "asimdrdm", "__ARM_FEATURE_DOTPROD": "asimddp",
+                        "__ARM_FEATURE_MATMUL_INT8": "i8mm", "__ARM_FEATURE_BF16_SCALAR_ARITHMETIC": "bf16",
+                        "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16", "__ARM_FEATURE_BF16": "bf16",
+                        "__ARM_NEON": "asimd", "__ARM_FEATURE_FP16_SCALAR_ARITHMETIC": "fphp",
+                        "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp", "__ARM_FEATURE_SVE": "sve"}
+
+
+@pytest.mark.parametrize("tier", isa.ARM64_TIERS, ids=lambda t: t.name)
+def test_every_extension_the_arm64_flags_enable_is_checked(tier):
+    """With the cross compiler (g++-aarch64-linux-gnu, as .ci/arm64-check.sh installs it): every feature macro a
+    tier's -march defines beyond the compiler's default names a feature the tier requires the CPU to report."""
+    import re
+    import shutil
+
+    compiler = shutil.which("aarch64-linux-gnu-g++")
+    if compiler is None:
+        pytest.skip("no aarch64 cross compiler here")
+
+    def macros(flags: tuple[str, ...]) -> set[str]:
+        out = subprocess.run([compiler, "-dM", "-E", "-x", "c++", "-", *flags], input="", capture_output=True,
+                             text=True, check=True).stdout
+        return {m for m in re.findall(r"#define (__ARM_\w+) ", out) if m.startswith(("__ARM_FEATURE_", "__ARM_NEON"))}
+
+    added = macros(tier.cflags) - macros(())
+    unmapped = sorted(m for m in added if m not in ARM_MACRO_TO_FEATURE)
+    assert not unmapped, f"{tier.name}: the compiler enables {unmapped}, which no feature check of the tier covers"
+    assert {ARM_MACRO_TO_FEATURE[m] for m in added} <= tier.requires, tier.name
+    assert "__ARM_NEON" in macros(tier.cflags) and "asimd" in tier.requires

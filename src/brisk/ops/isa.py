@@ -22,6 +22,20 @@ instruction in any other function.
     avx2      AVX2, FMA, F16C                                     Haswell and later, Zen 1-3, AVX2-only VMs
     generic   (no kernels: the PyTorch reference paths)           anything else
 
+On ARM64 (aarch64 Linux: Graviton, Ampere, Raspberry Pi; Apple Silicon) the tiers are NEON builds, chosen from the
+`Features` line of /proc/cpuinfo, or on macOS from `sysctl hw.optional` (its FEAT_* names are mapped to the Linux
+spellings, `macos_flags`). platform.machine() decides which family of tiers a process considers (`TIERS`); the
+choice itself is a pure function of the flags and the family, so tests feed any CPU's flag set. GCC's -march=armv8.2-a
+implies Armv8.1's LSE atomics, CRC32 and RDM (the compiler emits LSE atomics on its own), so the tiers built on it
+require atomics, crc32 and asimdrdm too. No tier enables SVE or the FP16 arithmetic (fphp/asimdhp): the kernels
+convert float16 with base NEON instructions.
+
+    tier          compiler flags                              CPUs
+    neon-i8mm     -march=armv8.2-a+dotprod+i8mm+bf16          Graviton3/4, Neoverse V1/V2/N2, Apple M2 and later
+    neon-dotprod  -march=armv8.2-a+dotprod                    Graviton2, Ampere Altra, Cortex-A76 (Pi 5), Apple M1
+    neon          -march=armv8-a+simd                         Cortex-A53/A72 (Raspberry Pi 3/4), any aarch64
+    generic       (no kernels: the PyTorch reference paths)   anything else
+
 The tier is chosen per process from /proc/cpuinfo of the running CPU, never from a cached build: a home directory
 (and its build cache) carried from one machine to another gets the tier, and the build, of the machine it runs on.
 """
@@ -29,10 +43,10 @@ The tier is chosen per process from /proc/cpuinfo of the running CPU, never from
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -62,14 +76,74 @@ _AVX512 = Tier("avx512", _AVX512_NV.cflags + ("-mavx512vbmi2", "-mavx512vbmi"),
 # some that do (Sapphire Rapids, Zen 5); a CPUID bit of its own, not implied by AVX-512 VNNI (Zen 4, Ice Lake lack
 # it). The AVX2 kernels' int8 dot products take it where it is built (__AVXVNNI__) instead of vpmaddubsw + vpmaddwd.
 _AVX2_VNNI = Tier("avx2vnni", _AVX2.cflags + ("-mavxvnni",), _AVX2.requires | {"avx_vnni"})
+# ARM64. NEON (asimd) and the FP unit are part of every aarch64 Linux CPU, but a tier still checks them. Armv8.2-A
+# is the oldest -march that takes +dotprod; GCC's armv8.2-a brings Armv8.1's LSE atomics (which it emits for
+# std::atomic read-modify-writes), CRC32 and RDM. +dotprod: sdot/udot (vdotq_s32); +i8mm: smmla/usdot; +bf16:
+# bfdot/bfmmla/bfcvt. Graviton3 reports i8mm and bf16 (and SVE, which no tier uses); Apple M1 has dotprod only.
+_NEON = Tier("neon", ("-march=armv8-a+simd",), frozenset({"fp", "asimd"}))
+_NEON_DOTPROD = Tier("neon-dotprod", ("-march=armv8.2-a+dotprod",),
+                     _NEON.requires | {"atomics", "crc32", "asimdrdm", "asimddp"})
+_NEON_I8MM = Tier("neon-i8mm", ("-march=armv8.2-a+dotprod+i8mm+bf16",), _NEON_DOTPROD.requires | {"i8mm", "bf16"})
 GENERIC = Tier("generic", (), frozenset())
 AMX_INT8 = frozenset({"amx_tile", "amx_int8"})  # what the W8A8 GEMM's AMX path needs the CPU to report
 
 # best first. The AVX-512 tiers do not contain avx2vnni (Zen 4 and Cooper Lake have no AVX-VNNI), so the order, not
 # nesting, decides: a CPU gets the first tier whose every flag it reports.
-TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2_VNNI, _AVX2)
-# what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for: a cap, the named tier or one after it in TIERS
-ISA_CHOICES = ("avx2", "avx2vnni", "avx512")
+X86_TIERS: tuple[Tier, ...] = (_AVX512, _AVX512_NV, _AVX2_VNNI, _AVX2)
+ARM64_TIERS: tuple[Tier, ...] = (_NEON_I8MM, _NEON_DOTPROD, _NEON)  # nested: each one's flags include the next's
+# what BRISK_KERNEL_ISA / kernels.configure(isa=...) may ask for: a cap, the named tier or one after it
+X86_ISA_CHOICES = ("avx2", "avx2vnni", "avx512")
+ARM64_ISA_CHOICES = ("neon", "neon-dotprod", "neon-i8mm")
+
+
+def is_arm64(machine: str | None = None) -> bool:
+    """Whether `machine` (platform.machine() of this process by default) is 64-bit ARM: aarch64 (Linux) or arm64
+    (macOS)."""
+    return (platform.machine() if machine is None else machine).lower() in ("aarch64", "arm64")
+
+
+def tiers_for(machine: str | None = None) -> tuple[Tier, ...]:
+    """The tiers of `machine`'s family (this process's by default), best first."""
+    return ARM64_TIERS if is_arm64(machine) else X86_TIERS
+
+
+def isa_choices(machine: str | None = None) -> tuple[str, ...]:
+    """The tier names a cap may name on `machine`'s family (this process's by default)."""
+    return ARM64_ISA_CHOICES if is_arm64(machine) else X86_ISA_CHOICES
+
+
+TIERS: tuple[Tier, ...] = tiers_for()  # this process's family
+ISA_CHOICES: tuple[str, ...] = isa_choices()
+
+# macOS names the CPU's features in sysctl hw.optional (FEAT_* since macOS 12, older spellings before): the Linux
+# /proc/cpuinfo spelling of each, so one flag set decides on both systems
+_SYSCTL_TO_CPUINFO = {
+    "hw.optional.floatingpoint": ("fp",), "hw.optional.AdvSIMD": ("asimd",), "hw.optional.neon": ("asimd",),
+    "hw.optional.arm.FEAT_DotProd": ("asimddp",), "hw.optional.arm.FEAT_I8MM": ("i8mm",),
+    "hw.optional.arm.FEAT_BF16": ("bf16",), "hw.optional.arm.FEAT_LSE": ("atomics",),
+    "hw.optional.armv8_1_atomics": ("atomics",), "hw.optional.arm.FEAT_CRC32": ("crc32",),
+    "hw.optional.armv8_crc32": ("crc32",), "hw.optional.arm.FEAT_RDM": ("asimdrdm",),
+    "hw.optional.arm.FEAT_FP16": ("fphp", "asimdhp"), "hw.optional.neon_fp16": ("fphp", "asimdhp"),
+    "hw.optional.arm.FEAT_FHM": ("asimdfhm",), "hw.optional.armv8_2_fhm": ("asimdfhm",),
+}
+
+
+def macos_flags(sysctl: Mapping[str, str | int]) -> frozenset[str]:
+    """The /proc/cpuinfo-style flags of a Mac's `sysctl hw.optional` values (name -> 0/1): those it reports as 1."""
+    flags: set[str] = set()
+    for name, value in sysctl.items():
+        if str(value).strip() == "1":
+            flags.update(_SYSCTL_TO_CPUINFO.get(name, ()))
+    return frozenset(flags)
+
+
+def _read_sysctl() -> dict[str, str]:
+    """`sysctl hw.optional` of this Mac as name -> value; empty where there is no sysctl (or it fails)."""
+    try:
+        out = subprocess.run(["sysctl", "hw.optional"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines()) if v}
 
 
 def cpuinfo_field(name: str) -> str:
@@ -84,8 +158,12 @@ def cpuinfo_field(name: str) -> str:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The running CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return frozenset(cpuinfo_field("flags").split())
+    """The running CPU's feature flags: /proc/cpuinfo's `flags` (x86) or `Features` (aarch64) line, on an ARM Mac
+    `sysctl hw.optional` in those spellings; empty where there is neither."""
+    flags = frozenset(cpuinfo_field("Features" if is_arm64() else "flags").split())
+    if not flags and is_arm64() and platform.system() == "Darwin":
+        flags = macos_flags(_read_sysctl())
+    return flags
 
 
 @functools.cache
@@ -106,45 +184,54 @@ def has_amx_int8(flags: Iterable[str]) -> bool:
     return AMX_INT8 <= frozenset(flags)
 
 
-def choose_tier(flags: Iterable[str], isa: str | None = None) -> Tier:
-    """The best tier whose every required flag is in `flags` (a CPU's /proc/cpuinfo flags); `isa` caps it: "avx2"
-    at the plain AVX2 build, "avx2vnni" at the AVX-VNNI one (tests and A/B runs on a bigger CPU). A request never
-    raises the tier above the CPU's."""
+def choose_tier(flags: Iterable[str], isa: str | None = None, machine: str | None = None) -> Tier:
+    """The best tier of `machine`'s family (this process's by default: platform.machine()) whose every required
+    flag is in `flags` (a CPU's /proc/cpuinfo flags); `isa` caps it: "avx2" at the plain AVX2 build, "avx2vnni" at
+    the AVX-VNNI one, "neon" / "neon-dotprod" on ARM64 (tests and A/B runs on a bigger CPU). A request never raises
+    the tier above the CPU's."""
     have = frozenset(flags)
-    for tier in allowed_tiers(isa):
+    for tier in allowed_tiers(isa, machine):
         if tier.requires <= have:
             return tier
     return GENERIC
 
 
-def allowed_tiers(isa: str | None = None) -> tuple[Tier, ...]:
-    """The tiers a cap `isa` leaves (all of them for None): the named one and those after it in TIERS."""
+def allowed_tiers(isa: str | None = None, machine: str | None = None) -> tuple[Tier, ...]:
+    """The tiers of `machine`'s family a cap `isa` leaves (all of them for None): the named one and those after
+    it."""
+    tiers = tiers_for(machine)
     if isa is None:
-        return TIERS
-    names = [t.name for t in TIERS]
+        return tiers
+    names = [t.name for t in tiers]
     if isa not in names:
-        raise ValueError(f"kernel isa {isa!r}: use {', '.join(ISA_CHOICES)}")
-    return TIERS[names.index(isa):]
+        raise ValueError(f"kernel isa {isa!r}: use {', '.join(isa_choices(machine))}")
+    return tiers[names.index(isa):]
 
 
 def running_tier(isa: str | None = None) -> Tier:
-    """The tier for the CPU this process runs on. Where there is no /proc/cpuinfo (not Linux), torch's own CPU
-    detection decides between avx2 and none: AVX-512 builds are only chosen from flags read here."""
+    """The tier for the CPU this process runs on. Where no flags can be read (an x86 system without
+    /proc/cpuinfo), torch's own CPU detection decides between avx2 and none: AVX-512 builds are only chosen from
+    flags read here. An ARM64 CPU that reports nothing gets no kernels."""
     flags = cpu_flags()
     if not flags:
+        if is_arm64():
+            return GENERIC
+        import torch  # here only: the CLI imports this module for its tier names, and torch takes seconds
+
         return _AVX2 if torch.backends.cpu.get_cpu_capability().startswith("AVX") else GENERIC
     return choose_tier(flags, isa)
 
 
-def explain(flags: Iterable[str], isa: str | None = None) -> list[str]:
-    """One line per tier: chosen, or which required flags the CPU lacks (`brisk kernels info`)."""
-    have, chosen = frozenset(flags), choose_tier(flags, isa)
+def explain(flags: Iterable[str], isa: str | None = None, machine: str | None = None) -> list[str]:
+    """One line per tier of `machine`'s family: chosen, or which required flags the CPU lacks (`brisk kernels
+    info`)."""
+    have, chosen = frozenset(flags), choose_tier(flags, isa, machine)
     lines = []
-    for tier in TIERS:
+    for tier in tiers_for(machine):
         missing = sorted(tier.requires - have)
         if tier == chosen:
             lines.append(f"{tier.name}: chosen (the CPU reports every flag it needs)")
-        elif tier not in allowed_tiers(isa):
+        elif tier not in allowed_tiers(isa, machine):
             lines.append(f"{tier.name}: skipped (isa={isa} caps the build)")
         else:
             lines.append(f"{tier.name}: " + (f"the CPU lacks {', '.join(missing)}" if missing else "available"))

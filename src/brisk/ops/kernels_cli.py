@@ -6,6 +6,8 @@ import time
 
 import click
 
+from brisk.ops.isa import ISA_CHOICES
+
 
 @click.group("kernels")
 def kernels_group() -> None:
@@ -14,8 +16,10 @@ def kernels_group() -> None:
 
 @kernels_group.command("build")
 @click.option("--jobs", "-j", type=int, default=None, help="Sources compiled at once (default: one per core).")
-@click.option("--isa", type=click.Choice(["avx2", "avx2vnni", "avx512"]), default=None,
-              help="Cap the tier (avx2: the plain AVX2 build on a bigger CPU); default: the best this CPU reports.")
+# the tier names of this machine's family (x86: avx2, avx2vnni, avx512; ARM64: neon, neon-dotprod, neon-i8mm)
+@click.option("--isa", type=click.Choice(list(ISA_CHOICES)), default=None,
+              help="Cap the tier (avx2 / neon: the baseline build on a bigger CPU); default: the best this CPU "
+                   "reports.")
 def build(jobs: int | None, isa: str | None) -> None:
     """Compile every kernel source for this CPU (cached ones are only loaded). `make install` runs this, so the
     first `brisk generate` starts at once; a source changed later is rebuilt on its next use."""
@@ -52,14 +56,20 @@ def info(load: bool) -> None:
                + ("non-temporal (AMD)" if isa_.vendor_cflags(vendor) else "into L2"))
     checked = sorted(set().union(*(t.requires for t in isa_.TIERS)))
     click.echo("flags checked: " + " ".join(f"{f}{'' if f in flags else '(-)'}" for f in checked))
-    extra = sorted(f for f in flags if f.startswith(("amx", "avx512_vp2intersect", "avx512_fp16", "avx_vnni")))
-    if extra:
-        click.echo("also reported (no tier uses them; amx_tile + amx_int8 enable the W8A8 GEMM's AMX path, amx_bf16 "
-                   "the bfloat16 GEMM hand-off): "
-                   + " ".join(extra))
+    if isa_.is_arm64():  # SVE / SME: no tier builds for them (the ARM64 kernels are NEON code)
+        extra = sorted(f for f in flags if f.startswith(("sve", "sme")))
+        if extra:
+            click.echo("also reported (no tier uses them): " + " ".join(extra))
+    else:
+        extra = sorted(f for f in flags if f.startswith(("amx", "avx512_vp2intersect", "avx512_fp16", "avx_vnni")))
+        if extra:
+            click.echo("also reported (no tier uses them; amx_tile + amx_int8 enable the W8A8 GEMM's AMX path, "
+                       "amx_bf16 the bfloat16 GEMM hand-off): " + " ".join(extra))
     s = kernels.settings
     click.echo(f"settings: enabled={s.enabled} isa={s.isa or 'best'} amx={s.amx} cache={s.cache_dir}")
-    for line in isa_.explain(flags, s.isa) if flags else ["no /proc/cpuinfo: torch's CPU detection decides"]:
+    none = ("no /proc/cpuinfo Features (nor sysctl hw.optional): no kernels" if isa_.is_arm64()
+            else "no /proc/cpuinfo: torch's CPU detection decides")
+    for line in isa_.explain(flags, s.isa) if flags else [none]:
         click.echo("  " + line)
     tier = kernels.kernel_tier()
     click.echo(f"tier: {tier.name} ({' '.join(tier.cflags) or 'no ISA flags'})")

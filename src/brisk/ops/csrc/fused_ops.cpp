@@ -19,14 +19,20 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+
+// The vector ops are AVX2 code, and for ARM64 NEON code for RMSNorm and the SiLU / GELU products; argmax and
+// float16 -> bfloat16 are AVX2 only. Without either (or for those two on ARM64) the portable ops (RoPE, the cache
+// write, the 8-bit embedding) are still registered and the callers take their PyTorch reference paths for the rest.
+#if defined(__AVX2__) && defined(__FMA__)
+#define BRISK_FUSED_AVX2
 #include <immintrin.h>
 
 #include "simd.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace {
-
-using brisk_simd::hsum;
-using brisk_simd::load8;
 
 // Rows of work below which one thread does it all: waking the OpenMP pool costs more (several us) than
 // normalizing a few rows (a 576-wide row is ~0.1 us). Chosen so each task gets >= ~32K elements.
@@ -35,6 +41,14 @@ constexpr int64_t kElementsPerTask = 32 * 1024;
 inline int64_t row_grain(int64_t width) {
   return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(1, width));
 }
+
+}  // namespace
+
+#ifdef BRISK_FUSED_AVX2
+namespace {
+
+using brisk_simd::hsum;
+using brisk_simd::load8;
 
 // ---- 8-wide loads and stores for float and bfloat16 (bf16 = the high 16 bits of a float) ----
 
@@ -121,25 +135,6 @@ inline void rms_norm_row(T* x, const T* add, const W* w, T* out, int64_t H, floa
   if (k < H) store_tail(out + k, norm(load_tail(x + k, H - k), load_tail(w + k, H - k)), H - k);
 }
 
-template <typename T, typename W>
-void rms_norm_rows(T* x, const T* add, const W* w, T* out, int64_t rows, int64_t H, float eps) {
-  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      rms_norm_row(x + r * H, add != nullptr ? add + r * H : nullptr, w, out + r * H, H, eps);
-  });
-}
-
-void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, H], got ", x.sizes());
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": x and weight must be contiguous");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op, ": weight dtype ",
-              weight.scalar_type(), " must be x's (", x.scalar_type(), ") or float32");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be [H] = [", x.size(1),
-              "], got ", weight.sizes());
-}
-
 // ---- SiLU(gate) * up ----
 
 // e^x for x <= 0 (the only range silu needs, see below): x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor
@@ -198,6 +193,161 @@ inline void act_mul_row(const T* gate, const T* up, T* out, int64_t I, Act act) 
   int64_t k = 0;
   for (; k + 8 <= I; k += 8) store8(out + k, f(load8(gate + k), load8(up + k)));
   if (k < I) store_tail(out + k, f(load_tail(gate + k, I - k), load_tail(up + k, I - k)), I - k);
+}
+
+}  // namespace
+
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+// ---- ARM64 (NEON): the same loops, 4 lanes wide ----
+// The formulas and their float32 operations are the AVX2 ones above (fused multiply-adds where they fuse, the
+// same exp polynomial, IEEE division, the same bfloat16 rounding), so silu_mul and gelu_tanh_mul give the x86 bits;
+// RMSNorm's sum of squares adds in another order (4 lanes, not 8), so its last bit may differ.
+#define BRISK_FUSED_NEON
+namespace {
+
+using vf = float32x4_t;
+
+inline vf load4(const float* p) { return vld1q_f32(p); }
+inline vf load4(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift, exact
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+// float -> bf16 with round-to-nearest-even, NaN kept a (quiet) NaN: c10::BFloat16's rounding
+inline uint16x4_t to_bf16_4(vf v) {
+  const uint32x4_t bits = vreinterpretq_u32_f32(v);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  uint32x4_t hi = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(vdupq_n_u32(0x7FFF), lsb)), 16);
+  hi = vbslq_u32(vceqq_f32(v, v), hi, vdupq_n_u32(0x7FC0));  // v != v: NaN
+  return vmovn_u32(hi);
+}
+inline void store4(float* p, vf v) { vst1q_f32(p, v); }
+inline void store4(at::BFloat16* p, vf v) { vst1_u16(reinterpret_cast<uint16_t*>(p), to_bf16_4(v)); }
+inline vf round_to(vf v, const float*) { return v; }
+inline vf round_to(vf v, const at::BFloat16*) {
+  return vreinterpretq_f32_u32(vshll_n_u16(to_bf16_4(v), 16));
+}
+// tails through the same 4-wide code on a zero-padded copy (as the AVX2 build does with 8)
+template <typename T>
+inline vf load_tail(const T* p, int64_t n) {
+  T buf[4];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, n * sizeof(T));
+  return load4(buf);
+}
+template <typename T>
+inline void store_tail(T* p, vf v, int64_t n) {
+  T buf[4];
+  store4(buf, v);
+  std::memcpy(static_cast<void*>(p), buf, n * sizeof(T));
+}
+
+template <typename T, typename W>
+inline void rms_norm_row(T* x, const T* add, const W* w, T* out, int64_t H, float eps) {
+  const int64_t body = H - H % 4;
+  vf acc0 = vdupq_n_f32(0.f), acc1 = acc0;
+  int64_t k = 0;
+  if (add != nullptr) {
+    for (; k < body; k += 4) {
+      const vf v = round_to(vaddq_f32(load4(x + k), load4(add + k)), x);
+      store4(x + k, v);
+      acc0 = vfmaq_f32(acc0, v, v);
+    }
+    if (k < H) {
+      const vf v = round_to(vaddq_f32(load_tail(x + k, H - k), load_tail(add + k, H - k)), x);
+      store_tail(x + k, v, H - k);
+      acc1 = vfmaq_f32(acc1, v, v);
+    }
+  } else {
+    for (; k + 8 <= body; k += 8) {  // two accumulators: the FMA latency chain is the bottleneck
+      const vf a = load4(x + k), b = load4(x + k + 4);
+      acc0 = vfmaq_f32(acc0, a, a);
+      acc1 = vfmaq_f32(acc1, b, b);
+    }
+    for (; k < body; k += 4) {
+      const vf a = load4(x + k);
+      acc0 = vfmaq_f32(acc0, a, a);
+    }
+    if (k < H) {
+      const vf a = load_tail(x + k, H - k);
+      acc1 = vfmaq_f32(acc1, a, a);
+    }
+  }
+  const float ms = vaddvq_f32(vaddq_f32(acc0, acc1)) / static_cast<float>(H);
+  const vf r = vdupq_n_f32(1.0f / std::sqrt(ms + eps));
+  auto norm = [&](vf xv, vf wv) {
+    vf n = vmulq_f32(xv, r);
+    if constexpr (std::is_same_v<T, W>) n = round_to(n, x);
+    return vmulq_f32(n, wv);
+  };
+  for (k = 0; k < body; k += 4) store4(out + k, norm(load4(x + k), load4(w + k)));
+  if (k < H) store_tail(out + k, norm(load_tail(x + k, H - k), load_tail(w + k, H - k)), H - k);
+}
+
+// exp_nonpositive of the AVX2 build, operation for operation
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vdupq_n_f32(-87.3f);
+  const uint32x4_t underflow = vcltq_f32(x, lo);
+  x = vmaxq_f32(x, lo);
+  const vf n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+  vf r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(1.42860682030941723212e-6f));
+  vf p = vdupq_n_f32(1.0f / 5040.0f);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 720.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 120.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 24.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 6.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  const vf v = vmulq_f32(p, vreinterpretq_f32_s32(e));
+  return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), underflow));
+}
+
+// silu and gelu_tanh as in the AVX2 build (the "8" names are shared with it: 4 lanes here)
+inline vf silu8(vf g) {
+  const vf e = exp_nonpositive(vnegq_f32(vabsq_f32(g)));  // e^-|g|
+  const vf num = vbslq_f32(vcltq_f32(g, vdupq_n_f32(0.f)), vmulq_f32(g, e), g);
+  return vdivq_f32(num, vaddq_f32(vdupq_n_f32(1.0f), e));
+}
+inline vf gelu_tanh8(vf g) {
+  const vf g3 = vmulq_f32(vmulq_f32(g, g), g);
+  const vf z = vmulq_f32(vdupq_n_f32(1.5957691216057308f), vfmaq_f32(g, g3, vdupq_n_f32(0.044715f)));
+  const vf e = exp_nonpositive(vnegq_f32(vabsq_f32(z)));  // e^-|z|
+  const vf num = vbslq_f32(vcltq_f32(z, vdupq_n_f32(0.f)), vmulq_f32(g, e), g);
+  return vdivq_f32(num, vaddq_f32(vdupq_n_f32(1.0f), e));
+}
+
+template <typename T, typename Act>
+inline void act_mul_row(const T* gate, const T* up, T* out, int64_t I, Act act) {
+  auto f = [&](vf g, vf u) { return vmulq_f32(round_to(act(g), out), u); };
+  int64_t k = 0;
+  for (; k + 4 <= I; k += 4) store4(out + k, f(load4(gate + k), load4(up + k)));
+  if (k < I) store_tail(out + k, f(load_tail(gate + k, I - k), load_tail(up + k, I - k)), I - k);
+}
+
+}  // namespace
+#endif
+
+#if defined(BRISK_FUSED_AVX2) || defined(BRISK_FUSED_NEON)
+namespace {
+
+template <typename T, typename W>
+void rms_norm_rows(T* x, const T* add, const W* w, T* out, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      rms_norm_row(x + r * H, add != nullptr ? add + r * H : nullptr, w, out + r * H, H, eps);
+  });
+}
+
+void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, H], got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op, ": weight dtype ",
+              weight.scalar_type(), " must be x's (", x.scalar_type(), ") or float32");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be [H] = [", x.size(1),
+              "], got ", weight.sizes());
 }
 
 // gate_up: [T, 2I] (gate columns, then up columns, as the fused gate_up_proj writes them) -> act(gate) * up [T, I]
@@ -266,13 +416,14 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 
 // gate_up: [T, 2I] -> silu(gate) * up [T, I] (SwiGLU)
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  return act_mul("silu_mul", gate_up, [](__m256 g) { return silu8(g); });
+  return act_mul("silu_mul", gate_up, [](auto g) { return silu8(g); });
 }
 
 // gate_up: [T, 2I] -> gelu_tanh(gate) * up [T, I] (GeGLU with the tanh approximation: Gemma's MLP)
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
-  return act_mul("gelu_tanh_mul", gate_up, [](__m256 g) { return gelu_tanh8(g); });
+  return act_mul("gelu_tanh_mul", gate_up, [](auto g) { return gelu_tanh8(g); });
 }
+#endif  // vector ops
 
 // ---- RoPE on the fused q/k/v projection, in place, and this step's keys and values into the paged cache ----
 //
@@ -383,6 +534,7 @@ void rope_qk(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   else run(qkv.data_ptr<at::BFloat16>());
 }
 
+#ifdef BRISK_FUSED_AVX2
 namespace {
 
 // Index of the largest value of v[0, n), the lowest index among equal maxima, and of the first NaN if there is one
@@ -453,6 +605,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+#endif  // BRISK_FUSED_AVX2
+
 // Rows of a symmetric 8-bit embedding table: qweight [V, H] uint8, scales [V, G] float32 (G groups of H / G),
 // ids [T] int64 -> [T, H] float32, out[t, h] = (q[id, h] - 128) * s[id, h / (H / G)] (QuantEmbedding's float32
 // operations, one op instead of six).
@@ -480,6 +634,7 @@ at::Tensor embedding_q8(const at::Tensor& qweight, const at::Tensor& scales, con
   return out;
 }
 
+#ifdef BRISK_FUSED_AVX2
 // float16 -> bfloat16 in place of `dst` (both contiguous, the same number of elements): each value widened exactly to
 // float32 (F16C), then rounded once to bfloat16 (round to nearest even, NaN kept a NaN), as c10's conversion through
 // float does; at memory speed, for loading a float16 checkpoint (a GGUF F16 file) in bfloat16. ATen's own half ->
@@ -504,16 +659,21 @@ void half_to_bfloat16(const at::Tensor& src, at::Tensor& dst) {
     }
   });
 }
+#endif  // BRISK_FUSED_AVX2
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   m.def("embedding_q8(Tensor qweight, Tensor scales, Tensor ids) -> Tensor", &embedding_q8);
-  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
-  m.def("half_to_bfloat16(Tensor src, Tensor(a!) dst) -> ()", &half_to_bfloat16);
   m.def("rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()", &rope_cache);
   m.def("rope_qk(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> ()", &rope_qk);
+#ifdef BRISK_FUSED_AVX2
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
+  m.def("half_to_bfloat16(Tensor src, Tensor(a!) dst) -> ()", &half_to_bfloat16);
+#endif
+#if defined(BRISK_FUSED_AVX2) || defined(BRISK_FUSED_NEON)
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
+#endif
 }

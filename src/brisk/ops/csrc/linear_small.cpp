@@ -10,6 +10,9 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+// AVX2 loops; NEON ones for ARM64 at the end of the file. Elsewhere no ops: brisk.ops.linear takes ATen's path.
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #include "simd.h"
@@ -444,3 +447,136 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
 }
+
+#endif  // AVX2 + FMA
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// ---- ARM64 (NEON) ----
+// The same op: one weight row at a time (the single sequential stream the AVX2 GEMV measured best with), 16 columns
+// per step into 4-lane float32 accumulators for each of up to 8 activation rows; bfloat16 weights widened exactly
+// (a 16-bit shift). The float32 sums add in another order than the AVX2 build's, so their last bits may differ.
+#include <arm_neon.h>
+
+namespace {
+
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const at::BFloat16* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+
+// weight rows n0 .. n1-1 against MT rows of x ([MT, K] float32) -> out[m * ldo + n]
+template <int MT, typename W>
+void rows_neon(const W* w, int64_t K, const float* x, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    float32x4_t a[MT][2];
+    for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = vdupq_n_f32(0.f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      if ((k & 31) == 0) __builtin_prefetch(wr + k + 2048);
+      const float32x4_t w0 = load4(wr + k), w1 = load4(wr + k + 4);
+      for (int m = 0; m < MT; ++m) {  // two accumulators per row: two FMA chains in flight
+        a[m][0] = vfmaq_f32(a[m][0], w0, vld1q_f32(x + m * K + k));
+        a[m][1] = vfmaq_f32(a[m][1], w1, vld1q_f32(x + m * K + k + 4));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      float s = vaddvq_f32(vaddq_f32(a[m][0], a[m][1]));
+      for (int64_t kk = k; kk < K; ++kk) s += to_f(wr[kk]) * x[m * K + kk];
+      out[m * ldo + n] = s;
+    }
+  }
+}
+
+// f(std::integral_constant<int, M>{}) for M = 1..8 (simd.h's with_rows; that header is x86 code)
+template <typename F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+template <typename W>
+void run_neon(const W* w, const float* x, float* out, int64_t M, int64_t N, int64_t K) {
+  // grain: enough rows per task that a task streams >= ~64 KiB of weights
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * static_cast<int64_t>(sizeof(W))));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += 8) {  // tiles of up to 8 rows, each over the task's weight rows
+      const int64_t mt = std::min<int64_t>(8, M - m);
+      with_rows(mt, [&](auto t) { rows_neon<decltype(t)::value>(w, K, x + m * K, n0, n1, out + m * N, N); });
+    }
+  });
+}
+
+}  // namespace
+
+std::atomic<int64_t> g_bf16_gemm_rows{0};  // as in the x86 build: rows from which bf16 x bf16 goes to ATen's GEMM
+
+int64_t linear_small_bf16_gemm_rows(int64_t rows) {
+  g_bf16_gemm_rows.store(std::max<int64_t>(rows, 0));
+  return g_bf16_gemm_rows.load();
+}
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear_small_m: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.size(1) == weight.size(1), "linear_small_m: K mismatch");
+  TORCH_CHECK(weight.is_contiguous(), "linear_small_m: weight must be contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "linear_small_m: weight must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_small_m: x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool bf16_w = weight.scalar_type() == at::kBFloat16, f32_x = x.scalar_type() == at::kFloat;
+  if (const int64_t gemm_rows = g_bf16_gemm_rows.load(std::memory_order_relaxed);
+      gemm_rows > 0 && M >= gemm_rows && bf16_w && !f32_x)
+    return at::linear(x, weight,
+                      bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->to(at::kBFloat16))
+                                                          : std::nullopt);
+  auto xc = x.contiguous();
+  std::vector<float> xbuf;
+  const float* xf;
+  if (f32_x) {
+    xf = xc.data_ptr<float>();
+  } else {  // bfloat16 rows widened once (exact); decode-sized x costs less than ATen's .to() dispatch
+    xbuf.resize(M * K);
+    const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(xb[i]);
+    xf = xbuf.data();
+  }
+  auto out = at::empty({M, N}, x.options());
+  std::vector<float> obuf;
+  float* of = f32_x ? out.data_ptr<float>() : (obuf.resize(M * N), obuf.data());
+  if (bf16_w) run_neon(weight.data_ptr<at::BFloat16>(), xf, of, M, N, K);
+  else run_neon(weight.data_ptr<float>(), xf, of, M, N, K);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_small_m: bias must have N elements");
+    auto bf = bias->to(at::kFloat).contiguous();
+    const float* b = bf.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) of[m * N + n] += b[n];
+  }
+  if (!f32_x) {  // the float32 sum (+ bias) rounded once, as the x86 build
+    at::BFloat16* o = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) o[i] = at::BFloat16(of[i]);
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_small_bf16_gemm_rows(int rows) -> int", &linear_small_bf16_gemm_rows);
+}
+
+TORCH_LIBRARY_IMPL(brisk, CPU, m) {
+  m.impl("linear_small_m", &linear_small_m);
+}
+#endif  // aarch64 NEON

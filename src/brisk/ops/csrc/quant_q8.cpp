@@ -748,3 +748,247 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
 }
 
 #endif  // AVX2 + FMA: without them no op is registered and brisk.ops.qlinear_q8 takes its reference path
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// ---- ARM64 (NEON) ----
+//
+// The same op and arithmetic for aarch64: activations rounded to int8 per 32-column block with quantize_x's float32
+// operations (so fake_quantize_q8 and the xs, xr terms are bit for bit the x86 ones), the codes read in the blocked
+// layout as they are, integer dot products per block, then the float32 sums of the formula at the top of the file.
+// Only the order of those float32 additions differs from the x86 build (4 lanes here, 8 there).
+//
+// x is permuted once per call into the codes' order (xperm[4 l + i] = x[8 i + l], the same for 8- and 4-bit codes),
+// so that byte p of a block's codes meets byte p of the activations and a block's dot product is a plain byte-wise
+// one. 8-bit codes are recentred to int8 (q - 128: c = 128, as the AVX2 build), 4-bit codes are used as they are
+// (c = 0). With dotprod (-march=armv8.2-a+dotprod: sdot, vdotq_s32) 16 int8 products per instruction summed by 4
+// into int32 lanes, exact; without it vmull_s8 (int8 x int8 -> int16: |q'| <= 128 times |xq| <= 127 fits) and
+// pairwise widening adds into int32 lanes, exact as well.
+#include <arm_neon.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kTileRows = 4;  // activation rows that share each loaded block of codes
+
+inline float load_f(float v) { return v; }
+inline float load_f(at::BFloat16 v) { return static_cast<float>(v); }  // exact: bfloat16 is float32's top half
+
+// 4 int32 lanes += the byte-wise products of a and b (16 int8 each), summed by lanes of 4 (dotprod) or 8 (not)
+inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#ifdef __ARM_FEATURE_DOTPROD
+  return vdotq_s32(acc, a, b);
+#else
+  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  return vpadalq_s16(acc, vmull_high_s8(a, b));
+#endif
+}
+
+// quantize_x's operations per 32-column block: xs = max|x| / 127, xq = round_half_even(x * (127 / max|x|)) (0 where
+// max|x| = 0), stored permuted (xperm[4 l + i] = x[8 i + l]); xr per group = sum over its blocks of xs * sum(xq), in
+// block order. Rounded values q are returned in `q` (natural order) for fake_quantize_q8.
+template <typename T>
+inline float quantize_block(const T* x, int8_t* xq_perm, int32_t* q) {
+  float f[kBlock];
+  for (int64_t e = 0; e < kBlock; ++e) f[e] = load_f(x[e]);
+  float32x4_t mx = vdupq_n_f32(0.f);
+  for (int e = 0; e < kBlock; e += 4) mx = vmaxq_f32(mx, vabsq_f32(vld1q_f32(f + e)));
+  const float amax = vmaxvq_f32(mx);
+  const float32x4_t inv = vdupq_n_f32(amax > 0.f ? 127.f / amax : 0.f);
+  for (int e = 0; e < kBlock; e += 4) vst1q_s32(q + e, vcvtnq_s32_f32(vmulq_f32(vld1q_f32(f + e), inv)));
+  if (xq_perm != nullptr)
+    for (int l = 0; l < 8; ++l)
+      for (int i = 0; i < 4; ++i) xq_perm[4 * l + i] = static_cast<int8_t>(q[8 * i + l]);
+  return amax;
+}
+
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
+  const int64_t nblocks = K / kBlock, ngroups = K / G, bpg = G / kBlock;
+  int32_t q[kBlock];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float gsum = 0.f;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        const float scale = quantize_block(x + m * K + j * kBlock, xq + m * K + j * kBlock, q) / 127.f;
+        xs[m * nblocks + j] = scale;
+        int32_t s = 0;  // exact in int32, then exact in float: |sum| <= 32 * 127
+        for (int e = 0; e < kBlock; ++e) s += q[e];
+        gsum += scale * static_cast<float>(s);
+      }
+      xr[m * ngroups + g] = gsum;
+    }
+  }
+}
+
+// One block's codes against one row's permuted activations (32 bytes): 4 int32 lanes of the dot product of (q - c)
+// with xq.
+template <int BITS>
+inline int32x4_t block_dot(const uint8_t* codes, const int8_t* x) {
+  const int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
+  if constexpr (BITS == 8) {
+    const uint8x16_t flip = vdupq_n_u8(0x80);
+    const int8x16_t q0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(codes), flip));
+    const int8x16_t q1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(codes + 16), flip));
+    return dot16(dot16(vdupq_n_s32(0), q0, x0), q1, x1);
+  } else {
+    const uint8x16_t c = vld1q_u8(codes);
+    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(c, vdupq_n_u8(0x0F)));
+    const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(c, 4));
+    return dot16(dot16(vdupq_n_s32(0), lo, x0), hi, x1);
+  }
+}
+
+struct Q8Args {
+  const uint8_t* data;
+  int64_t row_bytes;
+  const at::Half* scales;
+  const uint8_t* zeros;  // null: symmetric codes, zero point `zero`
+  float zero;
+  int64_t K, nblocks, ngroups, bpg;
+  const int8_t* xq;
+  const float* xs;
+  const float* xr;
+  const float* bias;
+};
+
+// Weight rows n0 .. n1-1 against MT activation rows starting at m (out + m * ldo):
+//   out[m, n] = sum_g s_g * sum_{b in g} xs_b * dot_b  +  sum_g s_g * (c - zero_g) * xr_g  (+ bias)
+template <int BITS, int MT>
+void tile(const Q8Args& a, int64_t n0, int64_t n1, int64_t m, float* out, int64_t ldo) {
+  constexpr int64_t bpb = 4 * BITS;  // bytes per block of codes
+  constexpr float c = BITS == 8 ? 128.f : 0.f;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = a.data + n * a.row_bytes;
+    __builtin_prefetch(w + 4096);
+    float32x4_t tot[MT];
+    float mins[MT];
+    for (int r = 0; r < MT; ++r) tot[r] = vdupq_n_f32(0.f), mins[r] = 0.f;
+    for (int64_t g = 0; g < a.ngroups; ++g) {
+      float32x4_t gacc[MT];
+      for (int r = 0; r < MT; ++r) gacc[r] = vdupq_n_f32(0.f);
+      for (int64_t b = g * a.bpg; b < (g + 1) * a.bpg; ++b) {
+        for (int r = 0; r < MT; ++r) {
+          const int32x4_t d = block_dot<BITS>(w + b * bpb, a.xq + (m + r) * a.K + b * kBlock);
+          gacc[r] = vfmaq_n_f32(gacc[r], vcvtq_f32_s32(d), a.xs[(m + r) * a.nblocks + b]);
+        }
+      }
+      const float s = static_cast<float>(a.scales[n * a.ngroups + g]);
+      const float mn = s * (c - (a.zeros ? static_cast<float>(a.zeros[n * a.ngroups + g]) : a.zero));
+      for (int r = 0; r < MT; ++r) {
+        tot[r] = vfmaq_n_f32(tot[r], gacc[r], s);
+        mins[r] += mn * a.xr[(m + r) * a.ngroups + g];
+      }
+    }
+    for (int r = 0; r < MT; ++r)
+      out[(m + r) * ldo + n] = vaddvq_f32(tot[r]) + mins[r] + (a.bias ? a.bias[n] : 0.f);
+  }
+}
+
+template <int BITS>
+void run(const Q8Args& a, int64_t M, int64_t N, float* out) {
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / a.row_bytes);  // >= ~32 KiB of codes per task
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + kTileRows <= M; m += kTileRows) tile<BITS, kTileRows>(a, n0, n1, m, out, N);
+    switch (M - m) {
+      case 3: tile<BITS, 3>(a, n0, n1, m, out, N); break;
+      case 2: tile<BITS, 2>(a, n0, n1, m, out, N); break;
+      case 1: tile<BITS, 1>(a, n0, n1, m, out, N); break;
+      default: break;
+    }
+  });
+}
+
+template <typename T>
+void fake_quantize_rows(const T* x, int64_t m0, int64_t m1, int64_t K, float* out) {
+  int32_t q[kBlock];
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t j = 0; j < K / kBlock; ++j) {
+      const float scale = quantize_block(x + m * K + j * kBlock, static_cast<int8_t*>(nullptr), q) / 127.f;
+      for (int e = 0; e < kBlock; ++e) out[m * K + j * kBlock + e] = static_cast<float>(q[e]) * scale;
+    }
+  }
+}
+
+}  // namespace
+
+// The x86 build's ops, with its argument checks (see above for the shapes).
+at::Tensor fake_quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "fake_quantize_q8: x must be float32 or bfloat16 [..., K]");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "fake_quantize_q8: K must be a multiple of 32");
+  auto xc = x.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t M = x.numel() / K;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    if (xc.scalar_type() == at::kFloat) fake_quantize_rows(xc.data_ptr<float>(), m0, m1, K, o);
+    else fake_quantize_rows(xc.data_ptr<at::BFloat16>(), m0, m1, K, o);
+  });
+  return out;
+}
+
+at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_q8: x must be float32 or bfloat16 [..., K]");
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_q8: bits must be 8 or 4");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_linear_q8: K and group_size must be multiples of 32, and group_size must divide K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous() &&
+              data.size(1) == K / kBlock * 4 * bits,
+              "quant_linear_q8: data must be a contiguous uint8 [N, K / 32 * 4 * bits] tensor");
+  const int64_t N = data.size(0), ngroups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) == ngroups, "quant_linear_q8: scales must be float16 [N, K / G]");
+  const bool affine = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(
+      !affine || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->sizes() == scales.sizes()),
+      "quant_linear_q8: zeros must be uint8 and shaped like scales");
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                "quant_linear_q8: bias must be a float32 or bfloat16 [N] tensor");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return out;
+  auto xc = x.contiguous();
+  const int64_t nblocks = K / kBlock;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * nblocks), xr(M * ngroups);
+  if (xc.scalar_type() == at::kFloat)
+    quantize_x(xc.data_ptr<float>(), M, K, group_size, xq.data(), xs.data(), xr.data());
+  else
+    quantize_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq.data(), xs.data(), xr.data());
+  const Q8Args a{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr<at::Half>(),
+                 affine ? zeros->data_ptr<uint8_t>() : nullptr, static_cast<float>(int64_t{1} << (bits - 1)), K,
+                 nblocks, ngroups, group_size / kBlock, xq.data(), xs.data(), xr.data(),
+                 bf.defined() ? bf.data_ptr<float>() : nullptr};
+  const bool direct = x.scalar_type() == at::kFloat;
+  std::vector<float> acc(direct ? 0 : M * N);
+  float* o = direct ? out.data_ptr<float>() : acc.data();
+  if (bits == 8) run<8>(a, M, N, o);
+  else run<4>(a, M, N, o);
+  if (!direct) out.copy_(at::from_blob(o, sizes, x.options().dtype(at::kFloat)));  // -> bfloat16
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("quant_linear_q8(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int bits, int group_size, Tensor? bias) "
+        "-> Tensor", &quant_linear_q8);
+  m.def("fake_quantize_q8(Tensor x) -> Tensor", &fake_quantize_q8);
+}
+#endif  // aarch64 NEON
