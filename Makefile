@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test install lint bench clean
+.PHONY: run test install lint bench clean arm64-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ run: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# ARM64: every kernel cross-compiled for the aarch64 tiers and checked under qemu-user against the x86 results
+# (no ARM hardware needed; apt installs the cross compiler and qemu; docs/arm64.md)
+arm64-check: $(TEST_STAMP)
+	JOBS=2 .ci/arm64-check.sh
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests
