@@ -1,4 +1,4 @@
-"""8- and 4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX-512 VNNI builds): the layout switch is exact
+"""8- and 4-bit codes in the tiled layout (ops/csrc/quant_q8t.cpp, AVX2 and AVX-512 builds): the layout switch is exact
 and in place; the int8-activation kernel equals the float64 oracle, and the float-activation kernel the float64
 product with the dequantized weight, over the default model's shapes and every group size, at any row count; the
 tiled dequantization is bit-exact; load_model tiles exactly the layers the kernels take."""
@@ -21,6 +21,7 @@ from brisk.ops.qlinear import (
     MAX_TILED_M,
     can_tile,
     dequantize_packed,
+    max_tiled_rows,
     prepack,
     prepack_nf4,
     quant_linear,
@@ -39,8 +40,10 @@ def kernels_enabled(kernel_settings):
 
 @pytest.fixture(scope="module")
 def ops():
-    if kernel_isa() != "avx512":  # the layout's kernel is built for AVX-512 VNNI only; elsewhere nothing is tiled
-        pytest.skip("quant_q8t is built on AVX-512 VNNI CPUs only")
+    # built on every x86 tier (AVX2 and up); elsewhere (generic, ARM) nothing is tiled. ops_with fails, never skips,
+    # where it should have built and did not
+    if kernel_isa() not in ("avx2", "avx512"):
+        pytest.skip(f"quant_q8t is built on the AVX2 and AVX-512 tiers only (this one: {kernel_isa()})")
     return ops_with("quant_linear_q8t")
 
 
@@ -108,7 +111,8 @@ def test_bfloat16_activations_and_many_rows(ops, bits):
     pw = tiled(960, 576, 64, seed=4, bits=bits)
     x = torch.randn(Q.MAX_Q8_ROWS + 37, 576, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(960, generator=torch.Generator().manual_seed(6))
-    # past MAX_Q8_ROWS the tiled kernel still runs (it outruns the GEMM path): the oracle's numbers
+    # past MAX_Q8_ROWS the tiled kernel still runs (it outruns the GEMM path; on plain AVX2 the float GEMM of the
+    # rounded x takes over, Q.max_tiled_q8_rows): the oracle's numbers
     ref = Q.quant_q8_reference(x, pw, bias)
     torch.testing.assert_close(Q.quant_linear_q8(x, pw, bias), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     for rows in (5, 1000):  # 1000 bfloat16 rows: the float32 result no longer fits the kept scratch (1 Mi floats)
@@ -186,9 +190,9 @@ def test_float_path_bfloat16_and_prefill_rows(ops, bits):
     pw = tiled(576, 1536, 64, seed=11, bits=bits)
     bias = torch.randn(576, generator=torch.Generator().manual_seed(12))
     w = dequantize_packed(pw).double()
-    for m in (5, MAX_TILED_M + 9):  # the kernel, then dequantize_t + GEMM
+    for m in (5, 40, MAX_TILED_M + 9):  # the kernel, then dequantize_t + GEMM (past 32 rows on AVX2 builds)
         x = torch.randn(m, 1536, generator=torch.Generator().manual_seed(m))
-        xr = round_activations_16(x) if bits == 8 and m <= MAX_TILED_M else x
+        xr = round_activations_16(x) if bits == 8 and m <= max_tiled_rows() else x
         want = torch.nn.functional.linear(xr.double(), w, bias.double())
         torch.testing.assert_close(quant_linear(x, pw, bias).double(), want, rtol=1e-5,
                                    atol=2e-6 * want.abs().max().item())

@@ -2,7 +2,7 @@
 that both sides see the same bandwidth phase of a shared machine.
 
 `ab`: one quantized model's engine with its layers in the tiled layout (quant_q8t.cpp, the load default on
-AVX-512 VNNI) against the blocked one (quant_linear.cpp / quant_q8.cpp), or, with `--kv DTYPE`, two tiled
+x86 builds) against the blocked one (quant_linear.cpp / quant_q8.cpp), or, with `--kv DTYPE`, two tiled
 engines that differ in the KV cache (the model dtype vs DTYPE). Decode tok/s excludes prefill
 (`brisk.bench.quant.decode_rate`); greedy tokens of both sides are compared; `--ttft N` adds the time to first
 token of one N-token prompt.

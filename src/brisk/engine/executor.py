@@ -29,7 +29,7 @@ A mixture-of-experts model's steps follow the same rows: its routed layers run i
 each chosen expert's kernels once over its rows, as model/moe.py's moe_forward); compiled refuses it at build.
 
 So a batch-1 int4 decode step under the default (auto, kernels built) is DecodePlan.run_cpp: one decode_layers
-call whose linears are each QuantLinear's kernel descriptor (ops/layers.py: kind QUANT_TILED on AVX-512 builds,
+call whose linears are each QuantLinear's kernel descriptor (ops/layers.py: kind QUANT_TILED on x86 builds,
 else QUANT; QUANT_Q8_TILED / QUANT_Q8 with int8 activations, as quant_activations "auto" gives 4-bit layers).
 
 Every path starts with model.prologue (embeddings, RoPE, StreamingLLM's sink rotation) and ends with

@@ -2,7 +2,7 @@
 
 The multi-pass way (gguf.py `_repack_tensors`, then model/loader.py) moves every byte of the file about five times:
 read(2) into a buffer, repack into the blocked layout, concatenate q/k/v and gate/up, retile in place for the
-AVX-512 kernels, copy into the huge-page arena. Here the final layout of every packed weight is planned from the
+tiled kernels, copy into the huge-page arena. Here the final layout of every packed weight is planned from the
 file's header first, as those later steps would make it:
 
 - fused: q/k/v (gate/up) of one layer become one weight when `fuse` is on, all parts are packed in one format and

@@ -21,7 +21,7 @@ dequantization bit for bit in float32 (tests/test_gguf_repack.py checks every ty
 The K-quants' sub-block scale d * sc_j is an 11-bit float16 significand times a 4- to 8-bit integer: exact in float32
 but not, in general, in float16, so those parameters are float32 (float16 when every value of the tensor is
 exactly a float16). 5- and 6-bit codes live in the 8-bit container, 3- and 2-bit ones in the 4-bit container
-(the tiled AVX-512 kernels read 8- and 4-bit codes only): exact, at the cost of the bytes in the table. Q6_K, Q3_K
+(the tiled kernels read 8- and 4-bit codes only): exact, at the cost of the bytes in the table. Q6_K, Q3_K
 and Q2_K scale sub-blocks of 16 weights: groups of 16, which the float-activation kernels take (two groups per
 32-column block; the int8-activation kernels want groups of 32 and leave these layers to the float ones).
 F16/BF16/F32 matrices are dequantized at load (to the model's float dtype).

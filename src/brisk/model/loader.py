@@ -225,7 +225,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         from brisk.model.gguf import _intra_op_threads
 
         with _intra_op_threads(1):  # (chunks of 4 M weights: one thread, as the readers convert them)
-            tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the AVX-512 kernels
+            tile_quantized_layers(net)  # 8/4-bit layers interleaved 16 rows at a time for the tiled kernels
     use_fast_linear(net)  # small-M (decode) matmuls through the C++ GEMV when it is built; F.linear otherwise
     if torch.device(device).type == "cpu":
         from brisk.model.hugepages import to_huge_pages

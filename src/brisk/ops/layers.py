@@ -86,9 +86,10 @@ MAX_ROWS: dict[LinearKind, int] = {
     # 8: the kernel keeps one accumulator per row in one pass over the mask
     LinearKind.SPARSE: sparse.MAX_SMALL_M,
     LinearKind.SPARSE_Q8: sparse.MAX_SMALL_M,
-    # no limit: the tiled integer dots outran the GEMM path at every row count measured
+    # no limit: the tiled integer dots outran the GEMM path at every row count measured (plain AVX2: 256, see
+    # max_rows)
     LinearKind.QUANT_Q8_TILED: ANY_ROWS,
-    # 256: the tiled float-activation kernel against dequantize + GEMM, level near 256-512 rows
+    # 256: the tiled float-activation kernel against dequantize + GEMM, level near 256-512 rows (AVX2: 32)
     LinearKind.QUANT_TILED: qlinear.MAX_TILED_M,
     # the integer GEMM takes every row count (ops/w8a8.py)
     LinearKind.W8A8: ANY_ROWS,
@@ -97,6 +98,16 @@ MAX_ROWS: dict[LinearKind, int] = {
     LinearKind.LUT: lut.MAX_SMALL_M,
     LinearKind.LUT_Q8: lut.MAX_SMALL_M,
 }
+
+
+def max_rows(kind: LinearKind) -> int:
+    """MAX_ROWS[kind], the tiled kinds' limits as this build's kernels have them (lower on the AVX2 builds:
+    qlinear.max_tiled_rows, qlinear_q8.max_tiled_q8_rows)."""
+    if kind is LinearKind.QUANT_TILED:
+        return qlinear.max_tiled_rows()
+    if kind is LinearKind.QUANT_Q8_TILED:
+        return qlinear_q8.max_tiled_q8_rows()
+    return MAX_ROWS[kind]
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,7 +216,7 @@ class QuantLinear(_CachedKernel, nn.Module):
             op = getattr(ops, "quant_linear_t" if pw.tiled else "quant_linear_small", None) if pw.blocked else None
             small = None if op is None else (lambda x2: op(x2, data, scales, zeros, codebook, bits, group, b))
             slots = _slots(data, scales, zeros, codebook, b)
-        return LinearKernel(kind, slots, bits, group, MAX_ROWS[kind], pw.out_features, small, large,
+        return LinearKernel(kind, slots, bits, group, max_rows(kind), pw.out_features, small, large,
                             _ACT_DTYPES if small is not None else ())
 
     def forward(self, x: Tensor) -> Tensor:
@@ -248,7 +259,7 @@ class LutLinear(_CachedKernel, nn.Module):
             rt = self.rounded_tables()
             op = getattr(ops, "lut_linear_q8", None)
             small = None if op is None else (lambda x2: op(x2, lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, b))
-            # without the integer kernel (no AVX-512 VBMI) every call takes lut_linear_q8's float paths
+            # without the integer kernel (the kernels off or not built) every call takes lut_linear_q8's float paths
             return LinearKernel(LinearKind.LUT_Q8, _slots(lw.codes, rt.qlut, lw.row_ptr, lw.cols, lw.values, b),
                                 lw.bits, -1, MAX_ROWS[LinearKind.LUT_Q8], lw.out_features, small,
                                 lambda x: lut.lut_linear_q8(x, rt, b), _ACT_DTYPES if small is not None else ())

@@ -6,10 +6,11 @@ code sits in a fixed bit field of the 32-bit lane that the kernel decodes it int
 conversion per 8 codes), with the checkpoint's float16 scales and uint8 zero points (none for symmetric codes), so
 that a weight is w = scale * (q - zero) = scale * q + min. The kernels form min = -scale * zero in float32 (exact:
 an 11-bit significand times an integer below 256): 3 bytes of group parameters instead of 8 for float32 scales and
-mins, the same numbers. On AVX-512 builds, load_model then retiles 8/4-bit layers (affine, or NF4) of whole
-16-row tiles into the row-interleaved layout of ops/csrc/quant_q8t.cpp (`set_tiled`, in place), whose kernels
-take every row count up to MAX_TILED_M (float activations) or all of them (int8 activations); the rest keep the
-blocked layout, and `quant_linear` runs
+mins, the same numbers. On x86 builds (AVX2 and up), load_model then retiles 8/4-bit layers (affine, or NF4) of
+whole 16-row tiles into the row-interleaved layout of ops/csrc/quant_q8t.cpp (`set_tiled`, in place), whose kernels
+take every row count up to `max_tiled_rows()` (float activations) or, with int8 activations, up to
+qlinear_q8.max_tiled_q8_rows() (all of them but on plain AVX2); the rest keep the blocked layout, and `quant_linear`
+runs
 
 - few activation rows (decode, M <= MAX_SMALL_M): the C++ kernel, which reads each packed weight once per call
   and never materialises float weights. At M = 1 a linear layer is a matrix-vector product bound by memory
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from brisk.ops.kernels import get_op
+from brisk.ops.kernels import get_op, kernel_isa
 from brisk.ops.linear import dense_gemm
 
 BLOCK = 32  # elements per packed block of the runtime layout; group sizes must be multiples of it for the kernel
@@ -43,12 +44,18 @@ SUPPORTED_BITS = (8, 4, 3, 2)
 # box at the default model's shapes (int4, 2 threads): the kernel is 1.2-1.5x faster at M = 16, even at ~24,
 # and 1.2-1.7x slower at 32-48, where MKL's register blocking outweighs the float32 weights it has to read.
 MAX_SMALL_M = 16
-# The same for tiled weights (quant_q8t.cpp's float-activation kernel, on AVX-512 builds), measured on the Zen 5 VM
+# The same for tiled weights (quant_q8t.cpp's float-activation kernel, AVX-512 builds), measured on the Zen 5 VM
 # with one layer's four linears of the default model (ms, kernel / dequantize + GEMM): int4 g64 M = 64 1.34 / 2.68,
 # 128 2.63 / 3.57, 256 5.07 / 5.30, 512 10.6 / 9.4. 8-bit codes (x rounded to int16, tile16), the 1B shape's qkv, o
 # and gate_up of g32 codes, Xeon AMX VM, 2 threads, a helper job on one core (ms): M = 128 170 / 497, 256 483 / 796,
 # 512 961 / 1018, 1024 1758 / 1323.
 MAX_TILED_M = 256
+# The AVX2 builds of that kernel (two 256-bit vectors a tile, codes widened by shift + AND + convert) level with
+# dequantize + GEMM much earlier. Xeon (AVX-512 + AMX) forced to the avx2 tier, 1 thread, the same four int4 g64
+# linears (ms, kernel / dequantize + GEMM, best of 5 on a shared machine): M = 32 3.8 / 5.4, 48 9.9 / 9.9, 64 11.5 /
+# 10.3, 128 26.6 / 17.5, 256 58 / 26; forced to avx2vnni (the float kernel is the same code): 32 3.7 / 3.7, 48 5.5 /
+# 4.1, 128 17.4 / 11.7.
+MAX_TILED_M_AVX2 = 32
 
 # The 16 NormalFloat-4 levels of QLoRA (Dettmers et al. 2023): quantiles of N(0, 1) scaled to [-1, 1], with an
 # exact zero; 7 negative and 8 positive levels.
@@ -290,8 +297,13 @@ def _tileable(pw: PackedWeight) -> bool:
     return pw.blocked and codes and pw.out_features % TILE_ROWS == 0
 
 
+def max_tiled_rows() -> int:
+    """The most activation rows the tiled float-activation kernel takes in this build; beyond, dequantize + GEMM."""
+    return MAX_TILED_M if kernel_isa() == "avx512" else MAX_TILED_M_AVX2
+
+
 def can_tile(pw: PackedWeight) -> bool:
-    """Whether the tiled kernels (AVX-512 VNNI builds) can take this weight: 8- or 4-bit affine or 4-bit codebook
+    """Whether the tiled kernels (x86 builds, AVX2 and up) can take this weight: 8- or 4-bit affine or 4-bit codebook
     codes in the blocked layout (or tiled already), a multiple of 16 rows, on the CPU. (Codebook codes have no
     integer form: they take the float-activation kernel only.)"""
     return (pw.tiled or (_tileable(pw) and pw.data.is_cpu)) and get_op("quant_linear_q8t") is not None
@@ -396,7 +408,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
             return qlinear_q8.quant_linear_q8(x, pw, bias)
     if pw.blocked and x.is_cpu and x.dtype in _KERNEL_DTYPES:
         # the layout's kernels: tiled (quant_q8t.cpp) or blocked (quant_linear.cpp), with the same arguments
-        small, dequantize, max_rows = (("quant_linear_t", "quant_dequantize_t", MAX_TILED_M) if pw.tiled
+        small, dequantize, max_rows = (("quant_linear_t", "quant_dequantize_t", max_tiled_rows()) if pw.tiled
                                        else ("quant_linear_small", "quant_dequantize", MAX_SMALL_M))
         if x.numel() <= max_rows * k:  # few rows (decode): decode the codes inside the kernel
             op = get_op(small)

@@ -14,10 +14,12 @@ the dequantized weights (the same numbers up to summation order).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from brisk.ops.kernels import get_op
+from brisk.ops.kernels import get_op, kernel_tier
 from brisk.ops.qlinear import BLOCK, PackedWeight, dequantize_packed, unpack_codes
 from brisk.ops.sparse_q8 import quantize_activations_q8
 
@@ -27,6 +29,17 @@ ACTIVATION_MODES = ("auto", "float", "int8")
 # there. Default model, int4 g32, 2 threads, one layer's four linears (ms, kernel / float path): M = 128 8.5 / 11.0,
 # M = 256 16.5 / 18.3, M = 512 34.5 / 32.2 (the float path dequantizes and lets oneDNN reorder the weight per call).
 MAX_Q8_ROWS = 256
+# A tiled weight's kernel (quant_q8t.cpp) runs at any row count on AVX-512 and AVX-VNNI builds, but on plain AVX2
+# (vpmaddubsw + vpmaddwd, no vpdpbusd) the same float path as above wins past MAX_Q8_ROWS. Xeon (AVX-512 + AMX)
+# forced to a tier, 1 thread, the default model's four int4 g64 linears (ms, kernel / fake-quantized x through the
+# float paths, best of 5 on a shared machine): avx2 M = 256 33.0 / 61.6, 512 72.6 / 55.7, 1024 110 / 76; avx2vnni
+# M = 256 9.8 / 40.7, 512 25.6 / 35.5.
+ANY_ROWS = sys.maxsize
+
+
+def max_tiled_q8_rows() -> int:
+    """The most activation rows a tiled weight's int8-activation kernel takes in this build (see above)."""
+    return MAX_Q8_ROWS if kernel_tier().name == "avx2" else ANY_ROWS
 
 
 def covers(pw: PackedWeight) -> bool:
@@ -89,11 +102,12 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
 def quant_linear_q8(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 / bfloat16 -> [..., N] in x's dtype, with int8-rounded activations. The caller checks
     `covers(pw)`. A tiled weight takes quant_q8t's kernel at any row count (its integer dots outrun the float GEMM
-    path at every M measured); a blocked one past MAX_Q8_ROWS rows, or either without its kernel (not built,
-    disabled, off the CPU): a float32 product of the rounded x with the dequantized weights."""
+    path at every M measured), except on plain AVX2 (max_tiled_q8_rows); a blocked one up to MAX_Q8_ROWS rows.
+    Past them, or without the kernel (not built, disabled, off the CPU): a float32 product of the rounded x with the
+    dequantized weights."""
     op = get_op("quant_linear_q8t" if pw.tiled else "quant_linear_q8")
     if op is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
-        if pw.tiled or x.numel() <= MAX_Q8_ROWS * x.shape[-1]:
+        if x.numel() <= (max_tiled_q8_rows() if pw.tiled else MAX_Q8_ROWS) * x.shape[-1]:
             return op(x, pw.data, pw.scales, pw.zeros, pw.bits, pw.group_size, bias)  # [..., N]
         from brisk.ops.qlinear import quant_linear
 

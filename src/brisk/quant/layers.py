@@ -73,9 +73,9 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
     them to the integer kernels (tiled layout, float minimums) all the same; the 8-bit head of a W8A8 checkpoint
     (SmoothQuant, LLM.int8(): int8 activations by design) takes int8 ones under "auto". SqueezeLLM's table layers
     (3 or 4 bits, ops/lut.py) take int8 under "auto" and "int8", their tables then rounded to uint8 per row (on the
-    default model at 3 bits: +0.06% relative perplexity, and the integer table kernel's decode where the CPU has
-    AVX-512 VBMI). Returns the number of layers on the int8 path. Each layer's kernel descriptor (ops/layers.py)
-    follows the setting; an executor built over the model before the switch must be rebuilt (engine/executor.py)."""
+    default model at 3 bits: +0.06% relative perplexity, and the integer table kernel's decode). Returns the number
+    of layers on the int8 path. Each layer's kernel descriptor (ops/layers.py) follows the setting; an executor
+    built over the model before the switch must be rebuilt (engine/executor.py)."""
     from brisk.ops.qlinear_q8 import ACTIVATION_MODES, covers
 
     if mode not in ACTIVATION_MODES:
@@ -97,7 +97,7 @@ def set_quant_activations(model: nn.Module, mode: str) -> int:
 
 
 def tile_quantized_layers(model: nn.Module) -> int:
-    """Put every 8/4-bit affine QuantLinear of `model` that the tiled kernels take (AVX-512 VNNI builds; 16-row
+    """Put every 8/4-bit affine QuantLinear of `model` that the tiled kernels take (x86 builds, AVX2 and up; 16-row
     tiles, ops/csrc/quant_q8t.cpp) in the tiled layout, in place: 16 weight rows interleaved so that lane r of the
     kernels' vectors is row r (no horizontal sums, one scale load per 16 rows), for int8 and float activations
     alike. Idempotent; load_model and set_quant_activations call it. Returns the number of tiled layers."""

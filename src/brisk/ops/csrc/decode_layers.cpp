@@ -125,7 +125,7 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, int64_t, int64_t, const OptT&)>>
       q8;
-  // absent where quant_q8t.cpp was not built (no AVX-512 VNNI): plans then never pass kind 5
+  // absent where quant_q8t.cpp was not built (no AVX2 + FMA + F16C): plans then never pass kinds 5 / 6
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, int64_t, int64_t, const OptT&)>>
       q8t;
@@ -149,7 +149,7 @@ struct Ops {
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, const OptT&, const OptT&, const OptT&)>>
       lut;
-  // absent without AVX-512 VBMI (lut_linear.cpp's int8 kernel): plans then never pass kind 10
+  // absent where lut_linear.cpp was not built (no AVX2 + FMA): plans then never pass kind 10
   std::optional<c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptT&, const OptT&, const OptT&, const OptT&)>>
       lut_q8;

@@ -1,11 +1,13 @@
 // 8- and 4-bit affine codes and 4-bit codebook (NF4) codes in a row-interleaved ("tiled") layout, and the AVX-512
-// (VNNI) kernels that read it: quant_linear_q8t (int8 activations, integer dot products, affine codes;
+// (VNNI) and AVX2 kernels that read it: quant_linear_q8t (int8 activations, integer dot products, affine codes;
 // ops/qlinear_q8.py), quant_linear_t (float activations; ops/qlinear.py) and quant_dequantize_t (prefill rows:
 // dequantize + GEMM). load_model puts every such layer with whole 16-row tiles in this layout, in place
-// (brisk.quant.layers.tile_quantized_layers); the blocked layout of quant_linear.cpp stays for 3/2-bit codes, odd
-// row counts and the AVX2 build. With float activations a 4-bit column goes through a 16-entry table (vpermps: the
-// codebook, or 0..15 for affine codes), which needs neither a mask nor a conversion: NF4 batch-1 decode 172 -> 374
-// tok/s against the blocked kernel; the table instead of AND + convert for affine int4: 120 linears 1.61 -> 1.55 ms.
+// (brisk.quant.layers.tile_quantized_layers), on every tier that builds this file; the blocked layout of
+// quant_linear.cpp stays for 3/2-bit codes and odd row counts. With float activations a 4-bit column goes through a
+// 16-entry table (vpermps: the codebook, or 0..15 for affine codes), which needs neither a mask nor a conversion:
+// NF4 batch-1 decode 172 -> 374 tok/s against the blocked kernel; the table instead of AND + convert for affine
+// int4: 120 linears 1.61 -> 1.55 ms (AVX-512; on AVX2 a 16-entry table takes two vpermps and a blend, so there
+// affine codes take AND + convert and only codebook codes the table).
 //
 // Why another layout. quant_q8.cpp's blocked layout keeps a weight row's codes together, so a 512-bit dot product
 // holds 16 partial sums of ONE row: every row then ends in a horizontal reduction, its group scales must be
@@ -24,6 +26,17 @@
 // tok/s, batch 8 574 -> 837. Prefill rows too (M = 128 .. 1024: 2.5-3x the float GEMM path), so with int8
 // activations a tiled weight takes this kernel at every row count. Float activations: see tile_f (4 bits) and
 // tile16 (8 bits).
+// The AVX2 build (avx2 and avx2vnni tiers: Intel client chips since Alder Lake, AMD Zen 1-3) reads the same layout
+// with a tile as two 256-bit vectors (rows 0..7 in bytes 0..31 of every line, rows 8..15 in bytes 32..63), the same
+// sums lane by lane: int8 activations give the AVX-512 kernel's results bit for bit, float ones too at the same row
+// split. Int8 dot products: vpdpbusd (VEX) with AVX-VNNI, else vpmaddubsw + vpmaddwd (see its tile for the int16
+// ranges). Xeon (AVX-512 + AMX) forced to the avx2 tier, 1 thread, the default model's shapes, 30 layers' weights
+// cycled, best of 21 on a shared machine (us per call, blocked kernels of quant_linear.cpp / quant_q8.cpp -> these):
+// int4 g64 int8 activations M = 1: 576 x 576 16.5 -> 11.7, 960 x 576 25.4 -> 17.7, 3072 x 576 68.2 -> 49.2, 576 x
+// 1536 29.2 -> 26.9; M = 8: 71.5 -> 47.9, 118 -> 76.5, 609 -> 530, 238 -> 251. Float activations M = 1 level (24.1
+// -> 24.2 .. 130 -> 116), M = 8 1.2-1.3x; 8-bit codes (per channel) with float ones 1.3-1.8x at M = 1, with int8
+// ones 0.84-0.92x at M = 1 (the nibble split costs more than quant_q8.cpp's sign trick) and level at M = 8. Prefill
+// rows: ops/qlinear.py MAX_TILED_M_AVX2, ops/qlinear_q8.py max_tiled_q8_rows.
 //
 // Layout (made by brisk.ops.qlinear.set_tiled from the blocked layout; N a multiple of 16):
 //   data   [N / 16][K * bits / 32][16][4] uint8   (as the tensor [N, K * bits / 8])
@@ -43,7 +56,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
 
 #include <immintrin.h>
 
@@ -56,13 +70,21 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define BRISK_Q8T_ZMM 1  // the AVX-512 kernels; otherwise the AVX2 ones (AVX-VNNI dot products where built)
+#endif
+
 namespace {
 
 #define BRISK_INLINE_T inline __attribute__((always_inline))
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;       // weight rows per tile (lanes of a 512-bit vector)
+#ifdef BRISK_Q8T_ZMM
 constexpr int kMaxRows = 8;         // activation rows per pass over a tile
+#else
+constexpr int kMaxRows = 4;         // activation rows per pass over half a tile (16 ymm registers)
+#endif
 // Software prefetch 8 KiB ahead (as quant_q8.cpp's avx512 build; 4 and 16 KiB measured no better). The cache level
 // depends on the maker of the CPU (BRISK_CPU_AMD: ops/isa.py vendor_cflags). AMD (Zen 5): NON-TEMPORAL, since a
 // batch-1 step streams ~87 MB of int4 weights through a 32 MB L3 that cannot keep them to the next step anyway, and
@@ -98,6 +120,8 @@ struct TW {
   const float* mins32 = nullptr;
 };
 
+#ifdef BRISK_Q8T_ZMM
+
 // The 16 rows' scales of group-parameter index i (= (t * ngroups + g) * 16), as float32.
 BRISK_INLINE_T __m512 scales16(const TW& p, int64_t i) {
   if (p.scales32) return _mm512_loadu_ps(p.scales32 + i);
@@ -116,6 +140,35 @@ BRISK_INLINE_T __m512 neg_mins16(const TW& p, int64_t i, __m512 sv) {
   return _mm512_mul_ps(sv, z);
 }
 
+#else  // AVX2: a tile's 16 rows are two 256-bit vectors, rows 0..7 (bytes 0..31 of every line) and rows 8..15
+
+// The 8 rows' scales at group-parameter index i (the tile's, + 8 for its second half), as float32.
+BRISK_INLINE_T __m256 scales8(const TW& p, int64_t i) {
+  if (p.scales32) return _mm256_loadu_ps(p.scales32 + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + i)));
+}
+
+// -min of the 8 rows at index i, as neg_mins16.
+BRISK_INLINE_T __m256 neg_mins8(const TW& p, int64_t i, __m256 sv) {
+  if (p.mins32) return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(p.mins32 + i));
+  if (p.mins16)
+    return _mm256_sub_ps(_mm256_setzero_ps(),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mins16 + i))));
+  const __m256 z = p.zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zeros + i))))
+                           : _mm256_set1_ps(p.zero);
+  return _mm256_mul_ps(sv, z);
+}
+
+BRISK_INLINE_T int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+#endif
+
 struct TX {
   const int8_t* xq;  // [M, K] natural order
   const float* xs;   // [M, nblocks]
@@ -128,6 +181,8 @@ inline int32_t dword(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+
+#ifdef BRISK_Q8T_ZMM
 
 // Tile t against activation rows 0 .. MT-1 of x: out[m * ldo + 16 t + r] for r < 16.
 template <int BITS, int MT>
@@ -183,9 +238,120 @@ void tile(const TW& p, int64_t t, const TX& x, const float* bias, float* out, in
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo + t * kTile, _mm512_add_ps(tot[m], bv));
 }
 
+#else  // AVX2
+
+// Rows 8 h0 .. 8 (h0 + H) - 1 of tile t (H = 2: the whole tile, H = 1: one half of it) against activation rows
+// 0 .. MT-1 of x: out[m * ldo + 16 t + 8 h0 + r] for r < 8 H. The same sums as the AVX-512 kernel, lane by lane.
+// Int8 dot products: with AVX-VNNI vpdpbusd (VEX, 256 bits), as above. Without it vpmaddubsw (u8 x s8, each pair of
+// products summed into a SATURATING int16) + vpmaddwd by ones (-> int32). A pair of 4-bit codes reaches 2 * 15 * 127
+// = 3810, so the low + high nibbles of a block's 4 lines sum to <= 30480 in int16, exactly, and one vpmaddwd a block
+// widens them. 8-bit codes (pairs up to 2 * 255 * 127 = 64770 would saturate) are split into nibbles the same way,
+// q = 16 hi + lo: each nibble's sums over the block's 8 lines reach <= 30480, and vpmaddwd by 16 and by 1 recombines
+// them in int32. The int32 sums are vpdpbusd's, so the results are the AVX-512 kernel's, bit for bit.
+template <int BITS, int MT, int H>
+void tile(const TW& p, int64_t t, int h0, const TX& x, const float* bias, float* out, int64_t ldo) {
+  constexpr int kLines = BITS == 4 ? 4 : 8;  // 64-byte lines per 32-column block
+  const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8) + h0 * 32;
+  const int64_t pi = t * kTile * p.ngroups + h0 * 8;  // the first group-parameter index of these rows
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 tot[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < MT; ++m) tot[h][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    __m256 sv[H];
+    for (int h = 0; h < H; ++h) sv[h] = scales8(p, pi + g * kTile + 8 * h);
+    for (int64_t b = g * p.bpg; b < (g + 1) * p.bpg; ++b) {
+      const int8_t* xb = x.xq + b * kBlock;
+      __m256i a[H][MT];
+#ifdef __AVXVNNI__
+      constexpr int NA = MT == 1 ? 2 : 1;  // MT = 1: two chains, as above
+      __m256i acc[NA][H][MT];
+      for (int k = 0; k < NA; ++k)
+        for (int h = 0; h < H; ++h)
+          for (int m = 0; m < MT; ++m) acc[k][h][m] = _mm256_setzero_si256();
+      for (int c = 0; c < kLines; ++c) {
+        const uint8_t* wc = w + (b * kLines + c) * 64;
+        prefetch_stream(wc);
+        for (int h = 0; h < H; ++h) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * h));
+          if constexpr (BITS == 4) {
+            const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* xm = xb + m * x.K + c * 8;
+              acc[0][h][m] = _mm256_dpbusd_avx_epi32(acc[0][h][m], lo, _mm256_set1_epi32(dword(xm)));
+              acc[NA - 1][h][m] = _mm256_dpbusd_avx_epi32(acc[NA - 1][h][m], hi, _mm256_set1_epi32(dword(xm + 4)));
+            }
+          } else {
+            for (int m = 0; m < MT; ++m)
+              acc[c % NA][h][m] =
+                  _mm256_dpbusd_avx_epi32(acc[c % NA][h][m], d, _mm256_set1_epi32(dword(xb + m * x.K + c * 4)));
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        for (int m = 0; m < MT; ++m) {
+          a[h][m] = acc[0][h][m];
+          if constexpr (NA == 2) a[h][m] = _mm256_add_epi32(a[h][m], acc[1][h][m]);
+        }
+#else
+      constexpr int NS = BITS == 8 ? 2 : 1;  // int16 sums: 4 bits one, 8 bits one per nibble (low, high)
+      __m256i s16[NS][H][MT];
+      for (int k = 0; k < NS; ++k)
+        for (int h = 0; h < H; ++h)
+          for (int m = 0; m < MT; ++m) s16[k][h][m] = _mm256_setzero_si256();
+      for (int c = 0; c < kLines; ++c) {
+        const uint8_t* wc = w + (b * kLines + c) * 64;
+        prefetch_stream(wc);
+        for (int h = 0; h < H; ++h) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * h));
+          const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            if constexpr (BITS == 4) {
+              const int8_t* xm = xb + m * x.K + c * 8;
+              const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(dword(xm)));
+              const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(dword(xm + 4)));
+              s16[0][h][m] = _mm256_add_epi16(s16[0][h][m], _mm256_add_epi16(pl, ph));
+            } else {
+              const __m256i xv = _mm256_set1_epi32(dword(xb + m * x.K + c * 4));
+              s16[0][h][m] = _mm256_add_epi16(s16[0][h][m], _mm256_maddubs_epi16(lo, xv));
+              s16[NS - 1][h][m] = _mm256_add_epi16(s16[NS - 1][h][m], _mm256_maddubs_epi16(hi, xv));
+            }
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        for (int m = 0; m < MT; ++m) {
+          a[h][m] = _mm256_madd_epi16(s16[0][h][m], _mm256_set1_epi16(1));
+          if constexpr (BITS == 8)
+            a[h][m] = _mm256_add_epi32(a[h][m], _mm256_madd_epi16(s16[NS - 1][h][m], _mm256_set1_epi16(16)));
+        }
+#endif
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xs = _mm256_set1_ps(x.xs[m * x.nblocks + b]);
+        for (int h = 0; h < H; ++h)
+          tot[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][m]), _mm256_mul_ps(sv[h], xs), tot[h][m]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 mn = neg_mins8(p, pi + g * kTile + 8 * h, sv[h]);  // -min_g of the 8 rows
+      for (int m = 0; m < MT; ++m)
+        tot[h][m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x.xr[m * x.ngroups + g]), tot[h][m]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t n = t * kTile + 8 * (h0 + h);
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + n, _mm256_add_ps(tot[h][m], bv));
+  }
+}
+
+#endif
+
 inline TX rows_from(const TX& x, int64_t m) {
   return TX{x.xq + m * x.K, x.xs + m * x.nblocks, x.xr + m * x.ngroups, x.K, x.nblocks, x.ngroups};
 }
+
+#ifdef BRISK_Q8T_ZMM
 
 // Tiles t0 .. t1-1 against all M activation rows: per tile, every group of up to kMaxRows rows (the tile's codes
 // stay in L1 meanwhile), as f(t, first row, std::integral_constant<int, rows>).
@@ -251,6 +417,75 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* 
   }
 }
 
+#else  // AVX2
+
+// Tiles t0 .. t1-1 against all M activation rows, as f(t, h0, first row, rows, halves), rows and halves as
+// std::integral_constant. One or two rows take a whole tile at once (both halves' sums fit the 16 registers); more
+// rows take one half of it at a time (8 weight rows), kMaxRows activation rows per pass, while the half tile's codes
+// stay in L1.
+template <typename F>
+void each_tile_rows(int64_t M, int64_t t0, int64_t t1, F&& f) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  for (int64_t t = t0; t < t1; ++t) {
+    if (M <= 2) {
+      if (M == 1) f(t, 0, 0, One{}, Two{});
+      else f(t, 0, 0, Two{}, Two{});
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {
+      int64_t m = 0;
+      for (; m + kMaxRows <= M; m += kMaxRows) f(t, h, m, std::integral_constant<int, kMaxRows>{}, One{});
+      if (m < M)
+        brisk_simd::with_rows(M - m, [&](auto mt) {
+          if constexpr (decltype(mt)::value < kMaxRows) f(t, h, m, mt, One{});
+        });
+    }
+  }
+}
+
+template <int BITS>
+void run(const TW& p, const TX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+  each_tile_rows(M, t0, t1, [&](int64_t t, int h0, int64_t m, auto mt, auto halves) {
+    tile<BITS, decltype(mt)::value, decltype(halves)::value>(p, t, h0, rows_from(x, m), bias, out + m * ldo, ldo);
+  });
+}
+
+// One 32-column block at src rounded to integers in [-qmax, qmax], as round_block32 (the same float32 operations,
+// so the same numbers): four vectors of 8 int32; returns the block's scale max|x| / qmax.
+template <typename T>
+BRISK_INLINE_T float round_block32(const T* src, float qmax, __m256i q[4]) {
+  __m256 f[4];
+  const float amax = brisk_simd::load_block(src, f);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));  // round half to even
+  return amax / qmax;
+}
+
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* xs, float* xr) {
+  const int64_t nblocks = K / kBlock, ngroups = K / G, bpg = G / kBlock;
+  // the packs below leave dwords [q0 0..3, q1 0..3, q2 0..3, q3 0..3 | q0 4..7, ...]: back to column order
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float gsum = 0.f;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        __m256i q[4];
+        const float scale = round_block32(x + m * K + j * kBlock, 127.f, q);
+        xs[m * nblocks + j] = scale;
+        const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        gsum += scale * static_cast<float>(hsum_epi32(qs));
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + j * kBlock), _mm256_permutevar8x32_epi32(b, order));
+      }
+      xr[m * ngroups + g] = gsum;
+    }
+  }
+}
+
+#endif
+
 // ---- 4-bit codes, float activations (quant_linear_t): the same tiles, each code widened to float32 ----
 // Column j of a line is nibble j (low nibbles of bytes 0..3, then their high nibbles) of every row's dword: a shift
 // and a 16-entry table lookup (see column) give the 16 rows' codes of that column as floats, and one FMA per
@@ -264,6 +499,8 @@ struct FX {
   const float* xg;  // [M, ngroups]: sum of x over each group
   int64_t K, ngroups;
 };
+
+#ifdef BRISK_Q8T_ZMM
 
 // Through a table (the codebook, or 0..15 for affine codes): vpermps reads the low 4 bits of each lane, so neither a
 // mask nor a conversion is needed.
@@ -281,7 +518,7 @@ void tile_f(const TW& p, int64_t t, const FX& x, const float* bias, float* out, 
   const int64_t pi = t * kTile * p.ngroups;  // the tile's first group-parameter index
   const int64_t group = p.group, lines = group / kCols;  // G = 16: 2 lines a group
   const __m512 lut = LUT ? _mm512_loadu_ps(p.codebook)
-                         : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // 4-bit codes as floats
+                         : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // codes as floats
   __m512 tot[MT];
   for (int m = 0; m < MT; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.ngroups; ++g) {
@@ -322,6 +559,94 @@ void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const fl
   });
 }
 
+#else  // AVX2
+
+// 8 codes (int32 lanes, 0..15) through a 16-entry table held as two vectors: vpermps of either by the low 3 bits,
+// a blend on bit 3.
+BRISK_INLINE_T __m256 lookup16(__m256i q, __m256 lut0, __m256 lut1) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut0, q), _mm256_permutevar8x32_ps(lut1, q),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+}
+
+// Column j of 8 rows' dwords as floats. Affine codes: shift, AND, conversion. A 16-entry table takes two vpermps
+// (each reads the low 3 bits of a lane) and a blend on bit 3 on AVX2, so only codebook codes go through one.
+template <bool LUT>
+BRISK_INLINE_T __m256 column(__m256i d, int j, __m256 lut0, __m256 lut1) {
+  const int shift = j < 4 ? 8 * j : 8 * (j - 4) + 4;
+  const __m256i q = j == 0 ? d : _mm256_srli_epi32(d, shift);
+  if constexpr (LUT) {
+    return lookup16(q, lut0, lut1);
+  } else {
+    return _mm256_cvtepi32_ps(j == 7 ? q : _mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+  }
+}
+
+// As tile_f above for rows 8 h0 .. 8 (h0 + H) - 1 (see the AVX2 tile): the same operations lane by lane, so the
+// same numbers.
+template <int BITS, bool LUT, int MT, int H>
+void tile_f(const TW& p, int64_t t, int h0, const FX& x, const float* bias, float* out, int64_t ldo) {
+  static_assert(BITS == 4, "8-bit codes take tile16");
+  constexpr int kCols = 32 / BITS;  // columns per 64-byte line
+  constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per activation row
+  const uint8_t* w = p.data + t * kTile * (p.K * BITS / 8) + h0 * 32;
+  const int64_t pi = t * kTile * p.ngroups + h0 * 8;
+  const int64_t group = p.group, lines = group / kCols;
+  const __m256 lut0 = LUT ? _mm256_loadu_ps(p.codebook) : _mm256_setzero_ps();
+  const __m256 lut1 = LUT ? _mm256_loadu_ps(p.codebook + 8) : _mm256_setzero_ps();
+  __m256 tot[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < MT; ++m) tot[h][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    __m256 acc[NA][H][MT];
+    for (int a = 0; a < NA; ++a)
+      for (int h = 0; h < H; ++h)
+        for (int m = 0; m < MT; ++m) acc[a][h][m] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < lines; ++l) {
+      const uint8_t* wl = w + (g * lines + l) * 64;
+      prefetch_stream(wl);
+      __m256i d[H];
+      for (int h = 0; h < H; ++h) d[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl + 32 * h));
+      const int64_t c0 = g * group + l * kCols;  // the line's first column
+      for (int j = 0; j < kCols; ++j) {
+        __m256 xv[MT];
+        for (int m = 0; m < MT; ++m) xv[m] = _mm256_set1_ps(x.x[m * x.K + c0 + j]);
+        for (int h = 0; h < H; ++h) {
+          const __m256 v = column<LUT>(d[h], j, lut0, lut1);
+          for (int m = 0; m < MT; ++m) acc[j % NA][h][m] = _mm256_fmadd_ps(v, xv[m], acc[j % NA][h][m]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 sv = scales8(p, pi + g * kTile + 8 * h);
+      for (int m = 0; m < MT; ++m) {
+        __m256 a = acc[0][h][m];
+        for (int k = 1; k < NA; ++k) a = _mm256_add_ps(a, acc[k][h][m]);
+        tot[h][m] = _mm256_fmadd_ps(a, sv, tot[h][m]);
+      }
+      if constexpr (!LUT) {  // affine codes: + min (= - scale * zero) * (the group's sum of x)
+        const __m256 mn = neg_mins8(p, pi + g * kTile + 8 * h, sv);
+        for (int m = 0; m < MT; ++m)
+          tot[h][m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x.xg[m * x.ngroups + g]), tot[h][m]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t n = t * kTile + 8 * (h0 + h);
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + n, _mm256_add_ps(tot[h][m], bv));
+  }
+}
+
+template <int BITS, bool LUT>
+void run_f(const TW& p, const FX& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out, int64_t ldo) {
+  each_tile_rows(M, t0, t1, [&](int64_t t, int h0, int64_t m, auto mt, auto halves) {
+    const FX rows{x.x + m * x.K, x.xg + m * x.ngroups, x.K, x.ngroups};
+    tile_f<BITS, LUT, decltype(mt)::value, decltype(halves)::value>(p, t, h0, rows, bias, out + m * ldo, ldo);
+  });
+}
+
+#endif
+
 // ---- 8-bit codes, float activations (quant_linear_t): x as 16-bit integers per 32 columns ----
 // Widening each 8-bit code to float32 costs three vector operations per column on top of one FMA per activation row
 // (tile_f), 44 operations per 64-byte line at 8 rows: batched decode of 8-bit models was compute-bound (the 1B shape's
@@ -345,6 +670,8 @@ struct TX16 {
   const float* xr;     // [M, ngroups]: sum of the rounded activations of each group (float-minimum codes)
   int64_t K, nblocks, ngroups;
 };
+
+#ifdef BRISK_Q8T_ZMM
 
 template <typename T>
 void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, float* xs, int32_t* xi, float* xr) {
@@ -376,11 +703,46 @@ void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, floa
   }
 }
 
+#else  // AVX2
+
+template <typename T>
+void quantize_x16(const T* x, int64_t M, int64_t K, int64_t G, int16_t* xq, float* xs, int32_t* xi, float* xr) {
+  const int64_t nblocks = K / kBlock, ngroups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    float* xrm = xr + m * ngroups;
+    for (int64_t g = 0; g < ngroups; ++g) xrm[g] = 0.f;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      __m256i q[4];
+      const float scale = round_block32(x + m * K + b * kBlock, 32767.f, q);
+      xs[m * nblocks + b] = scale;
+      int16_t* dst = xq + m * K + b * kBlock;
+      for (int i = 0; i < 2; ++i) {  // 16 columns: the packed words back in column order, then 0, 2, 1, 3 of every 4
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i),
+                            _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(w, 0xD8), 0xD8));
+      }
+      const int32_t s0 = hsum_epi32(_mm256_add_epi32(q[0], q[1])), s1 = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+      xi[m * (K / 16) + 2 * b] = s0;
+      xi[m * (K / 16) + 2 * b + 1] = s1;
+      if (G == 16) {
+        xrm[2 * b] = scale * static_cast<float>(s0);
+        xrm[2 * b + 1] = scale * static_cast<float>(s1);
+      } else {
+        xrm[b * kBlock / G] += scale * static_cast<float>(s0 + s1);
+      }
+    }
+  }
+}
+
+#endif
+
 inline int32_t dword16(const int16_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
+
+#ifdef BRISK_Q8T_ZMM
 
 template <int MT>
 void tile16(const TW& p, int64_t t, const TX16& x, const float* bias, float* out, int64_t ldo) {
@@ -443,6 +805,242 @@ void run16(const TW& p, const TX16& x, int64_t M, int64_t t0, int64_t t1, const 
     tile16<decltype(mt)::value>(p, t, rows, bias, out + m * ldo, ldo);
   });
 }
+
+#else  // AVX2
+
+// As tile16 above for rows 8 h0 .. 8 (h0 + H) - 1 (see the AVX2 tile): vpdpwssd with AVX-VNNI, else vpmaddwd and
+// two adds (no saturation: the same int32 sums), so the same numbers.
+template <int MT, int H>
+void tile16(const TW& p, int64_t t, int h0, const TX16& x, const float* bias, float* out, int64_t ldo) {
+  constexpr int NA = MT == 1 ? 2 : 1;  // independent chains per activation row (integer sums: any split is exact)
+  const uint8_t* w = p.data + t * kTile * p.K + h0 * 32;
+  const int64_t pi = t * kTile * p.ngroups + h0 * 8;
+  const int64_t seg = std::min<int64_t>(p.group, kBlock), lines = seg / 4, segs = p.group / seg;
+  const bool float_mins = p.mins16 || p.mins32;
+  const __m256i low = _mm256_set1_epi32(0x00FF00FF);
+  __m256i zv[H];  // the 8 rows' zero points
+  for (int h = 0; h < H; ++h) zv[h] = _mm256_set1_epi32(static_cast<int32_t>(p.zero));
+  __m256 tot[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int m = 0; m < MT; ++m) tot[h][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    __m256 sv[H];
+    for (int h = 0; h < H; ++h) {
+      sv[h] = scales8(p, pi + g * kTile + 8 * h);
+      if (p.zeros)
+        zv[h] = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zeros + pi + g * kTile + 8 * h)));
+    }
+    for (int64_t s = 0; s < segs; ++s) {
+      const int64_t c0 = g * p.group + s * seg;  // the segment's first column
+      __m256i acc[NA][H][MT];
+      for (int a = 0; a < NA; ++a)
+        for (int h = 0; h < H; ++h)
+          for (int m = 0; m < MT; ++m) acc[a][h][m] = _mm256_setzero_si256();
+      for (int64_t l = 0; l < lines; ++l) {
+        const uint8_t* wl = w + (c0 / 4 + l) * 64;
+        prefetch_stream(wl);
+        for (int h = 0; h < H; ++h) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl + 32 * h));
+          const __m256i lo = _mm256_and_si256(d, low), hi = _mm256_srli_epi16(d, 8);
+          for (int m = 0; m < MT; ++m) {
+            const int16_t* xm = x.xq + m * x.K + c0 + 4 * l;
+            __m256i& a = acc[l % NA][h][m];
+#ifdef __AVXVNNI__
+            a = _mm256_dpwssd_avx_epi32(a, lo, _mm256_set1_epi32(dword16(xm)));
+            a = _mm256_dpwssd_avx_epi32(a, hi, _mm256_set1_epi32(dword16(xm + 2)));
+#else
+            a = _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(dword16(xm))),
+                                                     _mm256_madd_epi16(hi, _mm256_set1_epi32(dword16(xm + 2)))));
+#endif
+          }
+        }
+      }
+      const int64_t b = c0 / kBlock;
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* xim = x.xi + m * (x.K / 16) + c0 / 16;
+        const int32_t sum = seg == kBlock ? xim[0] + xim[1] : xim[0];
+        const __m256 xs = _mm256_set1_ps(x.xs[m * x.nblocks + b]);
+        for (int h = 0; h < H; ++h) {
+          __m256i a = acc[0][h][m];
+          for (int k = 1; k < NA; ++k) a = _mm256_add_epi32(a, acc[k][h][m]);
+          if (!float_mins) a = _mm256_sub_epi32(a, _mm256_mullo_epi32(zv[h], _mm256_set1_epi32(sum)));
+          tot[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(sv[h], xs), tot[h][m]);
+        }
+      }
+    }
+    if (float_mins) {  // + m_g * (the group's sum of the rounded x)
+      for (int h = 0; h < H; ++h) {
+        const __m256 mn = neg_mins8(p, pi + g * kTile + 8 * h, sv[h]);
+        for (int m = 0; m < MT; ++m)
+          tot[h][m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x.xr[m * x.ngroups + g]), tot[h][m]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t n = t * kTile + 8 * (h0 + h);
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + n, _mm256_add_ps(tot[h][m], bv));
+  }
+}
+
+void run16(const TW& p, const TX16& x, int64_t M, int64_t t0, int64_t t1, const float* bias, float* out,
+           int64_t ldo) {
+  each_tile_rows(M, t0, t1, [&](int64_t t, int h0, int64_t m, auto mt, auto halves) {
+    const TX16 rows{x.xq + m * x.K, x.xs + m * x.nblocks, x.xi + m * (x.K / 16), x.xr + m * x.ngroups,
+                    x.K, x.nblocks, x.ngroups};
+    tile16<decltype(mt)::value, decltype(halves)::value>(p, t, h0, rows, bias, out + m * ldo, ldo);
+  });
+}
+
+#endif
+
+// ---- the pieces of the ops' bodies that differ by build ----
+
+#ifdef BRISK_Q8T_ZMM
+
+// n bfloat16 values (n % 16 == 0) as float32
+void widen_rows(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+}
+
+// xg [M, K / G]: each group's sum of x (quant_linear_t's min terms)
+void group_sums(const float* xf, int64_t M, int64_t K, int64_t group_size, float* xg) {
+  const int64_t ngroups = K / group_size;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ngroups; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16)
+        s = _mm512_add_ps(s, _mm512_loadu_ps(xf + m * K + k));
+      xg[m * ngroups + g] = _mm512_reduce_add_ps(s);
+    }
+}
+
+// Tile t (its codes at `tile`) as float32 rows [16, K] at `rows`: w = scale * (q - zero), or scale * lut[q].
+void dequantize_tile(const TW& p, const uint8_t* tile, int64_t t, int64_t bits, const float* lut_values,
+                     float* rows) {
+  const int64_t K = p.K, group_size = p.group, ngroups = p.ngroups;
+  const bool lut = lut_values != nullptr;
+  const __m512 table = lut ? _mm512_loadu_ps(lut_values) : _mm512_setzero_ps();
+  alignas(64) float sv[kTile], mv[kTile];
+  // per 16 columns of a tile: four vectors X0..X3 of bytes (8 bits: four lines; 4 bits: the low and high nibbles of
+  // two), whose 4 x 4 dword transposes (per 128-bit lane) give each row its 16 codes in column order; each row's 16
+  // codes then widen to float32 and take w = q * s + m (m = -s * z: exact, as the reference's form)
+  for (int64_t c0 = 0; c0 < K; c0 += 16) {
+    if (c0 % group_size == 0) {  // a new group: its 16 rows' scales and mins
+      const int64_t g = c0 / group_size;
+      const __m512 s = scales16(p, (t * ngroups + g) * kTile);
+      _mm512_store_ps(sv, s);
+      _mm512_store_ps(mv, lut ? _mm512_setzero_ps()
+                              : _mm512_sub_ps(_mm512_setzero_ps(), neg_mins16(p, (t * ngroups + g) * kTile, s)));
+    }
+    __m512i x[4];
+    if (bits == 8) {
+      for (int i = 0; i < 4; ++i) x[i] = _mm512_loadu_si512(tile + (c0 / 4 + i) * 64);
+    } else {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int i = 0; i < 2; ++i) {
+        const __m512i l = _mm512_loadu_si512(tile + (c0 / 8 + i) * 64);
+        x[2 * i] = _mm512_and_si512(l, low);
+        x[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+      }
+    }
+    const __m512i p0 = _mm512_unpacklo_epi32(x[0], x[1]), p1 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i p2 = _mm512_unpacklo_epi32(x[2], x[3]), p3 = _mm512_unpackhi_epi32(x[2], x[3]);
+    const __m512i r4[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
+                           _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
+    for (int i = 0; i < 4; ++i) {    // r4[i], lane k: row 4 k + i
+      for (int k = 0; k < 4; ++k) {
+        const int r = 4 * k + i;
+        const __m128i q = k == 0 ? _mm512_castsi512_si128(r4[i]) : k == 1 ? _mm512_extracti32x4_epi32(r4[i], 1)
+                          : k == 2 ? _mm512_extracti32x4_epi32(r4[i], 2) : _mm512_extracti32x4_epi32(r4[i], 3);
+        const __m512i qi = _mm512_cvtepu8_epi32(q);
+        const __m512 w = lut ? _mm512_mul_ps(_mm512_permutexvar_ps(qi, table), _mm512_set1_ps(sv[r]))
+                             : _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(sv[r]),
+                                               _mm512_set1_ps(mv[r]));
+        _mm512_storeu_ps(rows + r * K + c0, w);
+      }
+    }
+  }
+}
+
+#else  // AVX2
+
+void widen_rows(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, brisk_simd::load8(src + i));
+}
+
+// As above, each group's sum in 16 lanes (two vectors of 8) reduced in the order of _mm512_reduce_add_ps: the
+// AVX-512 build's sums, bit for bit.
+void group_sums(const float* xf, int64_t M, int64_t K, int64_t group_size, float* xg) {
+  const int64_t ngroups = K / group_size;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ngroups; ++g) {
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(xf + m * K + k));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(xf + m * K + k + 8));
+      }
+      const __m256 s8 = _mm256_add_ps(s1, s0);
+      const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+      const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      xg[m * ngroups + g] = _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+    }
+}
+
+// As above, per half tile (8 rows): the same transposes per 128-bit lane, lane k holding row 8 h + 4 k + i.
+void dequantize_tile(const TW& p, const uint8_t* tile, int64_t t, int64_t bits, const float* lut_values,
+                     float* rows) {
+  const int64_t K = p.K, group_size = p.group, ngroups = p.ngroups;
+  const bool lut = lut_values != nullptr;
+  const __m256 lut0 = lut ? _mm256_loadu_ps(lut_values) : _mm256_setzero_ps();
+  const __m256 lut1 = lut ? _mm256_loadu_ps(lut_values + 8) : _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) float sv[kTile], mv[kTile];
+  for (int64_t c0 = 0; c0 < K; c0 += 16) {
+    if (c0 % group_size == 0) {  // a new group: its 16 rows' scales and mins
+      const int64_t i = (t * ngroups + c0 / group_size) * kTile;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = scales8(p, i + 8 * h);
+        _mm256_store_ps(sv + 8 * h, s);
+        _mm256_store_ps(mv + 8 * h, lut ? _mm256_setzero_ps()
+                                        : _mm256_sub_ps(_mm256_setzero_ps(), neg_mins8(p, i + 8 * h, s)));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i x[4];
+      if (bits == 8) {
+        for (int i = 0; i < 4; ++i)
+          x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (c0 / 4 + i) * 64 + 32 * h));
+      } else {
+        for (int i = 0; i < 2; ++i) {
+          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (c0 / 8 + i) * 64 + 32 * h));
+          x[2 * i] = _mm256_and_si256(l, low);
+          x[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
+        }
+      }
+      const __m256i p0 = _mm256_unpacklo_epi32(x[0], x[1]), p1 = _mm256_unpackhi_epi32(x[0], x[1]);
+      const __m256i p2 = _mm256_unpacklo_epi32(x[2], x[3]), p3 = _mm256_unpackhi_epi32(x[2], x[3]);
+      const __m256i r4[4] = {_mm256_unpacklo_epi64(p0, p2), _mm256_unpackhi_epi64(p0, p2),
+                             _mm256_unpacklo_epi64(p1, p3), _mm256_unpackhi_epi64(p1, p3)};
+      for (int i = 0; i < 4; ++i) {
+        for (int k = 0; k < 2; ++k) {
+          const int r = 8 * h + 4 * k + i;
+          const __m128i q = k == 0 ? _mm256_castsi256_si128(r4[i]) : _mm256_extracti128_si256(r4[i], 1);
+          for (int e = 0; e < 2; ++e) {  // columns c0 + 8 e .. c0 + 8 e + 7
+            const __m256i qi = _mm256_cvtepu8_epi32(e == 0 ? q : _mm_srli_si128(q, 8));
+            const __m256 w = lut ? _mm256_mul_ps(lookup16(qi, lut0, lut1), _mm256_set1_ps(sv[r]))
+                                 : _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(sv[r]),
+                                                   _mm256_set1_ps(mv[r]));
+            _mm256_storeu_ps(rows + r * K + c0 + 8 * e, w);
+          }
+        }
+      }
+    }
+  }
+}
+
+#endif
 
 }  // namespace
 
@@ -613,18 +1211,8 @@ at::Tensor quant_linear_t(const at::Tensor& x, const at::Tensor& data, const at:
   float* xg = scratch(M * (ngroups + (direct ? 0 : K + N)), big);
   const float* xf = direct ? c.x.data_ptr<float>() : xg + M * ngroups;
   float* acc = direct ? c.out.data_ptr<float>() : xg + M * (ngroups + K);
-  if (!direct) {
-    const at::BFloat16* src = c.x.data_ptr<at::BFloat16>();
-    float* dst = xg + M * ngroups;
-    for (int64_t i = 0; i < M * K; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));  // K % 32 == 0
-  }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ngroups; ++g) {
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16)
-        s = _mm512_add_ps(s, _mm512_loadu_ps(xf + m * K + k));
-      xg[m * ngroups + g] = _mm512_reduce_add_ps(s);
-    }
+  if (!direct) widen_rows(c.x.data_ptr<at::BFloat16>(), xg + M * ngroups, M * K);  // K % 32 == 0
+  group_sums(xf, M, K, group_size, xg);
   const FX xa{xf, xg, K, ngroups};
   at::parallel_for(0, N / kTile, c.grain, [&](int64_t t0, int64_t t1) {
     if (lut) run_f<4, true>(c.p, xa, M, t0, t1, b, acc, N);
@@ -656,53 +1244,14 @@ at::Tensor quant_dequantize_t(const at::Tensor& data, const at::Tensor& scales, 
   auto out = at::empty({(t1 - t0) * kTile, K}, scales.options().dtype(at::kFloat));
   const uint8_t* d = data.data_ptr<uint8_t>();
   const float* lut_values = codebook_of("quant_dequantize_t", codebook, bits, has_zero_terms(p));
-  const bool lut = lut_values != nullptr;
-  const __m512 table = lut ? _mm512_loadu_ps(lut_values) : _mm512_setzero_ps();
+  p.K = K;
+  p.group = group_size;
+  p.ngroups = ngroups;
   const int64_t tile_bytes = kTile * K * bits / 8;
   float* o = out.data_ptr<float>();
-  // per 16 columns of a tile: four vectors X0..X3 of bytes (8 bits: four lines; 4 bits: the low and high nibbles of
-  // two), whose 4 x 4 dword transposes (per 128-bit lane) give each row its 16 codes in column order; each row's 16
-  // codes then widen to float32 and take w = q * s + m (m = -s * z: exact, as the reference's form)
   at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
-    alignas(64) float sv[kTile], mv[kTile];
-    for (int64_t t = a; t < b; ++t) {
-      float* rows = o + (t - t0) * kTile * K;
-      const uint8_t* tile = d + t * tile_bytes;
-      for (int64_t c0 = 0; c0 < K; c0 += 16) {
-        if (c0 % group_size == 0) {  // a new group: its 16 rows' scales and mins
-          const int64_t g = c0 / group_size;
-          const __m512 s = scales16(p, (t * ngroups + g) * kTile);
-          _mm512_store_ps(sv, s);
-          _mm512_store_ps(mv, lut ? _mm512_setzero_ps() : _mm512_sub_ps(_mm512_setzero_ps(), neg_mins16(p, (t * ngroups + g) * kTile, s)));
-        }
-        __m512i x[4];
-        if (bits == 8) {
-          for (int i = 0; i < 4; ++i) x[i] = _mm512_loadu_si512(tile + (c0 / 4 + i) * 64);
-        } else {
-          const __m512i low = _mm512_set1_epi8(0x0F);
-          for (int i = 0; i < 2; ++i) {
-            const __m512i l = _mm512_loadu_si512(tile + (c0 / 8 + i) * 64);
-            x[2 * i] = _mm512_and_si512(l, low);
-            x[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
-          }
-        }
-        const __m512i p0 = _mm512_unpacklo_epi32(x[0], x[1]), p1 = _mm512_unpackhi_epi32(x[0], x[1]);
-        const __m512i p2 = _mm512_unpacklo_epi32(x[2], x[3]), p3 = _mm512_unpackhi_epi32(x[2], x[3]);
-        const __m512i r4[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
-                               _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
-        for (int i = 0; i < 4; ++i) {    // r4[i], lane k: row 4 k + i
-          for (int k = 0; k < 4; ++k) {
-            const int r = 4 * k + i;
-            const __m128i q = k == 0 ? _mm512_castsi512_si128(r4[i]) : k == 1 ? _mm512_extracti32x4_epi32(r4[i], 1)
-                              : k == 2 ? _mm512_extracti32x4_epi32(r4[i], 2) : _mm512_extracti32x4_epi32(r4[i], 3);
-            const __m512i qi = _mm512_cvtepu8_epi32(q);
-            const __m512 w = lut ? _mm512_mul_ps(_mm512_permutexvar_ps(qi, table), _mm512_set1_ps(sv[r]))
-                                 : _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(sv[r]), _mm512_set1_ps(mv[r]));
-            _mm512_storeu_ps(rows + r * K + c0, w);
-          }
-        }
-      }
-    }
+    for (int64_t t = a; t < b; ++t)
+      dequantize_tile(p, d + t * tile_bytes, t, bits, lut_values, o + (t - t0) * kTile * K);
   });
   return out;
 }
@@ -716,4 +1265,4 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
         "int in_features, int t0, int t1) -> Tensor", &quant_dequantize_t);
 }
 
-#endif  // AVX-512 VNNI
+#endif  // AVX2 + FMA + F16C: without them no op is registered and nothing is tiled (ops/qlinear.py can_tile)
