@@ -238,6 +238,17 @@ def test_every_build_runs_brisks_own_ninja():
     assert os.environ["PATH"].split(os.pathsep)[0] != str(ninja.BIN_DIR) or "PATH" not in os.environ
 
 
+def test_bfloat16_gemm_rows_follow_the_tier_cap():
+    """bfloat16 linears of 4+ rows go to oneDNN's GEMM only where it is native (AMX-BF16 with the AVX-512 kernels);
+    a tier capped at AVX2 keeps them on the small-M kernel, as an AVX2 CPU does."""
+    native = "amx_bf16" in isa.cpu_flags() and kernels.kernel_isa() == "avx512"
+    assert kernels.bf16_gemm_rows() == (kernels.BF16_GEMM_ROWS if native and kernels.settings.amx else 0)
+    with kernels.override(isa="avx2"):
+        assert kernels.bf16_gemm_rows() == 0
+    with kernels.override(amx=False):
+        assert kernels.bf16_gemm_rows() == 0
+
+
 def test_the_cpu_maker_picks_the_stream_prefetch_define():
     assert isa.vendor_cflags("AuthenticAMD") == ("-DBRISK_CPU_AMD",)
     assert isa.vendor_cflags("GenuineIntel") == () and isa.vendor_cflags("") == ()

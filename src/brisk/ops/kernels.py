@@ -115,7 +115,16 @@ def _apply_amx() -> None:
     # bfloat16 x bfloat16 linears of 4+ rows to oneDNN's GEMM (AMX-BF16 tiles) instead of linear_small_m's loops
     bf16 = getattr(_state["ops"], "linear_small_bf16_gemm_rows", None) if _state["ops"] is not None else None
     if bf16 is not None:
-        bf16(BF16_GEMM_ROWS if settings.amx and "amx_bf16" in cpu_flags() else 0)
+        bf16(bf16_gemm_rows())
+
+
+def bf16_gemm_rows() -> int:
+    """The row count from which linear_small_m hands bfloat16 x bfloat16 linears to oneDNN's GEMM: BF16_GEMM_ROWS
+    on an AMX-BF16 CPU with the AVX-512 kernels and settings.amx on, else 0 (never). A CPU whose kernels are capped
+    at an AVX2 tier answers as an AVX2 CPU, whose bfloat16 GEMM is emulated (8 rows at 1/4 the small-M kernel's
+    speed, forced on the Xeon)."""
+    native = "amx_bf16" in cpu_flags() and kernel_isa() == "avx512"
+    return BF16_GEMM_ROWS if settings.amx and native else 0
 
 
 def amx_min_rows() -> int:

@@ -87,7 +87,7 @@ def info(load: bool) -> None:
     names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("brisk::"))
     click.echo(f"ops loaded ({len(names)}): " + " ".join(names))
     click.echo("amx: " + _amx_line(isa_.has_amx_int8(flags), s.amx, kernels.amx_min_rows()))
-    bf16_gemm = s.enabled and s.amx and "amx_bf16" in flags and hasattr(ops, "linear_small_bf16_gemm_rows")
+    bf16_gemm = s.enabled and kernels.bf16_gemm_rows() > 0 and hasattr(ops, "linear_small_bf16_gemm_rows")
     click.echo("bfloat16 linears of 4-8 rows: " + ("ATen's GEMM (oneDNN, AMX-BF16)" if bf16_gemm
                                                    else "linear_small_m's own loops"))
 
