@@ -208,6 +208,7 @@ def allowed_tiers(isa: str | None = None, machine: str | None = None) -> tuple[T
     return tiers[names.index(isa):]
 
 
+@functools.cache  # a pure function of the (cached) flags and the cap: asked on every quantized linear's dispatch
 def running_tier(isa: str | None = None) -> Tier:
     """The tier for the CPU this process runs on. Where no flags can be read (an x86 system without
     /proc/cpuinfo), torch's own CPU detection decides between avx2 and none: AVX-512 builds are only chosen from
