@@ -34,11 +34,14 @@ fi
 
 # -- the x86 kernel tests record the ops' calls (in the background, while the cross-compiles run)
 CASES=$WORK/cases.pt
-# the kernel tests of the decode path, less the slow ones (the whole of test_qlinear_q8.py takes minutes)
+# the kernel tests of the decode path, less the slow ones (the whole of test_qlinear_q8.py takes minutes); GGUF's
+# float-minimum and 16-element-group formats through the blocked kernels, and the token-tree attention kernel
 Q8=tests/test_qlinear_q8.py
 RECORD_TESTS=(tests/test_fused.py tests/test_qlinear.py tests/test_linear.py tests/test_kv_quant.py tests/test_kernels.py
               $Q8::test_kernel_equals_reference $Q8::test_bfloat16_activations_and_bias $Q8::test_group_parameters
-              $Q8::test_fake_quantize_kernel_equals_the_reference_bit_for_bit)
+              $Q8::test_fake_quantize_kernel_equals_the_reference_bit_for_bit
+              tests/test_gguf_repack.py::test_kernels_on_repacked_weights_match_the_reference_product
+              tests/test_spec_tree.py::test_tree_kernel_equals_the_reference)
 log "recording the kernel ops' calls in the x86 kernel tests"
 ( BRISK_ARM64_CASES=$CASES PYTHONPATH=$ROOT/tests/arm64 PYTEST_ADDOPTS="" \
     "$PY" -m pytest -q -p record_cases -p no:cacheprovider "${RECORD_TESTS[@]}" >"$WORK/record.log" 2>&1 ) &

@@ -4,8 +4,9 @@ against another build (the aarch64 one, under qemu-user) and compares.
 
     BRISK_ARM64_CASES=cases.pt python -m pytest -p record_cases tests/test_qlinear.py ...   (tests/arm64 on sys.path)
 
-At most MAX_PER_OP calls of each op are kept, one per distinct signature (shapes, dtypes, non-tensor arguments),
-and only calls whose tensors fit MAX_BYTES: replaying runs under emulation, ~50x slower than native.
+At most MAX_PER_OP calls of each op are kept (MAX_PER_OP_OF for some), one per distinct signature (shapes, dtypes,
+non-tensor arguments), and only calls whose tensors fit MAX_BYTES: replaying runs under emulation, ~50x slower than
+native.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 MAX_PER_OP = 24
+# ops whose tests sweep formats (bits x zero points x group sizes x rows x dtypes, 144 small calls of 40 x 192 codes):
+# the first 24 signatures would be 8-bit codes only
+MAX_PER_OP_OF = {"quant_linear_small": 192, "quant_dequantize": 64}
 MAX_BYTES = 4 << 20
 # ops whose result does not depend on the order of float additions: every build must give the recorded bits
 EXACT = frozenset({"rope_cache", "rope_qk", "embedding_q8", "kv_write_int8", "kv_write_int4", "gguf_repack",
@@ -85,7 +89,7 @@ class _Recorder:
         full = list(args) + [kwargs[a.name] if a.name in kwargs else a.default_value
                              for a in schema.arguments[len(args):]]
         seen = _seen.setdefault(self._name, set())
-        record = (self._name not in SKIP and len(seen) < MAX_PER_OP
+        record = (self._name not in SKIP and len(seen) < MAX_PER_OP_OF.get(self._name, MAX_PER_OP)
                   and sum(t.numel() * t.element_size() for t in _tensors(full)) <= MAX_BYTES
                   and all(t.device.type == "cpu" and not t.requires_grad for t in _tensors(full)))
         signature = _signature(full) if record else ""

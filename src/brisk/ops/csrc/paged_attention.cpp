@@ -50,6 +50,12 @@
 #define BRISK_AVX512 1
 #endif
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// ARM64: 4-lane NEON versions of the inner loops (q . k, the softmax's exp2, the weighted sum of the values, the
+// widening of bfloat16 / int8 / int4 cache rows) under the same item, chunk and row loops as x86
+#include <arm_neon.h>
+#define BRISK_NEON 1
+#endif
 
 namespace brisk {
 namespace {
@@ -107,6 +113,34 @@ inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m
   const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [a0 0..3, a1 0..3, a2 0..3, a3 0..3 | the same over 4..7]
   const __m256 u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#ifdef BRISK_NEON
+// exp2_8's 2^x, 4 lanes: the same range reduction (round to nearest even), polynomial and fused multiply-adds, so
+// the same bits per lane for any finite x
+inline float32x4_t exp2_4(float32x4_t x) {
+  const float32x4_t lo = vdupq_n_f32(-126.0f);
+  const uint32x4_t underflow = vcltq_f32(x, lo);
+  x = vmaxq_f32(x, lo);
+  const float32x4_t n = vrndnq_f32(x);
+  const float32x4_t r = vmulq_f32(vsubq_f32(x, n), vdupq_n_f32(0.6931471805599453f));
+  float32x4_t p = vdupq_n_f32(1.0f / 5040);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 720), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  const float32x4_t v = vmulq_f32(p, vreinterpretq_f32_s32(e));
+  return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), underflow));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)] by pairwise adds
+inline float32x4_t hsum4x4(float32x4_t a0, float32x4_t a1, float32x4_t a2, float32x4_t a3) {
+  return vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3));
 }
 #endif
 
@@ -271,6 +305,43 @@ inline void dot_rows(const float* const* q, const float* const* keys, int64_t n,
       _mm256_storeu_ps(scores[0] + t0, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
     }
   }
+#elif defined(BRISK_NEON)
+  // as the AVX2 loops, 4 lanes: two rows x 4 keys (6 loads for 8 FMAs), or one row x 8 keys
+  if constexpr (R == 2) {
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+      const float* k[4];
+      for (int j = 0; j < 4; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+      float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int64_t c = 0; c < d; c += 4) {
+        const float32x4_t q0 = vld1q_f32(q[0] + c), q1 = vld1q_f32(q[1] + c);
+        const float32x4_t k0 = vld1q_f32(k[0] + c), k1 = vld1q_f32(k[1] + c);
+        const float32x4_t k2 = vld1q_f32(k[2] + c), k3 = vld1q_f32(k[3] + c);
+        a0 = vfmaq_f32(a0, q0, k0);
+        a1 = vfmaq_f32(a1, q0, k1);
+        a2 = vfmaq_f32(a2, q0, k2);
+        a3 = vfmaq_f32(a3, q0, k3);
+        b0 = vfmaq_f32(b0, q1, k0);
+        b1 = vfmaq_f32(b1, q1, k1);
+        b2 = vfmaq_f32(b2, q1, k2);
+        b3 = vfmaq_f32(b3, q1, k3);
+      }
+      vst1q_f32(scores[0] + t0, hsum4x4(a0, a1, a2, a3));
+      vst1q_f32(scores[1] + t0, hsum4x4(b0, b1, b2, b3));
+    }
+  } else {
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const float* k[8];
+      for (int j = 0; j < 8; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];
+      float32x4_t a[8];
+      for (int j = 0; j < 8; ++j) a[j] = vdupq_n_f32(0.0f);
+      for (int64_t c = 0; c < d; c += 4) {
+        const float32x4_t qv = vld1q_f32(q[0] + c);
+        for (int j = 0; j < 8; ++j) a[j] = vfmaq_f32(a[j], qv, vld1q_f32(k[j] + c));
+      }
+      vst1q_f32(scores[0] + t0, hsum4x4(a[0], a[1], a[2], a[3]));
+      vst1q_f32(scores[0] + t0 + 4, hsum4x4(a[4], a[5], a[6], a[7]));
+    }
+  }
 #else
   for (int r = 0; r < R; ++r) {
     for (int64_t t = 0; t < n; ++t) {
@@ -304,6 +375,20 @@ inline float softmax_chunk(float* scores, int64_t n, float& m, float& l) {
   }
   _mm256_store_ps(lanes, sv);
   for (float x : lanes) sum += x;
+#elif defined(BRISK_NEON)
+  for (int64_t t = n; t < (n + 3) / 4 * 4; ++t) scores[t] = kNegInf;  // padding lanes -> p = 0
+  float32x4_t mx = vdupq_n_f32(kNegInf);
+  for (int64_t t = 0; t < n; t += 4) mx = vmaxq_f32(mx, vld1q_f32(scores + t));
+  m_chunk = vmaxvq_f32(mx);
+  const float m_new = std::max(m, m_chunk);
+  const float32x4_t mv = vdupq_n_f32(m_new);
+  float32x4_t sv = vdupq_n_f32(0.0f);
+  for (int64_t t = 0; t < n; t += 4) {
+    const float32x4_t p = exp2_4(vsubq_f32(vld1q_f32(scores + t), mv));
+    vst1q_f32(scores + t, p);
+    sv = vaddq_f32(sv, p);
+  }
+  sum = vaddvq_f32(sv);
 #else
   for (int64_t t = 0; t < n; ++t) m_chunk = std::max(m_chunk, scores[t]);
   const float m_new = std::max(m, m_chunk);
@@ -340,7 +425,20 @@ struct F512 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 };
 #endif
+#endif
+#ifdef BRISK_NEON
+struct F128 {
+  using V = float32x4_t;
+  static constexpr int kLanes = 4;
+  static V load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, V v) { vst1q_f32(p, v); }
+  static V set1(float x) { return vdupq_n_f32(x); }
+  static V mul(V a, V b) { return vmulq_f32(a, b); }
+  static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
+};
+#endif
 
+#if defined(BRISK_AVX2) || defined(BRISK_NEON)
 // acc[r][c0 .. c0 + L W) = alpha[r] * acc[r] + sum_t p[r][t] * values[t][c0 ..) for R rows sharing each value
 // load (L = the vector's lanes). The R x W accumulators stay in registers while the n value rows stream past, so
 // the FMAs form R x W independent chains instead of one chain n long.
@@ -403,6 +501,14 @@ inline void accumulate_values(const float* const* p, int64_t n, const float* con
       default: accumulate_slice<F256, R, 1>(p, n, values, c0, alpha, acc); break;
     }
   }
+#elif defined(BRISK_NEON)
+  // NEON's 32 registers: 16 accumulators (64 columns of one row, 32 of two) a pass, then what is left of head_dim
+  // (a multiple of 8) 16 and 4 columns at a time
+  constexpr int kMaxW = R == 1 ? 16 : 8;
+  int64_t c0 = 0;
+  for (; c0 + 4 * kMaxW <= d; c0 += 4 * kMaxW) accumulate_slice<F128, R, kMaxW>(p, n, values, c0, alpha, acc);
+  for (; c0 + 16 <= d; c0 += 16) accumulate_slice<F128, R, 4>(p, n, values, c0, alpha, acc);
+  for (; c0 < d; c0 += 4) accumulate_slice<F128, R, 1>(p, n, values, c0, alpha, acc);
 #else
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < d; ++c) {
@@ -434,6 +540,12 @@ inline void chunk_rows(const c10::BFloat16* cache, const int64_t* offsets, int64
     for (; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
 #elif defined(BRISK_AVX2)
     for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
+#elif defined(BRISK_NEON)
+    for (int64_t c = 0; c < d; c += 8) {  // bf16 -> f32: a 16-bit shift, exact
+      const uint16x8_t h = vld1q_u16(reinterpret_cast<const uint16_t*>(src + c));
+      vst1q_f32(dst + c, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)));
+      vst1q_f32(dst + c + 4, vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)));
+    }
 #else
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]);
 #endif
@@ -477,7 +589,7 @@ struct Problem {
   // (each row's query rotated back by its evicted-token count, ops/attention.py _sink_window_attention)
   const float* q_sink = nullptr;
   int64_t sinks = 0;
-  // token trees (spec/tree.py): per query token [T], bit j set where it sees its sequence's in-step row j (the key
+  // token trees (engine/token_tree.py): per query token [T], bit j set where it sees its sequence's in-step row j (the key
   // at position context_len - query_len + j); kAllRows for a token with no tree mask (causal as usual)
   const int64_t* tree_bits = nullptr;
 };
@@ -525,6 +637,25 @@ inline __m256 widen_u4x8(const uint8_t* p) {  // 4 bytes -> 8 codes, in channel 
 inline __m256 widen_h8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+#elif defined(BRISK_NEON)
+// 8 values a step into two float32x4 (lo: values 0-3, hi: 4-7); the same float32 products as the AVX2 code (a
+// multiply for int8, fused multiply-adds for int4), so the same bits
+inline void widen_i8x8(const int8_t* p, float32x4_t& lo, float32x4_t& hi) {
+  const int16x8_t w = vmovl_s8(vld1_s8(p));
+  lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
+  hi = vcvtq_f32_s32(vmovl_high_s16(w));
+}
+inline void widen_u4x8(const uint8_t* p, float32x4_t& lo, float32x4_t& hi) {  // 4 bytes -> 8 codes, channel order
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const uint8x8_t b = vcreate_u8(word);
+  const uint16x8_t w = vmovl_u8(vzip1_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4)));
+  lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
+  hi = vcvtq_f32_u32(vmovl_high_u16(w));
+}
+inline float32x4_t widen_h4(const c10::Half* p) {  // float16 -> float32 with base NEON (fcvtl), exact
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
 #endif
 inline float nibble(const uint8_t* row, int64_t c) { return static_cast<float>(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15); }
 
@@ -539,6 +670,13 @@ inline void widen_rows_q8(const int8_t* codes, const c10::Half* scales, int64_t 
 #ifdef BRISK_QKV_SIMD
     const __m256 sv = _mm256_set1_ps(sc);
     for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(widen_i8x8(src + c), sv));
+#elif defined(BRISK_NEON)
+    for (int64_t c = 0; c < d; c += 8) {
+      float32x4_t lo, hi;
+      widen_i8x8(src + c, lo, hi);
+      vst1q_f32(dst + c, vmulq_n_f32(lo, sc));
+      vst1q_f32(dst + c + 4, vmulq_n_f32(hi, sc));
+    }
 #else
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * sc;
 #endif
@@ -557,6 +695,14 @@ inline void widen_values_q4(const uint8_t* codes, const c10::Half* scales, const
 #ifdef BRISK_QKV_SIMD
     const __m256 sv = _mm256_set1_ps(sc), mv = _mm256_set1_ps(mn);
     for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(widen_u4x8(src + c / 2), sv, mv));
+#elif defined(BRISK_NEON)
+    const float32x4_t sv = vdupq_n_f32(sc), mv = vdupq_n_f32(mn);
+    for (int64_t c = 0; c < d; c += 8) {
+      float32x4_t lo, hi;
+      widen_u4x8(src + c / 2, lo, hi);
+      vst1q_f32(dst + c, vfmaq_f32(mv, lo, sv));
+      vst1q_f32(dst + c + 4, vfmaq_f32(mv, hi, sv));
+    }
 #else
     for (int64_t c = 0; c < d; ++c) dst[c] = nibble(src, c) * sc + mn;
 #endif
@@ -579,6 +725,8 @@ inline void widen_keys_q4(const Problem& p, int64_t head, const int64_t* slots, 
       const c10::Half* src = p.k_residual + ((res * bs + offset) * kvh + head) * d;
 #ifdef BRISK_QKV_SIMD
       for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, widen_h8(src + c));
+#elif defined(BRISK_NEON)
+      for (int64_t c = 0; c < d; c += 4) vst1q_f32(dst + c, widen_h4(src + c));
 #else
       for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]);
 #endif
@@ -590,6 +738,13 @@ inline void widen_keys_q4(const Problem& p, int64_t head, const int64_t* slots, 
 #ifdef BRISK_QKV_SIMD
     for (int64_t c = 0; c < d; c += 8)
       _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(widen_u4x8(src + c / 2), widen_h8(sc + c), widen_h8(mn + c)));
+#elif defined(BRISK_NEON)
+    for (int64_t c = 0; c < d; c += 8) {
+      float32x4_t lo, hi;
+      widen_u4x8(src + c / 2, lo, hi);
+      vst1q_f32(dst + c, vfmaq_f32(widen_h4(mn + c), lo, widen_h4(sc + c)));
+      vst1q_f32(dst + c + 4, vfmaq_f32(widen_h4(mn + c + 4), hi, widen_h4(sc + c + 4)));
+    }
 #else
     for (int64_t c = 0; c < d; ++c) dst[c] = nibble(src, c) * static_cast<float>(sc[c]) + static_cast<float>(mn[c]);
 #endif
@@ -1207,7 +1362,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
                  q_tile);
 }
 
-// paged_prefill_attention for steps that verify token trees (spec/tree.py): tree_bits [T] int64, per query token
+// paged_prefill_attention for steps that verify token trees (engine/token_tree.py): tree_bits [T] int64, per query token
 // bit j set where it may see its sequence's in-step row j (its ancestors and itself), or -1 for a token with no
 // tree (every earlier row, as paged_prefill_attention). Each row sees its sequence's earlier cache entries as
 // usual. A sequence with tree rows has at most 64 query tokens; no sliding window (a tree attends everything).

@@ -555,4 +555,461 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
         "int in_features) -> Tensor", &quant_dequantize);
 }
 
-#endif  // AVX2 + FMA: without them no ops are registered and brisk.ops.qlinear takes its reference path
+#endif  // AVX2 + FMA (aarch64: the NEON build below); elsewhere no ops, and brisk.ops.qlinear takes its reference path
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+// ---- ARM64 (NEON) ----
+//
+// The same ops for aarch64, on the same packed layout and with the same arithmetic per (row, group): s * dot(x_g, q_g)
+// (or the codes scaled per block for 16- and 32-element groups) plus one dot(min[n, :], xsum[row, :]) per output.
+// NEON vectors have 4 lanes, not 8, so the decoder does not use the AVX2 bit-field trick; each block becomes 8
+// float32x4 vectors in element order (element e in lane e % 4 of vector e / 4) and the activations are used as they
+// are (no 2^-offset factors):
+//   8, 4, 2 bits: the codes one per byte in a pair of 16-byte registers, where (for all three widths alike) element
+//                 8 i + l sits at byte 4 l + i: the 8-bit codes as loaded, 4-bit ones as low nibbles | high nibbles,
+//                 2-bit ones as the four crumbs of each byte in turn. A 2-register table lookup (tbl) then moves 4
+//                 codes at a time into the low bytes of 4 uint32 lanes (the other bytes read out of range: 0), and
+//                 they are converted to float. One lookup and one conversion per 4 codes, no widening chain.
+//   3 bits:       the 12-bit fields F_l into uint32 lanes (a 1-register tbl and a shift by 4 (l % 2)), then
+//                 q[8 i + l] = (F_l >> 3 i) & 7.
+//   codebook:     the nibbles times 4, gathered four times over per lane by tbl, plus 0..3, index the codebook's 64
+//                 bytes (a 4-register tbl): the float32 entries themselves.
+// quant_dequantize gives the x86 build's bits (w = fma(q, s, min), the same scalar s and min); quant_linear_small's
+// float32 sums add in another order (4 lanes, no prescaled activations), so their last bits may differ.
+#include <arm_neon.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMaxTileRows = 4;
+
+struct QW {
+  const uint8_t* data;     // [N, row_bytes]
+  int64_t row_bytes;       // K / 32 * BPB
+  const at::Half* scales = nullptr;  // [N, ngroups] float16, or
+  const float* scales32 = nullptr;   // float32 scales
+  const uint8_t* zeros = nullptr;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric / codebook
+  const at::Half* mins16 = nullptr;  // float minimums (w = scale * q + min) instead of zero points
+  const float* mins32 = nullptr;
+  float zero;              // the symmetric zero point 2^(bits-1)
+  int64_t ngroups, group, blocks_per_group, nblocks;
+  uint8x16x4_t lut;        // the codebook's 16 float32 entries as 64 bytes (codebook mode)
+  // a chunk's group parameters as float32, rows [row0, row0 + chunk rows) (as the x86 build's QW::s32 / m32)
+  const float* s32 = nullptr;
+  const float* m32 = nullptr;
+  int64_t row0 = 0;
+};
+
+inline float scale_at(const QW& p, int64_t i) {
+  return p.scales32 ? p.scales32[i] : static_cast<float>(p.scales[i]);
+}
+inline float min_at(const QW& p, int64_t i, float sc) {
+  if (p.mins32) return p.mins32[i];
+  if (p.mins16) return static_cast<float>(p.mins16[i]);
+  return -sc * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
+}
+
+// rows [c, c1)'s scales and mins as float32 into s32 / m32 (m32 only for affine codes)
+inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float* s32, float* m32) {
+  const int64_t i0 = c * p.ngroups;
+  for (int64_t g = 0; g < (c1 - c) * p.ngroups; ++g) {
+    s32[g] = scale_at(p, i0 + g);
+    if (affine) m32[g] = min_at(p, i0 + g, s32[g]);
+  }
+}
+
+// tbl indices that move codes 4 j .. 4 j + 3 (at bytes 4 (e % 8) + e / 8 of the code pair) into the low bytes of 4
+// uint32 lanes; 0xFF (out of range) reads as 0
+alignas(16) constexpr uint8_t kGather[8][16] = {
+    {0, 255, 255, 255, 4, 255, 255, 255, 8, 255, 255, 255, 12, 255, 255, 255},
+    {16, 255, 255, 255, 20, 255, 255, 255, 24, 255, 255, 255, 28, 255, 255, 255},
+    {1, 255, 255, 255, 5, 255, 255, 255, 9, 255, 255, 255, 13, 255, 255, 255},
+    {17, 255, 255, 255, 21, 255, 255, 255, 25, 255, 255, 255, 29, 255, 255, 255},
+    {2, 255, 255, 255, 6, 255, 255, 255, 10, 255, 255, 255, 14, 255, 255, 255},
+    {18, 255, 255, 255, 22, 255, 255, 255, 26, 255, 255, 255, 30, 255, 255, 255},
+    {3, 255, 255, 255, 7, 255, 255, 255, 11, 255, 255, 255, 15, 255, 255, 255},
+    {19, 255, 255, 255, 23, 255, 255, 255, 27, 255, 255, 255, 31, 255, 255, 255}};
+// the same codes, each repeated in all 4 bytes of its lane (codebook mode)
+alignas(16) constexpr uint8_t kGather4[8][16] = {
+    {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12},
+    {16, 16, 16, 16, 20, 20, 20, 20, 24, 24, 24, 24, 28, 28, 28, 28},
+    {1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13},
+    {17, 17, 17, 17, 21, 21, 21, 21, 25, 25, 25, 25, 29, 29, 29, 29},
+    {2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 14, 14, 14, 14},
+    {18, 18, 18, 18, 22, 22, 22, 22, 26, 26, 26, 26, 30, 30, 30, 30},
+    {3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15, 15},
+    {19, 19, 19, 19, 23, 23, 23, 23, 27, 27, 27, 27, 31, 31, 31, 31}};
+
+// The codes of a block of 8, 4 or 2 bits, one per byte: element 8 i + l at byte 4 l + i of {lo, hi}. Codebook codes
+// come times 4 (the byte offset of their entry).
+template <int BITS, bool LUT>
+inline uint8x16x2_t code_bytes(const uint8_t* p) {
+  uint8x16x2_t t;
+  if constexpr (BITS == 8) {
+    t.val[0] = vld1q_u8(p);
+    t.val[1] = vld1q_u8(p + 16);
+  } else if constexpr (BITS == 4) {  // byte 4 j + i: element 8 i + j in the low nibble, 8 i + j + 4 in the high one
+    const uint8x16_t c = vld1q_u8(p);
+    if constexpr (LUT) {
+      t.val[0] = vshlq_n_u8(vandq_u8(c, vdupq_n_u8(0x0F)), 2);
+      t.val[1] = vandq_u8(vshrq_n_u8(c, 2), vdupq_n_u8(0x3C));
+    } else {
+      t.val[0] = vandq_u8(c, vdupq_n_u8(0x0F));
+      t.val[1] = vshrq_n_u8(c, 4);
+    }
+  } else {
+    static_assert(BITS == 2, "code_bytes: 8, 4 or 2 bits");
+    // byte 4 (l % 2) + i, crumb l / 2: element 8 i + l; crumb k of the 8 bytes becomes bytes 8 k .. 8 k + 7
+    const uint8x8_t b = vld1_u8(p), three = vdup_n_u8(3);
+    t.val[0] = vcombine_u8(vand_u8(b, three), vand_u8(vshr_n_u8(b, 2), three));
+    t.val[1] = vcombine_u8(vand_u8(vshr_n_u8(b, 4), three), vshr_n_u8(b, 6));
+  }
+  return t;
+}
+
+// Decode one block into w[0..7]: the codes q (affine) or codebook values (LUT), lane k of w[j] being element 4 j + k.
+// `tail`: the block is the last of its row, so the 3-bit loader must not read past its 12 bytes.
+template <int BITS, bool LUT>
+inline void decode(const uint8_t* p, bool tail, const QW& qw, float32x4_t w[8]) {
+  if constexpr (BITS == 3) {
+    uint8x16_t raw;
+    if (tail) {  // 8 + 4 bytes: never touch the byte after the row
+      uint64_t lo;
+      uint32_t hi;
+      std::memcpy(&lo, p, 8);
+      std::memcpy(&hi, p + 8, 4);
+      raw = vcombine_u8(vcreate_u8(lo), vcreate_u8(hi));
+    } else {
+      raw = vld1q_u8(p);  // 4 bytes of the next block ride along
+    }
+    // lane l <- bytes floor(1.5 l), floor(1.5 l) + 1, shifted right by 4 (l % 2): F_l in bits 0-11
+    alignas(16) static constexpr uint8_t ga[16] = {0, 1, 255, 255, 1, 2, 255, 255, 3, 4, 255, 255, 4, 5, 255, 255};
+    alignas(16) static constexpr uint8_t gb[16] = {6, 7, 255, 255, 7, 8, 255, 255, 9, 10, 255, 255, 10, 11, 255, 255};
+    alignas(16) static constexpr int32_t odd[4] = {0, -4, 0, -4};
+    const int32x4_t sh = vld1q_s32(odd);
+    const uint32x4_t fa = vshlq_u32(vreinterpretq_u32_u8(vqtbl1q_u8(raw, vld1q_u8(ga))), sh);  // F_0 .. F_3
+    const uint32x4_t fb = vshlq_u32(vreinterpretq_u32_u8(vqtbl1q_u8(raw, vld1q_u8(gb))), sh);  // F_4 .. F_7
+    const uint32x4_t seven = vdupq_n_u32(7);
+    w[0] = vcvtq_f32_u32(vandq_u32(fa, seven));
+    w[1] = vcvtq_f32_u32(vandq_u32(fb, seven));
+    w[2] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fa, 3), seven));
+    w[3] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fb, 3), seven));
+    w[4] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fa, 6), seven));
+    w[5] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fb, 6), seven));
+    w[6] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fa, 9), seven));
+    w[7] = vcvtq_f32_u32(vandq_u32(vshrq_n_u32(fb, 9), seven));
+  } else if constexpr (LUT) {
+    static_assert(BITS == 4, "codebook codes are 4-bit");
+    const uint8x16x2_t t = code_bytes<4, true>(p);
+    const uint8x16_t within = vreinterpretq_u8_u32(vdupq_n_u32(0x03020100));  // byte b of a lane: + b
+    for (int j = 0; j < 8; ++j) {
+      const uint8x16_t idx = vaddq_u8(vqtbl2q_u8(t, vld1q_u8(kGather4[j])), within);
+      w[j] = vreinterpretq_f32_u8(vqtbl4q_u8(qw.lut, idx));
+    }
+  } else {
+    const uint8x16x2_t t = code_bytes<BITS, false>(p);
+    for (int j = 0; j < 8; ++j) w[j] = vcvtq_f32_u32(vreinterpretq_u32_u8(vqtbl2q_u8(t, vld1q_u8(kGather[j]))));
+  }
+}
+
+// Weight row n against MT activation rows, as the x86 tile: NV accumulators per activation row (at least 8 FMA
+// chains in flight: 4-cycle FMAs, two pipes on Neoverse cores). SCALED 1 (32-element groups): the decoded codes
+// times the block's scale; 2 (16-element groups): vectors 0-3 by the first scale, 4-7 by the second; 0: raw codes,
+// the scale applied at the end of each group. The min term comes from xsum at the end.
+// x: [MT, K] activations (row stride K); xsum: [MT, ngroups] (affine codes only); out: [MT, ldo] at column n.
+template <int BITS, bool LUT, int SCALED, int MT>
+void tile(const QW& p, int64_t n, const float* x, int64_t K, const float* xsum, float* out, int64_t ldo) {
+  constexpr int NV = MT == 1 ? 8 : (MT == 2 ? 4 : 2);
+  constexpr int BPB = 32 * BITS / 8;
+  float32x4_t acc[MT][NV], tot[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = vdupq_n_f32(0.f);
+    for (int a = 0; a < NV; ++a) acc[m][a] = vdupq_n_f32(0.f);
+  }
+  const uint8_t* wp = p.data + n * p.row_bytes;
+  const uint8_t* const wend = wp + p.row_bytes;
+  const float* sp = p.s32 + (n - p.row0) * p.ngroups;
+  const float* xk = x;
+  int64_t left = p.blocks_per_group;
+  for (; wp < wend; wp += BPB, xk += kBlock) {
+    float32x4_t w[8];
+    __builtin_prefetch(wp + 1024);
+    decode<BITS, LUT>(wp, wp + BPB == wend, p, w);
+    if constexpr (SCALED == 1) {
+      const float s = *sp++;
+      for (int j = 0; j < 8; ++j) w[j] = vmulq_n_f32(w[j], s);
+    } else if constexpr (SCALED == 2) {
+      const float s0 = sp[0], s1 = sp[1];
+      sp += 2;
+      for (int j = 0; j < 4; ++j) w[j] = vmulq_n_f32(w[j], s0);
+      for (int j = 4; j < 8; ++j) w[j] = vmulq_n_f32(w[j], s1);
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 8; ++j) acc[m][j % NV] = vfmaq_f32(acc[m][j % NV], w[j], vld1q_f32(xk + m * K + 4 * j));
+    if constexpr (SCALED == 0) {
+      if (--left == 0) {  // end of a group: tot += s * dot(x_g, q_g)
+        left = p.blocks_per_group;
+        const float s = *sp++;
+        for (int m = 0; m < MT; ++m) {
+          float32x4_t a = acc[m][0];
+          for (int i = 1; i < NV; ++i) a = vaddq_f32(a, acc[m][i]);
+          tot[m] = vfmaq_n_f32(tot[m], a, s);
+          for (int i = 0; i < NV; ++i) acc[m][i] = vdupq_n_f32(0.f);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float32x4_t a = tot[m];
+    if constexpr (SCALED != 0) {
+      a = acc[m][0];
+      for (int i = 1; i < NV; ++i) a = vaddq_f32(a, acc[m][i]);
+    }
+    float rest = 0.f;
+    if constexpr (!LUT) {  // + sum_g min_g * sum(x_g)
+      const float* mn = p.m32 + (n - p.row0) * p.ngroups;
+      const float* xs = xsum + m * p.ngroups;
+      int64_t g = 0;
+      for (; g + 4 <= p.ngroups; g += 4) a = vfmaq_f32(a, vld1q_f32(mn + g), vld1q_f32(xs + g));
+      for (; g < p.ngroups; ++g) rest += mn[g] * xs[g];
+    }
+    out[m * ldo + n] = vaddvq_f32(a) + rest;
+  }
+}
+
+template <int BITS, bool LUT, int SCALED, int MT>
+void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* x, int64_t K, const float* xsum, float* out,
+               int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) tile<BITS, LUT, SCALED, MT>(p, n, x, K, xsum, out, ldo);
+}
+
+// Weight rows n0 .. n1-1 against all M activation rows, a tile of up to 4 activation rows at a time (the chunk's
+// packed rows stay in L1 from one tile to the next, as in the x86 build)
+template <int BITS, bool LUT, int SCALED>
+void run_rows(const QW& p, int64_t n0, int64_t n1, const float* x, int64_t M, int64_t K, const float* xsum,
+              float* out, int64_t ldo) {
+  int64_t m = 0;
+  auto xs = [&](int64_t row) { return xsum ? xsum + row * p.ngroups : nullptr; };
+  for (; m + kMaxTileRows <= M; m += kMaxTileRows)
+    tile_rows<BITS, LUT, SCALED, kMaxTileRows>(p, n0, n1, x + m * K, K, xs(m), out + m * ldo, ldo);
+  switch (M - m) {
+    case 1: tile_rows<BITS, LUT, SCALED, 1>(p, n0, n1, x + m * K, K, xs(m), out + m * ldo, ldo); break;
+    case 2: tile_rows<BITS, LUT, SCALED, 2>(p, n0, n1, x + m * K, K, xs(m), out + m * ldo, ldo); break;
+    case 3: tile_rows<BITS, LUT, SCALED, 3>(p, n0, n1, x + m * K, K, xs(m), out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+template <int BITS, bool LUT>
+void run(const QW& p, const float* x, int64_t M, int64_t N, int64_t K, const float* xsum, float* out) {
+  const bool half = p.group == 16, scaled = !half && p.blocks_per_group == 1;
+  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);  // rows whose codes (<= 4 KiB) stay in L1
+  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);  // >= ~32 KiB of codes per task
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> s32, m32;
+    const size_t need = static_cast<size_t>(chunk * p.ngroups);
+    if (s32.size() < need) {
+      s32.resize(need);
+      m32.resize(need);
+    }
+    QW pc = p;
+    pc.s32 = s32.data();
+    pc.m32 = m32.data();
+    for (int64_t c = n0; c < n1; c += chunk) {
+      const int64_t c1 = std::min(n1, c + chunk);
+      chunk_params(p, c, c1, !LUT, s32.data(), m32.data());
+      pc.row0 = c;
+      if (half) run_rows<BITS, LUT, 2>(pc, c, c1, x, M, K, xsum, out, N);
+      else if (scaled) run_rows<BITS, LUT, 1>(pc, c, c1, x, M, K, xsum, out, N);
+      else run_rows<BITS, LUT, 0>(pc, c, c1, x, M, K, xsum, out, N);
+    }
+  });
+}
+
+int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
+
+// the x86 build's make_qw, with its checks
+QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && (group_size % kBlock == 0 || group_size == 16) && group_size > 0 &&
+                  K % group_size == 0,
+              "quant_linear: K must be a multiple of 32 and group_size 16 or a multiple of 32 that divides K");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "quant_linear: data must be a contiguous uint8 [N, K * bits / 8] tensor");
+  const int64_t N = data.size(0);
+  const int64_t ngroups = K / group_size;
+  TORCH_CHECK(data.size(1) == K / kBlock * block_bytes(bits), "quant_linear: data has ", data.size(1),
+              " bytes per row, expected ", K / kBlock * block_bytes(bits));
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+              scales.dim() == 2 && scales.size(0) == N && scales.size(1) == ngroups,
+              "quant_linear: scales must be float16 or float32 [N, K / G]");
+  QW p{};
+  p.data = data.data_ptr<uint8_t>();
+  p.row_bytes = data.size(1);
+  if (scales.scalar_type() == at::kHalf) p.scales = scales.data_ptr<at::Half>();
+  else p.scales32 = scales.data_ptr<float>();
+  p.zero = static_cast<float>(int64_t{1} << (bits - 1));
+  if (zeros.has_value() && zeros->defined()) {
+    const auto zt = zeros->scalar_type();
+    TORCH_CHECK((zt == at::kByte || zt == at::kHalf || zt == at::kFloat) && zeros->is_contiguous() &&
+                zeros->sizes() == scales.sizes(),
+                "quant_linear: zeros must be uint8 zero points or float16 / float32 minimums, shaped like scales");
+    if (zt == at::kByte) p.zeros = zeros->data_ptr<uint8_t>();
+    else if (zt == at::kHalf) p.mins16 = zeros->data_ptr<at::Half>();
+    else p.mins32 = zeros->data_ptr<float>();
+  }
+  p.ngroups = ngroups;
+  p.group = group_size;
+  p.blocks_per_group = std::max<int64_t>(1, group_size / kBlock);
+  p.nblocks = K / kBlock;
+  p.lut = {{vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0)}};
+  if (codebook.has_value() && codebook->defined()) {
+    TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
+                codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
+    TORCH_CHECK(p.zeros == nullptr && p.mins16 == nullptr && p.mins32 == nullptr,
+                "quant_linear: codebook codes take no zero points");
+    p.lut = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(codebook->data_ptr<float>()));
+  }
+  return p;
+}
+
+template <typename F>
+void dispatch(int64_t bits, bool lut, F&& f) {
+  switch (bits) {
+    case 8: f(std::integral_constant<int, 8>{}, std::false_type{}); break;
+    case 4:
+      if (lut) f(std::integral_constant<int, 4>{}, std::true_type{});
+      else f(std::integral_constant<int, 4>{}, std::false_type{});
+      break;
+    case 3: f(std::integral_constant<int, 3>{}, std::false_type{}); break;
+    default: f(std::integral_constant<int, 2>{}, std::false_type{}); break;
+  }
+}
+
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift, exact
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+// xf[m, k] = x[m, k] as float32 (only for bfloat16 x: float32 rows are read in place), xsum[m, g] = sum(x_g)
+template <typename T>
+void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xf, float* xsum) {
+  const int64_t ngroups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float32x4_t s = vdupq_n_f32(0.f);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+        const float32x4_t v = load4(x + m * K + k);
+        s = vaddq_f32(s, v);
+        if (xf) vst1q_f32(xf + m * K + k, v);
+      }
+      if (xsum) xsum[m * ngroups + g] = vaddvq_f32(s);
+    }
+  }
+}
+
+template <typename T, typename B>
+void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      out[m * N + n] = static_cast<T>(acc[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+}
+
+}  // namespace
+
+// The x86 build's ops, with its argument checks (see above for the shapes).
+at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
+                              int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_small: x must be float32 or bfloat16 [..., K]");
+  const int64_t K = x.size(-1);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
+  const int64_t N = data.size(0);
+  const bool lut = codebook.has_value() && codebook->defined();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
+                (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
+                "quant_linear_small: bias must be a contiguous float32 or bfloat16 [N] tensor");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const bool direct = f32 && !has_bias;  // the kernel can write the result in place
+  auto out = at::empty(sizes, x.options());
+  if (M == 0 || N == 0) return out;
+  auto xc = x.contiguous();
+  // scratch: the float32 rows of a bfloat16 x [M, K], xsum [M, ngroups], the float32 result [M, N] unless written
+  // in place
+  const int64_t xf_size = f32 ? 0 : M * K;
+  auto scratch = at::empty({xf_size + M * (p.ngroups + (direct ? 0 : N))}, x.options().dtype(at::kFloat));
+  float* xf = f32 ? nullptr : scratch.data_ptr<float>();
+  float* xsum = lut ? nullptr : scratch.data_ptr<float>() + xf_size;
+  float* acc = direct ? out.data_ptr<float>() : scratch.data_ptr<float>() + xf_size + M * p.ngroups;
+  if (f32) prepare_x(xc.data_ptr<float>(), M, K, group_size, nullptr, xsum);
+  else prepare_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xf, xsum);
+  const float* xr = f32 ? xc.data_ptr<float>() : xf;
+  dispatch(bits, lut, [&](auto b, auto l) { run<decltype(b)::value, decltype(l)::value>(p, xr, M, N, K, xsum, acc); });
+  if (!direct) {
+    const bool bf16_bias = has_bias && bias->scalar_type() == at::kBFloat16;
+    const float* bf = has_bias && !bf16_bias ? bias->data_ptr<float>() : nullptr;
+    const at::BFloat16* bb = bf16_bias ? bias->data_ptr<at::BFloat16>() : nullptr;
+    if (f32) {
+      if (bb) finish(acc, bb, M, N, out.data_ptr<float>());
+      else finish(acc, bf, M, N, out.data_ptr<float>());
+    } else {
+      if (bb) finish(acc, bb, M, N, out.data_ptr<at::BFloat16>());
+      else finish(acc, bf, M, N, out.data_ptr<at::BFloat16>());
+    }
+  }
+  return out;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
+                            int64_t in_features) {
+  const int64_t K = in_features;
+  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
+  const int64_t N = data.size(0);
+  auto out = at::empty({N, K}, scales.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  dispatch(bits, codebook.has_value() && codebook->defined(), [&](auto b, auto l) {
+    constexpr int BITS = decltype(b)::value;
+    constexpr bool LUT = decltype(l)::value;
+    constexpr int BPB = 32 * BITS / 8;
+    at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = p.data + n * p.row_bytes;
+        float* orow = o + n * K;
+        for (int64_t blk = 0; blk < p.nblocks; ++blk) {
+          float32x4_t w[8];
+          decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
+          for (int j = 0; j < 8; ++j) {  // w = fma(q, s, m): the x86 build's one rounding, so its bits
+            const int64_t g = (blk * kBlock + 4 * j) / p.group;
+            const float sc = scale_at(p, n * p.ngroups + g);
+            const float32x4_t mn = vdupq_n_f32(LUT ? 0.f : min_at(p, n * p.ngroups + g, sc));
+            vst1q_f32(orow + blk * kBlock + 4 * j, vfmaq_f32(mn, w[j], vdupq_n_f32(sc)));
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(brisk, m) {
+  m.def("quant_linear_small(Tensor x, Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, "
+        "int group_size, Tensor? bias) -> Tensor", &quant_linear_small);
+  m.def("quant_dequantize(Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, int group_size, "
+        "int in_features) -> Tensor", &quant_dequantize);
+}
+
+#endif  // aarch64 NEON
