@@ -98,7 +98,7 @@ def hf_to_gguf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig)
             out[_GLOBAL_NAMES[name]] = w
             continue
         _, _, layer, rest = name.split(".", 3)
-        if config.architecture in ("llama", "mistral"):
+        if config.architecture in ("llama", "mistral", "smollm3"):
             if rest.startswith("self_attn.q_proj."):
                 w = llama_cpp_permute(w, config.num_attention_heads)
             elif rest.startswith("self_attn.k_proj."):

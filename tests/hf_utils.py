@@ -75,7 +75,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 
 
 @lru_cache(maxsize=8)
@@ -235,8 +235,9 @@ def make_tiny_hf_model(
 ) -> torch.nn.Module:
     """Build a tiny random `arch` model with transformers, save it as a full HF folder at `path`, return it.
 
-    arch: "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" (qwen2 has q/k/v biases, randomized here so they are
-        tested; qwen3 has per-head q/k norms; phi3 stores fused qkv_proj and gate_up_proj).
+    arch: "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "smollm3" (qwen2 has q/k/v biases, randomized here so
+        they are tested; qwen3 has per-head q/k norms; phi3 stores fused qkv_proj and gate_up_proj; smollm3 skips
+        RoPE on every 4th layer, and on layer 1 here so that a 2-layer model has one of each).
     original_max_position_embeddings: phi3's pre-training context (longrope switches factors beyond it).
     rope_scaling: an HF rope dict without rope_theta, e.g. {"rope_type": "linear", "factor": 2.0}.
     sliding_window: mistral / qwen2 local attention window (None = full attention).
@@ -280,6 +281,11 @@ def make_tiny_hf_model(
             **common, head_dim=hidden_size // num_attention_heads, use_sliding_window=sliding_window is not None,
             sliding_window=sliding_window, max_window_layers=num_hidden_layers,
         )
+    elif arch == "smollm3":
+        no_rope = [int((i + 1) % 4 != 0) for i in range(num_hidden_layers)]
+        if num_hidden_layers < 4:
+            no_rope[min(1, num_hidden_layers - 1)] = 0
+        config = transformers.SmolLM3Config(**common, no_rope_layers=no_rope, use_sliding_window=False)
     elif arch == "phi3":
         original = {} if original_max_position_embeddings is None else {
             "original_max_position_embeddings": original_max_position_embeddings}
@@ -291,12 +297,12 @@ def make_tiny_hf_model(
         )
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                             "phi3": "Phi3ForCausalLM"}[arch]]
+                             "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[arch]]
 
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
                  "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-                 "phi3": transformers.Phi3ForCausalLM}[arch]
+                 "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM}[arch]
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():
         # RMSNorm weights start at exactly 1 and biases at 0; randomize them so a loader that skips or

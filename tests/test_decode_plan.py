@@ -121,10 +121,11 @@ def test_plan_runs_speculative_verification(ops, tmp_path, monkeypatch, method):
     assert len(verify) > 1  # verification steps ran (in C++): each sequence 1 + its drafts rows
 
 
-# q/k/v biases; a sliding window; per-head q/k norms (qwen3, in both loops; bfloat16 too); fused phi3 tensors
+# q/k/v biases; a sliding window; per-head q/k norms (qwen3, in both loops; bfloat16 too); fused phi3 tensors;
+# smollm3's layers without RoPE (the identity table, in both loops)
 @pytest.mark.parametrize("arch,window,dtype", [("qwen2", None, "float32"), ("mistral", 6, "float32"),
                                                ("qwen3", None, "float32"), ("qwen3", None, "bfloat16"),
-                                               ("phi3", None, "float32")])
+                                               ("phi3", None, "float32"), ("smollm3", None, "float32")])
 def test_plan_equals_module_path_other_architectures(ops, tmp_path, monkeypatch, arch, window, dtype):
     make_tiny_hf_model(tmp_path, arch, num_kv_heads=2, sliding_window=window)
     _run_both(monkeypatch, lambda **kw: LLM(str(tmp_path), kv_cache_memory="8MiB", dtype=dtype, **kw), PROMPTS)

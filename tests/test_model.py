@@ -21,6 +21,7 @@ CASES = [
     ("qwen3", 2, False),
     ("qwen3", 1, True),
     ("phi3", 2, False),
+    ("smollm3", 2, True),  # layers without RoPE (NoPE) among rotating ones
 ]
 
 

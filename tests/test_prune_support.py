@@ -28,11 +28,11 @@ from brisk.prune.support import check_prune_supports
 from brisk.quant.calib import CalibConfig, load_calibration_ids
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "structured")
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3")
 # what each method is expected to take (written out here, not derived from the declarations)
 ACCEPTS = {"magnitude": set(SUPPORTED_ARCHITECTURES), "wanda": set(SUPPORTED_ARCHITECTURES),
            "sparsegpt": set(SUPPORTED_ARCHITECTURES), "structured": set(DENSE)}
-ARCHS = ("qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen3", "phi3", "gemma3", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -201,7 +201,7 @@ def test_experts_no_token_reaches_are_pruned_by_magnitude(models: dict[str, Path
 
 # ---------------------------------------------------------------------------------------------- structured
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3"])
 def test_structured_shapes_and_reload(models: dict[str, Path], tmp_path: Path, arch: str) -> None:
     loaded = load_model(models[arch], fuse=False)
     config = loaded.config
@@ -224,6 +224,8 @@ def test_structured_shapes_and_reload(models: dict[str, Path], tmp_path: Path, a
         assert c.layer_types == [LAYER_TYPES[i] for i in kept]
         assert [layer.self_attn.sliding_window for layer in small.model.model.layers] == [
             config.layer_window(i) for i in kept]
+    if arch == "smollm3":  # every kept layer keeps its RoPE or its lack of it
+        assert c.no_rope_layers == [config.no_rope_layers[i] for i in kept]
     for layer in small.model.model.layers:
         if c.qk_norm:  # per-head norms keep head_dim
             assert layer.self_attn.q_norm.weight.shape == layer.self_attn.k_norm.weight.shape == (c.head_dim,)

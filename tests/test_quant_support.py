@@ -23,12 +23,12 @@ MOE = MOE_EXTRAS
 # what each method is expected to take (written out here, not derived from the declarations)
 ACCEPTS = {
     "rtn": set(SUPPORTED_ARCHITECTURES),
-    "gptq": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"},
-    "llm-int8": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"},
-    "awq": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
-    "smoothquant": {"llama", "mistral", "qwen2", "qwen3", "phi3"},
+    "gptq": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3"},
+    "llm-int8": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3"},
+    "awq": {"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"},
+    "smoothquant": {"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"},
     "qat": set(SUPPORTED_ARCHITECTURES),
-    "squeezellm": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"},
+    "squeezellm": {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3"},
 }
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.engine.decode_plan import straight_line_step
+from brisk.model.llama import SILU
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
 from brisk.ops.attention import PREFILL_Q_TILE, AttentionMetadata, write_kv
@@ -142,37 +143,49 @@ def bucket_rows(t: int) -> int:
     return t
 
 
+def _check_covered(arch: str, i: int, layer: Any, norms: Any) -> None:
+    """The parts of a decoder layer (model/llama.py DecoderLayer) the graphs do not compute, refused by what the
+    layer holds: routed experts, norms after attention or the MLP or of the (1 + w) kind, per-head q/k norms, a
+    GeGLU MLP, a window or RoPE table of the layer's own."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):
+        raise CompileError(f"--compile does not cover mixture-of-experts layers (layer {i} routes tokens to "
+                           "experts); run it without --compile (execution auto runs the experts grouped)")
+    missing = [what for what, has in (
+        ("norms after attention and MLP (sandwich)", norms.attn_out is not None or norms.mlp_out is not None),
+        ("(1 + w) RMSNorms", any(n.round_once for n in norms.present())),
+        ("per-head q/k norms", attn.q_norm is not None),
+        ("GeGLU", getattr(mlp, "act", SILU) != SILU),
+        ("per-layer windows and RoPE tables", attn.own_window or attn.rope_index is not None)) if has]
+    if missing:
+        raise CompileError(f"--compile does not cover {arch}'s {', '.join(missing)} (layer {i}); run it without "
+                           "--compile (execution auto runs the decode plan)")
+
+
 class CompiledModel:
     """The compiled graphs of one model and the per-layer weights they take (see the module docstring)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         cfg = model.config
-        if cfg.is_gemma:
-            raise CompileError("--compile does not cover gemma3's layers (sandwich norms, GeGLU, local and global "
-                               "attention); run it without --compile (execution auto runs the module path)")
         dtype = model.model.norm.weight.dtype
         self.layers = []
         for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if not hasattr(mlp, "gate_up_proj"):
-                raise CompileError(f"--compile does not cover mixture-of-experts layers (layer {i} routes tokens to "
-                                   "experts); run it without --compile (execution auto runs the experts grouped)")
+            attn, mlp, norms = layer.self_attn, layer.mlp, layer.norms()
+            _check_covered(cfg.architecture, i, layer, norms)
             parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(type(p) is not FastLinear for p in parts):
                 raise CompileError(
                     f"--compile covers float32 / bfloat16 models with fused projections; layer {i} has "
                     f"{', '.join(sorted({type(p).__name__ for p in parts if type(p) is not FastLinear}))} "
                     "(a quantized, sparse or unfused layer): run it without --compile (brisk's own kernels)")
-            if attn.q_norm is not None:
-                raise CompileError("--compile does not cover per-head q/k norms (qwen3); run it without --compile")
             if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *parts)):
                 raise CompileError(f"--compile cannot trace forward hooks (layer {i} has one); remove them first")
-            eps = layer.input_layernorm.eps
-            if layer.post_attention_layernorm.eps != eps:
+            eps = norms.input.eps
+            if norms.mlp.eps != eps:
                 raise CompileError("--compile expects one RMSNorm eps per layer")
-            self.layers.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                                mlp.gate_up_proj.weight, mlp.down_proj.weight, eps))
+            self.layers.append((norms.input.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                attn.o_proj.weight, norms.mlp.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                eps))
         if not self.layers:
             raise CompileError("--compile needs a model with at least one layer")
         if any(w.dtype != dtype for w in (self.layers[0][0], self.layers[0][1])):

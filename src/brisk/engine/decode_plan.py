@@ -16,13 +16,16 @@ calls per layer and nothing else:
                                              the routed block below)
     h = add_rms_norm(x, residual)           (the model's final norm, after the last layer)
 
-What differs between the architectures' layers is data in each layer's description (_Layer): the optional norms
-(qwen3's and gemma3's q/k head norms, gemma3's sandwich norms around attention and MLP, each weight the multiplier
-RMSNorm.scale_weight gives: gemma3's 1 + w), the activation, the attention scale, gemma3's per-layer window
-(local layers; 0 on global ones) and RoPE table (the prologue stacks gemma3's global and local tables as [2, T,
-d/2]), and the MLP: a dense one's two linears or routed experts (_Moe, below). gemma3's bfloat16 norms multiply
-by the float32 1 + w and round once, which the norm kernels do for a float32 weight on bfloat16 rows (ops.fused
-round_once), in the module path as here.
+What differs between the architectures' layers is data in each layer's description (_Layer), read from the one
+decoder layer of model/llama.py (its norms by role, DecoderLayer.norms(); the attention's and the MLP's fields),
+never from an architecture's name: the optional norms (qwen3's and gemma3's q/k head norms, gemma3's sandwich
+norms around attention and MLP, each weight the multiplier RMSNorm.scale_weight gives: gemma3's 1 + w), the
+activation, the attention scale, a per-layer window (gemma3's local layers; 0 on global ones) and RoPE table
+(the prologue stacks a model's tables as [tables, T, d/2]: gemma3's global and local ones, smollm3's global one and
+the identity its layers without RoPE rotate by), and the MLP: a dense one's two linears or routed experts (_Moe,
+below). A new architecture whose layers are made of these parts runs both loops with no change here. gemma3's
+bfloat16 norms multiply by the float32 1 + w and round once, which the norm kernels do for a float32 weight on
+bfloat16 rows (ops.fused round_once), in the module path as here.
 
 For steps of up to 8 rows (CPP_MAX_ROWS) the loop itself runs in C++ (ops/csrc/decode_layers.cpp: one call a
 step, the same kernels through the dispatcher), which removes the ~5-6 us of Python per kernel call (~2 ms a step
@@ -72,8 +75,9 @@ import torch
 import torch.nn.functional as F
 
 from brisk.kvcache.quant import QuantizedKVCache
-from brisk.model.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
-from brisk.model.llama import MLP, DecoderLayer
+from brisk.model.llama import GELU_TANH as _GELU_TANH
+from brisk.model.llama import SILU as _SILU
+from brisk.model.llama import DecoderLayer
 from brisk.model.moe import ExpertLoads, SparseMoeBlock, moe_forward
 from brisk.model.rope import apply_rope
 from brisk.ops import kernels
@@ -205,7 +209,7 @@ class DecodePlan:
         self.rope_cache = ops.rope_cache.default
         self.attention = ops.paged_decode_attention.default
         self.prefill_attention = ops.paged_prefill_attention.default
-        # token-tree verification steps (spec/tree.py) in the Python loop: each tree row sees its ancestors
+        # token-tree verification steps (engine/token_tree.py) in the Python loop: each tree row sees its ancestors
         self.tree_attention = getattr(ops, "paged_tree_attention", None)
         # layers with windows of their own (gemma3's local and global layers) leave StreamingLLM's steps to the modules
         self.own_windows = any(layer.window is not None for layer in layers)
@@ -384,15 +388,16 @@ def _norm_dtype_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
-    """A decoder layer (model/llama.py DecoderLayer, with a dense MLP or routed experts; model/gemma.py
-    GemmaDecoderLayer) as the plan's plain data, or None where a part is not covered: a linear with no kernel for
-    this dtype (an unfused MLP among them), hooks, a norm or router weight of another dtype (_norm_dtype_ok)."""
-    names = _NORMS.get(type(layer))
+    """A decoder layer (model/llama.py DecoderLayer: its norms by role, attention, a dense MLP or routed experts)
+    as the plan's plain data, or None where a part is not covered: a linear with no kernel for this dtype (an
+    unfused MLP among them), hooks, a norm or router weight of another dtype (_norm_dtype_ok)."""
+    if not isinstance(layer, DecoderLayer):
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     routed = isinstance(mlp, SparseMoeBlock)  # routed experts (model/moe.py) in place of the dense MLP
     act = _activation_of([*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert is not None else [])]
                          if routed else [mlp], ops)
-    if names is None or act is None or _hooked(layer, attn, mlp):
+    if act is None or _hooked(layer, attn, mlp):
         return None
     act_mul = getattr(ops, _ACT_OPS[act]).default
     moe = _moe_of(mlp, dtype, act_mul) if routed else None
@@ -400,24 +405,23 @@ def _layer_of(layer: nn.Module, dtype: torch.dtype, ops: Any) -> _Layer | None:
     if moe is None and dense is None:
         return None
     parts = [_kernel_of(attn.qkv_proj, dtype), _kernel_of(attn.o_proj, dtype), *(dense or (None, None))]
-    norms = [None if n is None else getattr(layer, n) for n in names]  # input, attention out, pre-MLP, MLP out
-    norms += [attn.q_norm, attn.k_norm]
+    roles = layer.norms()
+    norms = [roles.input, roles.attn_out, roles.mlp, roles.mlp_out, attn.q_norm, attn.k_norm]
     present = [n for n in norms if n is not None]
     if (any(p is None for p in parts[:2]) or _hooked(*present) or any(n.eps != present[0].eps for n in present)
             or any(not _norm_dtype_ok(n, dtype) for n in present)):
         return None
     ln1, attn_norm, ln2, mlp_norm, q_norm, k_norm = (None if n is None else n.scale_weight() for n in norms)
-    window = rope = None
-    if isinstance(attn, GemmaAttention):  # its own window (None: a global layer) and RoPE table
-        window, rope = attn.sliding_window or 0, attn.rope_index
+    window = (attn.sliding_window or 0) if attn.own_window else None  # its own (0: a global layer), or the step's
     return _Layer(ln1, ln2, present[0].eps, *parts, scale=attn.scale, act=act, q_norm=q_norm,  # type: ignore[misc]
-                  k_norm=k_norm, attn_norm=attn_norm, mlp_norm=mlp_norm, window=window, rope=rope, moe=moe)
+                  k_norm=k_norm, attn_norm=attn_norm, mlp_norm=mlp_norm, window=window, rope=attn.rope_index,
+                  moe=moe)
 
 
 def _activation_of(mlps: list[nn.Module], ops: Any) -> int | None:
     """The activation kind the MLPs (one dense MLP, or a block's experts) share, or None: unknown, mixed or not
     built."""
-    acts = {_ACTIVATIONS.get(type(m)) for m in mlps}
+    acts = {_ACTIVATIONS.get(getattr(m, "act", None)) for m in mlps}
     act = acts.pop() if len(acts) == 1 else None
     return act if act is not None and hasattr(ops, _ACT_OPS[act]) else None
 
@@ -444,13 +448,8 @@ def _moe_of(block: SparseMoeBlock, dtype: torch.dtype, act_mul: Any) -> _Moe | N
                 shared, None if block.shared_expert_gate is None else block.shared_expert_gate.weight, act_mul)
 
 
-# each decoder layer type's norms: (input, attention output, pre-MLP, MLP output); None: the layer has none there
-_NORMS: dict[type, tuple[str | None, ...]] = {
-    DecoderLayer: ("input_layernorm", None, "post_attention_layernorm", None),
-    GemmaDecoderLayer: ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                        "post_feedforward_layernorm"),
-}
-_ACTIVATIONS: dict[type, int] = {MLP: SILU, GemmaMLP: GELU_TANH}
+# the model's activation kinds (model/llama.py MLP.act) as the C++ loop's ints
+_ACTIVATIONS: dict[str | None, int] = {_SILU: SILU, _GELU_TANH: GELU_TANH}
 
 
 def _record_loads(loads: ExpertLoads, layers: list[_Layer], counts: torch.Tensor) -> None:
@@ -482,8 +481,8 @@ def straight_line_step(x: torch.Tensor, meta: AttentionMetadata, kv_caches: list
     dtype (or bfloat16), no eviction or score collection, and either decode-only or laid out by query_start_loc
     (speculative verification, prefill chunks, mixed steps). The plan (`plan`) also takes int8 / int4 CPU caches
     and StreamingLLM's eviction (a window, no scores collected); H2O's stays on the modules. Token trees
-    (spec/tree.py) run on the plan's Python loop (paged_tree_attention) where their masks fit its 64-bit rows and
-    every cache is a plain float one, else on the modules (tree_attention_reference)."""
+    (engine/token_tree.py) run on the plan's Python loop (paged_tree_attention) where their masks fit its 64-bit rows
+    and every cache is a plain float one, else on the modules (tree_attention_reference)."""
     bt = meta.block_tables
     if bt is None or meta.stats is not None:
         return False

@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe",
-                           "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3", "mixtral",
+                           "qwen2_moe", "qwen3_moe")
 # mixture-of-experts architectures (model/moe.py): every layer's, or some layers', MLP is a routed expert block
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+# architectures whose layers are not plain pre-norm x / rms(x) * w (ModelConfig.norm_plus_one, sandwich_norms)
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
+SANDWICH_NORM_ARCHITECTURES = ("gemma3",)
 
 # HF `architectures[0]` -> our architecture name
 _HF_ARCH = {
@@ -18,6 +22,7 @@ _HF_ARCH = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -26,8 +31,11 @@ _HF_ARCH = {
 _HF_MODEL_TYPE = {"gemma3_text": "gemma3"}
 # HF layer_types entries
 SLIDING, FULL = "sliding_attention", "full_attention"
+# the RoPE tables a model's prologue can stack (ModelConfig.rope_tables): the model's own, gemma3's local one (its
+# sliding layers' base), the identity (layers without RoPE)
+GLOBAL_ROPE, LOCAL_ROPE, NO_ROPE = "global", "local", "none"
 # architectures whose config.json enables the sliding window with a separate `use_sliding_window` flag
-_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_WINDOW_FLAG_ARCHS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 
 
 class UnsupportedModelError(ValueError):
@@ -64,6 +72,8 @@ class ModelConfig:
     rope_local_base_freq: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5 (else head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # smollm3: per layer 1 (RoPE) or 0 (none: "NoPE"), HF's no_rope_layers; None: every layer rotates
+    no_rope_layers: list[int] | None = None
     # mixture of experts (model/moe.py; HF names): 0 experts = a dense model
     num_experts: int = 0  # routed experts per MoE layer (mixtral's num_local_experts)
     num_experts_per_tok: int = 0  # top-k experts each token is routed to
@@ -107,6 +117,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise UnsupportedModelError(f"no_rope_layers must have one entry per layer ({self.num_hidden_layers}), "
+                                        f"got {len(self.no_rope_layers)}")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -142,6 +155,45 @@ class ModelConfig:
     def is_gemma(self) -> bool:
         """Gemma's decoder: (1 + w) RMSNorms around attention and MLP, GeGLU, scaled embeddings (model/gemma.py)."""
         return self.architecture == "gemma3"
+
+    @property
+    def norm_plus_one(self) -> bool:
+        """RMSNorms that scale by (1 + w), the weight stored zero-centred (gemma3)."""
+        return self.architecture in NORM_PLUS_ONE_ARCHITECTURES
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Four norms per layer, around attention and around the MLP (gemma3); else two, before each."""
+        return self.architecture in SANDWICH_NORM_ARCHITECTURES
+
+    @property
+    def rope_tables(self) -> tuple[str, ...]:
+        """The RoPE tables the prologue computes, in the order it stacks them (one: not stacked)."""
+        if self.is_gemma:
+            return (GLOBAL_ROPE, LOCAL_ROPE)
+        if self.no_rope_layers is not None and not all(self.no_rope_layers):
+            return (GLOBAL_ROPE, NO_ROPE)
+        return (GLOBAL_ROPE,)
+
+    def layer_rope(self, index: int) -> int | None:
+        """Which of rope_tables layer `index` rotates with, or None where there is only one."""
+        tables = self.rope_tables
+        if len(tables) == 1:
+            return None
+        if self.is_gemma:
+            return tables.index(LOCAL_ROPE if self.layer_window(index) is not None else GLOBAL_ROPE)
+        assert self.no_rope_layers is not None
+        return tables.index(GLOBAL_ROPE if self.no_rope_layers[index] else NO_ROPE)
+
+    def per_layer_fields(self, kept: list[int]) -> dict[str, Any]:
+        """The fields that hold one entry per layer, with only the `kept` layers' entries (dataclasses.replace
+        arguments, for a model with layers dropped)."""
+        out: dict[str, Any] = {}
+        for name in ("layer_types", "no_rope_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = [value[i] for i in kept]
+        return out
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index`: the model's sliding window, or None for a global layer."""
@@ -213,6 +265,8 @@ class ModelConfig:
         }
         if self.architecture in _WINDOW_FLAG_ARCHS:
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.no_rope_layers is not None:
+            d["no_rope_layers"] = list(self.no_rope_layers)
         if self.is_moe:
             d["num_local_experts" if self.architecture == "mixtral" else "num_experts"] = self.num_experts
             d["num_experts_per_tok"] = self.num_experts_per_tok
@@ -267,6 +321,8 @@ class ModelConfig:
         sliding_window = d.get("sliding_window")
         if arch in _WINDOW_FLAG_ARCHS and not d.get("use_sliding_window", False):
             sliding_window = None
+        if arch == "smollm3":  # its window applies to sliding layer_types only, which _no_rope_layers refuses
+            sliding_window = None
         if float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
                  ) != 1.0:
             raise UnsupportedModelError(f"{arch}: partial_rotary_factor != 1 (RoPE on part of each head) is not "
@@ -315,5 +371,20 @@ class ModelConfig:
             rope_local_base_freq=d.get("rope_local_base_freq"),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             final_logit_softcapping=d.get("final_logit_softcapping"),
+            no_rope_layers=_no_rope_layers(arch, d),
             **moe,
         )
+
+
+def _no_rope_layers(arch: str, d: dict[str, Any]) -> list[int] | None:
+    """smollm3's per-layer RoPE switch (1: RoPE, 0: none), from no_rope_layers or its interval (every
+    no_rope_layer_interval-th layer without, as transformers fills it); None for other architectures."""
+    if arch != "smollm3":
+        return None
+    if d.get("use_sliding_window") and SLIDING in (d.get("layer_types") or []):
+        raise UnsupportedModelError("smollm3: sliding-window layers are not supported (use_sliding_window is on)")
+    layers = d.get("no_rope_layers")
+    if layers is None:
+        interval = int(d.get("no_rope_layer_interval") or 4)
+        layers = [int((i + 1) % interval != 0) for i in range(d.get("num_hidden_layers", 0))]
+    return [int(bool(x)) for x in layers]

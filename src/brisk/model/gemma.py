@@ -1,17 +1,17 @@
-"""Gemma 3's decoder pieces, plugged into the one decoder of model/llama.py.
+"""Gemma 3: what its checkpoints and GGUF files say, read into the one decoder of model/llama.py.
 
-What differs from Llama, and where it lives here:
+What differs from Llama is data in ModelConfig, which the decoder reads:
 
-    RMSNorm            x * (1 + w) with w stored zero-centred, as HF stores it   GemmaRMSNorm
-    norms per layer    four, "sandwich": around attention and around the MLP     GemmaDecoderLayer
-    q / k norms        per-head (1 + w) RMSNorm before RoPE                       GemmaAttention
-    attention scale    query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5)       GemmaAttention
-    local / global     layer_types: sliding layers see (p - window, p] with RoPE   GemmaAttention (window, rope)
-                       base rope_local_base_freq; full layers everything, with
+    RMSNorm            x * (1 + w) with w stored zero-centred, as HF stores it   norm_plus_one (GemmaRMSNorm)
+    norms per layer    four, "sandwich": around attention and around the MLP     sandwich_norms (SANDWICH)
+    q / k norms        per-head (1 + w) RMSNorm before RoPE                       qk_norm
+    attention scale    query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5)       query_pre_attn_scalar
+    local / global     layer_types: sliding layers see (p - window, p] with RoPE   layer_window, rope_tables
+                       base rope_local_base_freq; full layers everything, with     (global, local), layer_rope
                        rope_theta + rope_scaling
-    MLP                GeGLU: gelu_tanh(gate) * up                                GemmaMLP
+    MLP                GeGLU: gelu_tanh(gate) * up                                hidden_act gelu_pytorch_tanh
     embeddings         scaled by sqrt(hidden_size), in the model dtype            LlamaForCausalLM.embed
-    final logits       optional tanh soft-cap                                     LlamaForCausalLM.compute_logits
+    final logits       optional tanh soft-cap                                     final_logit_softcapping
 
 One layer in the residual-stream form of model/llama.py (hidden = residual + x; `add` = residual += x):
 
@@ -20,110 +20,18 @@ One layer in the residual-stream form of model/llama.py (hidden = residual + x; 
     h = pre_feedforward_layernorm(add a)
     x = post_feedforward_layernorm(mlp(h))      -> (x, residual); the next norm adds x
 
-With two RoPE tables the model's prologue gives cos / sin as [2, T, d/2]: index 0 the global table, 1 the local
-one; each attention picks its own. The decode plan and its C++ layer loop (engine/decode_plan.py) run this layer
-with the kernels the modules here call (the norms' fused kernels with the float32 1 + w, gelu_tanh_mul), so they
-give the same numbers; torch.compile (engine/compiled.py) does not cover it.
+This module holds the config fields of Gemma3TextConfig and GGUF metadata, the GGUF tensor names and the chat
+template fallback.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
-
 from brisk.model.config import FULL, SLIDING, UnsupportedModelError
-from brisk.model.llama import MLP, Attention, RMSNorm
-from brisk.ops.attention import AttentionMetadata
-from brisk.ops.fused import add_rms_norm, gelu_tanh_mul, rms_norm
-from brisk.ops.metadata import with_sliding_window
 
 if TYPE_CHECKING:
     from brisk.model.config import ModelConfig
-
-GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the prologue's stacked cos / sin
-
-
-class GemmaRMSNorm(RMSNorm):
-    """RMSNorm scaled by (1 + weight), HF's Gemma3RMSNorm: statistics, the scale and the product in float32, then
-    rounded to the model dtype once. The parameter holds HF's zero-centred w (checkpoints save as HF does); the
-    multiplier 1 + w is derived once per weight and reused, so float32 models take the fused kernels."""
-
-    _cached: tuple[tuple[int, int, int], torch.Tensor] | None = None
-    round_once = True  # bfloat16 rows: x * r * (1 + w) in float32, rounded once, as HF's Gemma3RMSNorm
-
-    def scale_weight(self) -> torch.Tensor:
-        """1 + weight in float32, recomputed when the weight tensor or its contents change."""
-        w = self.weight
-        try:
-            version = w._version
-        except RuntimeError:  # an inference-mode tensor has no version counter: never cache it
-            return w.float() + 1.0
-        key = (id(w), w.data_ptr(), version)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, w.float() + 1.0)
-        return self._cached[1]
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        w = self.scale_weight()  # float32: the fused kernels (and their references) apply it in float32, round once
-        if residual is None:
-            return rms_norm(x, w, self.eps, round_once=True)
-        return add_rms_norm(x, residual, w, self.eps, round_once=True)
-
-
-class GemmaAttention(Attention):
-    """Llama's attention with Gemma's q/k norms, scale, and this layer's window and RoPE table."""
-
-    def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__(config)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.scale = float(config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        self.sliding_window = config.layer_window(index)  # None: a global layer
-        self.rope_index = LOCAL_ROPE if self.sliding_window is not None else GLOBAL_ROPE
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        # cos, sin: [2, T, d/2] (global, local) from the prologue; a window per layer, whatever the caller set
-        return super().forward(x, cos[self.rope_index], sin[self.rope_index],
-                               with_sliding_window(meta, self.sliding_window), kv_cache)
-
-
-class GemmaMLP(MLP):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), HF's gelu_pytorch_tanh."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:  # [T, 2 I] -> gelu_tanh(gate) * up: [T, I], the decode plan's kernel
-            return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
-class GemmaDecoderLayer(torch.nn.Module):
-    """Sandwich norms in the (x, residual) form of llama.DecoderLayer (see the module docstring)."""
-
-    def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = GemmaAttention(config, index)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.mlp = GemmaMLP(config)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x  # [T, hidden]: the scaled embeddings, a fresh tensor
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        a = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, kv_cache))
-        h, residual = self.pre_feedforward_layernorm(a, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
-
 
 # ----------------------------------------------------------------------------------------- config
 

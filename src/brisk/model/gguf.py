@@ -47,10 +47,12 @@ from brisk.ops.qlinear import PackedWeight
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFFile", "load_gguf", "read_gguf", "read_gguf_config"]
 
 # llama: + mixtral (expert_count)
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "smollm3", "qwen2moe",
+                                "qwen3moe")
 # llama.cpp's converter permutes the Q/K rows of Llama-family models (mistral is written as "llama") for
 # its interleaved RoPE; Qwen2 and Qwen3 are converted without permutation.
-_PERMUTED_QK_ARCHS = ("llama", "mistral", "mixtral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "mixtral", "smollm3")
+_SMOLLM3_NO_ROPE_STEP = 4
 
 # ----------------------------------------------------------------------------------------- header parsing
 
@@ -280,6 +282,8 @@ def _config_from_gguf(f: GGUFFile) -> ModelConfig:
     if arch == "phi3":
         rope_scaling = phi3_rope_scaling(md, int(key("context_length", 2048)))
         extra = {"sliding_window": md.get("phi3.attention.sliding_window")}
+    if arch == "smollm3":  # llama.cpp's: every 4th layer without RoPE (its files carry no key for it)
+        extra = {"no_rope_layers": [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(key("block_count"))]}
     if arch == "gemma3":
         from brisk.model.gemma import gemma_gguf_config_fields
 

@@ -16,9 +16,10 @@ still describes the result and every loader reads it. The first and last layers 
 
 Per architecture (prune/support.py): qwen3's and gemma3's q/k norms are per head over head_dim, shared by all
 heads, so they keep their shape; gemma3's four sandwich norms act on the hidden size and go only with their
-layer; gemma3's `layer_types` loses the entries of dropped layers, so every kept layer keeps its own sliding or
-global attention (and RoPE table); phi3's fused qkv / gate_up are split at load and cut like q/k/v and gate/up
-(the checkpoint fuses them again). Mixture-of-experts models are refused: their MLPs are routed experts.
+layer; every per-layer field (ModelConfig.per_layer_fields: gemma3's `layer_types`, smollm3's `no_rope_layers`)
+loses the entries of dropped layers, so every kept layer keeps its own sliding or global attention and RoPE table;
+phi3's fused qkv / gate_up are split at load and cut like q/k/v and gate/up (the checkpoint fuses them again).
+Mixture-of-experts models are refused: their MLPs are routed experts.
 
 Importance (activation-based, one calibration pass of the dense model through the shared driver):
 
@@ -83,20 +84,20 @@ def count_parameters(config: ModelConfig) -> int:
 def pruned_config(config: ModelConfig, plan: StructuredPlan, removed_layers: list[int] | None = None
                   ) -> ModelConfig:
     """The config that describes the model after `plan` (head_dim stays what it was). `removed_layers`: which
-    layers go, so gemma3's layer_types keeps the kept layers' entries; None (counting only): the last inner ones."""
+    layers go, so per-layer fields (gemma3's layer_types, smollm3's no_rope_layers) keep the kept layers' entries;
+    None (counting only): the last inner ones."""
     assert not config.is_moe, "structured pruning of mixture-of-experts layers is refused (prune/support.py)"
     r = config.num_attention_heads // config.num_key_value_heads
     n = config.num_hidden_layers
     if removed_layers is None:
         removed_layers = list(range(n - 1 - plan.num_layers_removed, n - 1))
     assert len(removed_layers) == plan.num_layers_removed, f"{removed_layers} vs {plan.num_layers_removed} layers"
-    layer_types = config.layer_types
-    if layer_types is not None:
-        layer_types = [t for i, t in enumerate(layer_types) if i not in removed_layers]
+    kept = [i for i in range(n) if i not in removed_layers]
     return replace(config, num_hidden_layers=n - plan.num_layers_removed,
                    num_key_value_heads=config.num_key_value_heads - plan.num_groups_removed,
                    num_attention_heads=config.num_attention_heads - r * plan.num_groups_removed,
-                   intermediate_size=config.intermediate_size - plan.num_channels_removed, layer_types=layer_types)
+                   intermediate_size=config.intermediate_size - plan.num_channels_removed,
+                   **config.per_layer_fields(kept))
 
 
 def plan_structured(config: ModelConfig, fraction: float, num_groups: int = 0, num_layers: int = 0,

@@ -21,11 +21,19 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from brisk.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+from brisk.model.config import (
+    MOE_ARCHITECTURES,
+    NORM_PLUS_ONE_ARCHITECTURES,
+    SANDWICH_NORM_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 
-# dense architectures whose norms are RMSNorm with a plain weight (x / rms * w): where AWQ / SmoothQuant fold scales
-PLAIN_NORM_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 DENSE_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in MOE_ARCHITECTURES)
+# dense architectures whose norms are RMSNorm with a plain weight (x / rms * w) before attention and MLP: where AWQ /
+# SmoothQuant fold scales
+PLAIN_NORM_ARCHITECTURES = tuple(a for a in DENSE_ARCHITECTURES
+                                 if a not in NORM_PLUS_ONE_ARCHITECTURES + SANDWICH_NORM_ARCHITECTURES)
 
 # --method name -> the module that declares its SUPPORT
 _METHOD_MODULES = {"rtn": "brisk.quant.rtn", "gptq": "brisk.quant.gptq", "awq": "brisk.quant.awq",

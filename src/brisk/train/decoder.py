@@ -1,21 +1,20 @@
 """The decoder's parts as differentiable functions of [B, T, ...] tensors, for the training forward (forward.py).
 
-Each function takes a serving module (model/llama.py, model/gemma.py, model/moe.py) and applies its own weights
-with plain PyTorch ops. What differs between architectures is read from the modules, not from the architecture's
-name, so a layer trains exactly as it serves:
+Each function takes a serving module (model/llama.py, model/moe.py) and applies its own weights with plain
+PyTorch ops. What differs between architectures is read from the modules (the data model/llama.py builds them
+from), never from the architecture's name, so a layer trains exactly as it serves:
 
-    part          module                       training math
+    part          module data                  training math
     norm          RMSNorm                      x / rms(x) * w            (float32 statistics, HF's RMSNorm)
-                  GemmaRMSNorm                 x / rms(x) * (1 + w)      (all in float32, then the model dtype)
+                  .round_once, .offset         x / rms(x) * (w + 1)      (gemma3's: all in float32, then the dtype)
     q / k norm    attn.q_norm / k_norm         the layer's norm over each head's d dims, before RoPE (qwen3, gemma3)
-    attention     Attention / GemmaAttention   causal SDPA with attn.scale (gemma3: query_pre_attn_scalar ** -0.5);
-                                               the layer's window and RoPE table come in `LayerInputs`
-    feed-forward  MLP                          down(silu(gate(x)) * up(x))
-                  GemmaMLP                     down(gelu_tanh(gate(x)) * up(x))
+    attention     Attention                    causal SDPA with attn.scale; the layer's window and RoPE table come
+                                               in `LayerInputs`
+    feed-forward  MLP .act                     down(silu(gate(x)) * up(x)), or tanh-GELU (gemma3)
                   SparseMoeBlock               model/moe.py's route + grouped_experts over these MLPs, and
                                                qwen2_moe's sigmoid-gated shared expert
-    layer         DecoderLayer                 pre-norm: x += attn(norm(x)); x += mlp(norm(x))
-                  GemmaDecoderLayer            sandwich: x += post(attn(norm(x))); x += post(mlp(pre(x)))
+    layer         DecoderLayer.norms()         x += [attn_out](attn(input(x))); x += [mlp_out](mlp(mlp(x)))
+                                               (the bracketed norms where the layer has them: gemma3's sandwich)
 
 The mixture of experts reuses model/moe.py's functions as they are: `route` (softmax in float32, top-k, each
 architecture's renormalisation) and `grouped_experts` (the routed rows gathered by index_select, one call per
@@ -33,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.model.gemma import GemmaDecoderLayer, GemmaMLP, GemmaRMSNorm
-from brisk.model.llama import MLP, Attention, RMSNorm
+from brisk.model.llama import GELU_TANH, MLP, Attention, DecoderLayer, RMSNorm
 from brisk.model.moe import SparseMoeBlock, grouped_experts, route
 from brisk.model.rope import apply_rope
 from brisk.ops.fused import rms_norm_reference
@@ -59,8 +57,8 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """x [..., D] normalized over D as `norm` does it at inference (Gemma's 1 + w in float32, see above)."""
-    if isinstance(norm, GemmaRMSNorm):
-        return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float() + 1.0, norm.eps).to(x.dtype)
+    if norm.round_once:  # all in float32, rounded once (gemma3's 1 + w)
+        return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float() + norm.offset, norm.eps).to(x.dtype)
     return rms_norm_reference(x, norm.weight, norm.eps)
 
 
@@ -83,7 +81,7 @@ def attention(attn: Attention, x: torch.Tensor, inputs: LayerInputs) -> torch.Te
 
 def mlp(module: MLP, x: torch.Tensor) -> torch.Tensor:
     """A gated MLP: down(act(gate(x)) * up(x)), act tanh-GELU for Gemma's, SiLU otherwise. x [..., hidden]."""
-    act = partial(F.gelu, approximate="tanh") if isinstance(module, GemmaMLP) else F.silu
+    act = partial(F.gelu, approximate="tanh") if module.act == GELU_TANH else F.silu
     return linear(module.down_proj, act(linear(module.gate_proj, x)) * linear(module.up_proj, x))
 
 
@@ -106,12 +104,10 @@ def feed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return moe(module, x) if isinstance(module, SparseMoeBlock) else mlp(module, x)
 
 
-def layer_forward(layer: nn.Module, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+def layer_forward(layer: DecoderLayer, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
     """x [B, T, hidden] (the residual stream) -> the stream after this layer's attention and feed-forward."""
-    if isinstance(layer, GemmaDecoderLayer):  # sandwich norms (model/gemma.py)
-        a = attention(layer.self_attn, rms_norm(layer.input_layernorm, x), inputs)
-        x = x + rms_norm(layer.post_attention_layernorm, a)
-        f = feed_forward(layer.mlp, rms_norm(layer.pre_feedforward_layernorm, x))
-        return x + rms_norm(layer.post_feedforward_layernorm, f)
-    x = x + attention(layer.self_attn, rms_norm(layer.input_layernorm, x), inputs)
-    return x + feed_forward(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+    norms = layer.norms()
+    a = attention(layer.self_attn, rms_norm(norms.input, x), inputs)
+    x = x + (a if norms.attn_out is None else rms_norm(norms.attn_out, a))
+    f = feed_forward(layer.mlp, rms_norm(norms.mlp, x))
+    return x + (f if norms.mlp_out is None else rms_norm(norms.mlp_out, f))

@@ -95,15 +95,15 @@ def layer_inputs(model: LlamaForCausalLM, t: int, device: torch.device) -> list[
     rope = model.rope
     assert rope is not None, "call init_rope() after loading weights"
     context_lens = torch.full((t,), t, device=device) if rope.length_dependent else None
-    cos, sin = model.cos_sin(positions, context_lens)  # [T, d/2]; gemma3: [2, T, d/2] (global, local)
+    cos, sin = model.cos_sin(positions, context_lens)  # [T, d/2]; several tables: [tables, T, d/2]
     masks: dict[int | None, torch.Tensor | None] = {}
     out = []
     for i, layer in enumerate(model.model.layers):
         window = model.config.layer_window(i)
         if window not in masks:
             masks[window] = causal_mask(t, t, window).to(device) if window is not None and window < t else None
-        if cos.dim() == 3:  # gemma3: each attention picks its table, as GemmaAttention does
-            index = layer.self_attn.rope_index
+        index = layer.self_attn.rope_index
+        if index is not None:  # each attention picks its table (model/llama.py Attention.rope_index)
             out.append(LayerInputs(cos[index], sin[index], masks[window]))
         else:
             out.append(LayerInputs(cos, sin, masks[window]))
