@@ -71,9 +71,9 @@ def test_a_q4_file_is_priced_packed_and_refused_with_its_numbers(tmp_path: Path)
 
 _PEAK_SCRIPT = """
 import sys, torch
-from brisk.bench.report import peak_rss_bytes, reset_peak_rss
 from brisk.model.loader import load_model
 from brisk.model.hugepages import _holders, release_free_memory
+from brisk.console import peak_rss_bytes, reset_peak_rss
 # the imports, kernels and tokenizer before the baseline: a first load of a tiny file
 load_model(sys.argv[2], dtype=getattr(torch, sys.argv[3]), keep_quantized=sys.argv[4] == "1", show_progress=False)
 release_free_memory()

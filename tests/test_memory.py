@@ -167,9 +167,9 @@ def test_available_memory_is_positive() -> None:
 
 _PEAK_SCRIPT = """
 import sys, torch
-from brisk.bench.report import peak_rss_bytes, reset_peak_rss
 from brisk.model.loader import load_model
 import brisk.model.hf, brisk.model.fuse, brisk.ops.linear  # imports before the baseline
+from brisk.console import peak_rss_bytes, reset_peak_rss
 assert reset_peak_rss()
 base = peak_rss_bytes()
 loaded = load_model(sys.argv[1], dtype=torch.bfloat16)

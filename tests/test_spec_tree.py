@@ -12,6 +12,15 @@ from hf_utils import make_tiny_hf_model
 
 from brisk import LLM, SamplingParams
 from brisk.data import calibration_text_path
+from brisk.engine.token_tree import (
+    accept_tree_greedy,
+    accepted_moves,
+    path_to,
+    static_tree,
+    tree_depths,
+    tree_mask,
+    tree_parents,
+)
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import load_model
 from brisk.ops.metadata import AttentionMetadata
@@ -36,15 +45,6 @@ from brisk.spec.medusa import (
     rank_accuracy,
     save_heads,
     training_prompts,
-)
-from brisk.spec.tree import (
-    accept_tree_greedy,
-    accepted_moves,
-    path_to,
-    static_tree,
-    tree_depths,
-    tree_mask,
-    tree_parents,
 )
 
 VOCAB = 384
@@ -315,9 +315,9 @@ def test_medusa_greedy_alone_and_under_preemption(model_dir, heads_dir, plain):
 
 
 def test_medusa_sampling_verifies_trees(model_dir, heads_dir, monkeypatch):
-    """Sampled requests draft the same static tree, verified by exact multi-draft sampling (spec/tree.py
+    """Sampled requests draft the same static tree, verified by exact multi-draft sampling (engine/token_tree.py
     accept_tree_sampling; its distribution is tested in tests/test_spec_verify.py)."""
-    import brisk.spec.tree as tree
+    import brisk.engine.token_tree as tree
 
     sampled_trees = []
     real = tree.verify_tree

@@ -10,8 +10,8 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplingMetadata
 from brisk.engine.sampling_params import SamplingParams
-from brisk.spec.tree import accept_tree_sampling, verify_tree
-from brisk.spec.verify import accept, accept_greedy, verify
+from brisk.engine.token_tree import accept_tree_sampling, verify_tree
+from brisk.engine.verify import accept, accept_greedy, verify
 
 
 def t(*rows: list[float]) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from brisk.bench import report
 from brisk.bench.options import build_llm, describe_model, engine_flags, set_threads
+from brisk.console import progress_bar, write_json
 
 
 def fit_link(points: list[dict[str, float]], steps: float = 1.0, share: float = 1.0) -> dict[str, float]:
@@ -113,7 +113,7 @@ def _print_predictions(shape_name: str, ranks: int, batches: tuple[int, ...], li
                   f"{float(r['step_s']) * 1e3:.2f}", f"{float(r['tok_s']):.1f}", f"{float(r['speedup']):.2f}")
     Console().print(t)
     if json_path:
-        report.write_json(json_path, "parallel-predict", click.get_current_context().params, {"predicted": rows})
+        write_json(json_path, "parallel-predict", click.get_current_context().params, {"predicted": rows})
 
 
 @click.command("parallel")
@@ -188,7 +188,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     model_facts: dict[str, Any] = {}
     rank_threads = max(1, threads // ranks)
     total = 4 * runs * sum(batches) * output_len
-    with report.progress_bar(f"decode: single, TP{ranks}, PP{ranks}, modules at batch {', '.join(map(str, batches))}",
+    with progress_bar(f"decode: single, TP{ranks}, PP{ranks}, modules at batch {', '.join(map(str, batches))}",
                              total) as advance:
         for mode in ("single", "tp", "pp", "modules"):
             # modules: the calibration of the cost model's host time, one process on the path and threads a rank
@@ -225,7 +225,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
     torch.set_num_threads(threads)
     single_compute = linears["single"]
 
-    with report.progress_bar(f"probes: {ranks} ranks x {max(1, threads // ranks)} threads", 1) as advance:
+    with progress_bar(f"probes: {ranks} ranks x {max(1, threads // ranks)} threads", 1) as advance:
         probes = run_probes({**engine_kw, "num_threads": max(1, threads // ranks)}, ranks, max(1, threads // ranks),
                             config.hidden_size, config.vocab_size, rows, reps, link_reps=25 * reps)
         advance(1)
@@ -330,7 +330,7 @@ def parallel(ranks: int, batch: int, input_len: int, output_len: int, reps: int,
 
     json_path = kw.get("json_path")
     if json_path:
-        report.write_json(json_path, "parallel", click.get_current_context().params, {
+        write_json(json_path, "parallel", click.get_current_context().params, {
             "model": model_facts, "threads": threads, "ranks": ranks, "rows": list(rows),
             "link": {"collectives": link_fit, "p2p": p2p_fit, **measured},
             "compute": {"single": {"seconds": single_compute, "linear_bytes": single_linear_bytes,

@@ -16,6 +16,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from brisk.console import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
 
 @dataclass
 class EngineJob:
@@ -116,22 +118,21 @@ def _measure_brisk(job: EngineJob) -> EngineRun:
 
     import torch
 
-    from brisk.bench import report
     from brisk.bench.quant import decode_rate
     from brisk.engine.llm import LLM
 
     torch.set_num_threads(job.threads)
     gc.collect()
-    report.reset_peak_rss()
-    rss0 = report.current_rss_bytes()
+    reset_peak_rss()
+    rss0 = current_rss_bytes()
     start = time.perf_counter()
     llm = LLM(job.path, dtype=job.dtype, enable_prefix_caching=False, num_threads=job.threads,
               max_model_len=job.seq_len, kv_cache_memory=job.kv_cache_memory, kv_cache_dtype=job.kv_cache_dtype,
               quant_activations=job.quant_activations, prepack_weights=job.prepack_weights)
     load_s = time.perf_counter() - start
-    peak_load = report.peak_rss_bytes() - rss0
+    peak_load = peak_rss_bytes() - rss0
     decode_rate(llm, job.prompt_ids, 1, 4)  # warm-up: kernels built, pages touched
-    rss = report.current_rss_bytes() - rss0
+    rss = current_rss_bytes() - rss0
     prefill_s = _brisk_prefill_seconds(llm, job.prefill_ids)
     run = EngineRun(load_s, rss, 0, peak_load, prefill_s,
                     weights_cache_hit=llm.engine.loaded.weights_cache == "hit")
@@ -140,7 +141,7 @@ def _measure_brisk(job: EngineJob) -> EngineRun:
         run.decode_tok_s[b] = rate
         if b == 1:
             run.greedy_b1 = toks
-    run.peak_rss_bytes = report.peak_rss_bytes()
+    run.peak_rss_bytes = peak_rss_bytes()
     return run
 
 
@@ -156,11 +157,10 @@ def _brisk_prefill_seconds(llm, prompt: list[int]) -> float:  # noqa: ANN001 - b
 
 
 def _measure_llama_cpp(job: EngineJob) -> EngineRun:
-    from brisk.bench import report
     from brisk.bench.llamacpp import LlamaCppModel
 
-    report.reset_peak_rss()
-    rss0 = report.current_rss_bytes()
+    reset_peak_rss()
+    rss0 = current_rss_bytes()
     start = time.perf_counter()
     with LlamaCppModel(job.path, job.seq_len, n_seq_max=max(job.batch_sizes), threads=job.threads) as lc:
         # warm-up: the weights' pages read once (llama.cpp maps the file)
@@ -168,11 +168,10 @@ def _measure_llama_cpp(job: EngineJob) -> EngineRun:
 
 
 def _measure_onnxruntime(job: EngineJob) -> EngineRun:
-    from brisk.bench import report
     from brisk.bench.onnx_baseline import OnnxModel
 
-    report.reset_peak_rss()
-    rss0 = report.current_rss_bytes()
+    reset_peak_rss()
+    rss0 = current_rss_bytes()
     start = time.perf_counter()
     model = OnnxModel(job.path, job.threads)  # the graph loaded and optimized (ORT_ENABLE_ALL)
     # warm-up: buffers allocated, kernels chosen
@@ -182,16 +181,15 @@ def _measure_onnxruntime(job: EngineJob) -> EngineRun:
 def _runtime_rates(job: EngineJob, model: Any, load_s: float, rss0: int) -> EngineRun:
     """A loaded baseline runtime (decode_rate, prefill_seconds) measured as brisk is: a warm-up, the resident
     memory after it, prefill time, decode tokens/s per batch size and batch 1's greedy tokens."""
-    from brisk.bench import report
 
-    peak_load = report.peak_rss_bytes() - rss0
+    peak_load = peak_rss_bytes() - rss0
     model.decode_rate([job.prompt_ids], 4)  # the warm-up
-    rss = report.current_rss_bytes() - rss0
+    rss = current_rss_bytes() - rss0
     run = EngineRun(load_s, rss, 0, peak_load, model.prefill_seconds(job.prefill_ids))
     for b in job.batch_sizes:
         rate, toks = model.decode_rate(_rotations(job.prompt_ids, b), job.output_len)
         run.decode_tok_s[b] = rate
         if b == 1:
             run.greedy_b1 = toks
-    run.peak_rss_bytes = report.peak_rss_bytes()
+    run.peak_rss_bytes = peak_rss_bytes()
     return run

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from brisk.bench.latency import LatencyResult, record_run
-from brisk.bench.report import Advance
 from brisk.bench.throughput import ThroughputResult
+from brisk.console import Advance
 
 
 class TransformersMissingError(RuntimeError):

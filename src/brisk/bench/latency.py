@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from brisk.bench.report import Advance, mean, percentile
+from brisk.bench.report import mean, percentile
+from brisk.console import Advance
 from brisk.engine.sampling_params import SamplingParams
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 import torch
 
+from brisk.console import peak_rss_bytes
 from brisk.engine.settings import engine_kwargs, engine_options
 
 
@@ -45,10 +46,9 @@ def load_figures(llm) -> dict[str, Any]:  # noqa: ANN001 - an LLM
     """What starting the engine cost, taken right after it started: the model load's wall seconds, the whole
     start-up's (load + KV pool + executor), and the process's peak RSS so far, which is the load's peak (a
     conversion's transient copies show here, not in the steady state while generating)."""
-    from brisk.bench import report
 
     return {"load_s": llm.engine.loaded.load_seconds, "start_s": getattr(llm, "start_seconds", None),
-            "peak_rss_after_load_bytes": report.peak_rss_bytes()}
+            "peak_rss_after_load_bytes": peak_rss_bytes()}
 
 
 def describe_model(llm) -> dict[str, Any]:  # noqa: ANN001 - an LLM

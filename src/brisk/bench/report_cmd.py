@@ -35,6 +35,8 @@ from typing import Any
 
 import click
 
+from brisk.console import machine_info, stderr_console
+
 # the guide's summary table: technique -> (the claim, low, high)
 GUIDE = {
     "int8": ("INT8 quantization", 2.0, 2.0),
@@ -541,7 +543,6 @@ def report_command(model: str | None, quick: bool, out_dir: str, sections: str, 
     of each; then the best combination for latency and for throughput."""
     import os
 
-    from brisk.bench.report import machine_info, stderr_console
 
     names = tuple(s.strip() for s in sections.split(",") if s.strip())
     unknown = [s for s in names if s not in SECTIONS]

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from brisk.bench import report
 from brisk.bench.loadgen import LoadSpec, Outcome, check_local_url
+from brisk.console import progress_bar, stderr_console
 
 SAMPLE_INTERVAL_S = 0.25
 # The first quarter of the run is warm-up for the RSS check: allocator pools, thread pools and the first
@@ -326,7 +327,7 @@ def run_serve_bench(url: str, prompts: list[list[int]], output_len: int, arrival
         sampler = ServerSampler(client, server_pid)
         counts: Counter = Counter()
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=report.stderr_console(), transient=True,
+                            TimeElapsedColumn(), console=stderr_console(), transient=True,
                             disable=not show_progress)
         task = progress.add_task("serve: starting", total=len(prompts))
 
@@ -382,7 +383,7 @@ def llamacpp_baseline(source: Path, gguf_type: str, prompts: list[list[int]], ou
     seq_len = max(len(p) for p in prompts) + output_len + 16
     with LlamaCppModel(path, seq_len, n_seq_max=batch_size, threads=threads) as lc:
         lc.decode_rate([prompts[0][:8]], 4)  # untimed warm-up, as the others get
-        with report.progress_bar(f"llama.cpp {gguf_type.upper()}: batches of {batch_size}", len(prompts)) as advance:
+        with progress_bar(f"llama.cpp {gguf_type.upper()}: batches of {batch_size}", len(prompts)) as advance:
             elapsed, output_tokens = lc.static_batches(prompts, output_len, batch_size, advance)
         first = [prompts[i % len(prompts)] for i in range(batch_size)]
         decode_tok_s, _ = lc.decode_rate(first, output_len)

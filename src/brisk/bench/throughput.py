@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from brisk.bench.report import Advance, mean
+from brisk.bench.report import mean
+from brisk.console import Advance
 from brisk.engine.sampling_params import SamplingParams
 
 

@@ -14,13 +14,13 @@ Each step then runs what this table says (the first row that matches it):
     step                                                    modules  plan     cpp       compiled
     model not covered (unfused projections, hooks, a        modules  modules  modules   (refused at build)
       linear with no kernel for the model dtype)
-    gemma3: as below, except compiled                       ...      ...      ...       (refused at build)
+    gemma3, qwen3: as below, except compiled                ...      ...      ...       (refused at build)
     H2O eviction (attention statistics collected), off     modules  modules  modules   modules
       the CPU  (decode_plan.straight_line_step); gemma3
       under StreamingLLM
     StreamingLLM eviction (sinks + window)                  modules  plan     plan      modules
-    token-tree verification (spec/tree.py; trees of up to   modules  plan     as below  modules
-      64 rows, float caches)
+    token-tree verification (engine/token_tree.py;          modules  plan     as below  modules
+      trees of up to 64 rows, float caches)
     int8 / int4 KV cache: as below, except compiled         ...      ...      ...       modules
     up to 8 rows: decode batches, verification, chunks      modules  plan     C++ loop  graphs (static rows)
     more rows: prefills, large batches                      modules  plan     plan      graphs (dynamic rows)
@@ -72,6 +72,10 @@ class Executor:
         # computed: kept here after each step when set
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # prefill-only requests (engine/pooling.py): the model runner names the rows whose final hidden state it
+        # pools for one step; they are kept in pooled_hidden
+        self.pool_rows: torch.Tensor | None = None
+        self.pooled_hidden: torch.Tensor | None = None
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -118,7 +122,14 @@ class Executor:
             hidden = self.compiled.run(x, cos, sin, meta, kv_caches)
         else:
             hidden = model.run_layers(x, cos, sin, meta, kv_caches)
+        self.keep_rows(hidden, meta)
+        return model.compute_logits(hidden, meta)  # [N, vocab]
+
+    def keep_rows(self, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Keep what was asked of a step's final hidden states [T, hidden]: the rows with logits (keep_hidden) and
+        the rows pooled (pool_rows)."""
         if self.keep_hidden:
             idx = meta.logits_indices
             self.last_hidden = hidden if idx is None else hidden.index_select(0, idx)  # [N, hidden]
-        return model.compute_logits(hidden, meta)  # [N, vocab]
+        if self.pool_rows is not None:
+            self.pooled_hidden = hidden.index_select(0, self.pool_rows)  # [P, hidden]

@@ -362,3 +362,20 @@ def fitting_options(config: EngineConfig, footprint: ModelFootprint, available: 
             found.append((len(changes), " ".join(changes), est))
     found.sort(key=lambda f: (f[0], f[2].total))
     return [(flags, est) for _, flags, est in found[:limit]]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each tensor counted once (tied
+    weights share one). Counted per tensor, not per storage: a loader may place many tensors in one buffer, of
+    which a pipeline stage keeps only its layers'."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta":
+            continue
+        key = (t.data_ptr(), t.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total

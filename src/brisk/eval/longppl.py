@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from brisk.bench.report import progress_bar
+from brisk.console import progress_bar
 from brisk.engine.request import Request
 from brisk.eval.ppl import sequence_logits
 from brisk.kvcache.manager import KVCacheManager

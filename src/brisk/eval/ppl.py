@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from brisk.bench.report import progress_bar
+from brisk.console import progress_bar
 from brisk.kvcache.quant import make_kv_caches
 from brisk.model.loader import LoadedModel
 from brisk.ops.attention import AttentionMetadata, KVCache

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from brisk.lora.adapter import check_fits, load_adapter, merge_adapter
 from brisk.model.loader import load_model
-from brisk.prune.checkpoint import model_tensors
+from brisk.model.save import model_tensors
 
 MERGED_KEY = "merged_lora"
 

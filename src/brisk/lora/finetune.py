@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from brisk.console import peak_rss_bytes
 from brisk.lora.adapter import parse_target_modules
 from brisk.lora.data import load_training_data
 from brisk.lora.train import (
@@ -73,7 +74,6 @@ def finetune_lora(model: str, out: str | Path, data_path: str, config: TrainConf
         if eval_set is not None:
             record["eval_loss_before"] = eval_before
             record["eval_loss_after"] = held_out_loss(ld, eval_set)
-        from brisk.bench.report import peak_rss_bytes
 
         record["peak_rss_bytes"] = peak_rss_bytes()  # the process's high-water mark: load, conversion, training
         return save_adapter_output(o, ld, record, adapter=adapter)

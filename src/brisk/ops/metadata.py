@@ -79,9 +79,9 @@ class AttentionMetadata:
     # rows of the flattened batch whose logits are needed (last token of each sequence, or several for
     # speculative verification); None = all rows
     logits_indices: torch.Tensor | None = None
-    # token-tree verification (spec/tree.py): (sequence b, [query_len, query_len] bool) — among this step's rows of
-    # sequence b, which ones each row attends (its ancestors and itself) instead of the causal triangle; every row
-    # still sees all of the sequence's earlier cache entries. Run by the paged_tree_attention kernel (masks as
+    # token-tree verification (engine/token_tree.py): (sequence b, [query_len, query_len] bool) — among this step's
+    # rows of sequence b, which ones each row attends (its ancestors and itself) instead of the causal triangle;
+    # every row still sees all of the sequence's earlier cache entries. Run by the paged_tree_attention kernel (masks as
     # `tree_row_bits`), or ops/attention.py `tree_attention_reference`.
     tree_masks: list[tuple[int, torch.Tensor]] | None = None
     _reference: ReferenceIndices | None = field(default=None, repr=False)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from brisk.engine.memory import weight_bytes
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.request import Request
 from brisk.engine.scheduler import RunnerOutput, SchedulerOutput
@@ -45,7 +46,7 @@ from brisk.ops.attention import AttentionMetadata
 from brisk.parallel import launch
 from brisk.parallel.comm import ParallelError
 from brisk.parallel.pipeline import stage_layers, take_stage
-from brisk.parallel.shard import shard_model, weight_bytes
+from brisk.parallel.shard import shard_model
 
 logger = logging.getLogger(__name__)
 

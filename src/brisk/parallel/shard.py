@@ -268,20 +268,3 @@ def shard_model(model: nn.Module, group: Group) -> None:
         model.lm_head = ParallelLMHead(cut_linear(head, rows=[vocab[rank]]), vocab, rank, group)
     model.config = dataclasses.replace(c, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads,
                                        intermediate_size=i1 - i0, head_dim=d)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers a model (or one rank's shard) holds, each tensor counted once (tied
-    weights share one). Counted per tensor, not per storage: a loader may place many tensors in one buffer, of
-    which a pipeline stage keeps only its layers'."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type == "meta":
-            continue
-        key = (t.data_ptr(), t.numel())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total

@@ -9,8 +9,9 @@ import torch
 
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel
+from brisk.model.save import model_tensors
 from brisk.prune import structured as st
-from brisk.prune.checkpoint import add_sparsity_config, model_tensors, save_pruned
+from brisk.prune.checkpoint import add_sparsity_config, save_pruned
 from brisk.prune.masks import NMPattern, PruneConfigError
 from brisk.prune.support import check_prune_supports
 from brisk.prune.unstructured import (

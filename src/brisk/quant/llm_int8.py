@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.console import progress_bar
 from brisk.model.loader import LoadedModel
 from brisk.ops.w8a8 import quantize_rows
 from brisk.quant import primitives
@@ -124,7 +125,6 @@ def threshold_divergence(loaded: LoadedModel, ids: torch.Tensor, plan: dict[str,
     every planned decoder linear computing as LLM.int8() (`fake_llm_int8`, one forward a sample) against the same
     model with float activations. A paired measure, far less noisy than a perplexity difference on a few thousand
     tokens; to first order it is what the perplexity's log rises by."""
-    from brisk.bench.report import progress_bar
     from brisk.eval.ppl import sequence_logits
 
     modules = dict(loaded.model.named_modules())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from brisk.engine.config import SpecConfig
+from brisk.engine.extensions import EXTENSIONS
 from brisk.spec.speculator import Speculator
 
 if TYPE_CHECKING:
@@ -35,3 +36,8 @@ def build_speculator(config: SpecConfig, engine: LLMEngine) -> Speculator:
         proposer = build_draft_proposer(config, engine)
     return Speculator(proposer, config.num_speculative_tokens, config.adaptive,
                       disable_by_batch_size=config.disable_by_batch_size)
+
+
+def install() -> None:
+    """Give the engine its speculator builder (engine/extensions.py)."""
+    EXTENSIONS.speculator = build_speculator

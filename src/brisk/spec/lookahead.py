@@ -18,7 +18,7 @@ within the request; spec/speculator.py), as one chain of `k` drafts:
 
 Row i of the verify forward predicts the token after draft position i. After the step (`observe`):
   * the emitted tokens are what the verifier accepted (exact: greedy equality, or rejection sampling with
-    point-mass drafts for sampled requests, spec/verify.py);
+    point-mass drafts for sampled requests, engine/verify.py);
   * the predictions past the accepted prefix are the Jacobi update: they become the guesses for the positions
     after the new last token;
   * every n-gram (chain[i-N+2 .. i], prediction i) of the chain [last token, drafts] with the predictions is

@@ -19,7 +19,7 @@ class Draft:
     # [len(token_ids), V] the processed distributions q each token was drawn from; None = point masses
     # (a deterministic proposer, or greedy drafting for a greedy request: the verifier ignores q there)
     probs: torch.Tensor | None = None
-    # a token tree (spec/tree.py): each token's parent, an index into token_ids or -1 for the request's last
+    # a token tree (engine/token_tree.py): each token's parent, an index into token_ids or -1 for the request's last
     # token (parents first); None = a chain. Trees are verified greedily, so only greedy requests get them.
     parents: list[int] | None = None
     # a tree's estimate, per node, of the probability that the target accepts the path to it (non-increasing, so

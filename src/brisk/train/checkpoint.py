@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel
-from brisk.prune.checkpoint import model_tensors
+from brisk.model.save import model_tensors
 
 TRAINING_KEY = "training"
 STATE_DIR = "last"

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from brisk.console import stderr_console
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import LoadedModel, build_model
-from brisk.prune.checkpoint import model_tensors
+from brisk.model.save import model_tensors
 from brisk.train.forward import causal_lm_forward, head_logits
 from brisk.train.losses import head_loss, hidden_state_loss, next_token_labels
 from brisk.train.trainer import LossFn
@@ -161,7 +162,6 @@ def teacher_generations(teacher: str | Path, text: str, num_prompts: int, max_to
     batching, `batch` requests in flight) on a fresh copy of the teacher, which leaves the training copy as it is."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from brisk.bench.report import stderr_console
     from brisk.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from brisk.engine.llm_engine import LLMEngine
     from brisk.engine.sampling_params import SamplingParams
@@ -216,7 +216,6 @@ def cached_generations(out: Path, teacher: LoadedModel, text_path: str | Path, n
             if saved.get("key") == key:
                 return [list(map(int, a)) for a in saved["answers"]]
         except (ValueError, KeyError, TypeError) as e:
-            from brisk.bench.report import stderr_console
 
             stderr_console().print(f"{path} cannot be read ({e}): generating the teacher's answers again")
     answers = teacher_generations(teacher.path, Path(text_path).read_text(encoding="utf-8"), num_prompts,

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from brisk.bench.report import stderr_console
+from brisk.console import stderr_console
 
 
 class TrainProgress:

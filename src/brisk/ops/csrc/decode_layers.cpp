@@ -167,7 +167,8 @@ struct Ops {
                                               const at::Tensor&, const at::Tensor&, double, Ints, Ints, const OptT&,
                                               Ints)>>
       attention_quantized;
-  // token-tree verification (spec/tree.py): paged_prefill_attention with each tree row seeing its ancestors only
+  // token-tree verification (engine/token_tree.py): paged_prefill_attention with each tree row seeing its
+  // ancestors only
   std::optional<c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, double, int64_t,
                                               const at::Tensor&)>>

@@ -34,6 +34,10 @@ from collections.abc import Sequence
 
 import torch
 
+from brisk.engine.sampler import SamplingMetadata
+from brisk.engine.sampling_params import SAMPLING_EPS
+from brisk.engine.verify import draw_token, probs_from_processed, processed_logits, uniform
+
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
     """Depth of each draft (a child of the root has depth 1)."""
@@ -154,8 +158,6 @@ def accept_tree_sampling(tokens: Sequence[int], parents: Sequence[int], probs: t
     is p itself: the emitted sequence is distributed as sampling from the target token by token (tested
     statistically in tests/test_spec_tree.py). A candidate repeated among its siblings meets a residual that is 0
     at its token and is never accepted twice."""
-    from brisk.spec.verify import draw_token, uniform
-
     assert probs.shape[0] == len(tokens) + 1 == len(parents) + 1
     children = children_of(parents)
     path: list[int] = []
@@ -185,13 +187,9 @@ def verify_tree(logits: torch.Tensor, requests: Sequence, drafts: Sequence[list[
     Returns per request (accepted draft indices, emitted tokens, the rows of the emitted tokens).
 
     Every row is processed as the sampler would process it at that position (min_tokens ban and penalties with
-    the root-to-node path counted as generated, as spec/verify.py position_metadata does for a chain); greedy
+    the root-to-node path counted as generated, as engine/verify.py position_metadata does for a chain); greedy
     requests then walk the argmax (`accept_tree_greedy`), sampled ones take the rest of the sampler's pipeline
     (temperature, min_p, top-k, top-p) and `accept_tree_sampling` with the request's own generator."""
-    from brisk.engine.sampler import SamplingMetadata
-    from brisk.engine.sampling_params import SAMPLING_EPS
-    from brisk.spec.verify import probs_from_processed, processed_logits
-
     params, outputs, prompts, eos, gens = [], [], [], [], {}
     for req, draft, par in zip(requests, drafts, parents, strict=True):
         for node in range(-1, len(draft)):
