@@ -146,10 +146,10 @@ def test_cli_generate_without_sampling_flags_uses_the_model_defaults(tmp_path):
     want = LLM(str(folder), max_model_len=64).generate(["Emma Woodhouse"], SamplingParams(temperature=0,
                                                                                           max_tokens=10))[0]
     assert result.stdout == want.outputs[0].text + "\n"
-    assert "sampling defaults: temperature=0.0 top_p=1.0 top_k=0" in result.stderr
+    assert "sampling: greedy, temperature=0.0 repetition_penalty=1.0 max_tokens=10" in result.stderr
     # an override on the command line, shown in the start-up line
     result = CliRunner().invoke(main, ["generate", "x", "--model", str(folder), "--max-tokens", "2", "--max-model-len",
-                                       "64", "--override-generation-config", '{"top_k": 5}'])
+                                       "64", "--override-generation-config", '{"top_k": 5}', "-t", "0.7"])
     assert result.exit_code == 0, result.output
     assert "top_k=5" in result.stderr and 'override_generation_config {"top_k": 5}' in result.stderr
 

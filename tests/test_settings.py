@@ -24,7 +24,7 @@ ENGINE_COMMANDS = {"generate": main.commands["generate"], "chat": main.commands[
                    "bench throughput": bench.commands["throughput"], "bench serve": bench.commands["serve"]}
 # per-command defaults that differ on purpose (bench latency repeats one prompt: a prefix cache would skip it)
 COMMAND_DEFAULTS = {("bench latency", "enable_prefix_caching"): False}
-API_ONLY = {"speculative_config"}  # a dict; the command line has its string form, --speculative
+API_ONLY: set[str] = set()  # keywords with no command-line form (a dict is a JSON object there)
 
 
 def _llm_keywords() -> dict[str, inspect.Parameter]:

@@ -7,12 +7,14 @@ from pathlib import Path
 import click
 
 from brisk.advise.advisor import GOALS, MEMORY_SCOPES
+from brisk.console import stderr_console, write_json
 
 
 @click.command("advise")
 @click.argument("model", default="default")
 @click.option("--memory", "memory_text", default=None,
-              help="Memory budget, e.g. 8GiB, 512MiB (default: the memory available now).")
+              help="Memory budget, e.g. 8GiB, 512MiB, or a share of the memory available now, 0.5 or 50% (as "
+                   "--kv-cache-memory reads one; default: all of it).")
 @click.option("--memory-scope", type=click.Choice(MEMORY_SCOPES), default="process", show_default=True,
               help="What --memory bounds: the whole process's peak RSS (Python, torch and brisk included), or the "
                    "engine's own memory (weights, KV pool, one step's activations).")
@@ -49,8 +51,7 @@ def advise_command(model: str, memory_text: str | None, memory_scope: str, goal:
 
     from brisk.advise.advisor import advise, fmt_pct, parse_percent
     from brisk.advise.memory import gib
-    from brisk.bench.report import stderr_console, write_json
-    from brisk.engine.config import parse_size
+    from brisk.engine.config import memory_budget
     from brisk.engine.memory import available_memory
 
     budget_ppl = parse_percent(max_ppl)
@@ -58,9 +59,10 @@ def advise_command(model: str, memory_text: str | None, memory_scope: str, goal:
         budget, _ = available_memory()
     else:
         try:
-            budget = parse_size(memory_text)
+            budget = memory_budget(memory_text)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"--memory must be a size like 8GiB or 512MiB, got {memory_text!r}") from e
+            raise ValueError(f"--memory must be a size like 8GiB or 512MiB or a share like 50%, got "
+                             f"{memory_text!r}") from e
     if validate_seconds <= 0:
         raise ValueError(f"--validate-seconds must be positive, got {validate_seconds}")
     console = stderr_console()

@@ -16,26 +16,28 @@ from brisk.bench import report
 from brisk.bench.membw import QUICK_BUFFER_BYTES, MembwResult, measure_membw
 from brisk.bench.options import build_llm, describe_model, engine_flags, load_figures, set_threads
 from brisk.bench.roofline import achieved_gbps
+from brisk.console import peak_rss_bytes, progress_bar, reset_peak_rss, stderr_console, write_json
+from brisk.engine.settings import setting_option
 
 
 # ---------------------------------------------------------------------------- membw
 @click.command()
 @click.option("--size", default="1GiB", show_default=True, help="Buffer size (far larger than the caches).")
 @click.option("--runs", type=int, default=5, show_default=True, help="Timed runs; the best is reported.")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@setting_option("num_threads")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the result here.")
-def membw(size: str, runs: int, threads: int | None, json_path: str | None) -> None:
+def membw(size: str, runs: int, num_threads: int | None, json_path: str | None) -> None:
     """Memory bandwidth this machine gives torch: the ceiling for batch-1 decoding."""
     from brisk.engine.config import parse_size
 
-    set_threads(threads)
+    set_threads(num_threads)
     result = measure_membw(parse_size(size), runs)
     Console().print(f"memory bandwidth ({result.num_threads} threads, {result.buffer_bytes / 2**30:.2f} GiB "
                     f"buffer, best of {runs}): read [bold]{result.read_gbps:.1f} GB/s[/bold], "
                     f"copy {result.copy_gbps:.1f} GB/s")
     if json_path:
-        report.write_json(json_path, "membw", click.get_current_context().params, {"membw": result.to_dict()})
+        write_json(json_path, "membw", click.get_current_context().params, {"membw": result.to_dict()})
 
 
 # ---------------------------------------------------------------------------- latency
@@ -105,7 +107,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     bytes_per_token = decode_bytes_per_token(weight_bytes_per_token(loaded.model), loaded.config, dtype_bytes,
                                              context)
 
-    report.reset_peak_rss()
+    reset_peak_rss()
     total = (warmup + runs) * output_len
     config, model_path, torch_dtype = loaded.config, loaded.path, loaded.dtype
     theirs = None
@@ -121,7 +123,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                                               torch.finfo(base_loaded.dtype).bits // 8, context)
         parts, base_parts = [], []
         pair = f"{kw['dtype']} / float32" if baseline == "float32" else "model / baseline model"
-        with report.progress_bar(f"alternating {pair}: {warmup} warm-up + {runs} runs each",
+        with progress_bar(f"alternating {pair}: {warmup} warm-up + {runs} runs each",
                                  2 * total) as advance:
             for engine in (llm, base_llm):
                 if warmup:
@@ -140,7 +142,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         runner = llm.engine.runner
         executors = {"compiled": runner.executor, "eager": Executor(loaded.model, "auto")}
         parts, eager_parts = [], []
-        with report.progress_bar(f"alternating compiled / eager: {warmup} warm-up + {runs} runs each",
+        with progress_bar(f"alternating compiled / eager: {warmup} warm-up + {runs} runs each",
                                  2 * total) as advance:
             for mode in ("compiled", "eager"):
                 runner.executor = executors[mode]
@@ -152,20 +154,20 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
                     sink.append(run_latency(llm, prompt, output_len, 1, 0, advance))
         runner.executor = executors["compiled"]
         ours, theirs = merge_results(parts), merge_results(eager_parts)
-        ours_rss, theirs_bytes = report.peak_rss_bytes(), bytes_per_token
+        ours_rss, theirs_bytes = peak_rss_bytes(), bytes_per_token
     elif baseline == "hf" and interleave:
         # brisk's warm-up alone first (its peak RSS), then the baseline loads and the runs alternate
-        with report.progress_bar(f"brisk: {warmup} warm-up + 1 run", (warmup + 1) * output_len) as advance:
+        with progress_bar(f"brisk: {warmup} warm-up + 1 run", (warmup + 1) * output_len) as advance:
             parts = [run_latency(llm, prompt, output_len, 1, warmup, advance)]
-        ours_rss = report.peak_rss_bytes()
-        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
+        ours_rss = peak_rss_bytes()
+        stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
         theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
-        with report.progress_bar(f"transformers: {warmup} warm-up", max(1, warmup * output_len)) as advance:
+        with progress_bar(f"transformers: {warmup} warm-up", max(1, warmup * output_len)) as advance:
             if warmup:
                 hf_latency(hf_model, prompt, output_len, 0, warmup, advance)
         hf_parts = []
-        with report.progress_bar(f"alternating: {runs} runs each", 2 * runs * output_len) as advance:
+        with progress_bar(f"alternating: {runs} runs each", 2 * runs * output_len) as advance:
             for r in range(runs):
                 hf_parts.append(hf_latency(hf_model, prompt, output_len, 1, 0, advance))
                 if r:  # round 0's brisk run is the one measured right after its warm-up
@@ -177,10 +179,10 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
     else:
         from brisk.model.moe import expert_bytes_per_token, record_expert_loads
 
-        with (report.progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance,
+        with (progress_bar(f"brisk: {warmup} warm-up + {runs} runs", total) as advance,
               record_expert_loads(loaded.model) as loads):
             ours = run_latency(llm, prompt, output_len, runs, warmup, advance)
-        ours_rss = report.peak_rss_bytes()
+        ours_rss = peak_rss_bytes()
         if loads.counts:  # MoE: the routed experts' bytes the decode steps really read (prefills left out)
             moe = expert_bytes_per_token(loaded.model, loads, max_tokens=1)
     # drop brisk's model before loading the baseline's, so that one's peak memory does not include the other
@@ -194,13 +196,13 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         bw = None
 
     if baseline == "hf" and not interleave:
-        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
+        stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
         theirs_bytes = decode_bytes_per_token(weight_bytes_per_token(hf_model), config, dtype_bytes, context)
-        report.reset_peak_rss()
-        with report.progress_bar(f"transformers: {warmup} warm-up + {runs} runs", total) as advance:
+        reset_peak_rss()
+        with progress_bar(f"transformers: {warmup} warm-up + {runs} runs", total) as advance:
             theirs = hf_latency(hf_model, prompt, output_len, runs, warmup, advance)
-        theirs_rss = report.peak_rss_bytes()
+        theirs_rss = peak_rss_bytes()
         del hf_model
         gc.collect()
 
@@ -277,7 +279,7 @@ def latency(input_len: int, output_len: int, runs: int, warmup: int, baseline: s
         console.print(f"brisk decode step ({split['steps']:.0f} steps), ms: {parts}; total {split['total']:.2f}, "
                       f"of which outside the forward {outside:.2f} ({100 * outside / split['total']:.1f}%)")
     if kw["json_path"]:
-        report.write_json(kw["json_path"], "latency", click.get_current_context().params, results)
+        write_json(kw["json_path"], "latency", click.get_current_context().params, results)
 
 
 # ---------------------------------------------------------------------------- throughput
@@ -310,9 +312,9 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     model_facts = describe_model(llm)
     warm_up(llm)
-    with report.progress_bar(f"brisk: {num_prompts} requests", num_prompts) as advance:
+    with progress_bar(f"brisk: {num_prompts} requests", num_prompts) as advance:
         ours = run_throughput(llm, prompts, output_len, advance)
-    load["peak_rss_after_run_bytes"] = report.peak_rss_bytes()  # the process's peak: load, warm-up and runs
+    load["peak_rss_after_run_bytes"] = peak_rss_bytes()  # the process's peak: load, warm-up and runs
     model_path, torch_dtype = llm.engine.loaded.path, llm.engine.loaded.dtype
     num_kv_blocks, block_size = llm.engine.num_blocks, llm.engine.config.cache.block_size
     del llm  # before the baseline loads its copy of the model
@@ -320,9 +322,9 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
 
     theirs = None
     if baseline == "hf":
-        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
+        stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, torch_dtype)
-        with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
+        with progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)
         del hf_model
         gc.collect()
@@ -357,4 +359,4 @@ def throughput(num_prompts: int, input_len_min: int, input_len_max: int, output_
     baseline_name = f"transformers (batch {hf_batch_size})" if theirs else None
     Console().print(report.comparison_table(title, rows, baseline_name))
     if kw["json_path"]:
-        report.write_json(kw["json_path"], "throughput", click.get_current_context().params, results)
+        write_json(kw["json_path"], "throughput", click.get_current_context().params, results)

@@ -9,9 +9,9 @@ import click
 import torch
 from rich.console import Console
 
-from brisk.bench import report
 from brisk.bench.membw import QUICK_BUFFER_BYTES, measure_membw
 from brisk.bench.options import set_threads
+from brisk.console import cpu_model, stderr_console, write_json
 from brisk.data import calibration_text_path, evaluation_text_path
 from brisk.engine.settings import setting_option
 
@@ -37,11 +37,11 @@ from brisk.engine.settings import setting_option
               help="Prompt tokens of the prefill figure (one request, time to its first token); 0 = none.")
 @click.option("--runs", type=int, default=3, show_default=True,
               help="Decode rounds (every setting once per round, so drift hits all alike); the best is kept.")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@setting_option("num_threads")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def quant(settings: str, model: str | None, text_path: str | None, window: int, max_windows: int, batch: int,
-          input_len: int, output_len: int, prefill_len: int, runs: int, threads: int | None, json_path: str | None
+          input_len: int, output_len: int, prefill_len: int, runs: int, num_threads: int | None, json_path: str | None
           ) -> None:
     """Quantization report: size, perplexity, prefill tok/s, batch-1 and batch-B decode tok/s per setting, against
     float32 (smoothquant, smoothquant-static, llm-int8: calibrated as `brisk quantize` does)."""
@@ -49,10 +49,10 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
 
     from brisk.bench.quant import run_quant_report
 
-    set_threads(threads)
+    set_threads(num_threads)
     text = Path(text_path).read_text(encoding="utf-8") if text_path else None
     names = [s.strip() for s in settings.split(",") if s.strip()]
-    console = report.stderr_console()
+    console = stderr_console()
     if runs < 1:
         raise ValueError(f"--runs must be at least 1, got {runs}")
     if prefill_len < 0:
@@ -76,7 +76,7 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
                       "yes" if r.same_greedy_as_float else "no")
     Console(width=max(Console().width, 150)).print(table)
     if json_path:
-        report.write_json(json_path, "quant", click.get_current_context().params,
+        write_json(json_path, "quant", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
 
 
@@ -93,21 +93,21 @@ def quant(settings: str, model: str | None, text_path: str | None, window: int, 
               help="Only the kernel microbenchmark (M = 1, default-model shapes) at several sparsities.")
 @click.option("--sparsities", default="0.1,0.2,0.3,0.4,0.5,2:4", show_default=True,
               help="Sparsities of the --kernels sweep (fractions or N:M).")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@setting_option("num_threads")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs: int, kernels_only: bool,
-           sparsities: str, threads: int | None, json_path: str | None) -> None:
+           sparsities: str, num_threads: int | None, json_path: str | None) -> None:
     """Batch-1 decode of the magnitude-pruned model (50%, 2:4, 4:8) through the sparse path against dense, and of
     pruned int8 / int4 against the same quantization dense: tok/s, speedup, weight bytes and GB/s."""
     from rich.table import Table
 
     from brisk.bench.sparse import kernel_sweep, run_sparse_report
 
-    set_threads(threads)
+    set_threads(num_threads)
     if runs < 1:
         raise ValueError(f"--runs must be at least 1, got {runs}")
-    console = report.stderr_console()
+    console = stderr_console()
     wide = Console(width=max(Console().width, 130))
     if kernels_only:
         points = [s.strip() for s in sparsities.split(",") if s.strip()]
@@ -125,7 +125,7 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
                           "-" if p["int8dot_speedup"] is None else f"{p['int8dot_speedup']:.2f}x")
         wide.print(table)
         if json_path:
-            report.write_json(json_path, "sparse-kernels", click.get_current_context().params, {"points": sweep})
+            write_json(json_path, "sparse-kernels", click.get_current_context().params, {"points": sweep})
         return
     names = [q.strip() for q in quants.split(",") if q.strip()]
     rows = run_sparse_report(model, names, input_len, output_len, runs, log=lambda m: console.print(f"[dim]{m}"))
@@ -140,7 +140,7 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
                       f"{r.speedup:.2f}x", r.baseline, f"{r.gbps:.1f}", same)
     wide.print(table)
     if json_path:
-        report.write_json(json_path, "sparse", click.get_current_context().params,
+        write_json(json_path, "sparse", click.get_current_context().params,
                           {"rows": [r.to_dict() for r in rows]})
 
 
@@ -169,19 +169,19 @@ def sparse(model: str | None, quants: str, input_len: int, output_len: int, runs
 @click.option("--dtype", "target_dtype", type=click.Choice(["float32", "auto"]), default="float32", show_default=True,
               help="The target: float32 (a GGUF dequantized, the figures in BENCHMARKS.md) or auto (the model "
                    "file's own precision, as brisk generate runs it: a GGUF's quantized layers stay packed).")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: all cores).")
+@setting_option("num_threads")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number, the command line, date and machine facts to this file.")
 def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurrency: int, max_tokens: int,
          num_speculative_tokens: int, tree_size: int, text_path: str | None, disable_by: str | None, rounds: int,
-         target_dtype: str, threads: int | None, json_path: str | None) -> None:
+         target_dtype: str, num_threads: int | None, json_path: str | None) -> None:
     """Speculative decoding: acceptance rate, accepted tokens per step, tok/s and speedup vs plain decoding."""
     from rich.table import Table
 
     from brisk.model.loader import load_model
     from brisk.spec.bench import run_spec_bench, runs_as_dicts
 
-    set_threads(threads)
+    set_threads(num_threads)
     if not 1 <= num_prompts <= 8 or not 1 <= concurrency <= 8:
         raise ValueError("--num-prompts and --concurrency must be in [1, 8] (each set has 8 fixed prompts)")
     overrides = {}
@@ -193,7 +193,7 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
         else:
             raise click.BadParameter(f"expected a positive integer or 'none', got {disable_by!r}",
                                      param_hint="--disable-by-batch-size")
-    console = report.stderr_console()
+    console = stderr_console()
     from brisk.engine.config import resolve_dtype
 
     loaded = load_model(model, dtype=resolve_dtype(target_dtype, model), max_model_len=1536,
@@ -216,7 +216,7 @@ def spec(methods: str, model: str | None, sets: str, num_prompts: int, concurren
                       "-" if r.identical_to_plain is None else ("yes" if r.identical_to_plain else "NO"))
     Console(width=max(Console().width, 120)).print(table)
     if json_path:
-        report.write_json(json_path, "spec", click.get_current_context().params, {"runs": runs_as_dicts(runs)})
+        write_json(json_path, "spec", click.get_current_context().params, {"runs": runs_as_dicts(runs)})
 
 @click.command("kv")
 @click.option("--model", "-m", default=None,
@@ -273,7 +273,7 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
                       "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.1f}")
     Console(width=120).print(table)
     if json_path:
-        report.write_json(json_path, "kv", click.get_current_context().params,
+        write_json(json_path, "kv", click.get_current_context().params,
                           {"model_name": loaded.name, "results": [r.to_dict() for r in results]})
 
 
@@ -304,7 +304,7 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
 @click.option("--runs", type=int, default=2, show_default=True,
               help="Alternating runs per engine (brisk, llama.cpp, ...; each a child process that loads the model); "
                    "the best of each figure is kept.")
-@click.option("--threads", type=int, default=None, help="Threads of both engines (default: all cores).")
+@setting_option("num_threads", help="Threads of both engines (default: all cores).")
 @click.option("--membw", "membw_gbps", type=float, default=None,
               help="Read bandwidth in GB/s for the batch-1 bandwidth fractions (default: measure a quick one).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -323,7 +323,7 @@ def kv(model: str | None, settings: str, kv_budget: int, sink_tokens: int, kv_ca
                      "bfloat16 weights.")
 def compare(model: str | None, shape: str | None, precisions: str, brisk_weights: str, baselines: str,
             batch_sizes: str, input_len: int, output_len: int, prefill_len: int,
-            runs: int, threads: int | None, membw_gbps: float | None, plot_path: str | None,
+            runs: int, num_threads: int | None, membw_gbps: float | None, plot_path: str | None,
             json_path: str | None, kv_cache_dtype: str, quant_activations: str, prepack_weights: str) -> None:
     """brisk vs llama.cpp (llama-cpp-python) on the same GGUF at each matched precision, and vs ONNX Runtime on the
     float32 row (--baselines): batch-1 decode, prefill, batched decode, with ratios and batch-1 GB/s against the
@@ -339,7 +339,6 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
     )
     from brisk.bench.llamacpp import require_llama_cpp
     from brisk.bench.prompts import make_prompt, text_token_ids
-    from brisk.bench.report import _cpu_model
     from brisk.model.gguf import read_gguf_tokenizer
     from brisk.model.loader import resolve_model
 
@@ -367,7 +366,7 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
         raise ValueError(f"--input-len and --prefill-len must be at least 1, got {input_len} and {prefill_len}")
     if runs < 1 or output_len < 2:
         raise ValueError(f"--runs must be >= 1 and --output-len >= 2, got {runs} and {output_len}")
-    console = report.stderr_console()
+    console = stderr_console()
 
     def dim(m: str) -> None:
         console.print(f"[dim]{m}")
@@ -397,9 +396,9 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
                          "llama.cpp's convert_hf_to_gguf.py first)")
     check_precisions(source, names, files)  # all of them, before minutes of work
     check_baselines(source, names, list(others))
-    set_threads(threads)
+    set_threads(num_threads)
     n_threads = torch.get_num_threads()
-    cpu = _cpu_model() or "unknown CPU"
+    cpu = cpu_model() or "unknown CPU"
     console.print(f"[dim]{cpu}, {n_threads} threads for every engine")
     tok = read_gguf_tokenizer(source)
     text_ids = text_token_ids(tok)
@@ -411,7 +410,7 @@ def compare(model: str | None, shape: str | None, precisions: str, brisk_weights
 
     def write(rows: list) -> None:  # noqa: ANN001 - list[CompareRow]
         if json_path:
-            report.write_json(json_path, "compare", params, {"source": str(source), "membw_gbps": membw,
+            write_json(json_path, "compare", params, {"source": str(source), "membw_gbps": membw,
                                                              "cpu_model": cpu, "threads": n_threads,
                                                              "rows": [r.to_dict() for r in rows]})
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import click
 import torch
 
+from brisk.engine.settings import setting_option
+
 
 def profile_decode(model: str | None, dtype: str = "float32", batch: int = 1, prune: str | None = None,
                    quant_activations: str = "auto", input_len: int = 128, tokens: int = 48,
@@ -45,8 +47,7 @@ def profile_decode(model: str | None, dtype: str = "float32", batch: int = 1, pr
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--batch", type=int, default=1, show_default=True, help="Requests decoding together.")
 @click.option("--prune", default=None, help="Magnitude-prune the decoder first: 0.5, 2:4, 4:8.")
-@click.option("--quant-activations", default="auto", show_default=True,
-              type=click.Choice(["auto", "float", "int8"]), help="Activations of quantized layers.")
+@setting_option("quant_activations")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens.")
 @click.option("--tokens", type=int, default=48, show_default=True, help="Generated tokens per run.")
 @click.option("--rows", "row_limit", type=int, default=18, show_default=True, help="Ops shown.")

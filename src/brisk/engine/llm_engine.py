@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -10,16 +9,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from brisk.engine.config import EngineConfig
-from brisk.engine.memory import check_memory, prepack_auto
+from brisk.engine.config import EngineConfig, SchedulerConfig
+from brisk.engine.extensions import extension
+from brisk.engine.memory import check_memory, prepack_auto, weight_bytes
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brisk.engine.pooling import PoolingParams
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_defaults import resolve_sampling_defaults
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerStats
 from brisk.kvcache.manager import KVCacheManager
-from brisk.kvcache.policy import make_policy
+from brisk.kvcache.offload import make_offload
+from brisk.kvcache.policy import KVPolicy, make_policy
 from brisk.kvcache.sizing import check_kv_pool, check_policy_supports, num_kv_blocks
 from brisk.lora.request import LoRARequest
 from brisk.model.loader import LoadedModel, load_model
@@ -28,6 +30,8 @@ from brisk.ops.linear import float32_linear_bytes, prepack_linears
 from brisk.quant.layers import set_quant_activations
 
 if TYPE_CHECKING:
+    from brisk.lora.manager import LoRAManager
+    from brisk.ops.attention import KVCache
     from brisk.structured.backend import GrammarCompiler
 
 
@@ -116,76 +120,112 @@ class StepTimer:
 
 
 class LLMEngine:
+    """Requests in, outputs out, one `step` at a time. Built in stages, each a method below with its inputs and
+    outputs explicit (the order matters only where a stage reads what an earlier one made, and says so):
+
+        the model            load_engine_model (unless `loaded` is given)       -> self.loaded
+        limits               _limits: max_model_len, the scheduler's budget       -> sched_cfg
+        weights as they run  _prepare_weights: prepacked GEMM weights, int8 activations of quantized linears
+        KV pool              _kv_pool: eviction policy, block count, block manager, scheduler
+        runner               _runner: one process's ModelRunner, or this rank's parallel runner (its executor
+                             resolves the layers' kernels as _prepare_weights left them)
+        disk tier            make_offload: evicted prefix blocks to a directory and back (kvcache/offload.py)
+        adapters             _lora: LoRA slots wrapped around the executor's layers
+        speculation          the speculator config.spec names (brisk.spec, installed at `import brisk`)
+
+    A pipeline-parallel engine steps several micro-batches at once: its step is the strategy brisk.parallel
+    installs (engine/extensions.py pipeline_step), chosen here once; nothing on the instance is replaced."""
+
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_engine_model(config)
-        self.model_config = mc = self.loaded.config
+        self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         # what the sampling fields a request omits default to (engine/sampling_defaults.py)
         self.sampling_defaults = resolve_sampling_defaults(config.generation_config, config.sampling_overrides,
                                                            self.loaded.generation_config, self.loaded.name)
-        assert config.scheduler is not None  # EngineConfig fills in the defaults
-        sched_cfg = config.scheduler.resolve(config.max_model_len or min(mc.max_position_embeddings, 2048))
-        assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
-        self.max_model_len = sched_cfg.max_model_len
-        self.num_prepacked = 0  # linear layers with a oneDNN-packed weight for batched GEMMs
-        if config.prepack_weights == "on" or (config.prepack_weights == "auto" and prepack_auto(
-                sched_cfg.max_num_seqs, float32_linear_bytes(self.loaded.model))):
-            # a bfloat16 model's float32 packed copy only when asked for: four times its weights' bytes
-            self.num_prepacked = prepack_linears(self.loaded.model, bfloat16=config.prepack_weights == "on")
-        # quantized linears that round decode activations to int8 (0 unless quant_activations == "int8")
-        self.num_int8_activation_layers = set_quant_activations(self.loaded.model, config.quant_activations)
-        cache = config.cache
-        policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens, cache.h2o_recent)
-        rope = self.loaded.model.rope
-        check_policy_supports(policy, cache.kv_policy, mc.sliding_window,
-                              dynamic_rope=rope is not None and rope.length_dependent)
-        num_blocks = num_kv_blocks(cache, mc, self.loaded.dtype)
-        check_kv_pool(num_blocks, cache, mc, self.loaded.dtype, policy, sched_cfg.max_num_batched_tokens,
-                      self.max_model_len)
-        self.num_blocks = num_blocks
-        # LongRoPE past its original context rotates a cached block by the length of the sequence that holds it
-        # (model_runner.recompute_for_long_rope): a block is then no longer a function of its tokens alone
-        crosses = rope is not None and rope.long_orig_max is not None and self.max_model_len > rope.long_orig_max
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching and not crosses,
-                                         policy)
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
-        # built after prepacking and set_quant_activations: its executor resolves the layers' kernels as they are
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # this rank's shard (brisk/parallel)
-            from brisk.parallel.runner import make_parallel_runner
-
-            self.runner = make_parallel_runner(config, self.loaded.model, num_blocks, self.loaded.dtype, policy)
-            if config.pipeline_parallel_size > 1:  # several micro-batches in flight (parallel/pipeline.py)
-                from brisk.parallel.pipeline import pipeline_step
-
-                self.step = functools.partial(pipeline_step, self)  # type: ignore[method-assign]
-        else:
-            self.runner = ModelRunner(self.loaded.model, num_blocks, cache.block_size, self.loaded.dtype,
-                                      config.device, cache.kv_cache_dtype, cache.num_residual_blocks, policy,
-                                      execution=config.execution)
+        sched_cfg = self._limits()
+        self.num_prepacked, self.num_int8_activation_layers = self._prepare_weights(sched_cfg.max_num_seqs)
+        policy = self._kv_pool(sched_cfg)
+        self.runner = self._runner(policy)
+        # the disk tier under the prefix cache (kvcache/offload.py), on the runner's caches; None: off
+        self.kv_offload = make_offload(config, self.loaded, self.runner, self.kv_manager)
+        self._step_strategy = extension("pipeline_step") if config.pipeline_parallel_size > 1 else None
         self.groups: dict[str, _Group] = {}
         self._next_id = 0
         self.num_steps = 0
         self.step_timer = StepTimer()
         # --compile: time spent compiling at start-up (0 for the other executions)
         self.compile_seconds = self.runner.executor.warm_up(sched_cfg.max_num_batched_tokens)
-        self.lora_manager = None  # brisk/lora/manager.py: adapter slots on the wrapped layers
-        if config.enable_lora:
-            from brisk.lora.manager import LoRAManager
-
-            self.lora_manager = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank)
-            self.lora_manager.attach(self.runner)  # after the executor was built on the base layers
+        self.lora_manager = self._lora()  # brisk/lora/manager.py: adapter slots on the wrapped layers
         self._grammar_compiler: GrammarCompiler | None = None
         # the server checks constraints on its event loop while the engine thread adds requests: one compiler
         self._grammar_compiler_lock = threading.Lock()
-        self.speculator = None
-        if config.spec is not None:
-            from brisk.spec import build_speculator
+        self.speculator = None if config.spec is None else extension("speculator")(config.spec, self)
 
-            self.speculator = build_speculator(config.spec, self)
+    def _limits(self) -> SchedulerConfig:
+        """The scheduler's settings resolved against the model: max_model_len (the model's context, at most 2048
+        unless asked) and the token budget of a step."""
+        assert self.config.scheduler is not None  # EngineConfig fills in the defaults
+        mc = self.model_config
+        sched_cfg = self.config.scheduler.resolve(self.config.max_model_len or min(mc.max_position_embeddings, 2048))
+        assert sched_cfg.max_num_batched_tokens is not None and sched_cfg.max_model_len is not None
+        self.max_model_len = sched_cfg.max_model_len
+        return sched_cfg
+
+    def _prepare_weights(self, max_num_seqs: int) -> tuple[int, int]:
+        """The weights as the engine runs them: (linear layers given a oneDNN-packed weight for batched GEMMs,
+        quantized linears that round decode activations to int8 (0 unless quant_activations asks for them))."""
+        config, model = self.config, self.loaded.model
+        prepacked = 0
+        if config.prepack_weights == "on" or (config.prepack_weights == "auto" and prepack_auto(
+                max_num_seqs, float32_linear_bytes(model))):
+            # a bfloat16 model's float32 packed copy only when asked for: four times its weights' bytes
+            prepacked = prepack_linears(model, bfloat16=config.prepack_weights == "on")
+        return prepacked, set_quant_activations(model, config.quant_activations)
+
+    def _kv_pool(self, sched_cfg: SchedulerConfig) -> KVPolicy:
+        """The KV cache's eviction policy, its block count (checked against the memory asked for and the longest
+        request), the block manager and the scheduler over it. Returns the policy (the runner's too)."""
+        cache, mc, dtype = self.config.cache, self.model_config, self.loaded.dtype
+        policy = make_policy(cache.kv_policy, cache.kv_budget, cache.sink_tokens, cache.h2o_recent)
+        rope = self.loaded.model.rope
+        check_policy_supports(policy, cache.kv_policy, mc.sliding_window,
+                              dynamic_rope=rope is not None and rope.length_dependent)
+        self.num_blocks = num_blocks = num_kv_blocks(cache, mc, dtype)
+        check_kv_pool(num_blocks, cache, mc, dtype, policy, sched_cfg.max_num_batched_tokens, self.max_model_len)
+        # LongRoPE past its original context rotates a cached block by the length of the sequence that holds it
+        # (model_runner.recompute_for_long_rope): a block is then no longer a function of its tokens alone
+        crosses = rope is not None and rope.long_orig_max is not None and self.max_model_len > rope.long_orig_max
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching and not crosses,
+                                         policy)
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
+        return policy
+
+    def _runner(self, policy: KVPolicy) -> ModelRunner:
+        """What runs the forward: this process's ModelRunner, or under tensor / pipeline parallelism this rank's
+        shard of it (brisk/parallel, installed at `import brisk`). Built after _prepare_weights: its executor
+        resolves the layers' kernels as they are then."""
+        config, cache = self.config, self.config.cache
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            return extension("parallel_runner")(config, self.loaded.model, self.num_blocks, self.loaded.dtype,
+                                                policy)
+        return ModelRunner(self.loaded.model, self.num_blocks, cache.block_size, self.loaded.dtype, config.device,
+                           cache.kv_cache_dtype, cache.num_residual_blocks, policy, execution=config.execution)
+
+    def _lora(self) -> LoRAManager | None:
+        """Adapter slots wrapped around the layers (enable_lora), attached after the executor was built on the
+        base layers."""
+        if not self.config.enable_lora:
+            return None
+        from brisk.lora.manager import LoRAManager
+
+        manager = LoRAManager(self.loaded.model, self.config.max_loras, self.config.max_lora_rank)
+        manager.attach(self.runner)
+        return manager
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -193,9 +233,13 @@ class LLMEngine:
         return str(self._next_id - 1)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None
-                    ) -> str:
+                    *, priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> str:
+        """Queue a prompt. With `pooling` it is a prefill-only request (engine/pooling.py): its output's `pooled`
+        is the embedding (or yes/no score) once the prompt was computed; nothing is sampled."""
         params = params or self.sampling_defaults.sampling_params()
+        if pooling is not None:
+            self._check_pooling(params, lora_request)
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -208,7 +252,10 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
-        if len(ids) >= self.max_model_len:
+        if pooling is not None and len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the input has {len(ids)} tokens, more than this model's context of "
+                                     f"{self.max_model_len} tokens (max_model_len); shorten it")
+        if pooling is None and len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len="
                 f"{self.max_model_len}; shorten the prompt or raise --max-model-len")
@@ -236,9 +283,21 @@ class LLMEngine:
             group.lora_slot, key = self.lora_manager.acquire(lora_request)
             for req in samples:
                 req.lora_slot, req.lora_key = group.lora_slot, key
+        if pooling is not None:
+            samples[0].pooling = pooling
         self.groups[request_id] = group
         self.scheduler.add_request(samples[0], samples[1:])
         return request_id
+
+    def _check_pooling(self, params: SamplingParams, lora_request: LoRARequest | None) -> None:
+        """What a prefill-only request cannot be combined with (ValueError)."""
+        if not isinstance(self.runner, ModelRunner):
+            raise ValueError("embeddings and scores run on a single-process engine only, not under tensor or "
+                             "pipeline parallelism")
+        if self.speculator is not None:
+            raise ValueError("embeddings and scores are not served by an engine with speculative decoding")
+        if params.n != 1 or params.structured_outputs is not None or lora_request is not None:
+            raise ValueError("an embedding or score request takes one sample, no constraint and no adapter")
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-outputs compiler of this model's vocabulary (built on first use: ~0.2 s), whose cache
@@ -275,6 +334,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and update one batch; the outputs of the requests it touched."""
+        if self._step_strategy is not None:  # a pipeline-parallel engine: several micro-batches in flight
+            return self._step_strategy(self)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)  # drafts ride along in this step's batch
         t0 = time.perf_counter()
@@ -290,12 +352,13 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(sched, result, self.scheduler)
         self.num_steps += 1
-        outputs = self._make_outputs(touched)
+        outputs = self.make_outputs(touched)
         if all(len(s.token_ids) == 1 for s in sched.scheduled):  # a pure decode step: the split worth reading
             self.step_timer.add(t1 - t0, self.runner.last_timing, t2 - t1, time.perf_counter() - t2)
         return outputs
 
-    def _make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+    def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """The outputs of the requests a step touched (their groups'), finished ones released."""
         now = time.monotonic()
         group_ids: dict[str, None] = {}
         for req in touched:
@@ -370,23 +433,38 @@ class LLMEngine:
                                  num_cached_tokens=first.num_cached_tokens,
                                  num_preemptions=sum(r.num_preemptions for r in group.samples))
         finished = all(r.is_finished for r in group.samples)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
+                             first.pooled)
+
+    # ------------------------------------------------------------------ what proposers take (spec/)
+    def keep_hidden_states(self) -> None:
+        """From now on each step's final hidden states are kept on the requests that produced them (the rows a
+        Medusa or EAGLE proposer drafts from); costs one [rows, hidden] copy a step."""
+        self.runner.executor.keep_hidden = True
+
+    def target_kv(self) -> tuple[list[KVCache], KVCacheManager]:
+        """The target's per-layer KV caches and their block manager, read-only for a proposer that copies
+        positions the target computed (a self-draft adopting the target's keys and values)."""
+        return self.runner.kv_caches, self.kv_manager
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.kv_offload is not None:
+            stats.kv_offload = self.kv_offload.stats.as_dict()
+        return stats
 
     def rank_weight_bytes(self) -> list[int]:
         """Bytes of parameters and buffers each rank holds, in rank order (one entry in a single process)."""
         per_rank = getattr(self.runner, "rank_weight_bytes", None)
         if per_rank:
             return list(per_rank)
-        from brisk.parallel.shard import weight_bytes
-
         return [weight_bytes(self.loaded.model)]
 
     def shutdown(self) -> None:
         """Free what outlives the engine object: a parallel engine's worker processes and process group."""
+        if self.kv_offload is not None:  # the blocks still queued for the disk tier are written first
+            self.kv_offload.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from brisk.engine.config import SchedulerConfig
+from brisk.engine.pooling import PoolingParams
 from brisk.engine.request import Request, RequestStatus
 from brisk.kvcache.manager import KVCacheManager
 
@@ -25,9 +26,12 @@ class ScheduledRequest:
     # entries in the request's cache before this step, where token_ids[0]'s K/V goes: num_computed_tokens
     # (None) unless an H2O compaction dropped some (kvcache/manager.py)
     cache_len: int | None = None
-    # the drafts form a token tree (spec/tree.py): each draft's parent, an index into the drafts or -1 for the
+    # the drafts form a token tree (engine/token_tree.py): each draft's parent, an index into the drafts or -1 for the
     # last real token; None = a chain
     tree_parents: list[int] | None = None
+    # a prefill-only request (engine/pooling.py): what the runner pools of its rows; None for every other request
+    pooling: PoolingParams | None = None
+    pool_end: bool = False  # (pooling) this chunk ends the prompt: the request's result is made this step
 
 
 @dataclass
@@ -59,6 +63,8 @@ class RunnerOutput:
     # jump-forward decoding (structured/runner.py): req_id -> tokens appended after its sampled ones with no forward
     # pass; their KV is computed by the next step, as a multi-token chunk
     forced_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # prefill-only requests whose last token was computed this step: req_id -> the embedding, or [P(yes)]
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class SchedulerStats:
     kv_slots_allocated: int = 0  # token slots in allocated blocks
     prefix_queries: int = 0
     prefix_hits: int = 0
+    kv_offload: dict[str, int] | None = None  # the disk tier's counters (kvcache/offload.py), None: no tier
 
 
 class Scheduler:
@@ -182,7 +189,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = [], 0
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.pooling is None:  # pooling reads every row's hidden state
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -212,7 +219,7 @@ class Scheduler:
         """How many of the request's drafts ride along with this chunk: only a chunk that reaches the end of
         its tokens, within the budget, and never more than could be emitted before max_tokens/max_model_len
         (a step emits up to num_drafts + 1 tokens)."""
-        if not req.spec_token_ids or req.num_computed_tokens + num_new != req.num_tokens:
+        if not req.spec_token_ids or req.num_computed_tokens + num_new != req.num_tokens or req.pooling is not None:
             return 0
         if req.request_id in self.pending_forks:
             return 0
@@ -225,13 +232,14 @@ class Scheduler:
     def _scheduled(self, req: Request, start: int, num_new: int, num_drafts: int = 0) -> ScheduledRequest:
         reaches_end = start + num_new == req.num_tokens
         num_samples = 0
-        if reaches_end:
+        if reaches_end and req.pooling is None:
             num_samples = 1 + len(self.pending_forks.get(req.request_id, ()))
         token_ids = req.all_token_ids[start:start + num_new] + req.spec_token_ids[:num_drafts]
         # a tree cut to its first num_drafts nodes stays a tree: parents come before their children
         parents = req.spec_tree_parents[:num_drafts] if num_drafts and req.spec_tree_parents is not None else None
         return ScheduledRequest(req.request_id, token_ids, start, self.kv.get_block_ids(req.request_id), num_samples,
-                                num_drafts, self.kv.get_num_cache_entries(req), parents)
+                                num_drafts, self.kv.get_num_cache_entries(req), parents, req.pooling,
+                                req.pooling is not None and reaches_end)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -243,6 +251,7 @@ class Scheduler:
         victim.spec_draft_probs = None
         victim.spec_tree_parents = None
         victim.spec_hidden = None
+        victim.pool_state = None  # recomputed from the first row
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_req_ids.append(victim.request_id)
@@ -265,6 +274,13 @@ class Scheduler:
             kept = result.kept_entries.get(s.req_id)
             if kept is not None:  # H2O: compacted before the request's next allocation
                 self.kv.schedule_compaction(req, kept)
+            if req.pooling is not None:  # prefill-only: done (and its blocks freed) once its last token ran
+                pooled = result.pooled.get(s.req_id)
+                if pooled is not None:
+                    req.pooled = pooled
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    touched.append(req)
+                continue
             tokens = result.sampled_token_ids.get(s.req_id)
             if not tokens:
                 continue

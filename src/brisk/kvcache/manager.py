@@ -30,6 +30,7 @@ from brisk.kvcache.policy import H2OPolicy, KVPolicy
 
 if TYPE_CHECKING:
     from brisk.engine.request import Request
+    from brisk.kvcache.offload import KVOffload
 
 # Seed of a chain. 13 bytes, while a parent digest is 32: the two kinds of hashed input differ in length
 # modulo 8 (tokens are 8 bytes each), so a first block can never hash like a later one.
@@ -89,6 +90,14 @@ class KVCacheManager:
         self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}
         self._stats_recorded: set[str] = set()
         self.prefix_cache_stats = PrefixCacheStats()
+        self.offload: KVOffload | None = None  # the disk tier under the prefix cache (set_offload)
+
+    def set_offload(self, offload: KVOffload) -> None:
+        """Put a disk tier under the prefix cache: evicted cached blocks go to it, lookups continue into it."""
+        assert self.enable_caching and not self.policy.evicts, "the disk tier needs prefix caching, full policy"
+        self.offload = offload
+        offload.manager = self
+        self.block_pool.on_evict = offload.on_evict
 
     # ---- prefix cache --------------------------------------------------------------------------------
 
@@ -114,6 +123,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None and len(hits) < max_hit_blocks:
+            hits += self._load_offloaded(request, hashes[:max_hit_blocks], hits)
         num_hit_tokens = len(hits) * self.block_size
         if request.request_id not in self._stats_recorded:
             self._stats_recorded.add(request.request_id)
@@ -121,6 +132,40 @@ class KVCacheManager:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def _load_offloaded(self, request: Request, hashes: list[int], hits: list[KVBlock]) -> list[KVBlock]:
+        """The chain past the RAM hits, continued from the disk tier: each block found there is read into a fresh
+        block and registered like a computed one (a block still in RAM is taken as it is). The returned blocks are
+        unreferenced cached blocks, as RAM hits are; allocate_slots references them. Loads stop short of the
+        blocks the rest of the request needs, so that loading never leaves it unable to run."""
+        assert self.offload is not None
+        pool, bs = self.block_pool, self.block_size
+        first_lookup = request.request_id not in self._stats_recorded
+        held = list(hits)
+        pool.touch(held)  # the blocks taken for loads must not evict this request's own hits
+        found: list[KVBlock] = []
+        try:
+            for block_hash in hashes[len(hits):]:
+                block = pool.get_cached_block(block_hash)
+                if block is None:
+                    if not self.offload.contains(block_hash):
+                        if first_lookup and not found:
+                            self.offload.stats.misses += 1
+                        break
+                    if pool.get_num_free_blocks() - 1 < _cdiv(request.num_tokens, bs) - len(held) - 1:
+                        break
+                    block = pool.get_new_blocks(1)[0]
+                    if not self.offload.load(block_hash, block.block_id):
+                        pool.free_blocks([block])
+                        break
+                    pool.cache_full_block(block, block_hash)
+                else:
+                    pool.touch([block])
+                held.append(block)
+                found.append(block)
+        finally:
+            pool.free_blocks(reversed(held))
+        return found
 
     def reset_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the stats gathered so far and start counting afresh."""

@@ -94,4 +94,4 @@ def pipeline_step(engine: LLMEngine) -> list[RequestOutput]:
     sched, result = runner.collect(scheduler.requests)  # type: ignore[attr-defined]
     touched = scheduler.update(sched, result)
     engine.num_steps += 1
-    return engine._make_outputs(touched)
+    return engine.make_outputs(touched)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from brisk.data import calibration_text_path
+from brisk.engine.settings import setting_option
 from brisk.spec import recipe
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ def spec_group() -> None:
 @click.option("--max-skip", type=int, default=14, show_default=True, help="Most layers to skip.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to store the result (default: next to the model, where --speculative layerskip looks).")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads.")
+@setting_option("num_threads")
 def layerskip_search(model: str | None, text_path: str, offset: int, tokens: int, max_skip: int, out: Path | None,
-                     threads: int | None) -> None:
+                     num_threads: int | None) -> None:
     """Rank layers by how little skipping each alone changes the greedy tokens on calibration text, then skip the
     best-ranked m together for the m with the highest predicted speedup (see brisk.spec.layerskip)."""
     import torch
@@ -42,8 +43,8 @@ def layerskip_search(model: str | None, text_path: str, offset: int, tokens: int
     from brisk.model.loader import load_model
     from brisk.spec.layerskip import layerskip_path, save_search, search_skip_layers
 
-    if threads:
-        torch.set_num_threads(threads)
+    if num_threads:
+        torch.set_num_threads(num_threads)
     loaded = load_model(model)
     text = Path(text_path).read_text(encoding="utf-8")[offset:]
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:tokens]
@@ -86,7 +87,7 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
         click.option("--draft-vocab", type=int, default=recipe.DRAFT_VOCAB, show_default=True,
                      help="Most frequent target tokens the head drafts from (and is trained on)."),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--threads", type=int, default=None, help="torch intra-op threads."),
+        setting_option("num_threads"),
     ]
 
     def apply(f: F) -> F:
@@ -97,7 +98,7 @@ def head_training_options(steps: int, batch_size: int, batch_help: str, lr: floa
     return apply
 
 
-def _load_for_training(model: str, text_path: str, threads: int | None, num_prompts: int, max_tokens: int,
+def _load_for_training(model: str, text_path: str, num_threads: int | None, num_prompts: int, max_tokens: int,
                        steps: int, batch_size: int, num_written: int = 0) -> tuple[LoadedModel, str]:
     import torch
 
@@ -106,8 +107,8 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
     if min(num_prompts, steps, batch_size) < 1 or max_tokens < 2 or num_written < 0:
         raise click.BadParameter("--prompts, --steps and --batch-size must be at least 1, --max-tokens at least 2 "
                                  "and --written-prompts not negative")
-    if threads:
-        torch.set_num_threads(threads)
+    if num_threads:
+        torch.set_num_threads(num_threads)
     return load_model(model), Path(text_path).read_text(encoding="utf-8")
 
 
@@ -118,7 +119,7 @@ def _load_for_training(model: str, text_path: str, threads: int | None, num_prom
               help="Medusa heads (tokens 2..K+1).")
 def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                      data_dtype: str, data_cache: Path | None, steps: int, batch_size: int, lr: float,
-                     draft_vocab: int, seed: int, threads: int | None, num_heads: int) -> None:
+                     draft_vocab: int, seed: int, num_threads: int | None, num_heads: int) -> None:
     """Train Medusa heads for MODEL by self-distillation (the target answers chat prompts cut from --text; the
     heads learn its own later tokens from its hidden states, the target frozen) and store them in OUT. Decode
     with --speculative medusa:OUT (or just medusa when OUT is the default next to the model)."""
@@ -126,7 +127,7 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, nu
 
     if num_heads < 1:
         raise click.BadParameter("--heads must be at least 1")
-    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size,
+    loaded, text = _load_for_training(model, text_path, num_threads, num_prompts, max_tokens, steps, batch_size,
                                       num_written)
     info = train_medusa(loaded, text, out, num_heads=num_heads, num_prompts=num_prompts, max_tokens=max_tokens,
                         steps=steps, batch_size=batch_size, lr=lr, seed=seed, text_name=Path(text_path).name,
@@ -144,14 +145,14 @@ def train_medusa_cmd(model: str, out: Path, text_path: str, num_prompts: int, nu
               help="Consecutive rows per training window.")
 def train_eagle_cmd(model: str, out: Path, text_path: str, num_prompts: int, num_written: int, max_tokens: int,
                     data_dtype: str, data_cache: Path | None, steps: int, batch_size: int, lr: float,
-                    draft_vocab: int, seed: int, threads: int | None, window: int) -> None:
+                    draft_vocab: int, seed: int, num_threads: int | None, window: int) -> None:
     """Train an EAGLE head for MODEL by self-distillation (feature regression + the target's own next tokens, the
     target frozen) and store it in OUT. Decode with --speculative eagle:OUT."""
     from brisk.spec.eagle import train_eagle
 
     if window < 2 or max_tokens <= window:
         raise click.BadParameter("need --window >= 2 and --max-tokens > --window")
-    loaded, text = _load_for_training(model, text_path, threads, num_prompts, max_tokens, steps, batch_size,
+    loaded, text = _load_for_training(model, text_path, num_threads, num_prompts, max_tokens, steps, batch_size,
                                       num_written)
     info = train_eagle(loaded, text, out, num_prompts=num_prompts, max_tokens=max_tokens, steps=steps, window=window,
                        batch_size=batch_size, lr=lr, seed=seed, draft_vocab_size=draft_vocab,

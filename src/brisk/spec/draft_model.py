@@ -35,10 +35,10 @@ from brisk.engine.request import Request
 from brisk.engine.sampler import SamplingMetadata, greedy_sample, random_sample
 from brisk.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from brisk.engine.scheduler import ScheduledRequest, SchedulerOutput
+from brisk.engine.verify import probs_from_processed, processed_logits
 from brisk.kvcache.manager import KVCacheManager
 from brisk.model.llama import LlamaForCausalLM
 from brisk.spec.proposer import Draft, Proposer
-from brisk.spec.verify import probs_from_processed, processed_logits
 
 if TYPE_CHECKING:
     from brisk.engine.llm_engine import LLMEngine
@@ -299,9 +299,9 @@ def build_draft_proposer(config: SpecConfig, engine: LLMEngine) -> DraftModelPro
     kv_dtype = "bfloat16" if engine.config.cache.kv_cache_dtype == "bfloat16" else "auto"
     # the target's execution path, except torch.compile: the draft's graphs would be compiled at start-up too
     execution = "auto" if engine.config.execution == "compiled" else engine.config.execution
-    proposer = DraftModelProposer(model, engine.num_blocks, engine.kv_manager.block_size, dtype,
+    proposer = DraftModelProposer(model, engine.num_blocks, engine.config.cache.block_size, dtype,
                                   engine.config.device, name=name, draft_cost=cost, kv_cache_dtype=kv_dtype,
                                   execution=execution, vocab=vocab)
     if config.method == "self":
-        proposer.share_target_kv(engine.runner.kv_caches, engine.kv_manager)
+        proposer.share_target_kv(*engine.target_kv())
     return proposer

@@ -297,7 +297,7 @@ class EagleProposer(Proposer):
             f = self._feed(req)
             if f is None:
                 out.append(Draft([]))
-            elif req.structured is None:  # greedy or sampled: spec/tree.py verifies both exactly
+            elif req.structured is None:  # greedy or sampled: engine/token_tree.py verifies both exactly
                 out.append(self._tree(req, f, k))
             else:  # the head's greedy chain, verified by speculative sampling under the grammar's mask
                 out.append(self._chain(req, f, min(k, self.depth)))
@@ -327,7 +327,7 @@ def build_eagle_proposer(path: str | None, engine: LLMEngine, tree_size: int) ->
     check_tree_engine(engine, "eagle")
     model = engine.loaded.model
     head, vocab, info = load_eagle(path or default_eagle_dir(engine.loaded.path), model.config.hidden_size)
-    engine.runner.executor.keep_hidden = True
+    engine.keep_hidden_states()
     window = info.get("training", {}).get("window")
     return EagleProposer(head, model.model.embed_tokens, head_matrix(engine.loaded.model), vocab, tree_size,
                          context=None if window is None else window - 1)

@@ -3,7 +3,7 @@
 Head k (k = 1..K) reads the final-normed hidden state h_t of the row that produced token x_{t+1} and predicts
 x_{t+1+k}:   logits_k = lm_head(SiLU(W_k h_t + b_k) + h_t),   the target's own lm_head, shared and frozen
 (W_k starts at zero, so an untrained head repeats the target's next-token guess). The proposer takes each head's
-top candidates and lays them out as the static tree of spec/tree.py (`static_tree`, from the per-rank accuracy
+top candidates and lays them out as the static tree of engine/token_tree.py (`static_tree`, from the per-rank accuracy
 measured on held-out data at training time); the engine verifies the tree in one forward.
 
 Training (`train_medusa`, `brisk spec train-medusa`) is self-distillation on the target's own greedy outputs:
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.engine.token_tree import static_tree, tree_parents
 from brisk.spec import recipe
 from brisk.spec.proposer import Draft, Proposer
-from brisk.spec.tree import static_tree, tree_parents
 from brisk.spec.vocab import head_matrix
 from brisk.train.progress import CountProgress
 
@@ -102,7 +102,7 @@ def load_heads(path: str | Path, hidden_size: int) -> tuple[MedusaHeads, dict[st
 
 
 class MedusaProposer(Proposer):
-    """Drafts a static token tree from the heads' top candidates (greedy and sampled requests: spec/tree.py
+    """Drafts a static token tree from the heads' top candidates (greedy and sampled requests: engine/token_tree.py
     verifies both exactly), or the heads' top-1 chain for grammar-constrained requests (verified by speculative
     sampling with point-mass drafts under the grammar's mask)."""
 
@@ -173,7 +173,7 @@ def build_medusa_proposer(path: str | None, engine: LLMEngine, tree_size: int) -
     model = engine.loaded.model
     check_tree_engine(engine, "medusa")
     heads, info, vocab = load_heads(path or default_heads_dir(engine.loaded.path), model.config.hidden_size)
-    engine.runner.executor.keep_hidden = True
+    engine.keep_hidden_states()
     return MedusaProposer(heads, head_matrix(engine.loaded.model), info["accuracy"], tree_size, vocab)
 
 
@@ -377,7 +377,7 @@ def collect_self_distill(loaded: LoadedModel, prompts: list[list[int]], max_toke
 
     max_len = max(len(p) for p in prompts) + max_tokens + 8
     engine = generation_engine(loaded, max_len, batch)
-    engine.runner.executor.keep_hidden = True
+    engine.keep_hidden_states()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     # the rows go into preallocated chunks: a small tensor per row, interleaved with each step's large temporaries,
     # kept the allocator from ever returning memory (about 200 KB held per 2 KB row kept)
