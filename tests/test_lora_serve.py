@@ -28,7 +28,8 @@ def setup(tmp_path_factory):
         ref = pm.unload()
     llm = LLM(str(tmp / "m"), max_model_len=64, kv_cache_memory="4MiB", enable_lora=True, max_loras=2,
               max_lora_rank=8)
-    app = create_app(llm.engine, ServerConfig(served_model_name="tiny", lora_modules={"a": str(tmp / "a")}))
+    app = create_app(llm.engine, ServerConfig(served_model_name="tiny", lora_modules={"a": str(tmp / "a")},
+                                              allowed_hosts=["testserver"]))  # TestClient's Host
     with TestClient(app) as client:
         yield tmp, client, llm
 

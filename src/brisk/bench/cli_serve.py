@@ -12,8 +12,8 @@ import click
 import torch
 from rich.console import Console
 
-from brisk.bench import report
 from brisk.bench.options import engine_flags, set_threads
+from brisk.console import progress_bar, stderr_console, write_json
 from brisk.engine.settings import SETTINGS, cli_args, engine_kwargs
 
 # ---------------------------------------------------------------------------- serve
@@ -48,6 +48,16 @@ def _serve_args(kw: dict[str, Any], max_waiting: int) -> list[str]:
 @click.option("--server-pid", type=int, default=None, help="With --url: the server's pid, to sample its RSS.")
 @click.option("--rss-tolerance", default="32MiB", show_default=True,
               help="RSS growth after warm-up that the 'RSS flat' check allows.")
+@click.option("--soak", type=int, default=None,
+              help="Soak mode: instead of the streamed-completions load, send this many mixed requests (chat and "
+                   "completions, streamed or not, structured outputs, n>1, stop sequences, clients that go away "
+                   "mid-stream) from --soak-threads threads after --soak-warmup warm-up requests, and report the "
+                   "server's RSS before (idle after warm-up), peak and after, and the growth in %.")
+@click.option("--soak-threads", type=int, default=16, show_default=True, help="Client threads of --soak.")
+@click.option("--soak-warmup", type=int, default=48, show_default=True,
+              help="Mixed requests before --soak's 'before' RSS.")
+@click.option("--soak-max-growth", type=float, default=10.0, show_default=True,
+              help="RSS growth after warm-up (%) over which --soak's check fails.")
 @click.option("--baseline", "baselines", type=click.Choice(["hf", "llamacpp"]), multiple=True,
               help="Also run the same prompts through HF transformers generate (hf) and/or llama.cpp (llamacpp, "
                    "through llama-cpp-python), each in static batches of --hf-batch-size, after the server has "
@@ -64,7 +74,8 @@ def _serve_args(kw: dict[str, Any], max_waiting: int) -> list[str]:
 @engine_flags()
 def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min: int, input_len_max: int,
           output_len: int, max_concurrency: int | None, max_waiting: int,
-          request_timeout: float, server_pid: int | None, rss_tolerance: str, baselines: tuple[str, ...],
+          request_timeout: float, server_pid: int | None, rss_tolerance: str, soak: int | None, soak_threads: int,
+          soak_warmup: int, soak_max_growth: float, baselines: tuple[str, ...],
           hf_batch_size: int, llamacpp_type: str | None, llamacpp_gguf: str | None, **kw: Any) -> None:
     """Load an OpenAI-compatible server: streamed completions from a separate load-generator process.
 
@@ -99,6 +110,15 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         raise ValueError("--server-pid is for --url; the server bench serve starts is sampled already")
     if output_len < 1:
         raise ValueError(f"--output-len must be at least 1, got {output_len}")
+    if soak is not None:
+        if soak < 1 or soak_threads < 1 or soak_warmup < 0:
+            raise ValueError("--soak and --soak-threads must be at least 1, --soak-warmup at least 0")
+        if baselines:
+            raise ValueError("--soak measures the server's memory; run --baseline without it")
+        if url is not None and server_pid is None:
+            raise ValueError("--soak with --url needs --server-pid: the soak reports the server's RSS")
+        _soak(url, server_pid, kw, max_waiting, soak, soak_threads, soak_warmup, soak_max_growth)
+        return
     if "hf" in baselines:
         require_transformers()  # fail before minutes of benchmarking, not after
     if hf_batch_size < 1:
@@ -123,7 +143,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     with tempfile.TemporaryDirectory(prefix="brisk-bench-serve-") as tmp:
         try:
             if url is None:
-                report.stderr_console().print("starting brisk serve ...")
+                stderr_console().print("starting brisk serve ...")
                 args = _serve_args(kw, max_waiting)
                 server = ServerProcess(args, startup_timeout_s=600,
                                        log_path=Path(tmp) / "serve.log").start()
@@ -150,10 +170,10 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
     if "hf" in baselines:
         set_threads(kw["num_threads"])
         model_path = resolve_model(kw["model"])
-        report.stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
+        stderr_console().print(f"loading {model_path.name} in transformers for the baseline ...")
         hf_model = load_hf_model(model_path, resolve_dtype(kw["dtype"], kw["model"], kw.get("load_format", "auto")))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        with report.progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
+        with progress_bar(f"transformers: batches of {hf_batch_size}", num_prompts) as advance:
             theirs = hf_throughput(hf_model, prompts, output_len, hf_batch_size, pad_id, advance)
         del hf_model
         gc.collect()
@@ -162,7 +182,7 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         set_threads(kw["num_threads"])
         with tempfile.TemporaryDirectory(prefix="brisk-bench-serve-gguf-") as tmp:
             lc = sb.llamacpp_baseline(lc_source, llamacpp_type, prompts, output_len, hf_batch_size,
-                                      torch.get_num_threads(), Path(tmp), report.stderr_console().print)
+                                      torch.get_num_threads(), Path(tmp), stderr_console().print)
 
     summary = res["summary"]
     lens = [len(p) for p in prompts]
@@ -199,6 +219,70 @@ def serve(url: str | None, num_prompts: int, request_rate: float, input_len_min:
         console.print(line)
     if kw["json_path"]:
         params = {**ctx.params, "request_rate": "inf" if math.isinf(request_rate) else request_rate}  # JSON has no inf
-        report.write_json(kw["json_path"], "serve", params, results)
+        write_json(kw["json_path"], "serve", params, results)
     if any(c["verdict"] == "FAIL" for c in res["checks"].values()):
+        ctx.exit(1)
+
+
+def _soak(url: str | None, server_pid: int | None, kw: dict[str, Any], max_waiting: int, num_requests: int,
+          threads: int, warmup: int, max_growth: float) -> None:
+    """`bench serve --soak`: mixed requests against the started server (or --url), RSS before / peak / after."""
+    import os
+    import tempfile
+
+    import httpx
+
+    from brisk.bench import serve as sb
+    from brisk.bench.report import comparison_table
+    from brisk.bench.soak import run_soak
+    from brisk.serve.process import ServerProcess, ServerStartError
+
+    ctx = click.get_current_context()
+    api_key = os.environ.get("BRISK_API_KEY") if url else None
+    server = None
+    with tempfile.TemporaryDirectory(prefix="brisk-bench-soak-") as tmp:
+        try:
+            if url is None:
+                stderr_console().print("starting brisk serve ...")
+                server = ServerProcess(_serve_args(kw, max_waiting), startup_timeout_s=600,
+                                       log_path=Path(tmp) / "serve.log").start()
+                url, server_pid = server.url, server.proc.pid
+            card = sb.server_model_card(url, api_key)
+            with progress_bar(f"soak: {warmup} warm-up + {num_requests} mixed requests",
+                                     warmup + num_requests) as advance:
+                res = run_soak(url, server_pid, card.get("id"), num_requests, warmup=warmup,  # type: ignore[arg-type]
+                               threads=threads, seed=kw["seed"], api_key=api_key, max_growth_pct=max_growth,
+                               on_done=lambda _: advance(1))
+            if server is not None:
+                server.stop()
+                res["log_tracebacks"] = server.log().count("Traceback (most recent call last)")
+        except (ServerStartError, httpx.HTTPError) as e:
+            raise click.ClickException(f"{type(e).__name__}: {e}") from e
+        finally:
+            if server is not None:
+                server.stop()
+    mib = 2**20
+    rows = [("server RSS at start, idle (MiB)", res["rss_start_bytes"] / mib, ".0f"),
+            (f"server RSS before: idle after {warmup} warm-up requests (MiB)", res["rss_before_bytes"] / mib, ".0f"),
+            (f"server RSS peak during the {num_requests} requests (MiB)", res["rss_peak_bytes"] / mib, ".0f"),
+            ("server RSS after: idle after them (MiB)", res["rss_after_bytes"] / mib, ".0f"),
+            ("growth after warm-up (%)", res["growth_pct"], "+.1f"),
+            ("wall time of the soak (s)", res["elapsed_s"], ".1f")]
+    console = Console()
+    table = comparison_table(f"soak: {card.get('id')}, {num_requests} mixed requests from {threads} threads "
+                              f"({'started server' if server is not None else f'server at {url}'})",
+                              [(label, v, None, fmt) for label, v, fmt in rows], None)
+    console.print(table)
+    console.print("outcomes: " + ", ".join(f"{k} x{v}" for k, v in res["outcomes"].items())
+                  + "; kinds: " + ", ".join(f"{k} x{v}" for k, v in res["kinds"].items()))
+    if res["errors"]:
+        console.print("errors: " + "; ".join(f"{k} x{v}" for k, v in res["errors"].items()))
+    style = "bold green" if res["verdict"] == "PASS" else "bold red"
+    console.print(f"[{style}]{res['verdict']:>4}[/] server RSS flat under a soak: {res['detail']}")
+    if kw["json_path"]:
+        params = {**ctx.params, "request_rate": "inf" if math.isinf(ctx.params["request_rate"])
+                  else ctx.params["request_rate"]}
+        write_json(kw["json_path"], "serve", params, {"model": card.get("id"), "soak": res,
+                                                             "server_started": server is not None})
+    if res["verdict"] == "FAIL":
         ctx.exit(1)

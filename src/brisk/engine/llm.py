@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from brisk.engine.llm_engine import LLMEngine, load_engine_model
 from brisk.engine.outputs import RequestOutput
+from brisk.engine.pooling import PoolingParams, YesNoScorer, cosine, default_pooling
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.settings import build_engine_config, llm_signature, settings_doc
 from brisk.lora.request import LoRARequest
@@ -110,6 +111,43 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort_request(rid)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, normalize: bool = True
+              ) -> list[list[float]]:
+        """One embedding per prompt: the final-norm hidden states pooled over the prompt's rows (last | mean | cls;
+        None: what the model's files say, else last), L2-normalised unless normalize=False. The prompts run as
+        prefill-only requests batched by the engine's scheduler; their KV blocks are freed as each one ends."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = PoolingParams(pooling or default_pooling(self.engine.loaded.path), normalize)
+        return self._pooled(list(prompts), [params] * len(prompts))  # type: ignore[arg-type]
+
+    def score(self, query: str, documents: str | Sequence[str], *, method: str = "yes_no",
+              template: str | None = None) -> list[float]:
+        """How relevant each document is to `query`, in the documents' order. method yes_no: P(yes) of the model
+        asked whether the document meets the query (engine/pooling.py YesNoScorer, Qwen3-Reranker's recipe;
+        `template` with {query} and {document} replaces the chat-template prompt); embed: the cosine similarity
+        of the query's and the document's embeddings."""
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        if method == "embed":
+            vecs = self.embed([query, *docs])
+            return [cosine(vecs[0], v) for v in vecs[1:]]
+        if method != "yes_no":
+            raise ValueError(f"method must be yes_no or embed; got {method!r}")
+        scorer = YesNoScorer(self.engine.tokenizer, template)
+        params = scorer.params()
+        return [p[0] for p in self._pooled([scorer.prompt_ids(query, d) for d in docs], [params] * len(docs))]
+
+    def _pooled(self, prompts: list[Prompt], params: list[PoolingParams]) -> list[list[float]]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(None, prompt, pooling=p))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        outs = self._run(ids, use_tqdm=False)
+        return [o.pooled for o in outs]  # type: ignore[misc]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

@@ -13,10 +13,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from brisk.engine import pooling as pool
+from brisk.engine import token_tree
 from brisk.engine.executor import Executor
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, greedy_sample, plain_greedy
 from brisk.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from brisk.engine.verify import verify
 from brisk.kvcache.policy import KVPolicy, StreamingPolicy
 from brisk.kvcache.quant import QuantizedKVCache, make_kv_caches
 from brisk.model.llama import LlamaForCausalLM
@@ -52,6 +55,10 @@ class ModelRunner:
                                         c.num_key_value_heads, c.head_dim, dtype, device, num_residual_blocks)
         self.sampler = Sampler()
         self.last_timing = (0.0, 0.0, 0.0)  # seconds of the last execute(): prepare, forward, sample
+        # the step's prefill-only requests (engine/pooling.py), from prepare(): which rows of the executor's
+        # pool_rows each one reads, and the logits row (after the sampled ones) of each score request
+        self._pool_plan: list[tuple[ScheduledRequest, int, int, int | None]] = []
+        self._pool_rows: list[int] = []
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -104,7 +111,7 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         first_row: dict[str, int] = {}
-        trees: list[tuple[int, torch.Tensor]] = []  # token-tree drafts (spec/tree.py): (sequence, in-step mask)
+        trees: list[tuple[int, torch.Tensor]] = []  # token-tree drafts (engine/token_tree.py): (sequence, in-step mask)
         num_rows = 0
         for b, s in enumerate(order):
             start, q_len = s.num_computed_tokens, len(s.token_ids)
@@ -114,12 +121,10 @@ class ModelRunner:
             if q_len == 1:
                 positions.append(start)
             elif s.tree_parents is not None:  # a draft's position is its root's plus its depth
-                from brisk.spec.tree import tree_depths, tree_mask
-
                 num_real = q_len - len(s.tree_parents)
                 positions.extend(range(start, start + num_real))
-                positions.extend(start + num_real - 1 + d for d in tree_depths(s.tree_parents))
-                trees.append((b, tree_mask(s.tree_parents, num_real)))
+                positions.extend(start + num_real - 1 + d for d in token_tree.tree_depths(s.tree_parents))
+                trees.append((b, token_tree.tree_mask(s.tree_parents, num_real)))
             else:
                 positions.extend(range(start, start + q_len))
             num_rows += q_len
@@ -130,6 +135,7 @@ class ModelRunner:
         logits_rows = [r for s in sched.scheduled if s.num_samples
                        for r in range(first_row[s.req_id] + len(s.token_ids) - 1 - s.num_draft_tokens,
                                       first_row[s.req_id] + len(s.token_ids))]
+        self._plan_pooling(order, first_row, logits_rows)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         meta = AttentionMetadata.for_sequences(
             query_lens, context_lens, [s.block_ids for s in order], bs, positions=positions_t,
@@ -155,10 +161,17 @@ class ModelRunner:
         if self.lora_mapping is not None:
             self.lora_mapping(batch_order(sched), requests)
         t1 = time.perf_counter()
-        logits = self.executor(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
+        if self._pool_rows:
+            self.executor.pool_rows = torch.tensor(self._pool_rows, dtype=torch.int64, device=self.device)
+        try:
+            logits = self.executor(ids.to(self.device), positions.to(self.device), meta, self.kv_caches, context_lens)
+        finally:
+            self.executor.pool_rows = None
         t2 = time.perf_counter()
         self.last_timing = (t1 - t0, t2 - t1, 0.0)
         out = RunnerOutput(kept_entries=self.kv_policy.end_step(batch_order(sched), meta.stats, self.block_size))
+        if self._pool_plan:
+            self._pool(logits, requests, out)
         sampling = [s for s in sched.scheduled if s.num_samples]
         if not sampling:
             return out
@@ -206,6 +219,43 @@ class ModelRunner:
             j += n
         return out
 
+    def _plan_pooling(self, order: list[ScheduledRequest], first_row: dict[str, int], logits_rows: list[int]) -> None:
+        """The rows the step's prefill-only requests read (engine/pooling.py): hidden-state rows into
+        self._pool_rows, a score request's last row appended to logits_rows (after the sampled ones)."""
+        self._pool_plan, self._pool_rows = [], []
+        for s in order:
+            p = s.pooling
+            if p is None:
+                continue
+            q_len = len(s.token_ids)
+            rows = p.rows(s.num_computed_tokens, q_len, s.pool_end)
+            at = len(self._pool_rows)
+            self._pool_rows.extend(first_row[s.req_id] + r for r in rows)
+            logits_row = None
+            if p.score_token_ids is not None and s.pool_end:
+                logits_row = len(logits_rows)
+                logits_rows.append(first_row[s.req_id] + q_len - 1)
+            self._pool_plan.append((s, at, len(rows), logits_row))
+
+    def _pool(self, logits: torch.Tensor, requests: Mapping[str, Request], out: RunnerOutput) -> None:
+        """Accumulate each prefill-only request's rows; the finished ones' results into out.pooled."""
+        hidden = self.executor.pooled_hidden
+        for s, at, n, logits_row in self._pool_plan:
+            req, p = requests[s.req_id], s.pooling
+            assert p is not None
+            if n:
+                assert hidden is not None
+                req.pool_state = pool.accumulate(p, req.pool_state, hidden[at:at + n])
+            if not s.pool_end:
+                continue
+            if p.score_token_ids is not None:
+                assert logits_row is not None
+                out.pooled[s.req_id] = [pool.yes_probability(logits[logits_row], p.score_token_ids)]
+            else:
+                assert req.pool_state is not None
+                out.pooled[s.req_id] = pool.finish(p, req.pool_state, req.num_tokens)
+        self.executor.pooled_hidden = None
+
     def recompute_for_long_rope(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """LongRoPE (phi3): a sequence rotates with the short factors up to the original context and with the long
         ones past it, every key included. transformers' Phi-3 drops its cache and recomputes the whole sequence at
@@ -235,10 +285,8 @@ class ModelRunner:
 
     def _verify_drafts(self, logits: torch.Tensor, sampling: list[ScheduledRequest], requests: Mapping[str, Request],
                        out: RunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest], list[int]]:
-        """Verify the requests with drafts (spec.verify; token trees: spec.tree) into `out`; return the other
-        rows for the sampler, those requests, and their rows in the step's logits."""
-        from brisk.spec.verify import verify
-
+        """Verify the requests with drafts (engine/verify.py; token trees: engine/token_tree.py) into `out`; return
+        the other rows for the sampler, those requests, and their rows in the step's logits."""
         spec_rows: list[int] = []
         plain_rows: list[int] = []
         tree_rows: list[int] = []
@@ -289,15 +337,13 @@ class ModelRunner:
 
     def _verify_trees(self, logits: torch.Tensor, trees: list[ScheduledRequest], rows: list[int],
                       requests: Mapping[str, Request], out: RunnerOutput) -> None:
-        """Verification of token trees (spec/tree.py: greedy, or exact multi-draft sampling), then the accepted
+        """Verification of token trees (engine/token_tree.py: greedy, or exact multi-draft sampling), then the accepted
         nodes' K/V moved to the entries right after the root, where the next step's attention expects them."""
-        from brisk.spec.tree import accepted_moves, verify_tree
-
         reqs = [requests[s.req_id] for s in trees]
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in trees]
         parents = [s.tree_parents for s in trees]
         tree_logits = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
-        paths, tokens, token_rows = verify_tree(tree_logits, reqs, drafts, parents)  # type: ignore[arg-type]
+        paths, tokens, token_rows = token_tree.verify_tree(tree_logits, reqs, drafts, parents)  # type: ignore[arg-type]
         src: list[int] = []
         dst: list[int] = []
         bs = self.block_size
@@ -305,7 +351,7 @@ class ModelRunner:
             out.sampled_token_ids[s.req_id] = toks
             root = (s.num_computed_tokens if s.cache_len is None else s.cache_len) + len(s.token_ids) \
                 - s.num_draft_tokens - 1  # the root's cache entry
-            for a, b in accepted_moves(path):
+            for a, b in token_tree.accepted_moves(path):
                 src.append(s.block_ids[(root + a) // bs] * bs + (root + a) % bs)
                 dst.append(s.block_ids[(root + b) // bs] * bs + (root + b) % bs)
         if src:

@@ -39,3 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # a prefill-only request (engine/pooling.py): its embedding, or [P(yes)] of a score request; None otherwise
+    pooled: list[float] | None = None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from brisk.engine.pooling import PoolingParams
     from brisk.engine.sampling_params import SamplingParams
     from brisk.structured.backend import StructuredState
 
@@ -83,7 +84,7 @@ class Request:
         # all_token_ids: a draft only becomes a token when the verifier accepts it.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
-        # a token tree instead of a chain (spec/tree.py): the parent of each drafted token, an index into
+        # a token tree instead of a chain (engine/token_tree.py): the parent of each drafted token, an index into
         # spec_token_ids or -1 for the request's last token; parents come before their children. None = a chain
         self.spec_tree_parents: list[int] | None = None
         # trained heads (spec/medusa.py, spec/eagle.py): the target's final hidden states [n, H] of the rows that
@@ -97,6 +98,11 @@ class Request:
         self.lora_key: bytes | None = None
         # structured outputs: the grammar matcher, advanced with every output token (structured/backend.py)
         self.structured: StructuredState | None = None
+        # a prefill-only request (engine/pooling.py): its pooling, the state pooled so far over the computed rows,
+        # and the result once its last token was computed
+        self.pooling: PoolingParams | None = None
+        self.pool_state: torch.Tensor | None = None
+        self.pooled: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -198,6 +198,23 @@ class LoRAExecutor:
     def last_hidden(self) -> torch.Tensor | None:
         return self.base.last_hidden
 
+    # the rows prefill-only requests pool (engine/pooling.py): the base's
+    @property
+    def pool_rows(self) -> torch.Tensor | None:
+        return self.base.pool_rows
+
+    @pool_rows.setter
+    def pool_rows(self, value: torch.Tensor | None) -> None:
+        self.base.pool_rows = value
+
+    @property
+    def pooled_hidden(self) -> torch.Tensor | None:
+        return self.base.pooled_hidden
+
+    @pooled_hidden.setter
+    def pooled_hidden(self, value: torch.Tensor | None) -> None:
+        self.base.pooled_hidden = value
+
     def step_path(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[Any]) -> str:
         base = self.base.step_path(x, meta, kv_caches)
         if self.manager.state.mapping is None:
@@ -229,9 +246,7 @@ class LoRAExecutor:
                 plan.lora_active = False
         else:
             hidden = model.run_layers(x, cos, sin, meta, kv_caches)
-        if self.base.keep_hidden:
-            idx = meta.logits_indices
-            self.base.last_hidden = hidden if idx is None else hidden.index_select(0, idx)
+        self.base.keep_rows(hidden, meta)
         return model.compute_logits(hidden, meta)
 
 

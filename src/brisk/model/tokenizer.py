@@ -229,10 +229,10 @@ class Tokenizer:
             if value is not None
         }
         context.update(kwargs)  # caller's variables win over the special-token strings, as in transformers
+        context.setdefault("documents", None)  # a variable every template may test (retrieval templates render it)
         try:
             return template.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **context,
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the model's chat template rejected these messages: {e}") from e

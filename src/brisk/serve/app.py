@@ -8,6 +8,7 @@ is answered with an OpenAI error object and a 4xx status; a 500 means a bug in b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,7 +32,7 @@ from brisk.engine.config import parse_size
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.sampling_defaults import SamplingDefaults
 from brisk.engine.sampling_params import SamplingParams
-from brisk.serve import responses, tools
+from brisk.serve import responses, tool_parsers, tools
 from brisk.serve.async_engine import (
     AsyncEngine,
     ClientDisconnected,
@@ -42,22 +43,38 @@ from brisk.serve.async_engine import (
     ServerOverloadedError,
 )
 from brisk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from brisk.serve.openapi import AUTH_ERRORS, BODY_ERRORS, install_openapi, ok_response, request_body
+from brisk.serve.openapi import AUTH_ERRORS, BODY_ERRORS, ServedFacts, install_openapi, ok_response, request_body
 from brisk.serve.openapi import error as _error_doc
+from brisk.serve.pooling import REQUEST_MODELS as POOLING_REQUEST_MODELS
+from brisk.serve.pooling import PoolingSetup, install_pooling_routes
 from brisk.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ClientError,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     HealthStatus,
     ModelCard,
     ModelList,
     SamplingDefaultsInfo,
+    TokenizeRequest,
+    TokenizeResponse,
     parse_request,
 )
+from brisk.serve.reasoning import REASONING_PARSERS, ReasoningParser
+from brisk.serve.responses_api import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    Turn,
+    responses_errors,
+)
+from brisk.serve.security import AccessPolicy, RequestGuard
 from brisk.structured.params import StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger("brisk.serve")
@@ -66,6 +83,10 @@ logger = logging.getLogger("brisk.serve")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Seconds a client told "overloaded" should wait before retrying (the openai client honours Retry-After).
 RETRY_AFTER_S = 1
+# What serve/security.py refuses before any route runs (documented on the POST routes, where a browser sends them)
+GUARD_ERRORS = {403: _error_doc("A web page's request: an Origin not allowed (--allowed-origins), or a Host this "
+                                "loopback server does not answer to (--allowed-hosts)"),
+                415: _error_doc("The body was not sent as 'Content-Type: application/json'")}
 
 
 @dataclass
@@ -73,21 +94,36 @@ class ServerConfig:
     served_model_name: str | None = None  # None = the model's own name
     api_key: str | None = None  # None = no authentication
     max_waiting: int = 128  # sequences admitted beyond the running batch; more get 503
-    cors_origins: list[str] = field(default_factory=list)  # empty = CORS off
+    # Browsers (serve/security.py): the web origins besides the server's own whose pages may call it (CORS is
+    # answered for them; "*" = any), and the Host names it answers to besides loopback ones and `host`, where it
+    # is bound (a loopback-bound server refuses any other Host; "*" = any).
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"  # run_server sets the address it binds
+    access: AccessPolicy = field(init=False, repr=False)  # the three above, checked
     max_request_bytes: int | str = "1MiB"
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules name=path (needs --enable-lora)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's tool calls (serve/tools.py)
-    tool_call_parser: str | None = None  # the model family's tool-call syntax; None = hermes
+    tool_call_parser: str | None = None  # the model family's tool-call syntax (serve/tool_parsers.py); None = hermes
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: the answer's reasoning apart (serve/reasoning.py)
+    # embeddings, rerank, score (serve/pooling.py): the task served (generate: generation, embeddings and yes/no
+    # reranking; embed: embeddings, reranking by cosine similarity, no generation; rerank: yes/no reranking and
+    # embeddings, no generation), the pooling (None: the model's files, else last), a rerank prompt template
+    task: str = "generate"
+    pooling: str | None = None
+    rerank_template: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in tools.TOOL_CALL_PARSERS:
-            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; brisk parses "
-                             f"{', '.join(tools.TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}; brisk parses "
+                             f"{', '.join(REASONING_PARSERS)}")
+        tool_parsers.resolve_parser(self.tool_call_parser, None)  # an unknown name: ValueError
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
         self.max_request_bytes = parse_size(self.max_request_bytes)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty; leave it out to serve without authentication")
+        self.access = AccessPolicy(self.host, self.allowed_origins, self.allowed_hosts)  # bad entries: ValueError
 
 
 class _Server:
@@ -108,6 +144,15 @@ class _Server:
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, metrics=self.metrics)
         self.llm_engine = engine
         self.native_tools = tools.template_supports_tools(engine.tokenizer.chat_template)
+        self.tool_parser = tool_parsers.resolve_parser(config.tool_call_parser, engine.tokenizer.chat_template)
+        self.reasoning = None if config.reasoning_parser is None else ReasoningParser(config.reasoning_parser)
+        self.pooling = PoolingSetup.build(engine, config.task, config.pooling, config.rerank_template)
+
+    def check_generation(self) -> None:
+        """Completions are refused by a server started for embeddings or reranking (--task embed | rerank)."""
+        if self.config.task != "generate":
+            raise ClientError(f"this server was started with --task {self.config.task}: it serves "
+                              "/v1/embeddings, /v1/rerank and /v1/score, not generation", code="task_not_served")
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, model: str | None) -> str:
@@ -196,18 +241,17 @@ class _Server:
     def completion_requests(self, req: CompletionRequest, request_id: str,
                             structured: StructuredOutputsParams | None = None) -> list[EngineRequest]:
         prompt = req.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if isinstance(prompt, str) or isinstance(prompt[0], int):  # the schema has no empty prompt
             prompts: list[Any] = [prompt]
-        elif not prompt:
-            raise ClientError("'prompt' is empty; give a string, a list of strings or a list of token ids",
-                              param="prompt")
         else:
             prompts = list(prompt)
         self.check_capacity(len(prompts) * (req.n or 1), "n" if len(prompts) == 1 else "prompt")  # before tokenizing
         out = []
         for i, p in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            ids = self.check_prompt_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p), param)
+            ids = self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens is not False) \
+                if isinstance(p, str) else list(p)
+            ids = self.check_prompt_ids(self.truncate(ids, req.truncate_prompt_tokens), param)
             max_tokens = self.max_tokens_for(ids, req.max_tokens,
                                              self.sampling_defaults.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                              "max_tokens", param)
@@ -215,27 +259,58 @@ class _Server:
             out.append(EngineRequest(f"{request_id}-{i}", ids, params, self.loras.get(req.model)))
         return out
 
-    def chat_requests(self, req: ChatCompletionRequest, request_id: str,
-                      structured: StructuredOutputsParams | None = None) -> list[EngineRequest]:
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """(the rendered prompt, its token ids) of a conversation; ClientError when it cannot be rendered."""
         try:
             messages = req.template_messages(native_tools=self.native_tools)
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, Any] = req.template_kwargs()
             if req.tool_mode != "none":
                 if self.native_tools:
                     kwargs["tools"] = req.tool_dicts()
                 else:  # the template has no place for tools: list them in the system prompt (serve/tools.py)
-                    prompt = tools.hermes_system_prompt(req.tool_dicts())
+                    prompt = tool_parsers.get_parser(self.tool_parser).system_prompt(req.tool_dicts())
                     if messages[0]["role"] == "system":
                         messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
                     else:
                         messages.insert(0, {"role": "system", "content": prompt})
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                             **kwargs)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.generation_prompt,
+                                                      **kwargs)
+            if req.continue_final_message:
+                text = _open_final_message(text, messages[-1]["content"])
         except ClientError:
             raise
         except ValueError as e:  # no chat template, or the template rejected the conversation
             raise ClientError(str(e), param="messages") from None
-        self.check_prompt_ids(ids, "messages")
+        return text, self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+    def reasoning_for(self, req: ChatCompletionRequest, prompt: str, constraint_param: str | None
+                      ) -> ReasoningParser | None:
+        """The parser that splits this request's answer, None when it has no reasoning to split. Constrained
+        generation (structured outputs, tool_choice required or named) cannot start after the reasoning, so a
+        request that would reason first is refused rather than have its reasoning constrained."""
+        if self.reasoning is None or not self.reasoning.active(req.chat_template_kwargs, prompt):
+            return None
+        if constraint_param is not None:
+            off = (" or send chat_template_kwargs {\"enable_thinking\": false}" if self.reasoning.name == "qwen3"
+                   else "")
+            raise ClientError(f"{constraint_param} cannot be combined with reasoning (--reasoning-parser "
+                              f"{self.reasoning.name}): brisk would constrain the reasoning too, not only the answer "
+                              f"after {self.reasoning.end}; leave {constraint_param} out{off}",
+                              param=constraint_param, code="unsupported_parameter")
+        return self.reasoning
+
+    def chat_requests(self, req: ChatCompletionRequest, request_id: str,
+                      structured: StructuredOutputsParams | None = None,
+                      prompt_ids: list[int] | None = None) -> list[EngineRequest]:
+        ids = self.chat_prompt(req)[1] if prompt_ids is None else prompt_ids
+        ids = self.check_prompt_ids(self.truncate(ids, req.truncate_prompt_tokens), "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(ids, req.requested_max_tokens, self.sampling_defaults.max_tokens, param,
                                          "messages")
@@ -244,6 +319,40 @@ class _Server:
         return [EngineRequest(f"{request_id}-0", ids,
                               _sampling_params(req, max_tokens, logprobs, self.sampling_defaults, structured),
                               self.loras.get(req.model))]
+
+    async def open_chat(self, req: ChatCompletionRequest, request_id: str,
+                        receive: Any) -> tuple[responses.Context, RequestStream]:
+        """A chat request checked, rendered and admitted: its response context and its engine stream (what
+        /v1/chat/completions answers from, and /v1/responses through serve/responses_api.py)."""
+        req.check()
+        ctx = responses.Context(request_id, int(time.time()), self.check_model(req.model), self.tokenizer,
+                                req.n or 1, _holdback(req.stop), tool_mode=req.tool_mode)
+        if req.tool_mode == "named":
+            ctx.tool_name = req.tool_choice.function.name  # type: ignore[union-attr]
+        elif req.tool_mode == "auto":
+            ctx.tool_parser = tool_parsers.get_parser(self.tool_parser, req.tool_dicts())
+        structured, checks = self.chat_constraints(req)
+        prompt, ids = self.chat_prompt(req)
+        constraint_param = None if structured is None else (
+            "tool_choice" if req.tool_mode in ("required", "named") else req.structured_request()[1])
+        ctx.reasoning = self.reasoning_for(req, prompt, constraint_param)
+        ctx.include_reasoning = req.include_reasoning is not False
+        engine_requests = self.chat_requests(req, ctx.request_id, structured, ids)
+        if checks:
+            await run_in_threadpool(self.check_constraints, checks)
+        return ctx, self.engine.open_stream(engine_requests, receive)
+
+
+def _open_final_message(text: str, content: str) -> str:
+    """continue_final_message: the rendered conversation cut after the last message's content (as transformers
+    does), so that the model goes on writing it."""
+    content = content.strip()
+    end = text.rfind(content)
+    if end < 0:
+        raise ClientError("continue_final_message: the last message's content does not appear in the prompt the "
+                          "chat template wrote, so it cannot be left open", param="continue_final_message",
+                          code="invalid_value")
+    return text[:end + len(content)]
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
@@ -282,7 +391,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see /v1/completions, /v1/chat/completions, "\
-                      "/v1/models, /health, /metrics, /openapi.json"
+                      "/v1/models, /tokenize, /detokenize, /health, /metrics, /openapi.json"
         elif e.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
@@ -360,7 +469,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
                               "shows them).")
     app.state.server = server
     _install_error_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          *POOLING_REQUEST_MODELS, ResponsesRequest],
+                    lambda: ServedFacts([server.model_name, *server.loras.adapters], server.vocab_size))
 
     async def check_api_key(request: Request) -> None:
         key = server.config.api_key
@@ -427,9 +538,11 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
     @app.post("/v1/completions", dependencies=auth, openapi_extra=request_body(CompletionRequest),
               responses={**ok_response(CompletionResponse, "The completions (stream false)",
                                        streamed="stream true: server-sent events, each `data: ` a CompletionResponse "
-                                                "chunk, then `data: [DONE]`"), **BODY_ERRORS, **AUTH_ERRORS})
+                                                "chunk, then `data: [DONE]`"), **BODY_ERRORS, **AUTH_ERRORS,
+                         **GUARD_ERRORS})
     async def completions(request: Request) -> Response:
         req = parse_request(CompletionRequest, await read_json(request))
+        server.check_generation()
         req.check()
         ctx = responses.Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
                                 server.tokenizer, req.n or 1, _holdback(req.stop))
@@ -448,19 +561,11 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
               responses={**ok_response(ChatCompletionResponse, "The chat completion (stream false)",
                                        streamed="stream true: server-sent events, each `data: ` a "
                                                 "ChatCompletionChunk, then `data: [DONE]`"),
-                         **BODY_ERRORS, **AUTH_ERRORS})
+                         **BODY_ERRORS, **AUTH_ERRORS, **GUARD_ERRORS})
     async def chat_completions(request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await read_json(request))
-        req.check()
-        ctx = responses.Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.check_model(req.model),
-                                server.tokenizer, req.n or 1, _holdback(req.stop), tool_mode=req.tool_mode)
-        if req.tool_mode == "named":
-            ctx.tool_name = req.tool_choice.function.name  # type: ignore[union-attr]
-        structured, checks = server.chat_constraints(req)
-        engine_requests = server.chat_requests(req, ctx.request_id, structured)
-        if checks:
-            await run_in_threadpool(server.check_constraints, checks)
-        stream = server.engine.open_stream(engine_requests, request.receive)
+        server.check_generation()
+        ctx, stream = await server.open_chat(req, f"chatcmpl-{uuid.uuid4().hex}", request.receive)
         top = (req.top_logprobs or 0) if req.logprobs else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
@@ -468,18 +573,90 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, *, engine_
         outputs = await _collect(stream)
         return JSONResponse(responses.chat_response(outputs, ctx, top).model_dump())
 
+    @app.post("/tokenize", dependencies=auth, openapi_extra=request_body(TokenizeRequest),
+              responses={**ok_response(TokenizeResponse, "The prompt's token ids (a chat rendered by its template, "
+                                                         "as /v1/chat/completions renders it)"),
+                         **BODY_ERRORS, **AUTH_ERRORS, **GUARD_ERRORS})
+    async def tokenize(request: Request) -> JSONResponse:
+        req = parse_request(TokenizeRequest, await read_json(request))
+        req.check()
+        server.check_model(req.model)
+        if req.messages is not None:
+            ids = server.chat_prompt(req.chat_request())[1]
+        else:
+            ids = server.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
+        strs = [server.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs \
+            else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids,
+                                             token_strs=strs).model_dump())
+
+    @app.post("/detokenize", dependencies=auth, openapi_extra=request_body(DetokenizeRequest),
+              responses={**ok_response(DetokenizeResponse, "The text of the token ids, special tokens written out"),
+                         **BODY_ERRORS, **AUTH_ERRORS, **GUARD_ERRORS})
+    async def detokenize(request: Request) -> JSONResponse:
+        req = parse_request(DetokenizeRequest, await read_json(request))
+        server.check_model(req.model)
+        bad = [t for t in req.tokens if t >= server.vocab_size]
+        if bad:
+            raise ClientError(f"'tokens' has token ids outside the vocabulary [0, {server.vocab_size}): {bad[:5]}",
+                              param="tokens", code="invalid_value")
+        return JSONResponse(DetokenizeResponse(prompt=server.tokenizer.decode(req.tokens, skip_special_tokens=False))
+                            .model_dump())
+
+    # embeddings, rerank, score (serve/pooling.py)
+    install_pooling_routes(app, server, auth, read_json, {**BODY_ERRORS, **AUTH_ERRORS, **GUARD_ERRORS})
+
+    # the Responses API, served as a chat completion (serve/responses_api.py)
+    response_store = ResponseStore()
+    not_stored = {404: _error_doc("No response of that id is stored (the server keeps the latest ones sent with "
+                                  "store true, in memory)")}
+
+    @app.post("/v1/responses", dependencies=auth, openapi_extra=request_body(ResponsesRequest),
+              responses={**ok_response(ResponseObject, "The response (stream false)",
+                                       streamed="stream true: server-sent events, each `event: ` its type and "
+                                                "`data: ` a JSON event with its `type` and `sequence_number`, from "
+                                                "response.created to response.completed (response.incomplete when "
+                                                "max_output_tokens cut the answer)"),
+                         **BODY_ERRORS, **not_stored, **AUTH_ERRORS, **GUARD_ERRORS})
+    async def create_response(request: Request) -> Response:
+        req = parse_request(ResponsesRequest, await read_json(request))
+        turn = Turn(req, response_store, server.sampling_defaults.as_dict())
+        with responses_errors():
+            ctx, stream = await server.open_chat(turn.chat, turn.id, request.receive)
+        if req.stream:
+            return _sse(turn.events(responses.chat_events(stream, ctx, None, True), ctx.model), stream)
+        outputs = await _collect(stream)
+        return JSONResponse(turn.answer(responses.chat_response(outputs, ctx, None)))
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth,
+             responses={**ok_response(ResponseObject, "A stored response"), **not_stored, **AUTH_ERRORS})
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(response_store.lookup(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth,
+                responses={**ok_response(ResponseDeleted, "The response is no longer stored"), **not_stored,
+                           **AUTH_ERRORS})
+    async def delete_response(response_id: str) -> JSONResponse:
+        response_store.lookup(response_id)
+        response_store.pop(response_id)
+        return JSONResponse(ResponseDeleted(id=response_id).model_dump())
+
     if server.loras.enabled:  # the runtime adapter routes exist only on a server started with --enable-lora
         from brisk.serve.lora import install_lora_routes
 
         install_lora_routes(app, server.loras, auth)
-    endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json",
-                 "/docs"}
-    app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)
-    if server.config.cors_origins:
+    # outermost first: every answer counted, then the browser checks (serve/security.py), then CORS for the
+    # origins they let through
+    if server.config.access.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=server.config.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(CORSMiddleware, allow_origins=server.config.access.allowed_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(RequestGuard, policy=server.config.access)
+    endpoints = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                 "/detokenize", "/openapi.json", "/docs", "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score",
+                 "/v1/responses"}
+    app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)
     return app
 
 
@@ -524,6 +701,8 @@ def run_server(engine: LLMEngine, config: ServerConfig | None = None, *, host: s
 
     import uvicorn
 
+    # the browser checks need the address really bound (a loopback one refuses other Host names)
+    config = ServerConfig(host=host) if config is None else dataclasses.replace(config, host=host)
     app = create_app(engine, config, engine_thread=False)
     web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                         timeout_graceful_shutdown=5))

@@ -37,9 +37,11 @@ from typing import Any
 
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
+from brisk.engine.pooling import PoolingParams
 from brisk.engine.sampling_params import SamplingParams
 from brisk.lora.manager import LoRABusyError
 from brisk.lora.request import LoRARequest
+from brisk.serve.memory import IdleTrimmer
 from brisk.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("brisk.serve")
@@ -76,6 +78,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None  # the adapter the OpenAI `model` field named (serve/lora.py)
+    # a prefill-only request (embeddings, rerank, score: serve/pooling.py), and the task it is counted under
+    pooling: PoolingParams | None = None
+    task: str = "generate"
 
 
 @dataclass
@@ -122,6 +127,7 @@ class AsyncEngine:
         self.ready = threading.Event()  # start() was called: the outputs' event loop is known
         self._stopped = threading.Event()
         self._last_publish = 0.0
+        self.trimmer = IdleTrimmer()  # hands the heap's free pages back once a burst is over (serve/memory.py)
 
     # ------------------------------------------------------------------ event-loop side
     def start(self, *, own_thread: bool = True) -> None:
@@ -200,6 +206,7 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished_requests()
                 if idle:
                     self._publish(force=True)
+                    self.trimmer.idle()
                 commands = [self._next_command()] if idle else []  # blocks while there is nothing to do
                 while True:
                     try:
@@ -216,6 +223,7 @@ class AsyncEngine:
                         self._abort(cmd)
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self.trimmer.worked()
         except _EngineDead:
             return
         except Exception:  # a bug in this loop: fail every request rather than leave clients hanging
@@ -226,7 +234,8 @@ class AsyncEngine:
         for req in cmd.requests:
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
-                                        arrival_time=cmd.arrival_time, lora_request=req.lora_request)
+                                        arrival_time=cmd.arrival_time, lora_request=req.lora_request,
+                                        pooling=req.pooling)
             except LoRABusyError as e:  # every adapter slot held by running requests: retry later
                 self._deliver([(cmd.stream, ServerOverloadedError(str(e)))])
                 continue
@@ -241,6 +250,9 @@ class AsyncEngine:
             self._live[req.request_id] = _Live(cmd.stream, cmd.arrival_time)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+                self.metrics.task_prompt_tokens.labels(req.task).inc(len(req.prompt_token_ids))
+        if self.metrics is not None and cmd.requests:
+            self.metrics.task_requests.labels(cmd.requests[0].task).inc()
 
     def _abort(self, cmd: _Abort) -> None:
         aborted = [rid for rid in cmd.request_ids if self._live.pop(rid, None) is not None]

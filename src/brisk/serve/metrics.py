@@ -45,6 +45,11 @@ class ServerMetrics:
                                "(client disconnected)", registry=r)
         self.prompt_tokens = Counter("brisk_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("brisk_generation_tokens", "Generated tokens", registry=r)
+        # per task: generate, embed (/v1/embeddings), rerank (/v1/rerank, /rerank), score (/v1/score)
+        self.task_requests = Counter("brisk_task_requests", "HTTP requests handed to the engine, by task",
+                                     ["task"], registry=r)
+        self.task_prompt_tokens = Counter("brisk_task_prompt_tokens", "Prompt tokens of admitted requests, by task",
+                                          ["task"], registry=r)
         self.ttft = Histogram("brisk_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("brisk_inter_token_latency_seconds", "Time between consecutive generated tokens "
@@ -72,6 +77,8 @@ class ServerMetrics:
         self._last = SchedulerStats()
         self._prefix_queries_total = 0
         self._prefix_hits_total = 0
+        self._offload: dict[str, Counter | Gauge] = {}  # the disk tier's metrics, made on its first stats
+        self._offload_last: dict[str, int] = {}
 
     def publish(self, stats: SchedulerStats) -> None:
         """Set the gauges from a scheduler snapshot; advance counters by what changed since the last one."""
@@ -93,6 +100,25 @@ class ServerMetrics:
         if self._prefix_queries_total:
             self.prefix_hit_rate.set(self._prefix_hits_total / self._prefix_queries_total)
         self._last = stats
+        if stats.kv_offload is not None:
+            self._publish_offload(stats.kv_offload)
+
+    def _publish_offload(self, now: dict[str, int]) -> None:
+        """The disk tier's counters (kvcache/offload.py OffloadStats) as brisk_kv_offload_<name>: the sizes of the
+        directory as gauges, the rest as counters advanced by their change."""
+        last = self._offload_last
+        for name, value in now.items():
+            metric = self._offload.get(name)
+            if metric is None:
+                kind = Gauge if name.startswith("disk_") else Counter
+                metric = self._offload[name] = kind(f"brisk_kv_offload_{name}", f"KV disk tier: {name}",
+                                                    registry=self.registry)
+            if isinstance(metric, Gauge):
+                metric.set(value)
+            else:
+                before = last.get(name, 0)
+                metric.inc(value - before if value >= before else value)
+        self._offload_last = dict(now)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

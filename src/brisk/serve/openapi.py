@@ -5,10 +5,18 @@ while streaming, strict types, OpenAI error objects), so FastAPI cannot see a bo
 Each route therefore declares its body and its answers here: the request body is the pydantic model's own JSON
 schema (the one `parse_request` validates against), the 200 answer the response model the handler builds, and
 every 4xx / 503 an ErrorResponse. Nothing is written by hand that pydantic could get out of step with.
+
+Two facts of the running server narrow the published request schemas, as its handlers enforce them: `model` is
+one of the names it serves (the model and its adapters, GET /v1/models), and token ids (a prompt's, /detokenize's)
+are below its vocabulary size. The rest a handler still refuses a schema-valid request for depends on the prompt's
+length in tokens (the context, the admission capacity) or on compiling a grammar, which no schema can say.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -42,14 +50,33 @@ def ok_response(model: type[BaseModel], description: str, streamed: str | None =
     """A 200 answer of `model` as JSON, and (`streamed`) of server-sent events when the request sets stream."""
     answer: dict[str, Any] = {"model": model, "description": description}
     if streamed is not None:
-        answer["content"] = {"text/event-stream": {"schema": {"type": "string", "description": streamed}}}
+        # OpenAPI 3.1: the schema of an event stream describes each event (its fields: data, event, id, retry)
+        answer["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "description": streamed, "required": ["data"],
+            "properties": {"data": {"type": "string", "description": "A JSON chunk, or [DONE] at the end"}}}}}
     return {200: answer}
 
 
-def install_openapi(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
-    """Make `app.openapi()` FastAPI's own schema plus the JSON schemas of `request_models` as components."""
+@dataclass
+class ServedFacts:
+    """What a request's schema depends on in the running server."""
+
+    model_names: list[str]  # the served model's name, then its adapters'
+    vocab_size: int
+
+
+def install_openapi(app: FastAPI, request_models: list[type[BaseModel]],
+                    facts: Callable[[], ServedFacts] | None = None) -> None:
+    """Make `app.openapi()` FastAPI's own schema plus the JSON schemas of `request_models` as components, narrowed
+    by `facts` (read anew for every call: adapters come and go)."""
 
     def openapi() -> dict[str, Any]:
+        base = _base()
+        if facts is None:
+            return base
+        return _narrowed(base, facts(), [m.__name__ for m in request_models])
+
+    def _base() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
@@ -64,3 +91,31 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]]) -> None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _narrowed(base: dict[str, Any], facts: ServedFacts, names: list[str]) -> dict[str, Any]:
+    schema = copy.deepcopy(base)
+    components = schema["components"]["schemas"]
+    for name in names:
+        props = components[name]["properties"]
+        if "model" in props:
+            props["model"] = {"anyOf": [{"enum": facts.model_names}, {"type": "null"}], "default": None,
+                              "title": "Model", "description": "The served model or one of its adapters "
+                                                               "(GET /v1/models); null = the served model"}
+        for field in ("prompt", "tokens", "input"):  # token ids: /v1/completions' prompt, /detokenize's tokens,
+            # /v1/embeddings' input
+            if field in props:
+                _cap_integers(props[field], facts.vocab_size - 1)
+    return schema
+
+
+def _cap_integers(schema: Any, maximum: int) -> None:
+    """Every integer in `schema` (a prompt's token ids) at most `maximum`."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = maximum
+        for value in schema.values():
+            _cap_integers(value, maximum)
+    elif isinstance(schema, list):
+        for value in schema:
+            _cap_integers(value, maximum)

@@ -39,6 +39,8 @@ from brisk.serve.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from brisk.serve.reasoning import ReasoningParser, ReasoningStreamer
+from brisk.serve.tool_parsers import HermesParser, ToolParser
 
 
 @dataclass
@@ -55,6 +57,9 @@ class Context:
     holdback: int = 0
     tool_mode: str = "none"  # none | auto | required | named (serve/tools.py)
     tool_name: str | None = None  # the function of tool_choice "named"
+    tool_parser: ToolParser | None = None  # the family's call syntax for "auto" (serve/tool_parsers.py); None: hermes
+    reasoning: ReasoningParser | None = None  # splits the reasoning off the answer (serve/reasoning.py)
+    include_reasoning: bool = True  # false: the reasoning is split off and left out
 
 
 class _Cursor:
@@ -228,21 +233,41 @@ def _tool_calls_out(calls: list[tools.ToolCall]) -> list[ToolCallOut]:
 
 
 def _message(ctx: Context, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
-    """A finished choice's message and finish_reason, its tool calls parsed out (OpenAI's finish_reason is
-    "tool_calls" when the model chose to call, "stop" when tool_choice named the function)."""
+    """A finished choice's message and finish_reason: its reasoning split off (with a reasoning parser), its tool
+    calls parsed out."""
+    if ctx.reasoning is None:
+        return _answer(ctx, c, c.text)
+    reasoning, text = ctx.reasoning.split(c.text)
+    message, finish = _answer(ctx, c, text)
+    if text is None:  # max_tokens cut the reasoning: there is no answer yet
+        message = ChatResponseMessage(content=None)
+    if ctx.include_reasoning and reasoning is not None:
+        message.reasoning_content = message.reasoning = reasoning
+    return message, finish
+
+
+def _answer(ctx: Context, c: CompletionOutput, text: str | None) -> tuple[ChatResponseMessage, str | None]:
+    """The message and finish_reason of the answer `text` (OpenAI's finish_reason is "tool_calls" when the model
+    chose to call, "stop" when tool_choice named the function, "length" when max_tokens cut the answer: the call it
+    cut is kept with its arguments so far, see serve/tools.py)."""
     finish = _finish_reason(c)
+    cut = c.finish_reason == "length"
+    if text is None:
+        return ChatResponseMessage(content=None), finish
     if ctx.tool_mode == "auto":
-        content, calls = tools.parse_hermes(c.text)
+        content, calls = (ctx.tool_parser or HermesParser()).parse(text, cut=cut)
+        complete = not cut
     elif ctx.tool_mode == "required":
-        calls = tools.parse_required(c.text)
-        content = None if calls else c.text
+        calls, complete = tools.required_calls(text)
+        content = None
     elif ctx.tool_mode == "named":
         return ChatResponseMessage(content=None, tool_calls=_tool_calls_out(
-            [tools.ToolCall(ctx.tool_name or "", c.text)])), finish
+            [tools.ToolCall(ctx.tool_name or "", text)])), finish
     else:
-        return ChatResponseMessage(content=c.text), finish
+        return ChatResponseMessage(content=text), finish
     if calls:
-        return ChatResponseMessage(content=content, tool_calls=_tool_calls_out(calls)), "tool_calls"
+        return ChatResponseMessage(content=content, tool_calls=_tool_calls_out(calls)), \
+            "tool_calls" if complete else finish
     return ChatResponseMessage(content=content), finish
 
 
@@ -270,6 +295,8 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
     last: dict[int, RequestOutput] = {}
     cursor = _Cursor(ctx.holdback)
     streamers: dict[int, _ToolStreamer] = {}
+    thinkers: dict[int, ReasoningStreamer] = {}
+    answered: dict[int, int] = {}  # characters of the answer (after the reasoning) sent as content, per choice
     try:
         # OpenAI opens every choice with the role, before any content
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -290,11 +317,24 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
                     lp = chat_logprobs(ctx.tokenizer, ids, entries, top_logprobs)
                 finish = _finish_reason(c)
                 delta = DeltaMessage(content=text or None)
-                if ctx.tool_mode != "none":
+                shown = c.text[:cursor.num_chars[ci]]  # what the stop strings let out so far
+                thought = ""
+                if ctx.reasoning is not None:  # the reasoning's deltas; what follows it is the answer so far
+                    thought, answer = thinkers.setdefault(ci, ReasoningStreamer(ctx.reasoning)).update(shown,
+                                                                                                      c.finished)
+                    shown = answer or ""
+                    if ctx.tool_mode == "none":
+                        delta = DeltaMessage(content=shown[answered.get(ci, 0):] or None)
+                        answered[ci] = len(shown)
+                if ctx.tool_mode != "none" and (ctx.reasoning is None or thinkers[ci].answering):
                     streamer = streamers.setdefault(ci, _ToolStreamer(ctx))
-                    delta, called = streamer.update(c.text[:cursor.num_chars[ci]], c.finished)
+                    delta, called = streamer.update(shown, c.finished, c.finish_reason == "length")
                     if c.finished and called:
                         finish = "tool_calls"
+                elif ctx.tool_mode != "none":
+                    delta = DeltaMessage()
+                if thought and ctx.include_reasoning:
+                    delta.reasoning_content = delta.reasoning = thought
                 choices.append(ChatStreamChoice(index=ci, delta=delta, logprobs=lp, finish_reason=finish))
                 if c.finished:
                     done.add(ci)
@@ -315,18 +355,19 @@ async def chat_events(stream: RequestStream, ctx: Context, top_logprobs: int | N
 class _ToolStreamer:
     """One streamed choice's deltas with tools: what reassembles to _message's answer for the final text.
 
-    auto: content as it comes, each Hermes call in one delta once its block closes (tools.HermesStreamer);
+    auto: content as it comes, each call in one delta once it is whole (tool_parsers.ToolStreamer);
     named: the call's id and name first, then its arguments as the text grows; required: the calls at the end
-    (the array parses only once complete)."""
+    (the array parses only once complete). A call cut by max_tokens goes out as _message reports it."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.hermes = tools.HermesStreamer()
+        self.hermes = (ctx.tool_parser or HermesParser()).streamer()
         self.sent = 0
         self.num_calls = 0
 
-    def update(self, text: str, finished: bool) -> tuple[DeltaMessage, bool]:
-        """(the delta, whether the answer is tool calls: its finish_reason is then tool_calls)."""
+    def update(self, text: str, finished: bool, cut: bool = False) -> tuple[DeltaMessage, bool]:
+        """(the delta, whether the answer is tool calls: its finish_reason is then tool_calls); cut: max_tokens
+        ended it."""
         mode = self.ctx.tool_mode
         if mode == "named":
             head = self.sent == 0 and self.num_calls == 0
@@ -339,12 +380,11 @@ class _ToolStreamer:
         if mode == "required":
             if not finished:
                 return DeltaMessage(), False
-            calls = tools.parse_required(text)
-            if not calls:
-                return DeltaMessage(content=text or None), False
-            return DeltaMessage(tool_calls=self._deltas(calls)), True
-        content, calls = self.hermes.update(text, finished)
-        return DeltaMessage(content=content or None, tool_calls=self._deltas(calls) or None), bool(self.hermes.calls)
+            calls, complete = tools.required_calls(text)
+            return DeltaMessage(tool_calls=self._deltas(calls) or None), bool(calls) and complete
+        content, calls = self.hermes.update(text, finished, cut)
+        return (DeltaMessage(content=content or None, tool_calls=self._deltas(calls) or None),
+                bool(self.hermes.calls) and not cut)
 
     def _deltas(self, calls: list[tools.ToolCall]) -> list[DeltaToolCall]:
         out = []

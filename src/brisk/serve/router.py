@@ -16,6 +16,9 @@ router does:
     sees text, not tokens, so the index approximates the replica's block hashes: same text, same tokens.
   * round-robin: the baseline it is measured against (docs/parallel.md).
 
+The router runs the server's browser checks itself (serve/security.py: Host, Origin, Content-Type) with the same
+options, answers CORS for the origins they allow, and forwards without the Origin header, already checked.
+
 /metrics gives the router's own counters (requests, in flight and routing decisions per replica) followed by
 every replica's own metrics, each sample labelled `replica="i"`. /health is 200 while every replica is healthy. A
 replica that exits makes the router answer 503 (`engine_dead`) and stop with exit code 1, like a single server
@@ -44,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.serve.process import ServerProcess
+from brisk.serve.security import AccessPolicy, RequestGuard
 
 logger = logging.getLogger("brisk.serve")
 
@@ -188,9 +192,10 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 def create_router_app(urls: list[str], policy: str = "prefix", *,
-                      replicas: list[ServerProcess] | None = None) -> FastAPI:
+                      replicas: list[ServerProcess] | None = None, access: AccessPolicy | None = None) -> FastAPI:
     """The router's app over replicas at `urls` (http://host:port); `replicas`, when given, are watched: one that
-    exits makes every later request a 503 (see run_router for the exit)."""
+    exits makes every later request a 503 (see run_router for the exit). `access`: the browser checks (default:
+    a router bound to 127.0.0.1 with no extra origins or hosts)."""
     router = RouterPolicy(len(urls), policy)
     metrics = _RouterMetrics()
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
@@ -239,7 +244,7 @@ def create_router_app(urls: list[str], policy: str = "prefix", *,
             except (ValueError, UnicodeDecodeError):
                 text = ""  # the replica answers the malformed body with its own 400
         i, reason = router.choose(text) if request.method == "POST" else (router.least_loaded(), "load")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS and k.lower() != "origin"}
         url = f"{urls[i]}/{path}" + (f"?{request.url.query}" if request.url.query else "")
         router.in_flight[i] += 1
         router.num_sent[i] += 1
@@ -269,6 +274,13 @@ def create_router_app(urls: list[str], policy: str = "prefix", *,
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         return StreamingResponse(body(), status_code=upstream.status_code, headers=out_headers)
 
+    access = access or AccessPolicy()
+    if access.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=access.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(RequestGuard, policy=access)
     return app
 
 
@@ -316,8 +328,8 @@ def start_replicas(args: list[str], num_replicas: int, startup_timeout_s: float 
     return procs
 
 
-def run_router(argv: list[str], num_replicas: int, policy: str, *, host: str = "127.0.0.1", port: int = 8000
-               ) -> None:
+def run_router(argv: list[str], num_replicas: int, policy: str, *, host: str = "127.0.0.1", port: int = 8000,
+               access: AccessPolicy | None = None) -> None:
     """`brisk serve --data-parallel-size N`: start N replicas, serve the router until stopped (or until a
     replica dies: exit code 1), then stop the replicas."""
     import uvicorn
@@ -325,7 +337,7 @@ def run_router(argv: list[str], num_replicas: int, policy: str, *, host: str = "
     RouterPolicy(num_replicas, policy)  # a bad policy fails before anything starts
     procs = start_replicas(replica_args(argv, num_replicas), num_replicas)
     logger.warning("brisk: %d replicas up (%s), routing: %s", num_replicas, ", ".join(p.url for p in procs), policy)
-    app = create_router_app([p.url for p in procs], policy, replicas=procs)
+    app = create_router_app([p.url for p in procs], policy, replicas=procs, access=access or AccessPolicy(host))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     died: list[str] = []
 

@@ -1,10 +1,11 @@
-"""OpenAI tool calling: the tools' prompt, the constraint behind `tool_choice`, and the Hermes tool-call parser.
+"""OpenAI tool calling: the tools' prompt, the constraint behind `tool_choice`, and the Hermes tool-call parser
+(every family's parser, and `--tool-call-parser`: serve/tool_parsers.py).
 
     tool_choice   prompt                               generation                 answer
     none          the tools are not rendered            free                      content
-    auto          the template renders the tools (or    free                      <tool_call>{...}</tool_call> blocks
-                  a Hermes-style system prompt lists     (needs --enable-auto-     parsed into tool_calls;
-                  them when the template cannot)         tool-choice)              the text before them is content
+    auto          the template renders the tools (or    free                      the family's calls (hermes:
+                  a system prompt in the parser's        (needs --enable-auto-     <tool_call> blocks) parsed into
+                  format lists them when it cannot)      tool-choice)              tool_calls; the text before: content
     required      as auto                               a JSON array of calls     every call of the array
                                                         (one schema per tool)
     {function}    as auto                               that function's           one call, its arguments the text
@@ -13,25 +14,38 @@
 Hermes format (NousResearch Hermes 2 Pro, Qwen2.5, SmolLM2's tool-calling data): every call is one JSON object
 `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`; a tool's answer goes back as a
 `tool` message, which templates without tool support see as `<tool_response>...</tool_response>` from the user.
+
+`required` and a named function are constrained to JSON whichever the parser (a grammar for each family's own
+syntax is not built): the answer is read as JSON, so they work with every family.
+
+An answer cut short (max_tokens, or a stop string inside a `required` array) keeps what was written of the call it
+cut, as OpenAI does: that call is in tool_calls with the arguments' JSON text so far (not parsable), the calls
+before it whole, content holds no tool-call syntax, and finish_reason is "length" (not "tool_calls"). A call cut
+before its name was complete is left out (there is nothing to call). Streamed or not, the answer is the same.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
+from brisk.serve.tool_parsers import (
+    PARSER_NAMES,
+    HermesParser,
+    ToolCall,
+    ToolStreamer,
+    call_from_json,
+    cut_call,
+    new_call_id,
+    skip_space,
+)
 from brisk.structured.params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
+__all__ = ["ToolCall", "cut_call", "new_call_id", "HermesStreamer", "parse_hermes", "required_calls", "parse_required"]
+
+TOOL_CALL_PARSERS = PARSER_NAMES  # serve/tool_parsers.py; `--tool-call-parser auto` reads the chat template
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-
-
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
@@ -83,95 +97,61 @@ def named_constraint(tool: dict) -> StructuredOutputsParams:
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=new_call_id)
-
-
-def _call_from_json(obj: Any, args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("parameters", {}) if args_key == "arguments" else {})
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(obj["name"], text)
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_hermes(text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a model's answer: content is the text before the first <tool_call> (None when that is
     blank), calls the blocks that hold a JSON call (an unclosed last block counts: generation may stop at its end).
-    Without any parsable call the whole text is the content."""
-    calls = [c for m in _BLOCK.finditer(text) for c in [_parse_block(m.group(1))] if c is not None]
-    if not calls:
-        return text, []
-    return text[:text.index(CALL_OPEN)].rstrip() or None, calls
+    Without any parsable call the whole text is the content.
+
+    cut: generation was cut (max_tokens): an unclosed last block is a call cut short (cut_call), never content,
+    and neither is a tail that begins `<tool_call>`. (The other families: serve/tool_parsers.py.)"""
+    return HermesParser().parse(text, cut)
 
 
-def _parse_block(body: str) -> ToolCall | None:
-    try:
-        return _call_from_json(json.loads(body))
-    except ValueError:
-        return None
+def required_calls(text: str) -> tuple[list[ToolCall], bool]:
+    """(calls, complete) of a `required` answer, whole or cut short: every whole call of the array, then the one
+    being written when it was cut (cut_call); complete says the array closed."""
+    decoder = json.JSONDecoder()
+    i, n = skip_space(text, 0), len(text)
+    if not text.startswith("[", i):
+        return [], False
+    calls: list[ToolCall] = []
+    i += 1
+    while True:
+        i = skip_space(text, i)
+        if i >= n:
+            return calls, False
+        if text[i] == "]":
+            return calls, not text[i + 1:].strip()
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            call = cut_call(text[i:])
+            return calls + ([call] if call is not None else []), False
+        call = call_from_json(item, "parameters")
+        if call is None:  # not a call (the constraint makes every item one)
+            return calls, False
+        calls.append(call)
+        i = skip_space(text, i)
+        if text.startswith(",", i):
+            i += 1
 
 
 def parse_required(text: str) -> list[ToolCall]:
-    """The calls of a `required` answer (a JSON array of {"name", "parameters"}); [] if it does not parse
-    (generation cut by max_tokens)."""
+    """The calls of a complete `required` answer (a JSON array of {"name", "parameters"}); [] if it does not parse
+    (generation cut by max_tokens: required_calls reads what was written)."""
     try:
         items = json.loads(text)
     except ValueError:
         return []
     if not isinstance(items, list):
         return []
-    calls = [_call_from_json(item, "parameters") for item in items]
+    calls = [call_from_json(item, "parameters") for item in items]
     return [c for c in calls if c is not None] if all(calls) else []
 
 
-class HermesStreamer:
-    """Cuts one streamed choice's growing text into content deltas and whole tool calls, so that the deltas
-    reassemble to what parse_hermes makes of the final text.
-
-    Content goes out as it comes, except for a tail that could still be the start of `<tool_call>` and trailing
-    whitespace (parse_hermes strips it in front of a call). Once a block is closed its call goes out in one delta.
-    If the answer ends without any parsable call, whatever was held back goes out as content.
-    """
+class HermesStreamer(ToolStreamer):
+    """The streamed counterpart of parse_hermes: content deltas and whole calls that reassemble to it (content as
+    it comes but for a tail that could begin `<tool_call>`; each call once its block closes)."""
 
     def __init__(self) -> None:
-        self.sent = 0  # characters of content sent
-        self.calls: list[ToolCall] = []
-        self._blocks_seen = 0  # closed blocks examined
-
-    def update(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        start = text.find(CALL_OPEN)
-        if start < 0:
-            if finished:
-                return self._content(text, len(text)), []
-            end = len(text)
-            for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):  # a tail that may begin a tag
-                if CALL_OPEN.startswith(text[-k:]):
-                    end = len(text) - k
-                    break
-            return self._content(text, len(text[:end].rstrip())), []
-        content = self._content(text, len(text[:start].rstrip()))
-        new: list[ToolCall] = []
-        blocks = list(_BLOCK.finditer(text, start))
-        for i, m in enumerate(blocks):
-            closed = m.group(0).endswith(CALL_CLOSE)
-            if i < self._blocks_seen or not (closed or finished):
-                continue
-            self._blocks_seen = i + 1
-            call = _parse_block(m.group(1))
-            if call is not None:
-                new.append(call)
-        self.calls.extend(new)
-        if finished and not self.calls:  # no call after all: the rest is content
-            content += self._content(text, len(text))
-        return content, new
-
-    def _content(self, text: str, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        out = text[self.sent:end]
-        self.sent = end
-        return out
+        super().__init__(HermesParser())

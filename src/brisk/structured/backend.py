@@ -61,14 +61,65 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=opts)
         except ValueError as e:
             raise StructuredOutputError(f"invalid JSON schema: {e}", param="json") from None
-    if kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "regex":  # as LLMatcher.grammar_from_regex writes it, with ASCII classes
+        return json.dumps({"grammars": [{"name": "regex", "json_schema": None,
+                                         "lark_grammar": f"start: /{ascii_regex(params.regex)}/"}],
+                           "max_tokens": None})
     if kind == "choice":
         return llg.grammar_from("choice", params.choice)
+    from llguidance.gbnf_to_lark import any_to_lark  # optional: llguidance (_llguidance above says how to get it)
+
     try:
-        return llg.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
-    except ValueError as e:
+        lark = any_to_lark(params.grammar)  # Lark as it is, or GBNF converted to Lark
+    except Exception as e:  # noqa: BLE001 - the converter raises whatever its parser met
         raise StructuredOutputError(f"the grammar does not compile: {e}", param="grammar") from None
+    return llg.LLMatcher.grammar_from_lark(ascii_lark(lark))
+
+
+# ---------------------------------------------------------------------------------------------- ASCII classes
+# Rust's regex crate (llguidance's) reads \d, \w and \s as Unicode classes: `\d{4}` admits U+1FBF8 and every other
+# script's digits, `\w` any letter, `\s` U+3000. What a user of a regex constraint means (and what JSON-schema
+# `pattern`s already get) is ASCII: brisk rewrites the six escapes, outside and inside [...], before compiling.
+ASCII_CLASSES = "dws"  # llguidance's regex_to_lark: \d -> [0-9], \w -> [0-9a-zA-Z_], \s -> [ \t\n\r\f\v]
+
+
+def ascii_regex(pattern: str) -> str:
+    """`pattern` with \\d, \\w, \\s, \\D, \\W, \\S as their ASCII classes (escaped backslashes and other escapes kept),
+    its `/` escaped: ready to stand between the slashes of a Lark regex terminal."""
+    return _llguidance().regex_to_lark(pattern, ASCII_CLASSES)
+
+
+def ascii_lark(grammar: str) -> str:
+    """A Lark grammar with the classes of every `/regex/` terminal made ASCII (strings and comments untouched)."""
+    if not any(f"\\{c}" in grammar for c in "dwsDWS"):
+        return grammar
+    out, i, n = [], 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c == '"':  # a string literal: up to its unescaped closing quote
+            j = i + 1
+            while j < n and grammar[j] != '"':
+                j += 2 if grammar[j] == "\\" else 1
+            out.append(grammar[i:j + 1])
+            i = j + 1
+        elif grammar.startswith("//", i) or c == "#":  # a comment, to the end of the line
+            j = grammar.find("\n", i)
+            j = n if j < 0 else j
+            out.append(grammar[i:j])
+            i = j
+        elif c == "/":  # a regex terminal: up to its unescaped closing slash
+            j = i + 1
+            while j < n and grammar[j] not in "/\n":
+                j += 2 if grammar[j] == "\\" else 1
+            if j >= n or grammar[j] != "/":  # not a terminal after all: leave the rest to the grammar compiler
+                out.append(grammar[i:])
+                break
+            out.append(f"/{ascii_regex(grammar[i + 1:j])}/")
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 class GrammarCompiler:

@@ -29,8 +29,9 @@ class StructuredOutputsParams:
     """Constrain a request's output (vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))`).
 
     json: a JSON schema (dict, or its JSON text); regex: a regular expression (Rust regex syntax, anchored at both
-    ends); choice: a list of strings, the output is exactly one of them; grammar: a Lark grammar or a GBNF
-    (llama.cpp) grammar; json_object: any JSON object (OpenAI's response_format {"type": "json_object"}).
+    ends; \\d, \\w, \\s and their negations are the ASCII classes, as in JSON-schema patterns); choice: a list of
+    strings, the output is exactly one of them; grammar: a Lark grammar (its /regex/ terminals read as `regex`) or a
+    GBNF (llama.cpp) grammar; json_object: any JSON object (OpenAI's response_format {"type": "json_object"}).
     disable_any_whitespace: JSON without the separators' spaces (`{"a":1,"b":2}` instead of `{"a": 1, "b": 2}`).
     """
 
