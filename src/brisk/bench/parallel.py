@@ -157,10 +157,11 @@ def _compute_probe(engine_kw: dict[str, Any], rank: int, world: int, rows: tuple
                    ) -> dict[str, Any]:
     """Seconds of this rank's linears at each row count, model cut for TP and for PP; the layers it holds."""
     from brisk.engine.llm_engine import load_engine_model
+    from brisk.engine.memory import weight_bytes
     from brisk.engine.settings import build_engine_config
     from brisk.parallel.comm import Group
     from brisk.parallel.pipeline import stage_layers, take_stage
-    from brisk.parallel.shard import shard_model, weight_bytes
+    from brisk.parallel.shard import shard_model
 
     config = build_engine_config(**engine_kw)
     out: dict[str, Any] = {}
