@@ -41,18 +41,79 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+// The x86 (AVX2 + FMA) and aarch64 (NEON) builds share everything but the block decoding and the inner kernels:
+// the QW view of the weights, its checks, the parallel driver and the ops. Each ISA section below defines the same
+// names for the common code to call: scale_at, chunk_params, tile, prepare_x, BlockDequant, set_codebook, and the
+// constants kParamsPad and kCopyFloat32X. Elsewhere no ops: brisk.ops.qlinear takes its reference path.
 #if defined(__AVX2__) && defined(__FMA__)
+#define BRISK_QUANT_LINEAR_X86 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define BRISK_QUANT_LINEAR_NEON 1
+#endif
 
+#if defined(BRISK_QUANT_LINEAR_X86) || defined(BRISK_QUANT_LINEAR_NEON)
+
+#if defined(BRISK_QUANT_LINEAR_X86)
 #include <immintrin.h>
 
 #include "simd.h"
+#else
+#include <arm_neon.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMaxTileRows = 4;
+
+struct QW {
+  const uint8_t* data;     // [N, row_bytes]
+  int64_t row_bytes;       // K / 32 * BPB
+  const at::Half* scales = nullptr;  // [N, ngroups] float16 (simd.h, "Group parameters"), or
+  const float* scales32 = nullptr;   // float32 scales
+  const uint8_t* zeros = nullptr;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric / codebook
+  const at::Half* mins16 = nullptr;  // float minimums (w = scale * q + min) instead of zero points
+  const float* mins32 = nullptr;
+  float zero;                // the symmetric zero point 2^(bits-1)
+  int64_t ngroups;
+  int64_t group;             // G: a multiple of 32, or 16 (two groups per block)
+  int64_t blocks_per_group;  // G / 32 (1 for G = 16)
+  int64_t nblocks;           // K / 32
+#if defined(BRISK_QUANT_LINEAR_X86)
+  __m256 lut_lo, lut_hi;     // codebook entries 0-7 and 8-15 (codebook mode)
+#else
+  uint8x16x4_t lut;          // the codebook's 16 float32 entries as 64 bytes (codebook mode)
+#endif
+  // a chunk's group parameters as float32 (tile reads these): rows [row0, row0 + chunk rows), made by run() from
+  // scales / zeros, so the block loop reads one float per group as with float32 scales
+  const float* s32 = nullptr;  // [rows, ngroups]
+  const float* m32 = nullptr;  // [rows, ngroups] = -scale * zero (exact); affine codes only
+  int64_t row0 = 0;
+};
+
+// group i's min (w = s q + m) as float32, given its scale sc
+inline float min_at(const QW& p, int64_t i, float sc) {
+  if (p.mins32) return p.mins32[i];
+  if (p.mins16) return static_cast<float>(p.mins16[i]);
+  return -sc * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
+}
+
+int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
+
+}  // namespace
+
+#endif  // x86 or NEON
+
+#if defined(BRISK_QUANT_LINEAR_X86)
+// ---- x86 (AVX2 + FMA) ----
 
 namespace {
 
@@ -62,33 +123,20 @@ using brisk_simd::scale1;
 using brisk_simd::scales8;
 using brisk_simd::zeros8;
 
-constexpr int64_t kBlock = 32;
 // software prefetch of the code stream (simd.h): on the AVX2 VM the hardware prefetcher alone left int8 at ~12 GB/s
 // of ~15 at M = 1, and 1 KiB ahead into L1 brought it to ~15 (int4: 10.5 -> 11.8 GB/s); on the avx512 build's
 // machine 8 KiB into L2 measured 8-14% faster for int8 codes than 1 KiB into L1 (int4: within noise)
 constexpr int64_t kPrefetchBytes = brisk_simd::stream_distance(1024, 8192);
 constexpr auto kPrefetchHint = brisk_simd::kStreamHint;
 
-struct QW {
-  const uint8_t* data;   // [N, row_bytes]
-  int64_t row_bytes;     // K / 32 * BPB
-  const at::Half* scales;  // [N, ngroups] float16 (simd.h, "Group parameters")
-  const uint8_t* zeros;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric, or codebook mode
-  const float* scales32 = nullptr;   // float32 scales instead of `scales`
-  const at::Half* mins16 = nullptr;  // float minimums (w = scale * q + min) instead of zero points
-  const float* mins32 = nullptr;
-  float zero;              // the symmetric zero point 2^(bits-1)
-  int64_t ngroups;
-  int64_t group;             // G: a multiple of 32, or 16 (two groups per block)
-  int64_t blocks_per_group;  // G / 32 (1 for G = 16)
-  int64_t nblocks;       // K / 32
-  __m256 lut_lo, lut_hi; // codebook entries 0-7 and 8-15 (codebook mode)
-  // a chunk's group parameters as float32 (tile reads these): rows [row0, row0 + chunk rows), made by run() from
-  // scales / zeros, so the block loop reads one float per group (an embedded broadcast) as with float32 scales
-  const float* s32 = nullptr;  // [rows, ngroups]
-  const float* m32 = nullptr;  // [rows, ngroups] = -scale * zero (exact); affine codes only
-  int64_t row0 = 0;
-};
+// the float32 copies of a chunk's group parameters get this many floats of slack: chunk_params stores whole
+// vectors of 8, past the chunk's last group
+constexpr int64_t kParamsPad = 8;
+// the kernel reads prescaled activations (xq, see prepare_x), so float32 x is copied too
+constexpr bool kCopyFloat32X = true;
+
+// group i's scale as float32
+inline float scale_at(const QW& p, int64_t i) { return p.scales32 ? p.scales32[i] : scale1(p.scales + i); }
 
 // rows [c, c1)'s scales and mins as float32 into s32 / m32 (m32 only for affine codes)
 inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float* s32, float* m32) {
@@ -114,14 +162,6 @@ inline void chunk_params(const QW& p, int64_t c, int64_t c1, bool affine, float*
     if (affine)
       _mm256_storeu_ps(m32 + g, _mm256_mul_ps(sv, _mm256_sub_ps(_mm256_setzero_ps(), z ? zeros8(z + g, k) : zv)));
   }
-}
-
-// group i's scale and min (w = s q + m) as float32
-inline float scale_at(const QW& p, int64_t i) { return p.scales32 ? p.scales32[i] : scale1(p.scales + i); }
-inline float min_at(const QW& p, int64_t i, float sc) {
-  if (p.mins32) return p.mins32[i];
-  if (p.mins16) return static_cast<float>(p.mins16[i]);
-  return -sc * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
 }
 
 // Bit offset of element 8 i + l's code within lane l of decoded vector i (after vector 3's pre-shift).
@@ -303,130 +343,18 @@ void tile(const QW& p, int64_t n, const float* xq, int64_t K, const float* xsum,
   }
 }
 
-constexpr int kMaxTileRows = 4;
-
-template <int BITS, bool LUT, int SCALED, int MT>
-void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t K, const float* xsum, float* out,
-               int64_t ldo) {
-  for (int64_t n = n0; n < n1; ++n) tile<BITS, LUT, SCALED, MT>(p, n, xq, K, xsum, out, ldo);
-}
-
-// Weight rows n0 .. n1-1 against all M activation rows, one tile of up to 4 activation rows at a time. The caller
-// keeps n1 - n0 small enough that those packed rows stay in L1 from one tile to the next, and one tile of
-// activations (4 K floats) stays in L1 across the rows: every byte of weights comes from memory once per call.
-template <int BITS, bool LUT, int SCALED>
-void run_rows(const QW& p, int64_t n0, int64_t n1, const float* xq, int64_t M, int64_t K, const float* xsum,
-              float* out, int64_t ldo) {
-  int64_t m = 0;
-  auto xs = [&](int64_t row) { return xsum ? xsum + row * p.ngroups : nullptr; };
-  for (; m + kMaxTileRows <= M; m += kMaxTileRows)
-    tile_rows<BITS, LUT, SCALED, kMaxTileRows>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo);
-  switch (M - m) {
-    case 1: tile_rows<BITS, LUT, SCALED, 1>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
-    case 2: tile_rows<BITS, LUT, SCALED, 2>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
-    case 3: tile_rows<BITS, LUT, SCALED, 3>(p, n0, n1, xq + m * K, K, xs(m), out + m * ldo, ldo); break;
-    default: break;
-  }
-}
-
-template <int BITS, bool LUT>
-void run(const QW& p, const float* xq, int64_t M, int64_t N, int64_t K, const float* xsum, float* out) {
-  // per-element scaling pays 4 multiplies per block; per-group scaling pays ~2 ops per activation row and group
-  const bool half = p.group == 16, scaled = !half && p.blocks_per_group == 1;
-  // rows per chunk: their packed codes (<= 4 KiB) stay in L1 while the activation tiles run over them
-  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);
-  // grain: rows per task such that a task streams >= ~32 KiB of codes
-  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    // this thread's float32 copies of a chunk's group parameters (see QW::s32); they only grow
-    thread_local std::vector<float> s32, m32;
-    const size_t need = static_cast<size_t>(chunk * p.ngroups + 8);
-    if (s32.size() < need) {
-      s32.resize(need);
-      m32.resize(need);
-    }
-    QW pc = p;
-    pc.s32 = s32.data();
-    pc.m32 = m32.data();
-    for (int64_t c = n0; c < n1; c += chunk) {
-      const int64_t c1 = std::min(n1, c + chunk);
-      chunk_params(p, c, c1, !LUT, s32.data(), m32.data());
-      pc.row0 = c;
-      if (half) run_rows<BITS, LUT, 2>(pc, c, c1, xq, M, K, xsum, out, N);
-      else if (scaled) run_rows<BITS, LUT, 1>(pc, c, c1, xq, M, K, xsum, out, N);
-      else run_rows<BITS, LUT, 0>(pc, c, c1, xq, M, K, xsum, out, N);
-    }
-  });
-}
-
-int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
-
-QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
-  TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && (group_size % kBlock == 0 || group_size == 16) && group_size > 0 &&
-                  K % group_size == 0,
-              "quant_linear: K must be a multiple of 32 and group_size 16 or a multiple of 32 that divides K");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
-              "quant_linear: data must be a contiguous uint8 [N, K * bits / 8] tensor");
-  const int64_t N = data.size(0);
-  const int64_t ngroups = K / group_size;
-  TORCH_CHECK(data.size(1) == K / kBlock * block_bytes(bits), "quant_linear: data has ", data.size(1),
-              " bytes per row, expected ", K / kBlock * block_bytes(bits));
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
-              scales.dim() == 2 && scales.size(0) == N && scales.size(1) == ngroups,
-              "quant_linear: scales must be float16 or float32 [N, K / G]");
-  QW p{};
-  p.data = data.data_ptr<uint8_t>();
-  p.row_bytes = data.size(1);
-  p.scales = nullptr;
-  if (scales.scalar_type() == at::kHalf) p.scales = scales.data_ptr<at::Half>();
-  else p.scales32 = scales.data_ptr<float>();
-  p.zeros = nullptr;
-  p.zero = static_cast<float>(int64_t{1} << (bits - 1));
-  if (zeros.has_value() && zeros->defined()) {
-    const auto zt = zeros->scalar_type();
-    TORCH_CHECK((zt == at::kByte || zt == at::kHalf || zt == at::kFloat) && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(),
-                "quant_linear: zeros must be uint8 zero points or float16 / float32 minimums, shaped like scales");
-    if (zt == at::kByte) p.zeros = zeros->data_ptr<uint8_t>();
-    else if (zt == at::kHalf) p.mins16 = zeros->data_ptr<at::Half>();
-    else p.mins32 = zeros->data_ptr<float>();
-  }
-  p.ngroups = ngroups;
-  p.group = group_size;
-  p.blocks_per_group = std::max<int64_t>(1, group_size / kBlock);
-  p.nblocks = K / kBlock;
-  p.lut_lo = p.lut_hi = _mm256_setzero_ps();
-  if (codebook.has_value() && codebook->defined()) {
-    TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
-                codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
-    TORCH_CHECK(p.zeros == nullptr && p.mins16 == nullptr && p.mins32 == nullptr,
-                "quant_linear: codebook codes take no zero points");
-    p.lut_lo = _mm256_loadu_ps(codebook->data_ptr<float>());
-    p.lut_hi = _mm256_loadu_ps(codebook->data_ptr<float>() + 8);
-  }
-  return p;
-}
-
-template <typename F>
-void dispatch(int64_t bits, bool lut, F&& f) {
-  switch (bits) {
-    case 8: f(std::integral_constant<int, 8>{}, std::false_type{}); break;
-    case 4:
-      if (lut) f(std::integral_constant<int, 4>{}, std::true_type{});
-      else f(std::integral_constant<int, 4>{}, std::false_type{});
-      break;
-    case 3: f(std::integral_constant<int, 3>{}, std::false_type{}); break;
-    default: f(std::integral_constant<int, 2>{}, std::false_type{}); break;
-  }
+// the codebook's 16 entries into QW (nullptr: none, zeros)
+inline void set_codebook(QW& p, const float* cb) {
+  p.lut_lo = cb ? _mm256_loadu_ps(cb) : _mm256_setzero_ps();
+  p.lut_hi = cb ? _mm256_loadu_ps(cb + 8) : _mm256_setzero_ps();
 }
 
 // The activations as the kernel reads them, made once per call in one pass over x:
 //   xq[m, k] = x[m, k] * 2^-offset(k % 32)   (cancels the 2^offset the decoder leaves on each code)
 //   xsum[m, g] = sum(x[m, g G : (g + 1) G])   (the min term's partner)
+// Returns xq.
 template <int BITS, bool LUT, typename T>
-void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xq, float* xsum) {
+const float* prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xq, float* xsum) {
   __m256 f[4];
   for (int i = 0; i < 4; ++i) {
     float v[8];
@@ -445,119 +373,37 @@ void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xq, float* xs
       if (xsum) xsum[m * ngroups + g] = hsum(s);
     }
   }
+  return xq;
 }
 
-// out[m, n] = acc[m, n] (+ bias[n]) in the output dtype
-template <typename T, typename B>
-void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n)
-      out[m * N + n] = static_cast<T>(acc[m * N + n] + (bias ? static_cast<float>(bias[n]) : 0.f));
-}
+// One block of a row, dequantized: o[0..31] = (q * 2^offset) * 2^-offset * s + m (quant_dequantize), the factors
+// made once per op
+template <int BITS, bool LUT>
+struct BlockDequant {
+  float factor[kBlock];
+  BlockDequant() {
+    for (int e = 0; e < kBlock; ++e) factor[e] = x_factor<BITS, LUT>(e);
+  }
+  void operator()(const QW& p, int64_t n, int64_t blk, const uint8_t* row, float* o) const {
+    constexpr int BPB = 32 * BITS / 8;
+    __m256 w[4];
+    decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
+    for (int i = 0; i < 4; ++i) {
+      const int64_t g = (blk * kBlock + 8 * i) / p.group;  // 16-element groups: two per block
+      const float sc = scale_at(p, n * p.ngroups + g);
+      const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact), or the float minimum
+      const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(min_at(p, n * p.ngroups + g, sc));
+      const __m256 q = _mm256_mul_ps(w[i], _mm256_loadu_ps(factor + 8 * i));
+      _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(q, s, mn));
+    }
+  }
+};
 
 }  // namespace
 
-// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (layout above); scales: [N, K / G] float16;
-// zeros: [N, K / G] uint8 zero points, absent for symmetric codes (zero 2^(bits-1)) and in codebook mode; codebook:
-// [16] float32 or absent; bias: [N] or absent.
-// Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
-at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                              const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
-                              int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "quant_linear_small: x must be float32 or bfloat16 [..., K]");
-  const int64_t K = x.size(-1);
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
-  const int64_t N = data.size(0);
-  const bool lut = codebook.has_value() && codebook->defined();
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
-                (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16),
-                "quant_linear_small: bias must be a contiguous float32 or bfloat16 [N] tensor");
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  const bool direct = x.scalar_type() == at::kFloat && !has_bias;  // the kernel can write the result in place
-  auto out = at::empty(sizes, x.options());
-  if (M == 0 || N == 0) return out;
-  auto xc = x.contiguous();
-  // scratch: xq [M, K], xsum [M, ngroups], and the float32 result [M, N] unless written in place
-  auto scratch = at::empty({M * (K + p.ngroups + (direct ? 0 : N))}, x.options().dtype(at::kFloat));
-  float* xq = scratch.data_ptr<float>();
-  float* xsum = lut ? nullptr : xq + M * K;
-  float* acc = direct ? out.data_ptr<float>() : xq + M * (K + p.ngroups);
-  dispatch(bits, lut, [&](auto b, auto l) {
-    constexpr int BITS = decltype(b)::value;
-    constexpr bool LUT = decltype(l)::value;
-    if (xc.scalar_type() == at::kFloat)
-      prepare_x<BITS, LUT>(xc.data_ptr<float>(), M, K, group_size, xq, xsum);
-    else
-      prepare_x<BITS, LUT>(xc.data_ptr<at::BFloat16>(), M, K, group_size, xq, xsum);
-    run<BITS, LUT>(p, xq, M, N, K, xsum, acc);
-  });
-  if (!direct) {
-    const bool bf16_bias = has_bias && bias->scalar_type() == at::kBFloat16;
-    const float* bf = has_bias && !bf16_bias ? bias->data_ptr<float>() : nullptr;
-    const at::BFloat16* bb = bf16_bias ? bias->data_ptr<at::BFloat16>() : nullptr;
-    if (x.scalar_type() == at::kFloat) {
-      if (bb) finish(acc, bb, M, N, out.data_ptr<float>());
-      else finish(acc, bf, M, N, out.data_ptr<float>());
-    } else {
-      if (bb) finish(acc, bb, M, N, out.data_ptr<at::BFloat16>());
-      else finish(acc, bf, M, N, out.data_ptr<at::BFloat16>());
-    }
-  }
-  return out;
-}
+#endif  // AVX2 + FMA
 
-// Dequantize the runtime layout to float32 [N, K] (the large-M path runs F.linear on the result).
-at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
-                            int64_t in_features) {
-  const int64_t K = in_features;
-  QW p = make_qw(data, scales, zeros, codebook, bits, group_size, K);
-  const int64_t N = data.size(0);
-  auto out = at::empty({N, K}, scales.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  dispatch(bits, codebook.has_value() && codebook->defined(), [&](auto b, auto l) {
-    constexpr int BITS = decltype(b)::value;
-    constexpr bool LUT = decltype(l)::value;
-    constexpr int BPB = 32 * BITS / 8;
-    float factor[kBlock];
-    for (int e = 0; e < kBlock; ++e) factor[e] = x_factor<BITS, LUT>(e);
-    at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = p.data + n * p.row_bytes;
-        float* orow = o + n * K;
-        for (int64_t blk = 0; blk < p.nblocks; ++blk) {
-          __m256 w[4];
-          decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
-          for (int i = 0; i < 4; ++i) {  // w = (q * 2^offset) * 2^-offset * s + m
-            const int64_t g = (blk * kBlock + 8 * i) / p.group;  // 16-element groups: two per block
-            const float sc = scale_at(p, n * p.ngroups + g);
-            const __m256 s = _mm256_set1_ps(sc);  // min = -scale * zero (exact), or the float minimum
-            const __m256 mn = LUT ? _mm256_setzero_ps() : _mm256_set1_ps(min_at(p, n * p.ngroups + g, sc));
-            const __m256 q = _mm256_mul_ps(w[i], _mm256_loadu_ps(factor + 8 * i));
-            _mm256_storeu_ps(orow + blk * kBlock + 8 * i, _mm256_fmadd_ps(q, s, mn));
-          }
-        }
-      }
-    });
-  });
-  return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("quant_linear_small(Tensor x, Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, "
-        "int group_size, Tensor? bias) -> Tensor", &quant_linear_small);
-  m.def("quant_dequantize(Tensor data, Tensor scales, Tensor? zeros, Tensor? codebook, int bits, int group_size, "
-        "int in_features) -> Tensor", &quant_dequantize);
-}
-
-#endif  // AVX2 + FMA (aarch64: the NEON build below); elsewhere no ops, and brisk.ops.qlinear takes its reference path
-
-#if defined(__aarch64__) && defined(__ARM_NEON)
+#if defined(BRISK_QUANT_LINEAR_NEON)
 // ---- ARM64 (NEON) ----
 //
 // The same ops for aarch64, on the same packed layout and with the same arithmetic per (row, group): s * dot(x_g, q_g)
@@ -576,43 +422,17 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
 //                 bytes (a 4-register tbl): the float32 entries themselves.
 // quant_dequantize gives the x86 build's bits (w = fma(q, s, min), the same scalar s and min); quant_linear_small's
 // float32 sums add in another order (4 lanes, no prescaled activations), so their last bits may differ.
-#include <arm_neon.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int kMaxTileRows = 4;
+// no slack: chunk_params writes the chunk's groups one by one
+constexpr int64_t kParamsPad = 0;
+// float32 x is read in place (no prescaling); only bfloat16 rows are converted
+constexpr bool kCopyFloat32X = false;
 
-struct QW {
-  const uint8_t* data;     // [N, row_bytes]
-  int64_t row_bytes;       // K / 32 * BPB
-  const at::Half* scales = nullptr;  // [N, ngroups] float16, or
-  const float* scales32 = nullptr;   // float32 scales
-  const uint8_t* zeros = nullptr;    // [N, ngroups] zero points (min = -scale * zero); nullptr: symmetric / codebook
-  const at::Half* mins16 = nullptr;  // float minimums (w = scale * q + min) instead of zero points
-  const float* mins32 = nullptr;
-  float zero;              // the symmetric zero point 2^(bits-1)
-  int64_t ngroups, group, blocks_per_group, nblocks;
-  uint8x16x4_t lut;        // the codebook's 16 float32 entries as 64 bytes (codebook mode)
-  // a chunk's group parameters as float32, rows [row0, row0 + chunk rows) (as the x86 build's QW::s32 / m32)
-  const float* s32 = nullptr;
-  const float* m32 = nullptr;
-  int64_t row0 = 0;
-};
-
+// group i's scale as float32
 inline float scale_at(const QW& p, int64_t i) {
   return p.scales32 ? p.scales32[i] : static_cast<float>(p.scales[i]);
-}
-inline float min_at(const QW& p, int64_t i, float sc) {
-  if (p.mins32) return p.mins32[i];
-  if (p.mins16) return static_cast<float>(p.mins16[i]);
-  return -sc * (p.zeros ? static_cast<float>(p.zeros[i]) : p.zero);
 }
 
 // rows [c, c1)'s scales and mins as float32 into s32 / m32 (m32 only for affine codes)
@@ -783,14 +603,72 @@ void tile(const QW& p, int64_t n, const float* x, int64_t K, const float* xsum, 
   }
 }
 
+// the codebook's 16 entries into QW (nullptr: none, zeros)
+inline void set_codebook(QW& p, const float* cb) {
+  p.lut = cb ? vld1q_u8_x4(reinterpret_cast<const uint8_t*>(cb))
+             : uint8x16x4_t{{vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0)}};
+}
+
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift, exact
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+// xf[m, k] = x[m, k] as float32 (only for bfloat16 x: float32 rows are read in place), xsum[m, g] = sum(x_g).
+// Returns the rows the kernel reads. (BITS, LUT: the x86 build's signature; no prescaling here.)
+template <int BITS, bool LUT, typename T>
+const float* prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xf, float* xsum) {
+  constexpr bool copy = !std::is_same_v<T, float>;
+  const int64_t ngroups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float32x4_t s = vdupq_n_f32(0.f);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+        const float32x4_t v = load4(x + m * K + k);
+        s = vaddq_f32(s, v);
+        if constexpr (copy) vst1q_f32(xf + m * K + k, v);
+      }
+      if (xsum) xsum[m * ngroups + g] = vaddvq_f32(s);
+    }
+  }
+  if constexpr (copy) return xf;
+  else return x;
+}
+
+// One block of a row, dequantized: o[0..31] = fma(q, s, m), the x86 build's one rounding, so its bits
+template <int BITS, bool LUT>
+struct BlockDequant {
+  void operator()(const QW& p, int64_t n, int64_t blk, const uint8_t* row, float* o) const {
+    constexpr int BPB = 32 * BITS / 8;
+    float32x4_t w[8];
+    decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = (blk * kBlock + 4 * j) / p.group;
+      const float sc = scale_at(p, n * p.ngroups + g);
+      const float32x4_t mn = vdupq_n_f32(LUT ? 0.f : min_at(p, n * p.ngroups + g, sc));
+      vst1q_f32(o + 4 * j, vfmaq_f32(mn, w[j], vdupq_n_f32(sc)));
+    }
+  }
+};
+
+}  // namespace
+
+#endif  // aarch64 NEON
+
+#if defined(BRISK_QUANT_LINEAR_X86) || defined(BRISK_QUANT_LINEAR_NEON)
+// ---- common: the driver and the ops ----
+
+namespace {
+
 template <int BITS, bool LUT, int SCALED, int MT>
 void tile_rows(const QW& p, int64_t n0, int64_t n1, const float* x, int64_t K, const float* xsum, float* out,
                int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) tile<BITS, LUT, SCALED, MT>(p, n, x, K, xsum, out, ldo);
 }
 
-// Weight rows n0 .. n1-1 against all M activation rows, a tile of up to 4 activation rows at a time (the chunk's
-// packed rows stay in L1 from one tile to the next, as in the x86 build)
+// Weight rows n0 .. n1-1 against all M activation rows, one tile of up to 4 activation rows at a time. The caller
+// keeps n1 - n0 small enough that those packed rows stay in L1 from one tile to the next, and one tile of
+// activations (4 K floats) stays in L1 across the rows: every byte of weights comes from memory once per call.
 template <int BITS, bool LUT, int SCALED>
 void run_rows(const QW& p, int64_t n0, int64_t n1, const float* x, int64_t M, int64_t K, const float* xsum,
               float* out, int64_t ldo) {
@@ -806,14 +684,20 @@ void run_rows(const QW& p, int64_t n0, int64_t n1, const float* x, int64_t M, in
   }
 }
 
+// out[M, N] = x[M, K] @ W_hat^T, without bias. x: the activation rows as the ISA's prepare_x made them (x86:
+// prescaled; NEON: as they are); xsum: [M, ngroups] (affine codes only).
 template <int BITS, bool LUT>
 void run(const QW& p, const float* x, int64_t M, int64_t N, int64_t K, const float* xsum, float* out) {
+  // per-element scaling pays 4 multiplies per block; per-group scaling pays ~2 ops per activation row and group
   const bool half = p.group == 16, scaled = !half && p.blocks_per_group == 1;
-  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);  // rows whose codes (<= 4 KiB) stay in L1
-  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);  // >= ~32 KiB of codes per task
+  // rows per chunk: their packed codes (<= 4 KiB) stay in L1 while the activation tiles run over them
+  const int64_t chunk = std::clamp<int64_t>(4096 / p.row_bytes, 1, 32);
+  // grain: rows per task such that a task streams >= ~32 KiB of codes
+  const int64_t grain = std::max<int64_t>(chunk, (32 * 1024) / p.row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    // this thread's float32 copies of a chunk's group parameters (see QW::s32); they only grow
     thread_local std::vector<float> s32, m32;
-    const size_t need = static_cast<size_t>(chunk * p.ngroups);
+    const size_t need = static_cast<size_t>(chunk * p.ngroups + kParamsPad);
     if (s32.size() < need) {
       s32.resize(need);
       m32.resize(need);
@@ -832,9 +716,6 @@ void run(const QW& p, const float* x, int64_t M, int64_t N, int64_t K, const flo
   });
 }
 
-int64_t block_bytes(int64_t bits) { return kBlock * bits / 8; }
-
-// the x86 build's make_qw, with its checks
 QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, int64_t K) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "quant_linear: bits must be 8, 4, 3 or 2");
@@ -869,13 +750,13 @@ QW make_qw(const at::Tensor& data, const at::Tensor& scales, const std::optional
   p.group = group_size;
   p.blocks_per_group = std::max<int64_t>(1, group_size / kBlock);
   p.nblocks = K / kBlock;
-  p.lut = {{vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0)}};
+  set_codebook(p, nullptr);
   if (codebook.has_value() && codebook->defined()) {
     TORCH_CHECK(bits == 4 && codebook->scalar_type() == at::kFloat && codebook->numel() == 16 &&
                 codebook->is_contiguous(), "quant_linear: a codebook is 16 float32 values, for 4-bit codes");
     TORCH_CHECK(p.zeros == nullptr && p.mins16 == nullptr && p.mins32 == nullptr,
                 "quant_linear: codebook codes take no zero points");
-    p.lut = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(codebook->data_ptr<float>()));
+    set_codebook(p, codebook->data_ptr<float>());
   }
   return p;
 }
@@ -893,28 +774,7 @@ void dispatch(int64_t bits, bool lut, F&& f) {
   }
 }
 
-inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
-inline float32x4_t load4(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift, exact
-  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
-}
-
-// xf[m, k] = x[m, k] as float32 (only for bfloat16 x: float32 rows are read in place), xsum[m, g] = sum(x_g)
-template <typename T>
-void prepare_x(const T* x, int64_t M, int64_t K, int64_t G, float* xf, float* xsum) {
-  const int64_t ngroups = K / G;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < ngroups; ++g) {
-      float32x4_t s = vdupq_n_f32(0.f);
-      for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-        const float32x4_t v = load4(x + m * K + k);
-        s = vaddq_f32(s, v);
-        if (xf) vst1q_f32(xf + m * K + k, v);
-      }
-      if (xsum) xsum[m * ngroups + g] = vaddvq_f32(s);
-    }
-  }
-}
-
+// out[m, n] = acc[m, n] (+ bias[n]) in the output dtype
 template <typename T, typename B>
 void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
   for (int64_t m = 0; m < M; ++m)
@@ -924,7 +784,10 @@ void finish(const float* acc, const B* bias, int64_t M, int64_t N, T* out) {
 
 }  // namespace
 
-// The x86 build's ops, with its argument checks (see above for the shapes).
+// x: [..., K] float32 or bfloat16; data: [N, K / 32 * 4 * bits] uint8 (layout above); scales: [N, K / G] float16;
+// zeros: [N, K / G] uint8 zero points, absent for symmetric codes (zero 2^(bits-1)) and in codebook mode; codebook:
+// [16] float32 or absent; bias: [N] or absent.
+// Returns [..., N] in x's dtype. Meant for few activation rows (decode); any number works.
 at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                               const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& codebook,
                               int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias) {
@@ -947,17 +810,20 @@ at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const
   auto out = at::empty(sizes, x.options());
   if (M == 0 || N == 0) return out;
   auto xc = x.contiguous();
-  // scratch: the float32 rows of a bfloat16 x [M, K], xsum [M, ngroups], the float32 result [M, N] unless written
-  // in place
-  const int64_t xf_size = f32 ? 0 : M * K;
-  auto scratch = at::empty({xf_size + M * (p.ngroups + (direct ? 0 : N))}, x.options().dtype(at::kFloat));
-  float* xf = f32 ? nullptr : scratch.data_ptr<float>();
-  float* xsum = lut ? nullptr : scratch.data_ptr<float>() + xf_size;
-  float* acc = direct ? out.data_ptr<float>() : scratch.data_ptr<float>() + xf_size + M * p.ngroups;
-  if (f32) prepare_x(xc.data_ptr<float>(), M, K, group_size, nullptr, xsum);
-  else prepare_x(xc.data_ptr<at::BFloat16>(), M, K, group_size, xf, xsum);
-  const float* xr = f32 ? xc.data_ptr<float>() : xf;
-  dispatch(bits, lut, [&](auto b, auto l) { run<decltype(b)::value, decltype(l)::value>(p, xr, M, N, K, xsum, acc); });
+  // scratch: the activation rows as the kernel reads them [M, K] (x86: prescaled, always; NEON: only for bfloat16
+  // x), xsum [M, ngroups], and the float32 result [M, N] unless written in place
+  const int64_t xk_size = f32 && !kCopyFloat32X ? 0 : M * K;
+  auto scratch = at::empty({xk_size + M * (p.ngroups + (direct ? 0 : N))}, x.options().dtype(at::kFloat));
+  float* xk = scratch.data_ptr<float>();
+  float* xsum = lut ? nullptr : xk + xk_size;
+  float* acc = direct ? out.data_ptr<float>() : xk + xk_size + M * p.ngroups;
+  dispatch(bits, lut, [&](auto b, auto l) {
+    constexpr int BITS = decltype(b)::value;
+    constexpr bool LUT = decltype(l)::value;
+    const float* xr = f32 ? prepare_x<BITS, LUT>(xc.data_ptr<float>(), M, K, group_size, xk, xsum)
+                          : prepare_x<BITS, LUT>(xc.data_ptr<at::BFloat16>(), M, K, group_size, xk, xsum);
+    run<BITS, LUT>(p, xr, M, N, K, xsum, acc);
+  });
   if (!direct) {
     const bool bf16_bias = has_bias && bias->scalar_type() == at::kBFloat16;
     const float* bf = has_bias && !bf16_bias ? bias->data_ptr<float>() : nullptr;
@@ -973,6 +839,7 @@ at::Tensor quant_linear_small(const at::Tensor& x, const at::Tensor& data, const
   return out;
 }
 
+// Dequantize the runtime layout to float32 [N, K] (the large-M path runs F.linear on the result).
 at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                             const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
                             int64_t in_features) {
@@ -984,21 +851,11 @@ at::Tensor quant_dequantize(const at::Tensor& data, const at::Tensor& scales, co
   dispatch(bits, codebook.has_value() && codebook->defined(), [&](auto b, auto l) {
     constexpr int BITS = decltype(b)::value;
     constexpr bool LUT = decltype(l)::value;
-    constexpr int BPB = 32 * BITS / 8;
+    const BlockDequant<BITS, LUT> dequant;
     at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = p.data + n * p.row_bytes;
-        float* orow = o + n * K;
-        for (int64_t blk = 0; blk < p.nblocks; ++blk) {
-          float32x4_t w[8];
-          decode<BITS, LUT>(row + blk * BPB, blk + 1 == p.nblocks, p, w);
-          for (int j = 0; j < 8; ++j) {  // w = fma(q, s, m): the x86 build's one rounding, so its bits
-            const int64_t g = (blk * kBlock + 4 * j) / p.group;
-            const float sc = scale_at(p, n * p.ngroups + g);
-            const float32x4_t mn = vdupq_n_f32(LUT ? 0.f : min_at(p, n * p.ngroups + g, sc));
-            vst1q_f32(orow + blk * kBlock + 4 * j, vfmaq_f32(mn, w[j], vdupq_n_f32(sc)));
-          }
-        }
+        for (int64_t blk = 0; blk < p.nblocks; ++blk) dequant(p, n, blk, row, o + n * K + blk * kBlock);
       }
     });
   });
@@ -1012,4 +869,4 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
         "int in_features) -> Tensor", &quant_dequantize);
 }
 
-#endif  // aarch64 NEON
+#endif  // x86 or NEON
