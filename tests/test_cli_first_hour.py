@@ -212,3 +212,18 @@ def test_default_model_end_to_end():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "temperature=0.8" not in proc.stderr and len(TIMING.findall(proc.stderr)) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    ({}, "has no config.json; a Hugging Face model folder holds config.json"),
+    ({"model-q4.gguf": b"GGUF"}, "holds model-q4.gguf: pass the file itself"),
+    ({"adapter_config.json": b"{}"}, "it is a LoRA adapter: pass it with --lora"),
+])
+def test_a_folder_that_is_no_model_is_one_clear_line(tmp_path, content, message):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    for name, data in content.items():
+        (folder / name).write_bytes(data)
+    result = CliRunner().invoke(main, ["generate", "hi", "--model", str(folder), "--max-tokens", "2"])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output

@@ -58,6 +58,8 @@ def resolve_model(model: str | Path | None) -> Path:
     if model is None or str(model).lower() in _ALIASES:
         return default_model_path()
     path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelNotFoundError(_not_a_model_folder(path))
     if path.exists():
         return path
     text = str(model)
@@ -68,6 +70,19 @@ def resolve_model(model: str | Path | None) -> Path:
             "and pass its local path, or omit --model for the default model."
         )
     raise ModelNotFoundError(f"model path {text!r} does not exist; pass a .gguf file or a Hugging Face model folder")
+
+
+def _not_a_model_folder(path: Path) -> str:
+    """Why a folder without config.json is no model, and what in it to pass instead."""
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if ggufs:
+        hint = f"it holds {', '.join(ggufs[:3])}: pass the file itself (--model {path / ggufs[0]})"
+    elif (path / "adapter_config.json").is_file():
+        hint = "it is a LoRA adapter: pass it with --lora and its base model with --model"
+    else:
+        hint = ("a Hugging Face model folder holds config.json, *.safetensors and the tokenizer files; pass such a "
+                "folder, a .gguf file, or omit --model for the default model")
+    return f"model folder {str(path)!r} has no config.json; {hint}"
 
 
 @dataclass
