@@ -148,6 +148,14 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert torch.equal(out[kept], logits[kept])  # survivors are untouched
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 5e-324 passes the p > 0 check as a Python float and is 0.0 in the float32 batch tensor: the most likely
+    token stays (it used to index rank -1 and fail the whole step)."""
+    logits = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()
+    out = apply_top_k_top_p(logits, None, torch.tensor([5e-324], dtype=torch.float32))
+    assert torch.isfinite(out).tolist() == [[False, True, False, False]]
+
+
 def top_p_oracle(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Kept-token mask of one row by the definition: sort, keep ranks whose preceding mass is below p."""
     probs = torch.softmax(logits.double(), -1)

@@ -327,7 +327,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         if num_candidates == vocab_size or bool(covered.all()):
             break
         num_candidates = min(num_candidates * _TOP_P_GROWTH, vocab_size)
-    num_kept = ((cum_probs - cand_probs) < top_p.unsqueeze(1)).sum(dim=-1)  # [B], >= 1
+    # [B], >= 1: rank 0 always stays, also for a p that rounds to 0 in float32 (5e-324 passes a p > 0 check)
+    num_kept = ((cum_probs - cand_probs) < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1)
     min_kept_prob = cand_probs.gather(1, (num_kept - 1).unsqueeze(1))  # [B, 1]
     return logits.masked_fill((probs < min_kept_prob) & enabled.unsqueeze(1), float("-inf"))
 
