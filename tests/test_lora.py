@@ -128,6 +128,19 @@ def test_mixed_batch_equals_one_at_a_time(tiny):
     assert together[2] == plain.generate([prompts[2]], sp)[0].outputs[0].token_ids  # no adapter: the base path
 
 
+def test_stream_with_an_adapter_equals_generate(tiny):
+    """LLM.stream takes the adapter as generate does: the streamed tokens and text are generate's."""
+    tmp, ids, _, _ = tiny
+    llm = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB", enable_lora=True, max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = LoRARequest("a", 1, str(tmp / "a"))
+    want = llm.generate([ids[:10].tolist()], sp, lora_request=a)[0].outputs[0]
+    outs = list(llm.stream(ids[:10].tolist(), sp, lora_request=a))
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want.token_ids
+    assert "".join(o.outputs[0].text_delta for o in outs) == want.text
+    assert want.token_ids != list(llm.stream(ids[:10].tolist(), sp))[-1].outputs[0].token_ids  # the base differs
+
+
 def test_prefix_cache_never_shared_between_adapters(tiny):
     tmp, ids, _, _ = tiny
     llm = LLM(str(tmp / "m"), max_model_len=128, kv_cache_memory="4MiB", enable_lora=True, max_loras=2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -219,23 +220,17 @@ def run_request(llm: Any, prompt: str | list[int], params: SamplingParams, lora:
     engine = llm.engine
     spec = engine.speculator.stats if engine.speculator is not None else None
     drafted, accepted = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec is not None else (0, 0)
-    rid = engine.add_request(None, prompt, params, lora_request=lora)
     final: RequestOutput | None = None
     steps = 0
-    try:
-        while final is None:
-            for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                if out.outputs[0].num_new_tokens and len(out.outputs[0].token_ids) > out.outputs[0].num_new_tokens:
-                    steps += 1  # a step after the one that gave the first token
-                if on_text is not None and out.outputs[0].text_delta:
-                    on_text(out.outputs[0].text_delta)
-                if out.finished:
-                    final = out
-    finally:
-        if final is None:
-            engine.abort_request(rid)
+    with contextlib.closing(llm.stream(prompt, params, lora_request=lora)) as outputs:  # closed early: aborted
+        for out in outputs:
+            if out.outputs[0].num_new_tokens and len(out.outputs[0].token_ids) > out.outputs[0].num_new_tokens:
+                steps += 1  # a step after the one that gave the first token
+            if on_text is not None and out.outputs[0].text_delta:
+                on_text(out.outputs[0].text_delta)
+            if out.finished:
+                final = out
+    assert final is not None, "the stream ends with the finished output"
     m = final.metrics
     assert m is not None and m.first_token_time is not None and m.finished_time is not None
     stats = GenerationStats(

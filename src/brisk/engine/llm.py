@@ -95,12 +95,14 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput after every step that changed this request (text_delta holds the new text).
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput after every step that changed this request (text_delta holds the new text);
+        `lora_request`: the adapter it runs with (enable_lora), as in `generate`.
 
         Closing the iterator early aborts the request and frees its blocks.
         """
-        rid = self.engine.add_request(None, prompt, sampling_params)
+        rid = self.engine.add_request(None, prompt, sampling_params, lora_request=lora_request)
         finished = False
         try:
             while not finished:
