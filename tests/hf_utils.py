@@ -331,3 +331,43 @@ def make_tiny_hf_model(
         bos_token="<|endoftext|>" if add_bos_token else None,
     )
     return model
+
+
+def add_script_tokens(path: Path, script: list[str]) -> list[int]:
+    """Add each piece of `script` to the folder's tokenizer as one token and grow config.json's vocab_size to
+    match; returns their ids (consecutive, after the base vocabulary)."""
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    base = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in script])
+    tok.save(str(path / "tokenizer.json"))
+    ids = [tok.token_to_id(p) for p in script]
+    assert ids == list(range(base, base + len(script)))
+    config = json.loads((path / "config.json").read_text())
+    config["vocab_size"] = base + len(script)
+    (path / "config.json").write_text(json.dumps(config))
+    return ids
+
+
+def wire_bigram_chain(path: Path, chain: list[int], num_added: int) -> None:
+    """Make the folder's llama a bigram model that, from chain[0] on, writes chain[1:] whatever the sampling: its
+    layers add nothing (o_proj and down_proj zero, so the last hidden state is the token's embedding), the chain's
+    tokens get orthogonal one-hot embeddings and lm_head maps each to its successor's logit. `num_added`: the
+    tokens add_script_tokens appended (their embedding rows are new)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    hidden = embed.shape[1]
+    embed = torch.cat([embed, 0.2 * torch.randn(num_added, hidden)])
+    head = torch.zeros(embed.shape[0], hidden)
+    for i, (token, successor) in enumerate(zip(chain[:-1], chain[1:], strict=True)):
+        embed[token] = 0.0
+        embed[token, i] = 1.0
+        head[successor, i] = 10.0
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(w)
+        elif name == "model.norm.weight":
+            weights[name] = torch.ones_like(w)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})

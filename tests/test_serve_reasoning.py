@@ -6,17 +6,13 @@ to answer every chat with `<think>...</think>` then its answer. The reasoning go
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from hf_utils import make_tiny_hf_model
-from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, Tokenizer
+from hf_utils import add_script_tokens, make_tiny_hf_model, wire_bigram_chain
 
 from brisk.model.tokenizer import Tokenizer as BriskTokenizer
 from brisk.serve.process import ServerProcess
@@ -49,36 +45,12 @@ def make_thinking_model(path: Path) -> None:
     prompt's last token starts the chain: `assistant\\n` (thinking), `<think>` (opened by the template) or
     `</think>\\n\\n` (closed by it: the answer comes straight away)."""
     make_tiny_hf_model(path, "llama", seed=0, chat_template=TEMPLATE)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    base = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in SCRIPT])
-    tok.save(str(path / "tokenizer.json"))
-    ids = [tok.token_to_id(p) for p in SCRIPT]
-    assert ids == list(range(base, base + len(SCRIPT)))
-    vocab = base + len(SCRIPT)
-    config = json.loads((path / "config.json").read_text())
-    config["vocab_size"] = vocab
-    (path / "config.json").write_text(json.dumps(config))
+    ids = add_script_tokens(path, SCRIPT)
     brisk_tok = BriskTokenizer.from_hf_folder(path)
     last = brisk_tok.encode_chat(ASK)[-1]
     assert brisk_tok.encode_chat(ASK, open_think=True)[-1] == ids[0]
     assert brisk_tok.encode_chat(ASK, enable_thinking=False)[-1] == ids[3]
-    weights = load_file(str(path / "model.safetensors"))
-    hidden = weights["model.embed_tokens.weight"].shape[1]
-    embed = torch.cat([weights["model.embed_tokens.weight"], 0.2 * torch.randn(len(SCRIPT), hidden)])
-    head = torch.zeros(vocab, hidden)
-    chain = [last, *ids, brisk_tok.eos_token_id]
-    for i, (token, successor) in enumerate(zip(chain[:-1], chain[1:], strict=True)):
-        embed[token] = 0.0
-        embed[token, i] = 1.0
-        head[successor, i] = 10.0
-    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = torch.zeros_like(w)
-        elif name == "model.norm.weight":
-            weights[name] = torch.ones_like(w)
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    wire_bigram_chain(path, [last, *ids, brisk_tok.eos_token_id], len(SCRIPT))
 
 
 @pytest.fixture(scope="module")

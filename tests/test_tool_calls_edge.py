@@ -12,11 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
-from hf_utils import make_tiny_hf_model
-from safetensors.torch import load_file, save_file
+from hf_utils import add_script_tokens, make_tiny_hf_model, wire_bigram_chain
 from test_serve import MODEL, model_dir  # noqa: F401 - the tiny random model, shared with test_serve
-from tokenizers import AddedToken, Tokenizer
+from test_serve_structured import TOOLS
 
 from brisk.model.tokenizer import Tokenizer as BriskTokenizer
 from brisk.serve import tools
@@ -24,16 +22,6 @@ from brisk.serve.process import ServerProcess
 
 pytest.importorskip("llguidance")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather forecast of a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time of a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "What will the weather be in Oslo for the next two days, and the time in CET?"}]
 SERVE_ARGS = ["--served-model-name", MODEL, "--max-model-len", "2048", "--kv-cache-memory", "16MiB",
               "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
@@ -50,34 +38,10 @@ def make_scripted_tool_model(path: Path, script: list[str] = SCRIPT) -> None:
     the generation prompt's last token and of the script's tokens are orthogonal unit vectors, and lm_head maps each
     to its successor's logit (80 against 0), whatever the sampling settings."""
     make_tiny_hf_model(path, "llama", seed=0)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    base = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in script])
-    tok.save(str(path / "tokenizer.json"))
-    script_ids = [tok.token_to_id(p) for p in script]
-    assert script_ids == list(range(base, base + len(script)))
-    vocab = base + len(script)
-    config = json.loads((path / "config.json").read_text())
-    config["vocab_size"] = vocab
-    (path / "config.json").write_text(json.dumps(config))
-    last = BriskTokenizer.from_hf_folder(path).encode_chat(ASK)[-1]  # the generation prompt's last token
-    eos = BriskTokenizer.from_hf_folder(path).eos_token_id
-    weights = load_file(str(path / "model.safetensors"))
-    hidden = weights["model.embed_tokens.weight"].shape[1]
-    embed = torch.cat([weights["model.embed_tokens.weight"], 0.2 * torch.randn(len(script), hidden)])
-    head = torch.zeros(vocab, hidden)
-    chain = [last, *script_ids, eos]
-    for i, (token, successor) in enumerate(zip(chain[:-1], chain[1:], strict=True)):
-        embed[token] = 0.0
-        embed[token, i] = 1.0
-        head[successor, i] = 10.0
-    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = torch.zeros_like(w)
-        elif name == "model.norm.weight":
-            weights[name] = torch.ones_like(w)
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    script_ids = add_script_tokens(path, script)
+    brisk_tok = BriskTokenizer.from_hf_folder(path)
+    last = brisk_tok.encode_chat(ASK)[-1]  # the generation prompt's last token
+    wire_bigram_chain(path, [last, *script_ids, brisk_tok.eos_token_id], len(script))
 
 
 @pytest.fixture(scope="module")

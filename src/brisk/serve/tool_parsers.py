@@ -30,6 +30,7 @@ import ast
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -95,7 +96,7 @@ def _pattern_tail(text: str, opener: str, partial: re.Pattern[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parsers
-class ToolParser:
+class ToolParser(ABC):
     """One family's call syntax. Subclasses set `name`, `markers` (literal openers) and `example`, and may
     override `start`/`hold` (pattern openers) and must implement `scan`."""
 
@@ -115,10 +116,10 @@ class ToolParser:
         """How many characters at the end of `text` could be the beginning of a marker."""
         return max((_literal_tail(text, m) for m in self.markers), default=0)
 
+    @abstractmethod
     def scan(self, text: str, start: int, final: bool, cut: bool) -> tuple[list[ToolCall], bool]:
         """(calls, unfinished) of the call syntax from `start`. Not final: only the calls already whole (a later
         scan of the longer text begins with the same ones). unfinished: the text ends inside a call."""
-        raise NotImplementedError
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer; cut: max_tokens ended it."""
